@@ -1,0 +1,1 @@
+"""gangserve: a persistent tensor-parallel attention gang behind Ray Serve."""

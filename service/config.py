@@ -1,0 +1,131 @@
+"""Configuration: one pydantic model per concern, composed into the builder's arguments.
+
+`AppConfig` is what `service.app:build_app` validates (unknown keys rejected); it is the
+union of `ModelConfig`, `GangConfig` and `ServingConfig`, so every argument is declared
+once, with its description, in the concern it belongs to.
+"""
+from __future__ import annotations
+
+import os
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_Part = TypeVar("_Part", bound=BaseModel)
+
+
+class ModelConfig(BaseModel):
+    """What the gang computes: dense-equivalent multi-head self-attention."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    embed_dim: int = Field(512, ge=1, le=65536, description="Model width E.")
+    num_heads: int = Field(8, ge=1, le=1024, description="Attention heads H; E % H == 0.")
+    init: Literal["seed", "random"] = Field(
+        "seed",
+        description="Weight init when no checkpoint is given: 'seed' = the original notes' "
+        "deterministic W[i,j] = i*E + j + offset; 'random' = uniform(+-1/sqrt(E)) from `seed`.",
+    )
+    seed: int = Field(0, ge=0, description="Generator seed for init=random.")
+    checkpoint: str | None = Field(
+        None,
+        description="Absolute path of a dense safetensors checkpoint (contract format); "
+        "overrides `init`. Each rank reads only its slice, so on multi-node clusters it must "
+        "be on storage every node sees.",
+    )
+
+    @property
+    def weights_source(self) -> str:
+        if self.checkpoint:
+            return f"checkpoint:{self.checkpoint}"
+        return "seed" if self.init == "seed" else f"random:seed={self.seed}"
+
+
+class GangConfig(BaseModel):
+    """How the gang of rank processes is placed and bounded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    world_size: int = Field(2, ge=1, le=1024, description="Ranks in the gang; must divide num_heads.")
+    use_gpu: bool = Field(False, description="Reserve one GPU per rank (one rank per GPU).")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="Collective backend. auto = NCCL when every rank has a real CUDA device, "
+        "else gloo (a rank holding a GPU resource without a CUDA device falls back to CPU).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the ranks' bundles."
+    )
+    cpus_per_rank: float = Field(
+        1.0, gt=0, le=256, description="Logical CPUs reserved per rank (fractions allowed)."
+    )
+    torch_threads_per_rank: int | None = Field(
+        None, ge=1, le=256, description="torch intra-op threads per rank; default max(1, cpus_per_rank)."
+    )
+    schedule_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="Longest wait for the cluster to place every rank."
+    )
+    stage_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="Bound on each bring-up stage (create, rendezvous, load)."
+    )
+    collective_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Process-group timeout and per-request deadline."
+    )
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> "GangConfig":
+        if self.backend == "nccl" and not self.use_gpu:
+            raise ValueError("backend=nccl needs use_gpu=true (NCCL runs on CUDA devices only)")
+        return self
+
+    @property
+    def threads_per_rank(self) -> int:
+        return self.torch_threads_per_rank or max(1, int(self.cpus_per_rank))
+
+
+class ServingConfig(BaseModel):
+    """Request handling limits of the ingress and the gang server."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413 before it is read."
+    )
+    max_seq_len: int = Field(4096, ge=1, description="Longest sequence accepted (attention is O(seq^2)).")
+    max_tokens_per_request: int = Field(
+        262144, ge=1, description="Largest batch * seq accepted in one request."
+    )
+    max_ongoing_requests: int = Field(
+        64, ge=1, le=100000, description="Requests a gang server replica holds at once."
+    )
+    max_queued_requests: int = Field(
+        256, ge=-1, description="Requests queued in front of the gang before 503 (-1: unbounded)."
+    )
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="Ingress wait for the gang's answer before 504."
+    )
+
+
+class AppConfig(ModelConfig, GangConfig, ServingConfig):
+    """Every `build_app` argument. Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _check_divisibility(self) -> "AppConfig":
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.world_size:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by world_size ({self.world_size}): "
+                "each rank computes num_heads / world_size whole heads"
+            )
+        if self.checkpoint is not None and not os.path.isabs(self.checkpoint):
+            raise ValueError(f"checkpoint must be an absolute path, got {self.checkpoint!r}")
+        return self
+
+    def part(self, cls: type[_Part]) -> _Part:
+        """The sub-config of one concern, e.g. `cfg.part(GangConfig)`."""
+        return cls.model_validate(self.model_dump(include=set(cls.model_fields)))

@@ -1,0 +1,85 @@
+"""The one object that carries a rank's process-group state.
+
+Every layer and every collective receives a `ParallelGroup` explicitly; there are no
+module-level globals, so a gang can be torn down and rebuilt in the same process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    """Membership of one rank in one tensor-parallel process group.
+
+    Attributes:
+        rank: this process's rank, 0 <= rank < world_size.
+        world_size: number of ranks in the group.
+        backend: "gloo" or "nccl" ("none" for a single rank without a group).
+        device: where this rank's tensors live (cpu or cuda:N).
+        group: the torch process group, or None when world_size == 1
+            (a single rank needs no communication).
+    """
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    group: dist.ProcessGroup | None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.world_size > 1 and self.group is None:
+            raise ValueError(f"world_size={self.world_size} needs a process group, got None")
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelGroup":
+        """A group of one: every collective is the identity."""
+        return cls(rank=0, world_size=1, backend="none", device=torch.device(device), group=None)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over all ranks, in place; identity for one rank."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy rank `src`'s `tensor` into every rank's `tensor`, in place."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along the last dim, in rank order.
+
+        [..., n] on each rank -> [..., n * world_size] on every rank.
+        """
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def init_torch_process_group(
+    *, backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
+) -> dist.ProcessGroup:
+    """Join the default torch process group through an existing store.
+
+    The store (rank 0's TCPStore, bound to a port chosen by the OS) replaces the
+    notes' hard-coded `tcp://<ip>:23456`. `timeout_s` bounds every collective of
+    the group, so a missing peer surfaces as an error instead of a hang.
+    """
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.group.WORLD

@@ -1,0 +1,157 @@
+"""Megatron-style tensor-parallel layers and multi-head attention.
+
+Notation: `p` = world size, `r` = this rank, `E` = embed dim, `H` = heads,
+`D = E / H` = head dim. All weights follow the torch Linear convention
+`y = x W^T + b` with `W` of shape [out, in].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.parallel.group import ParallelGroup
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by output rows: A = [A_1; ...; A_p], b = [b_1; ...; b_p].
+
+    Rank r holds A_r [out/p, in] and b_r [out/p] and computes Y_r = X A_r^T + b_r,
+    i.e. columns r*out/p .. (r+1)*out/p of Y. With `gather_output=True` the shards are
+    all-gathered so every rank returns the full Y [..., out]; otherwise Y_r [..., out/p].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: ParallelGroup,
+        *,
+        gather_output: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_per_rank = _divide(out_features, group.world_size, "out_features / world_size")
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(
+            torch.empty(self.out_per_rank, in_features, dtype=dtype, device=group.device),
+            requires_grad=False,
+        )
+        self.bias = nn.Parameter(
+            torch.empty(self.out_per_rank, dtype=dtype, device=group.device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y_local = F.linear(x, self.weight, self.bias)  # [..., out/p]
+        if self.gather_output:
+            return self.group.all_gather_last_dim(y_local)  # [..., out]
+        return y_local
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by input columns: A = [A_1, ..., A_p], X = [X_1, ..., X_p].
+
+    Rank r holds A_r [out, in/p] and receives X_r [..., in/p] (the matching slice of the
+    input, e.g. the output of a ColumnParallelLinear). Partial products
+    Y_r = X_r A_r^T are summed with all_reduce, Y = sum_r Y_r, and then the full,
+    unsharded bias b [out] is added exactly once.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: ParallelGroup,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_per_rank = _divide(in_features, group.world_size, "in_features / world_size")
+        self.weight = nn.Parameter(
+            torch.empty(out_features, self.in_per_rank, dtype=dtype, device=group.device),
+            requires_grad=False,
+        )
+        self.bias = nn.Parameter(
+            torch.empty(out_features, dtype=dtype, device=group.device), requires_grad=False
+        )
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x_local, self.weight)  # [..., out], this rank's share
+        self.group.all_reduce_(partial)  # [..., out], sum over ranks
+        return partial.add_(self.bias)
+
+
+class TensorParallelAttention(nn.Module):
+    """Self-attention with heads split across ranks (no mask, scale D ** -0.5).
+
+    Rank r owns heads r*H/p .. (r+1)*H/p - 1. q/k/v are ColumnParallelLinear (no gather),
+    so each rank gets exactly the projections of its own heads; the out projection is a
+    RowParallelLinear whose all_reduce sums the ranks' contributions:
+
+        out = sum_r softmax(Q_r K_r^T / sqrt(D)) V_r  W_out[:, r-th slice]^T  + b_out
+
+    which equals dense `nn.MultiheadAttention(E, H, bias=True, batch_first=True)`.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        group: ParallelGroup,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = _divide(embed_dim, num_heads, "embed_dim / num_heads")
+        self.heads_per_rank = _divide(num_heads, group.world_size, "num_heads / world_size")
+        self.scale = self.head_dim**-0.5
+        self.group = group
+        self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, group, dtype=dtype)
+        self.k_proj = ColumnParallelLinear(embed_dim, embed_dim, group, dtype=dtype)
+        self.v_proj = ColumnParallelLinear(embed_dim, embed_dim, group, dtype=dtype)
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, group, dtype=dtype)
+
+    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = t.shape
+        # [batch, seq, heads_local * head_dim] -> [batch, heads_local, seq, head_dim]
+        return t.view(batch, seq, self.heads_per_rank, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [batch, seq, embed_dim], identical on every rank -> [batch, seq, embed_dim]."""
+        batch, seq, _ = x.shape
+        q = self._split_heads(self.q_proj(x))  # [batch, heads_local, seq, head_dim]
+        k = self._split_heads(self.k_proj(x))  # [batch, heads_local, seq, head_dim]
+        v = self._split_heads(self.v_proj(x))  # [batch, heads_local, seq, head_dim]
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [b, h_l, s, d]
+        ctx = ctx.transpose(1, 2).reshape(batch, seq, self.heads_per_rank * self.head_dim)
+        return self.out_proj(ctx)  # [batch, seq, embed_dim], all-reduced
+
+    def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slice (see service.parallel.weights.shard_dense) into the layers."""
+        for name, param in self.named_parameters():
+            if name not in shard:
+                raise KeyError(f"shard is missing {name!r}; has {sorted(shard)}")
+            src = shard[name]
+            if tuple(src.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: shard has shape {tuple(src.shape)}, this rank needs {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(src.to(dtype=param.dtype, device=param.device))
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
