@@ -1,0 +1,78 @@
+"""Errors that carry their HTTP meaning.
+
+Raised anywhere (ingress, gang server, rank actors) and mapped to
+`{"error": <message>, "code": <code>}` with `status` at the HTTP edge only. They
+survive Ray calls: Ray re-raises a task's exception as a subclass of its own type.
+"""
+from __future__ import annotations
+
+
+class GangServeError(Exception):
+    """Base: a message for humans, a stable machine code, an HTTP status."""
+
+    status: int = 500
+    code: str = "internal"
+    retry_after_s: float | None = None
+
+    def __init__(self, message: str, *, code: str | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # keep code/retry_after_s across pickling (Ray)
+        return (_rebuild, (type(self), self.message, self.code, self.retry_after_s))
+
+
+def _rebuild(cls: type[GangServeError], message: str, code: str, retry_after_s: float | None):
+    return cls(message, code=code, retry_after_s=retry_after_s)
+
+
+class BadRequest(GangServeError):
+    """Malformed body: cannot be parsed at all."""
+
+    status, code = 400, "malformed"
+
+
+class NotFound(GangServeError):
+    status, code = 404, "not_found"
+
+
+class NotAcceptable(GangServeError):
+    status, code = 406, "not_acceptable"
+
+
+class PayloadTooLarge(GangServeError):
+    status, code = 413, "body_too_large"
+
+
+class UnsupportedMediaType(GangServeError):
+    status, code = 415, "unsupported_media_type"
+
+
+class InvalidInput(GangServeError):
+    """Parsed, but the wrong shape, dtype, name or values."""
+
+    status, code = 422, "invalid_input"
+
+
+class GangUnavailable(GangServeError):
+    """The gang cannot serve right now (starting, rebuilding, unschedulable, a rank died)."""
+
+    status, code = 503, "gang_unavailable"
+    retry_after_s = 5.0
+
+
+class CollectiveTimeout(GangServeError):
+    """A collective did not finish within the per-request deadline."""
+
+    status, code = 504, "collective_timeout"
+
+
+class GangStartupError(GangServeError):
+    """Bring-up failed in a named stage; the message says which and why."""
+
+    status, code = 503, "gang_startup_failed"
+    retry_after_s = 10.0

@@ -1,0 +1,1 @@
+"""The gang: rank processes forming one persistent process group (see gang.Gang)."""

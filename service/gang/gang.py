@@ -1,0 +1,208 @@
+"""The Gang: world_size ranks, one persistent process group, one sequencer.
+
+Rank 0 is a `RankWorker` living in the calling process (the GangServer replica); ranks
+1..N-1 are Ray actors pinned to bundles 1..N-1 of the replica's placement group (Serve
+reserves all bundles at once, so the gang is placed all-or-nothing).
+
+Bring-up runs in named stages, each bounded: create -> rendezvous -> load -> warmup.
+
+Sequencer: every operation that issues collectives (bring-up, inference, weight reload,
+teardown) runs on ONE thread. Rank 0 submits the peers' control messages and then runs
+its own side; Ray executes each actor's calls in submission order, so all ranks see the
+same global sequence of collectives and concurrent requests can never deadlock the group.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from service.config import GangConfig, ModelConfig
+from service.errors import CollectiveTimeout, GangStartupError, GangUnavailable
+from service.gang.rank import RankInfo, RankWorker
+
+log = logging.getLogger("gangserve.gang")
+T = TypeVar("T")
+
+
+class GangState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
+    STOPPED = "stopped"
+
+
+RankActor = ray.remote(max_restarts=0, max_task_retries=0)(RankWorker)
+
+
+class Gang:
+    """Owns the rank actors and the process group of one tensor-parallel model."""
+
+    def __init__(
+        self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None
+    ) -> None:
+        self.model_cfg = model
+        self.cfg = gang
+        self.placement_group = placement_group
+        self.state = GangState.STARTING
+        self.reason = "starting"
+        self.backend = "unknown"
+        self.weights_version = 0
+        self.weights_source = model.weights_source
+        self.rank_infos: list[RankInfo] = []
+        self.param_bytes_per_rank: list[int] = []
+        self._root: RankWorker | None = None
+        self._actors: list[Any] = []
+        # One thread = one global order of collectives.
+        self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
+        self._lock = threading.Lock()
+
+    # -- public, async -------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._run(self._bring_up)
+
+    async def infer(self, x: np.ndarray) -> np.ndarray:
+        """x [batch, seq, E] float32 -> attention output [batch, seq, E] float32."""
+        if self.state is not GangState.READY:
+            raise GangUnavailable(f"gang is {self.state.value}: {self.reason}", code=f"gang_{self.state.value}")
+        deadline = self.cfg.collective_timeout_s
+        try:
+            return await asyncio.wait_for(self._run(self._infer_step, x), timeout=deadline + 1.0)
+        except asyncio.TimeoutError:
+            self._mark_broken(f"a request exceeded the collective deadline of {deadline:.1f}s")
+            raise CollectiveTimeout(
+                f"the gang did not answer within collective_timeout_s={deadline:.1f}s; "
+                "the gang is marked broken and will be rebuilt"
+            ) from None
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "world_size": self.cfg.world_size,
+            "backend": self.backend,
+            "state": self.state.value,
+            "reason": self.reason,
+            "weights_version": self.weights_version,
+            "weights_source": self.weights_source,
+            "param_bytes_per_rank": list(self.param_bytes_per_rank),
+            "ranks": [info.public() for info in self.rank_infos],
+        }
+
+    def shutdown(self) -> None:
+        """Leave the process group and kill the peer actors. Safe to call twice."""
+        if self.state is GangState.STOPPED:
+            return
+        self.state, self.reason = GangState.STOPPED, "shut down"
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        self._actors = []
+        if self._root is not None:
+            try:
+                self._root.close()
+            except Exception:  # the group may already be broken; we are leaving anyway
+                log.exception("closing rank 0's process group failed")
+            self._root = None
+        self._sequencer.shutdown(wait=False, cancel_futures=True)
+
+    # -- sequencer-side ------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._sequencer.submit(fn, *args))
+
+    def _get(self, refs: list, stage: str, timeout_s: float) -> list:
+        """ray.get bounded by timeout_s; a failure names the stage and the ranks."""
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [i + 1 for i, r in enumerate(refs) if r not in ready]
+            raise GangStartupError(
+                f"stage {stage!r}: ranks {late} did not finish within {timeout_s:.0f}s"
+            ) from None
+
+    def _bring_up(self) -> None:
+        cfg, ws = self.cfg, self.cfg.world_size
+        started = time.monotonic()
+        try:
+            # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1.
+            self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank)
+            self._actors = [self._spawn_actor(rank) for rank in range(1, ws)]
+            peer_infos = self._get([a.describe.remote() for a in self._actors], "create", cfg.stage_timeout_s)
+            self.rank_infos = [self._root.describe(), *peer_infos]
+            self.backend = self._choose_backend(self.rank_infos)
+
+            # Stage 2: rendezvous at rank 0's node IP and an OS-chosen port.
+            port = self._root.open_store(cfg.collective_timeout_s) if ws > 1 else 0
+            host = self._root.info.node_ip
+            refs = [a.rendezvous.remote(host, port, self.backend, cfg.collective_timeout_s) for a in self._actors]
+            self._root.rendezvous(host, port, self.backend, cfg.collective_timeout_s)
+            self._get(refs, "rendezvous", cfg.stage_timeout_s)
+
+            # Stage 3: load. Each rank reads only its own slice.
+            refs = [a.load_weights.remote(self.model_cfg) for a in self._actors]
+            root_bytes = self._root.load_weights(self.model_cfg)
+            self.param_bytes_per_rank = [root_bytes, *self._get(refs, "load", cfg.stage_timeout_s)]
+
+            # Stage 4: warmup. One tiny request proves every collective path works.
+            self._infer_step(np.zeros((1, 1, self.model_cfg.embed_dim), dtype=np.float32))
+        except Exception as exc:
+            self.state, self.reason = GangState.BROKEN, f"bring-up failed: {exc}"
+            raise
+        self.weights_version = 1
+        self.state, self.reason = GangState.READY, "ready"
+        log.info(
+            "gang ready: world_size=%d backend=%s in %.1fs; ranks on %s",
+            ws, self.backend, time.monotonic() - started, [i.node_ip for i in self.rank_infos],
+        )
+
+    def _spawn_actor(self, rank: int) -> Any:
+        options: dict[str, Any] = {
+            "num_cpus": self.cfg.cpus_per_rank,
+            "num_gpus": 1 if self.cfg.use_gpu else 0,
+        }
+        if self.placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=rank
+            )
+        return RankActor.options(**options).remote(
+            rank, self.cfg.world_size, use_gpu=self.cfg.use_gpu, torch_threads=self.cfg.threads_per_rank
+        )
+
+    def _choose_backend(self, infos: list[RankInfo]) -> str:
+        all_cuda = all(i.has_cuda for i in infos)
+        if self.cfg.backend == "nccl" and not all_cuda:
+            missing = [i.rank for i in infos if not i.has_cuda]
+            raise GangStartupError(
+                f"backend=nccl needs a CUDA device on every rank; ranks {missing} have none"
+            )
+        if self.cfg.backend == "gloo":
+            return "gloo"
+        return "nccl" if all_cuda else "gloo"
+
+    def _infer_step(self, x: np.ndarray) -> np.ndarray:
+        assert self._root is not None
+        shape = tuple(int(d) for d in x.shape)
+        refs = [a.step.remote(shape) for a in self._actors]  # control messages only
+        try:
+            out = self._root.root_step(x)
+            ray.get(refs, timeout=self.cfg.collective_timeout_s)
+        except (RayError, RuntimeError) as exc:
+            # A peer died or a collective failed: the group is unusable from here on.
+            self._mark_broken(f"collective failed: {exc}")
+            raise GangUnavailable(
+                f"a rank failed during the request ({type(exc).__name__}); the gang will be rebuilt"
+            ) from exc
+        return out
+
+    def _mark_broken(self, reason: str) -> None:
+        if self.state is not GangState.STOPPED:
+            log.error("gang broken: %s", reason)
+            self.state, self.reason = GangState.BROKEN, reason

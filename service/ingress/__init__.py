@@ -1,0 +1,1 @@
+"""HTTP edge: FastAPI routes, codecs, validation, error mapping. Never owns actors or groups."""

@@ -1,0 +1,53 @@
+"""The FastAPI application: routers, state and error mapping to {"error", "code"}."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.config import AppConfig
+from service.errors import GangServeError
+from service.ingress.gang_client import GangClient
+from service.ingress.routes import health, infer
+
+log = logging.getLogger("gangserve.ingress")
+
+
+def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
+    return JSONResponse({"error": message, "code": code}, status_code=status, headers=headers)
+
+
+def create_api(config: AppConfig, gang: GangClient) -> FastAPI:
+    app = FastAPI(
+        title="gangserve",
+        version="0.1.0",
+        description="Tensor-parallel multi-head attention served by a persistent process-group gang.",
+    )
+    app.state.config = config
+    app.state.gang = gang
+    app.include_router(health.router)
+    app.include_router(infer.router)
+
+    @app.exception_handler(GangServeError)
+    async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.retry_after_s)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, f"invalid request: {exc.errors()}", "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, str(exc.detail), code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal")
+
+    return app

@@ -1,0 +1,23 @@
+"""The Ingress Serve deployment: builds the FastAPI app around a GangServer handle."""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from service.config import AppConfig
+from service.ingress.api import create_api
+from service.ingress.gang_client import GangClient
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    """HTTP only: parses, validates and forwards to the GangServer; owns no actors."""
+
+    def __init__(self, gang: DeploymentHandle, config: dict) -> None:
+        self._config = AppConfig.model_validate(config)
+        self._gang = GangClient(gang, self._config.request_timeout_s)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_api(self._config, self._gang)
