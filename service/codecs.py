@@ -25,6 +25,7 @@ MEDIA_TYPES = (SAFETENSORS, NPY, JSON)
 INPUT_NAME = "hidden_states"
 OUTPUT_NAME = "output"
 MAX_SAFETENSORS_HEADER = 1 << 20  # 1 MiB of JSON header is far more than one tensor needs
+NPY_MAGIC = b"\x93NUMPY"
 
 
 def media_type_of(content_type: str | None) -> str:
@@ -94,12 +95,26 @@ def _decode_safetensors(body: bytes) -> np.ndarray:
 
 
 def _decode_npy(body: bytes) -> np.ndarray:
+    if not body.startswith(NPY_MAGIC):
+        raise BadRequest(f"npy body must start with the magic {NPY_MAGIC!r}; got {body[:8]!r}")
+    # read_array (unlike np.load) never falls back to unpickling arbitrary bytes.
+    fp = io.BytesIO(body)
     try:
-        return np.load(io.BytesIO(body), allow_pickle=False)
-    except ValueError as exc:  # includes "Object arrays cannot be loaded when allow_pickle=False"
-        raise InvalidInput(f"npy body rejected: {exc}") from None
-    except (OSError, EOFError) as exc:
-        raise BadRequest(f"invalid npy body: {exc}") from None
+        version = np.lib.format.read_magic(fp)
+        read_header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran, dtype = read_header(fp)
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+        raise BadRequest(f"invalid npy header: {exc}") from None
+    if dtype.hasobject:
+        raise InvalidInput("npy body holds Python objects (pickled data); only numeric arrays are accepted")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    data = memoryview(body)[fp.tell():]
+    if len(data) != expected:
+        raise BadRequest(f"npy data is {len(data)} bytes; header {list(shape)} {dtype} needs {expected}")
+    array = np.frombuffer(data, dtype=dtype)
+    return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
 
 
 def _decode_json(body: bytes) -> np.ndarray:

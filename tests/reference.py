@@ -34,3 +34,21 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in float64."""
     got64, want64 = got.double(), want.double()
     return float((got64 - want64).norm() / want64.norm())
+
+
+def notes_seed_weights(embed_dim: int) -> dict[str, torch.Tensor]:
+    """The original notes' init, written the way the notes write it (independently of service/).
+
+    Each projection: an integer arange copied into a float32 parameter, then `+= offset`.
+    """
+    weights = {}
+    for name, offset in (("q_proj", 0.1), ("k_proj", -0.2), ("v_proj", 0.3), ("out_proj", -0.4)):
+        w = torch.empty(embed_dim, embed_dim)
+        b = torch.empty(embed_dim)
+        with torch.no_grad():
+            w.copy_(torch.arange(0, embed_dim * embed_dim).reshape(embed_dim, embed_dim))
+            b.copy_(torch.arange(0, embed_dim))
+            w += offset
+            b += offset
+        weights[f"{name}.weight"], weights[f"{name}.bias"] = w, b
+    return weights

@@ -1,0 +1,81 @@
+"""Shared fixtures: ONE Ray cluster and ONE Serve instance per test session.
+
+Apps are deployed by the tests that need them (real Ray, real Serve, real HTTP); the
+main world_size-2 app uses deployments/local.yaml's arguments, as `make serve` does.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+# Logical CPUs for the test cluster. Ranks reserve fractions of a CPU, so the apps
+# deployed side by side here fit; the machine itself has 2 cores.
+TEST_CLUSTER_CPUS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_yaml_args() -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    return dict(doc["applications"][0]["args"])
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
+    yield
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster: None) -> str:
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -> str:
+    """Deploy build_app(args) as app `name`; return its base URL once /readyz says ready."""
+    from ray import serve
+
+    from service.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    base = serve_url + (route_prefix if route_prefix != "/" else "")
+    deadline = time.monotonic() + 180
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            reply = httpx.get(base + "/readyz", timeout=10)
+            if reply.status_code == 200:
+                return base
+            last = reply.text
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.5)
+    raise TimeoutError(f"app {name} not ready after 180s; last /readyz: {last}")
+
+
+@pytest.fixture(scope="session")
+def app_url(serve_url: str) -> str:
+    """The `make serve` app (deployments/local.yaml arguments) at route prefix /."""
+    return deploy(serve_url, "gangserve", "/", local_yaml_args())

@@ -1,0 +1,54 @@
+"""Builder arguments: one pydantic model, unknown keys and impossible shapes rejected."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from service.app import InvalidAppArgs, build_app, parse_args
+from tests.conftest import ROOT
+
+
+def test_unknown_key_is_rejected_with_its_name() -> None:
+    with pytest.raises(InvalidAppArgs, match="world_sise.*Extra inputs are not permitted"):
+        parse_args({"world_sise": 2})
+
+
+def test_cli_style_string_args_are_coerced() -> None:
+    cfg = parse_args({"world_size": "4", "use_gpu": "false", "init": "random", "seed": "3"})
+    assert (cfg.world_size, cfg.use_gpu, cfg.init, cfg.seed) == (4, False, "random", 3)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ({"world_size": 3}, "num_heads (8) must be divisible by world_size (3)"),
+        ({"embed_dim": 500}, "embed_dim (500) must be divisible by num_heads (8)"),
+        ({"checkpoint": "relative/w.safetensors"}, "absolute path"),
+        ({"backend": "nccl"}, "backend=nccl needs use_gpu=true"),
+        ({"init": "zeros"}, "init"),
+        ({"world_size": 0}, "world_size"),
+    ],
+)
+def test_impossible_configs_name_the_numbers(args: dict, needle: str) -> None:
+    with pytest.raises(InvalidAppArgs) as info:
+        parse_args(args)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "gpu.yaml"])
+def test_shipped_serve_configs_validate_and_build(name: str) -> None:
+    doc = yaml.safe_load((ROOT / "deployments" / name).read_text())
+    ServeDeploySchema.model_validate(doc)  # what `serve run` / `serve deploy` check
+    for app in doc["applications"]:
+        assert app["import_path"] == "service.app:build_app"
+        built = build_app(app["args"])
+        assert built is not None
+
+
+def test_local_yaml_is_cpu_gloo_world_size_2() -> None:
+    doc = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    args = doc["applications"][0]["args"]
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    cfg = parse_args(args)
+    assert (cfg.world_size, cfg.use_gpu, cfg.backend, cfg.init) == (2, False, "gloo", "seed")
