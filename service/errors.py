@@ -40,6 +40,12 @@ class NotFound(GangServeError):
     status, code = 404, "not_found"
 
 
+class Conflict(GangServeError):
+    """The request is valid but does not fit the current state (e.g. a checkpoint of another shape)."""
+
+    status, code = 409, "conflict"
+
+
 class NotAcceptable(GangServeError):
     status, code = 406, "not_acceptable"
 

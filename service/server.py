@@ -13,7 +13,9 @@ from ray import serve
 from ray.util import get_current_placement_group
 
 from service.config import AppConfig, GangConfig, ModelConfig
+from service.errors import Conflict
 from service.gang.gang import Gang, GangState
+from service.parallel.weights import check_checkpoint
 
 log = logging.getLogger("gangserve.server")
 
@@ -34,6 +36,21 @@ class GangServer:
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x: [batch, seq, E] float32 (validated by the ingress) -> [batch, seq, E] float32."""
         return await self._gang.infer(x)
+
+    async def reload_weights(self, checkpoint: str) -> dict[str, object]:
+        """Hot-swap to a dense checkpoint (absolute path every rank can read).
+
+        Raises Conflict (409) if its shapes do not fit the serving model; in-flight and
+        queued requests are unaffected (the swap is sequenced between them).
+        """
+        current = self._gang.model_cfg
+        try:
+            check_checkpoint(checkpoint, current.embed_dim, current.num_heads)
+        except (ValueError, OSError) as exc:
+            raise Conflict(str(exc), code="checkpoint_mismatch") from None
+        new_cfg = current.model_copy(update={"checkpoint": checkpoint})
+        await self._gang.reload_weights(new_cfg)
+        return self._gang.describe()
 
     async def describe(self) -> dict[str, object]:
         return self._gang.describe()

@@ -240,3 +240,33 @@ def test_other_world_sizes_serve_the_same_function(serve_url: str, tmp_path: Pat
     while _pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _pids_alive(pids), f"rank processes still alive after serve.delete: {_pids_alive(pids)}"
+
+
+def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> None:
+    """GangServer.reload_weights swaps every rank's slice; a mismatched checkpoint is refused."""
+    from ray import serve
+
+    from service.errors import Conflict
+    from service.parallel.weights import random_weights, save_checkpoint
+
+    base = deploy(serve_url, "swap", "/swap", {**local_yaml_args(), "cpus_per_rank": 0.25})
+    try:
+        handle = serve.get_deployment_handle("GangServer", app_name="swap")
+        x = rand(1, 4, 512, seed=21)
+        with GangServeClient(base) as client:
+            assert relative_error(torch.from_numpy(client.infer(x)), reference(x)) < 1e-5
+            weights = random_weights(512, seed=8)
+            good = tmp_path / "good.safetensors"
+            save_checkpoint(good, weights, num_heads=8)
+            info = handle.reload_weights.remote(str(good)).result(timeout_s=120)
+            assert info["weights_version"] == 2 and info["weights_source"] == f"checkpoint:{good}"
+            assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights)) < 1e-5
+            bad = tmp_path / "bad.safetensors"
+            save_checkpoint(bad, random_weights(64, seed=1), num_heads=8)
+            with pytest.raises(Conflict, match="embed_dim=64, the model needs 512"):
+                handle.reload_weights.remote(str(bad)).result(timeout_s=120)
+            # Refused swap leaves the served weights and version untouched.
+            assert client.gang()["weights_version"] == 2
+            assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights)) < 1e-5
+    finally:
+        serve.delete("swap")

@@ -85,6 +85,17 @@ class Gang:
                 "the gang is marked broken and will be rebuilt"
             ) from None
 
+    async def reload_weights(self, model: ModelConfig) -> int:
+        """Hot-swap every rank's shard to `model`'s weights; returns the new weights_version.
+
+        Sequenced like a request: earlier requests finish on the old weights, later ones
+        see the new. Two phases (stage on all ranks, then commit on all), so a rank that
+        fails to read its slice leaves every rank on the old weights.
+        """
+        if self.state is not GangState.READY:
+            raise GangUnavailable(f"gang is {self.state.value}: {self.reason}", code=f"gang_{self.state.value}")
+        return await self._run(self._swap_weights, model)
+
     def describe(self) -> dict[str, object]:
         return {
             "world_size": self.cfg.world_size,
@@ -162,6 +173,25 @@ class Gang:
             "gang ready: world_size=%d backend=%s in %.1fs; ranks on %s",
             ws, self.backend, time.monotonic() - started, [i.node_ip for i in self.rank_infos],
         )
+
+    def _swap_weights(self, model: ModelConfig) -> int:
+        assert self._root is not None
+        refs = [a.stage_weights.remote(model) for a in self._actors]
+        try:
+            root_bytes = self._root.stage_weights(model)
+            peer_bytes = self._get(refs, "stage weights", self.cfg.stage_timeout_s)
+        except Exception:
+            self._root.discard_staged()
+            ray.get([a.discard_staged.remote() for a in self._actors], timeout=self.cfg.stage_timeout_s)
+            raise
+        self._get([a.commit_weights.remote() for a in self._actors], "commit weights", self.cfg.stage_timeout_s)
+        self._root.commit_weights()
+        self.model_cfg = model
+        self.param_bytes_per_rank = [root_bytes, *peer_bytes]
+        self.weights_version += 1
+        self.weights_source = model.weights_source
+        log.info("weights swapped to %s (version %d)", self.weights_source, self.weights_version)
+        return self.weights_version
 
     def _spawn_actor(self, rank: int) -> Any:
         options: dict[str, Any] = {

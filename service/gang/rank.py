@@ -76,6 +76,7 @@ class RankWorker:
         )
         self.group: ParallelGroup | None = None
         self.model: TensorParallelAttention | None = None
+        self._staged: TensorParallelAttention | None = None
         self._store: dist.TCPStore | None = None
 
     # -- stage: create -------------------------------------------------------------------
@@ -106,15 +107,30 @@ class RankWorker:
         )
         self.group = ParallelGroup(self.rank, self.world_size, backend, self.device, dist.group.WORLD)
 
-    # -- stage: load ---------------------------------------------------------------------
+    # -- stage: load (and hot-swap) -----------------------------------------------------
     def load_weights(self, model_cfg: ModelConfig) -> int:
         """Build this rank's shard of the model from `model_cfg`; returns its parameter bytes."""
+        nbytes = self.stage_weights(model_cfg)
+        self.commit_weights()
+        return nbytes
+
+    def stage_weights(self, model_cfg: ModelConfig) -> int:
+        """Phase 1 of a swap: read this rank's slice into a new model, not yet serving."""
         if self.group is None:
-            raise RuntimeError(f"rank {self.rank}: load_weights before rendezvous")
+            raise RuntimeError(f"rank {self.rank}: weights loaded before rendezvous")
         model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group)
         model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size))
-        self.model = model.eval()
+        self._staged = model.eval()
         return model.parameter_bytes()
+
+    def commit_weights(self) -> None:
+        """Phase 2: serve the staged model from the next step on (a pointer swap)."""
+        if self._staged is None:
+            raise RuntimeError(f"rank {self.rank}: nothing staged to commit")
+        self.model, self._staged = self._staged, None
+
+    def discard_staged(self) -> None:
+        self._staged = None
 
     # -- serving -------------------------------------------------------------------------
     def step(self, shape: tuple[int, ...]) -> None:

@@ -22,6 +22,10 @@ class GangClient:
     async def infer(self, x: np.ndarray) -> np.ndarray:
         return await self._call("infer", x, timeout_s=self._timeout_s)
 
+    async def reload_weights(self, checkpoint: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Hot-swap the gang to a dense checkpoint; returns the new /gang description."""
+        return await self._call("reload_weights", checkpoint, timeout_s=timeout_s)
+
     async def describe(self, timeout_s: float = 5.0) -> dict[str, Any]:
         return await self._call("describe", timeout_s=timeout_s)
 
