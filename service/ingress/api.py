@@ -6,12 +6,14 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.config import AppConfig
 from service.errors import GangServeError
 from service.ingress.gang_client import GangClient
 from service.ingress.routes import health, infer
+from service.ingress.routes import oip
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -22,7 +24,8 @@ def error_response(status: int, message: str, code: str, retry_after_s: float | 
 
 
 def create_api(config: AppConfig, gang: GangClient) -> FastAPI:
-    app = FastAPI(
+    # FastAPIOffline: /docs and /redoc served from the package's static files (no CDN).
+    app = FastAPIOffline(
         title="gangserve",
         version="0.1.0",
         description="Tensor-parallel multi-head attention served by a persistent process-group gang.",
@@ -31,6 +34,7 @@ def create_api(config: AppConfig, gang: GangClient) -> FastAPI:
     app.state.gang = gang
     app.include_router(health.router)
     app.include_router(infer.router)
+    app.include_router(oip.router)
 
     @app.exception_handler(GangServeError)
     async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:

@@ -1,25 +1,53 @@
 """POST /infer: one tensor in, the attention output out, in the caller's wire format."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, Response
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service import codecs
 from service.config import AppConfig
 from service.ingress.deps import get_config, get_gang, read_body_capped
+from service.ingress.schemas import ERROR_RESPONSES
 from service.ingress.gang_client import GangClient
 
 router = APIRouter(tags=["inference"])
 
+_BINARY = {"type": "string", "format": "binary"}
+_DTYPE = {"type": "string", "enum": list(codecs.DTYPE_NAMES)}
 _BODY_DOC = {
     "required": True,
+    "description": "hidden_states [batch, seq, E] or [seq, E] in float32, float16, bfloat16 or float64 "
+    "(npy cannot carry bfloat16). Computed in float32.",
     "content": {
-        codecs.SAFETENSORS: {"schema": {"type": "string", "format": "binary"}},
-        codecs.NPY: {"schema": {"type": "string", "format": "binary"}},
+        codecs.SAFETENSORS: {"schema": {**_BINARY, "description": "safetensors file with a tensor 'hidden_states'"}},
+        codecs.NPY: {"schema": {**_BINARY, "description": "npy file (never unpickled)"}},
         codecs.JSON: {
             "schema": {
                 "type": "object",
                 "required": ["hidden_states"],
-                "properties": {"hidden_states": {"type": "array", "items": {}}},
+                "properties": {
+                    "hidden_states": {"type": "array", "items": {}, "description": "nested lists of numbers"},
+                    "dtype": {**_DTYPE, "default": "float32", "description": "the request's dtype"},
+                },
+            }
+        },
+    },
+}
+_REPLY_DOC = {
+    "description": "the attention output, same shape as hidden_states, in the negotiated format and dtype",
+    "content": {
+        codecs.SAFETENSORS: {"schema": {**_BINARY, "description": "safetensors file with a tensor 'output'"}},
+        codecs.NPY: {"schema": {**_BINARY, "description": "npy file"}},
+        codecs.JSON: {
+            "schema": {
+                "type": "object",
+                "required": ["output", "shape", "dtype"],
+                "properties": {
+                    "output": {"type": "array", "items": {}},
+                    "shape": {"type": "array", "items": {"type": "integer"}},
+                    "dtype": _DTYPE,
+                },
             }
         },
     },
@@ -30,31 +58,29 @@ _BODY_DOC = {
     "/infer",
     summary="Self-attention over hidden_states [batch, seq, E] or [seq, E]",
     openapi_extra={"requestBody": _BODY_DOC},
-    responses={
-        200: {"content": {codecs.SAFETENSORS: {}, codecs.NPY: {}, codecs.JSON: {}}},
-        400: {"description": "malformed body"},
-        413: {"description": "body too large"},
-        415: {"description": "unsupported Content-Type"},
-        422: {"description": "wrong shape, dtype, name or non-finite values"},
-        503: {"description": "gang not ready or overloaded (Retry-After)"},
-        504: {"description": "collective deadline exceeded"},
-    },
+    response_class=Response,
+    responses={200: _REPLY_DOC, **ERROR_RESPONSES},
 )
 async def infer(
     request: Request,
+    output_dtype: Literal["float32", "float16", "bfloat16", "float64"] | None = Query(
+        None, description="Reply dtype; default: the request's dtype (npy replies cannot be bfloat16)."
+    ),
     cfg: AppConfig = Depends(get_config),
     gang: GangClient = Depends(get_gang),
 ) -> Response:
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
     body = await read_body_capped(request, cfg.max_body_bytes)
+    array = codecs.decode(body, media)
+    dtype = codecs.reply_dtype(array.dtype, output_dtype, reply_media)
     x, squeezed = codecs.validate_hidden_states(
-        codecs.decode(body, media),
+        array,
         embed_dim=cfg.embed_dim,
         max_seq_len=cfg.max_seq_len,
         max_tokens=cfg.max_tokens_per_request,
     )
-    out = await gang.infer(x)  # [batch, seq, E]
+    out = await gang.infer(x)  # [batch, seq, E] float32
     if squeezed:
         out = out[0]
-    return Response(content=codecs.encode(out, reply_media), media_type=reply_media)
+    return Response(content=codecs.encode(codecs.cast_reply(out, dtype), reply_media), media_type=reply_media)

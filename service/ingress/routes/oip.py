@@ -1,0 +1,393 @@
+"""Open Inference Protocol v2 (KServe / Triton HTTP/REST) for the model `attention`.
+
+Routes: GET /v2, /v2/health/live, /v2/health/ready, /v2/models/attention[/versions/1],
+.../ready, and POST .../infer with JSON tensors or the binary tensor data extension:
+the body is the JSON inference header (`Inference-Header-Content-Length` bytes) followed
+by the raw little-endian row-major bytes of every input whose parameters hold
+`binary_data_size`, in input order. Outputs asked for with `binary_data: true` (or all of
+them when the request has `binary_data_output: true`) come back the same way.
+
+Tensors: one input `hidden_states` ([batch, seq, E] or [seq, E]; FP32, FP16, BF16 or FP64,
+computed in FP32), one output `output` of the same shape, in the input's datatype unless
+the `output_dtype` query parameter asks for another. Errors are JSON `{"error", "code"}`
+(OIP clients read `error`). Shapes and limits are checked before any tensor data is
+decoded, and long before any compute.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WithJsonSchema
+
+from service import codecs
+from service.config import AppConfig
+from service.errors import BadRequest, GangUnavailable, InvalidInput, NotFound, PayloadTooLarge, UnsupportedMediaType
+from service.ingress.deps import get_config, get_gang, read_body_capped
+from service.ingress.gang_client import GangClient
+from service.ingress.schemas import ERROR_RESPONSES, ErrorBody
+
+router = APIRouter(prefix="/v2", tags=["open inference protocol v2"])
+
+MODEL_NAME = "attention"
+MODEL_VERSION = "1"
+SERVER_NAME = "gangserve"
+SERVER_VERSION = "0.1.0"
+BINARY_MEDIA = "application/octet-stream"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+# ---------------------------------------------------------------- schemas
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1 marks a free dimension")
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class Readiness(BaseModel):
+    ready: bool
+
+
+class Liveness(BaseModel):
+    live: bool
+
+
+# JSON `data` is passed through untouched (no per-element validation): numpy checks it.
+_Data = Annotated[Any, WithJsonSchema({"type": "array", "items": {}, "description": "row-major values, flat or nested"})]
+
+
+class RequestInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    shape: list[StrictInt]
+    datatype: str = Field(description="FP32, FP16, BF16 or FP64")
+    parameters: dict[str, Any] | None = Field(None, description="binary_data_size: bytes of this input after the header")
+    data: _Data = None
+
+
+class RequestOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    parameters: dict[str, Any] | None = Field(None, description="binary_data: reply with raw bytes")
+
+
+class InferenceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="binary_data_output: every output as raw bytes")
+    inputs: list[RequestInput]
+    outputs: list[RequestOutput] | None = None
+
+
+class ResponseOutput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: _Data = None
+
+
+class InferenceResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[ResponseOutput]
+
+
+_BINARY_BODY = {
+    "type": "string",
+    "format": "binary",
+    "description": f"binary tensor data extension: the JSON InferenceRequest ({HEADER_LENGTH} bytes), "
+    "then the raw bytes of each input with a binary_data_size parameter, in input order",
+}
+
+
+def _inline(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its $defs inlined (the models are not recursive)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
+_INFER_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            codecs.JSON: {"schema": _inline(InferenceRequest.model_json_schema())},
+            BINARY_MEDIA: {"schema": _BINARY_BODY},
+        },
+    }
+}
+_INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": f"the output tensor; with binary outputs the body is the JSON header ({HEADER_LENGTH} "
+        "bytes) followed by the raw output bytes",
+        "content": {
+            codecs.JSON: {"schema": _inline(InferenceResponse.model_json_schema())},
+            BINARY_MEDIA: {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    404: {"model": ErrorBody, "description": "unknown model version"},
+    **{k: v for k, v in ERROR_RESPONSES.items() if k != 406},
+}
+_NOT_READY = {503: {"model": ErrorBody, "description": "gang not ready; has Retry-After"}}
+_VERSION_404 = {404: {"model": ErrorBody, "description": "unknown model version"}}
+
+
+# ---------------------------------------------------------------- server and model metadata
+
+@router.get("", summary="Server metadata", response_model=ServerMetadata)
+async def server_metadata() -> ServerMetadata:
+    return ServerMetadata(name=SERVER_NAME, version=SERVER_VERSION, extensions=["binary_tensor_data"])
+
+
+@router.get("/health/live", summary="200 while the server serves HTTP", response_model=Liveness)
+async def server_live() -> Liveness:
+    return Liveness(live=True)
+
+
+@router.get("/health/ready", summary="200 when the gang can serve, else 503", response_model=Readiness,
+            responses=_NOT_READY)
+async def server_ready(gang: GangClient = Depends(get_gang)) -> Readiness:
+    await _require_ready(gang)
+    return Readiness(ready=True)
+
+
+@router.get(f"/models/{MODEL_NAME}", summary="Model metadata", response_model=ModelMetadata)
+async def model_metadata(cfg: AppConfig = Depends(get_config)) -> ModelMetadata:
+    return _metadata(cfg)
+
+
+@router.get(f"/models/{MODEL_NAME}/versions/{{version}}", summary="Model metadata (versioned)",
+            response_model=ModelMetadata, responses=_VERSION_404)
+async def model_metadata_version(version: str, cfg: AppConfig = Depends(get_config)) -> ModelMetadata:
+    _check_version(version)
+    return _metadata(cfg)
+
+
+@router.get(f"/models/{MODEL_NAME}/ready", summary="200 when the model can serve, else 503",
+            response_model=Readiness, responses=_NOT_READY)
+async def model_ready(gang: GangClient = Depends(get_gang)) -> Readiness:
+    await _require_ready(gang)
+    return Readiness(ready=True)
+
+
+@router.get(f"/models/{MODEL_NAME}/versions/{{version}}/ready", summary="Model readiness (versioned)",
+            response_model=Readiness, responses={**_NOT_READY, **_VERSION_404})
+async def model_ready_version(version: str, gang: GangClient = Depends(get_gang)) -> Readiness:
+    _check_version(version)
+    await _require_ready(gang)
+    return Readiness(ready=True)
+
+
+# ---------------------------------------------------------------- inference
+
+_OutputDtype = Query(None, description="Output datatype; default: the input's (FP32 / FP16 / BF16 / FP64).")
+_HeaderLength = Header(None, alias=HEADER_LENGTH, ge=0,
+                       description="Length of the JSON header when binary tensor data follows it")
+_DtypeName = Literal["float32", "float16", "bfloat16", "float64"]
+
+
+@router.post(f"/models/{MODEL_NAME}/infer", summary="Inference (JSON tensors or binary tensor data)",
+             response_class=Response, openapi_extra=_INFER_DOC, responses=_INFER_RESPONSES)
+async def infer(
+    request: Request,
+    output_dtype: _DtypeName | None = _OutputDtype,
+    header_length: int | None = _HeaderLength,
+    cfg: AppConfig = Depends(get_config),
+    gang: GangClient = Depends(get_gang),
+) -> Response:
+    return await _infer(request, output_dtype, header_length, cfg, gang)
+
+
+@router.post(f"/models/{MODEL_NAME}/versions/{{version}}/infer", summary="Inference (versioned)",
+             response_class=Response, openapi_extra=_INFER_DOC, responses=_INFER_RESPONSES)
+async def infer_version(
+    version: str,
+    request: Request,
+    output_dtype: _DtypeName | None = _OutputDtype,
+    header_length: int | None = _HeaderLength,
+    cfg: AppConfig = Depends(get_config),
+    gang: GangClient = Depends(get_gang),
+) -> Response:
+    _check_version(version)
+    return await _infer(request, output_dtype, header_length, cfg, gang)
+
+
+async def _infer(
+    request: Request, output_dtype: str | None, header_length: int | None, cfg: AppConfig, gang: GangClient
+) -> Response:
+    media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if media not in ("", codecs.JSON, BINARY_MEDIA):
+        raise UnsupportedMediaType(f"Content-Type {media!r} is not supported here; use {codecs.JSON} or {BINARY_MEDIA}")
+    body = await read_body_capped(request, cfg.max_body_bytes)
+    body = _decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
+    if not body:
+        raise BadRequest("request body is empty; it needs a JSON inference request")
+    view = memoryview(body)
+    if header_length is None:
+        header_length = len(view)
+    elif header_length > len(view):
+        raise BadRequest(f"{HEADER_LENGTH} is {header_length}; the body has only {len(view)} bytes")
+    req = _parse_request(view[:header_length])
+    (array, squeezed) = _decode_input(req, view[header_length:], cfg)
+    reply_dtype = codecs.reply_dtype(array.dtype, output_dtype)
+    x = codecs.to_model_input(array)
+    binary = _binary_outputs(req)
+    out = await gang.infer(x)  # [batch, seq, E] float32
+    out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
+    return _reply(req, out, binary)
+
+
+def _parse_request(header: memoryview) -> InferenceRequest:
+    try:
+        doc = orjson.loads(header)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"inference request header is not valid JSON: {exc}") from None
+    try:
+        return InferenceRequest.model_validate(doc)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        raise BadRequest(f"invalid inference request: {problems}") from None
+
+
+def _decode_input(req: InferenceRequest, binary: memoryview, cfg: AppConfig) -> tuple[np.ndarray, bool]:
+    """The one input tensor, shape-checked against the limits before its data is decoded."""
+    names = [i.name for i in req.inputs]
+    if names != [codecs.INPUT_NAME]:
+        raise InvalidInput(f"model {MODEL_NAME!r} takes exactly one input {codecs.INPUT_NAME!r}; got {names}")
+    spec = req.inputs[0]
+    params = spec.parameters or {}
+    if "shared_memory_region" in params:
+        raise BadRequest("shared-memory inputs are not supported over HTTP here; send JSON data or binary data")
+    if spec.datatype not in codecs.OIP_TO_NP:
+        raise InvalidInput(f"input {spec.name!r} datatype must be one of {', '.join(codecs.OIP_TO_NP)}; got {spec.datatype!r:.50}")
+    if any(d < 0 for d in spec.shape):
+        raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {spec.shape}")
+    squeezed = codecs.check_shape(
+        spec.shape, embed_dim=cfg.embed_dim, max_seq_len=cfg.max_seq_len, max_tokens=cfg.max_tokens_per_request
+    )
+    size = params.get("binary_data_size")
+    if size is None:
+        if len(binary):
+            raise BadRequest(f"{len(binary)} bytes follow the JSON header but no input has a binary_data_size")
+        if spec.data is None:
+            raise BadRequest(f"input {spec.name!r} has neither JSON 'data' nor a binary_data_size parameter")
+        return codecs.decode_oip_tensor(spec.datatype, spec.shape, data=spec.data, name=spec.name), squeezed
+    if type(size) is not int or size < 0:
+        raise BadRequest(f"binary_data_size of input {spec.name!r} must be a non-negative integer; got {size!r:.50}")
+    if spec.data is not None:
+        raise BadRequest(f"input {spec.name!r} has both JSON 'data' and binary_data_size; send one")
+    if size != len(binary):
+        raise BadRequest(f"input {spec.name!r} declares binary_data_size {size}; {len(binary)} bytes follow the header")
+    return codecs.decode_oip_tensor(spec.datatype, spec.shape, raw=binary, name=spec.name), squeezed
+
+
+def _binary_outputs(req: InferenceRequest) -> bool:
+    """Whether `output` goes back as raw bytes (per-output binary_data, else binary_data_output)."""
+    default = (req.parameters or {}).get("binary_data_output", False)
+    if not isinstance(default, bool):
+        raise BadRequest(f"parameter binary_data_output must be a boolean; got {default!r:.50}")
+    if not req.outputs:
+        return default
+    binary = default
+    for out in req.outputs:
+        if out.name != codecs.OUTPUT_NAME:
+            raise InvalidInput(f"model {MODEL_NAME!r} has one output {codecs.OUTPUT_NAME!r}; asked for {out.name!r:.50}")
+        params = out.parameters or {}
+        if params.get("classification"):
+            raise BadRequest("the classification extension is not supported: the output is a dense tensor")
+        flag = params.get("binary_data", default)
+        if not isinstance(flag, bool):
+            raise BadRequest(f"parameter binary_data of output {out.name!r} must be a boolean; got {flag!r:.50}")
+        binary = flag
+    return binary
+
+
+def _reply(req: InferenceRequest, out: np.ndarray, binary: bool) -> Response:
+    tensor: dict[str, Any] = {"name": codecs.OUTPUT_NAME, "datatype": codecs.oip_datatype(out.dtype), "shape": list(out.shape)}
+    doc: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION, "outputs": [tensor]}
+    if req.id is not None:
+        doc["id"] = req.id
+    if not binary:
+        tensor["data"] = codecs.oip_json_data(out)
+        return Response(orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), media_type=codecs.JSON)
+    raw = codecs.raw_bytes(out)
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = orjson.dumps(doc)
+    return Response(b"".join([header, raw]), media_type=BINARY_MEDIA, headers={HEADER_LENGTH: str(len(header))})
+
+
+# ---------------------------------------------------------------- helpers
+
+def _metadata(cfg: AppConfig) -> ModelMetadata:
+    shape = [-1, -1, cfg.embed_dim]
+    return ModelMetadata(
+        name=MODEL_NAME,
+        versions=[MODEL_VERSION],
+        platform="gangserve_tensor_parallel_attention",
+        inputs=[TensorMetadata(name=codecs.INPUT_NAME, datatype="FP32", shape=shape)],
+        outputs=[TensorMetadata(name=codecs.OUTPUT_NAME, datatype="FP32", shape=shape)],
+    )
+
+
+def _check_version(version: str) -> None:
+    if version != MODEL_VERSION:
+        raise NotFound(f"model {MODEL_NAME!r} has version {MODEL_VERSION!r} only; got {version!r:.50}")
+
+
+async def _require_ready(gang: GangClient) -> None:
+    info = await gang.describe()
+    if info["state"] != "ready":
+        raise GangUnavailable(f"gang is {info['state']}: {info['reason']}", code=f"gang_{info['state']}")
+
+
+def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """gzip / deflate request bodies (tritonclient's request_compression_algorithm), capped at `limit`."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding == "identity":
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+    # wbits: 16+MAX for a gzip wrapper, MAX for zlib ("deflate" in HTTP means zlib-wrapped).
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise BadRequest(f"body is not valid {encoding} data: {exc}") from None
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise PayloadTooLarge(f"decompressed body exceeds max_body_bytes={limit}")
+    if not inflater.eof:
+        raise BadRequest(f"{encoding} body is truncated")
+    return data
