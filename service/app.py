@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 
 from service.config import AppConfig
+from service.gang.placement import check_feasible, cluster_snapshot, gang_request
 from service.ingress.deployment import Ingress
 from service.server import GangServer
 
@@ -31,17 +32,28 @@ def parse_args(args: dict[str, Any]) -> AppConfig:
         ) from None
 
 
-def gang_bundle(cfg: AppConfig) -> dict[str, float]:
-    """Resources of one rank: one placement-group bundle."""
-    bundle = {"CPU": cfg.cpus_per_rank}
-    if cfg.use_gpu:
-        bundle["GPU"] = 1
-    return bundle
+def preflight(cfg: AppConfig) -> None:
+    """Fail at once, naming needed vs available, if the connected cluster can never hold
+    the gang (Serve alone would wait forever, warning every 30 s). Skipped when Ray is not
+    initialised yet (`serve run module:build_app ...` builds before connecting); the
+    ingress then reports the same diagnosis on /readyz and /infer."""
+    import ray
+
+    if ray.is_initialized():
+        check_feasible(cluster_snapshot(), gang_request(cfg))
 
 
 def build_app(args: dict[str, Any]) -> Application:
+    """Validate the arguments, check the cluster can hold the gang, compose the app."""
     cfg = parse_args(args)
-    bundle = gang_bundle(cfg)
+    preflight(cfg)
+    return compose_app(cfg)
+
+
+def compose_app(cfg: AppConfig) -> Application:
+    """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve."""
+    request = gang_request(cfg)
+    bundle = dict(request.bundle)
     server = GangServer.options(
         # One bundle per rank, reserved all-or-nothing; the replica is rank 0 in bundle 0.
         placement_group_bundles=[dict(bundle) for _ in range(cfg.world_size)],

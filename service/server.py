@@ -3,9 +3,19 @@
 One replica = one gang. Serve reserves the replica's placement group
 (`placement_group_bundles`, one bundle per rank) before the replica starts; the replica
 itself is rank 0 in bundle 0 and places ranks 1..N-1 in the other bundles.
+
+Recovery, in two tiers:
+1. In-process: a supervisor task probes the peers every `probe_interval_s` and, when the
+   gang is BROKEN (a rank died, a collective failed or hung), rebuilds it in the same
+   bundles with exponential backoff. This is the fast path: the placement group stays
+   reserved, only the rank processes and the process group are new.
+2. Serve: after `max_rebuild_attempts` failed rebuilds, `check_health` raises and Serve
+   replaces the whole replica (new placement group). If rank 0 itself (this process)
+   dies, Serve does the same on its own.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -19,6 +29,10 @@ from service.parallel.weights import check_checkpoint
 
 log = logging.getLogger("gangserve.server")
 
+PROBE_INTERVAL_S = 2.0
+MAX_REBUILD_ATTEMPTS = 5
+MAX_BACKOFF_S = 30.0
+
 
 @serve.deployment(name="GangServer", health_check_period_s=5, health_check_timeout_s=30)
 class GangServer:
@@ -27,11 +41,13 @@ class GangServer:
     async def __init__(self, config: dict) -> None:
         cfg = AppConfig.model_validate(config)
         self._gang = Gang(cfg.part(ModelConfig), cfg.part(GangConfig), get_current_placement_group())
+        self._failed_rebuilds = 0
         try:
             await self._gang.start()
         except Exception:
             self._gang.shutdown()
             raise
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
 
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x: [batch, seq, E] float32 (validated by the ingress) -> [batch, seq, E] float32."""
@@ -53,12 +69,48 @@ class GangServer:
         return self._gang.describe()
 
     async def describe(self) -> dict[str, object]:
-        return self._gang.describe()
+        info = self._gang.describe()
+        info["failed_rebuilds"] = self._failed_rebuilds
+        return info
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica (and gang)."""
-        if self._gang.state is GangState.BROKEN:
-            raise RuntimeError(f"gang broken: {self._gang.reason}")
+        if self._failed_rebuilds >= MAX_REBUILD_ATTEMPTS:
+            raise RuntimeError(
+                f"gang could not be rebuilt in {self._failed_rebuilds} attempts: {self._gang.reason}"
+            )
+        if self._supervisor.done():
+            raise RuntimeError("gang supervisor stopped unexpectedly")
+
+    async def _supervise(self) -> None:
+        """Probe the peers; rebuild a broken gang with exponential backoff."""
+        since_probe = 0.0
+        while self._gang.state is not GangState.STOPPED:
+            await asyncio.sleep(0.25)
+            since_probe += 0.25
+            state = self._gang.state
+            if state is GangState.READY and since_probe >= PROBE_INTERVAL_S:
+                since_probe = 0.0
+                await self._gang.probe()
+            elif state is GangState.BROKEN:
+                await self._rebuild_once()
+
+    async def _rebuild_once(self) -> None:
+        if self._failed_rebuilds:
+            delay = min(MAX_BACKOFF_S, 2.0 ** (self._failed_rebuilds - 1))
+            self._gang.reason = (
+                f"rebuild attempt {self._failed_rebuilds} failed ({self._gang.reason}); retrying in {delay:.0f}s"
+            )
+            await asyncio.sleep(delay)
+        cause = self._gang.reason
+        log.warning("rebuilding gang (attempt %d) after: %s", self._failed_rebuilds + 1, cause)
+        self._gang.reason = f"rebuilding after: {cause}"
+        try:
+            await self._gang.rebuild()
+            self._failed_rebuilds = 0
+        except Exception as exc:
+            self._failed_rebuilds += 1
+            log.error("gang rebuild attempt %d failed: %s", self._failed_rebuilds, exc)
 
     def __del__(self) -> None:
         # Serve calls __del__ on graceful shutdown: leave the group, kill the peers.

@@ -15,9 +15,14 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-# Logical CPUs for the test cluster. Ranks reserve fractions of a CPU, so the apps
-# deployed side by side here fit; the machine itself has 2 cores.
+# The test cluster: two raylets on this machine (ray.cluster_utils.Cluster), each
+# declaring one logical GPU, so multi-node placement (STRICT_SPREAD, one rank per node)
+# and GPU scheduling are exercised for real; ranks find no CUDA device and use gloo.
+# Logical CPUs: ranks reserve fractions of a CPU, so the apps deployed side by side fit;
+# the machine itself has 2 cores.
 TEST_CLUSTER_CPUS = 4
+WORKER_NODE_CPUS = 2
+GPUS_PER_NODE = 1
 
 
 def free_port() -> int:
@@ -32,20 +37,29 @@ def local_yaml_args() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
+def ray_cluster() -> Iterator[Any]:
+    """A 2-node Ray cluster (head + one worker raylet), shared by the whole session."""
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
-    ray.init(num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
-    yield
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": TEST_CLUSTER_CPUS, "num_gpus": GPUS_PER_NODE, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=WORKER_NODE_CPUS, num_gpus=GPUS_PER_NODE)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
     try:
         serve.shutdown()
     finally:
         ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture(scope="session")
-def serve_url(ray_cluster: None) -> str:
+def serve_url(ray_cluster: Any) -> str:
     from ray import serve
 
     port = free_port()

@@ -5,7 +5,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from service.app import InvalidAppArgs, build_app, parse_args
+from service.app import InvalidAppArgs, compose_app, parse_args
 from tests.conftest import ROOT
 
 
@@ -42,7 +42,7 @@ def test_shipped_serve_configs_validate_and_build(name: str) -> None:
     ServeDeploySchema.model_validate(doc)  # what `serve run` / `serve deploy` check
     for app in doc["applications"]:
         assert app["import_path"] == "service.app:build_app"
-        built = build_app(app["args"])
+        built = compose_app(parse_args(app["args"]))  # no cluster needed to build
         assert built is not None
 
 

@@ -6,19 +6,24 @@ reserves all bundles at once, so the gang is placed all-or-nothing).
 
 Bring-up runs in named stages, each bounded: create -> rendezvous -> load -> warmup.
 
-Sequencer: every operation that issues collectives (bring-up, inference, weight reload,
-teardown) runs on ONE thread. Rank 0 submits the peers' control messages and then runs
-its own side; Ray executes each actor's calls in submission order, so all ranks see the
-same global sequence of collectives and concurrent requests can never deadlock the group.
+Sequencer: every operation that touches the ranks (bring-up, inference, weight swap,
+liveness probe, teardown) runs on ONE thread. Rank 0 submits the peers' control messages
+and then runs its own side; Ray executes each actor's calls in submission order, so all
+ranks see one global sequence of collectives and concurrent requests cannot deadlock.
+
+Failure model: the process group's timeout is `collective_timeout_s`, so a stuck peer
+unblocks rank 0 at the latest then; independently, a request whose step has *executed*
+longer than the deadline gets 504 at once. Either way the gang is marked BROKEN, later
+requests get 503 immediately, and `rebuild()` (driven by the GangServer's supervisor)
+kills the peers, leaves the group and brings the gang up again in the same bundles.
 """
 from __future__ import annotations
 
 import asyncio
 import enum
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -28,7 +33,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
-from service.errors import CollectiveTimeout, GangStartupError, GangUnavailable
+from service.errors import CollectiveTimeout, GangServeError, GangStartupError, GangUnavailable
 from service.gang.rank import RankInfo, RankWorker
 
 log = logging.getLogger("gangserve.gang")
@@ -39,6 +44,7 @@ class GangState(str, enum.Enum):
     STARTING = "starting"
     READY = "ready"
     BROKEN = "broken"
+    REBUILDING = "rebuilding"
     STOPPED = "stopped"
 
 
@@ -59,31 +65,29 @@ class Gang:
         self.backend = "unknown"
         self.weights_version = 0
         self.weights_source = model.weights_source
+        self.generation = 0  # bumps on every successful bring-up
         self.rank_infos: list[RankInfo] = []
         self.param_bytes_per_rank: list[int] = []
         self._root: RankWorker | None = None
         self._actors: list[Any] = []
         # One thread = one global order of collectives.
         self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
-        self._lock = threading.Lock()
 
     # -- public, async -------------------------------------------------------------------
     async def start(self) -> None:
         await self._run(self._bring_up)
 
+    async def rebuild(self) -> None:
+        """Tear the gang down and bring it up again in the same bundles (new group, new pids)."""
+        if self.state is GangState.STOPPED:
+            return
+        self.state = GangState.REBUILDING
+        await self._run(self._rebuild)
+
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x [batch, seq, E] float32 -> attention output [batch, seq, E] float32."""
-        if self.state is not GangState.READY:
-            raise GangUnavailable(f"gang is {self.state.value}: {self.reason}", code=f"gang_{self.state.value}")
-        deadline = self.cfg.collective_timeout_s
-        try:
-            return await asyncio.wait_for(self._run(self._infer_step, x), timeout=deadline + 1.0)
-        except asyncio.TimeoutError:
-            self._mark_broken(f"a request exceeded the collective deadline of {deadline:.1f}s")
-            raise CollectiveTimeout(
-                f"the gang did not answer within collective_timeout_s={deadline:.1f}s; "
-                "the gang is marked broken and will be rebuilt"
-            ) from None
+        self._require_ready()
+        return await self._run(self._infer_step, x, deadline_s=self.cfg.collective_timeout_s)
 
     async def reload_weights(self, model: ModelConfig) -> int:
         """Hot-swap every rank's shard to `model`'s weights; returns the new weights_version.
@@ -92,9 +96,13 @@ class Gang:
         see the new. Two phases (stage on all ranks, then commit on all), so a rank that
         fails to read its slice leaves every rank on the old weights.
         """
-        if self.state is not GangState.READY:
-            raise GangUnavailable(f"gang is {self.state.value}: {self.reason}", code=f"gang_{self.state.value}")
+        self._require_ready()
         return await self._run(self._swap_weights, model)
+
+    async def probe(self) -> None:
+        """Ask every peer for a sign of life; a dead or stopped peer marks the gang BROKEN."""
+        if self.state is GangState.READY and self._actors:
+            await self._run(self._probe_step)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -104,6 +112,7 @@ class Gang:
             "reason": self.reason,
             "weights_version": self.weights_version,
             "weights_source": self.weights_source,
+            "generation": self.generation,
             "param_bytes_per_rank": list(self.param_bytes_per_rank),
             "ranks": [info.public() for info in self.rank_infos],
         }
@@ -113,32 +122,63 @@ class Gang:
         if self.state is GangState.STOPPED:
             return
         self.state, self.reason = GangState.STOPPED, "shut down"
-        for actor in self._actors:
-            ray.kill(actor, no_restart=True)
-        self._actors = []
-        if self._root is not None:
-            try:
-                self._root.close()
-            except Exception:  # the group may already be broken; we are leaving anyway
-                log.exception("closing rank 0's process group failed")
-            self._root = None
+        self._teardown()
         self._sequencer.shutdown(wait=False, cancel_futures=True)
 
-    # -- sequencer-side ------------------------------------------------------------------
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self._sequencer.submit(fn, *args))
+    # -- sequencing ----------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: Any, deadline_s: float | None = None) -> T:
+        """Run fn on the sequencer thread.
+
+        Time spent queued behind other steps is not the gang's fault, so `deadline_s`
+        counts from the moment fn starts executing. Past it the gang is marked BROKEN and
+        the caller gets CollectiveTimeout (504) while the stuck thread waits out the
+        process group's own timeout.
+        """
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[float] = loop.create_future()
+
+        def timed() -> T:
+            loop.call_soon_threadsafe(_set_if_pending, started, time.monotonic())
+            return fn(*args)
+
+        work: Future[T] = self._sequencer.submit(timed)
+        result = asyncio.wrap_future(work)
+        if deadline_s is None:
+            return await result
+        try:
+            await asyncio.wait({started, result}, return_when=asyncio.FIRST_COMPLETED)
+            if not started.done():  # finished (or failed) before `started` was delivered
+                return await result
+            remaining = deadline_s - (time.monotonic() - started.result())
+            return await asyncio.wait_for(asyncio.shield(result), timeout=max(0.0, remaining))
+        except asyncio.TimeoutError:
+            self._mark_broken(f"a step exceeded collective_timeout_s={deadline_s:.1f}s (stuck rank?)")
+            raise CollectiveTimeout(
+                f"the gang did not finish the request within collective_timeout_s={deadline_s:.1f}s; "
+                "the gang is being rebuilt"
+            ) from None
+        except asyncio.CancelledError:
+            work.cancel()  # drop it if it has not started yet
+            raise
+
+    def _require_ready(self) -> None:
+        if self.state is not GangState.READY:
+            raise GangUnavailable(
+                f"gang is {self.state.value}: {self.reason}", code=f"gang_{self.state.value}"
+            )
 
     def _get(self, refs: list, stage: str, timeout_s: float) -> list:
-        """ray.get bounded by timeout_s; a failure names the stage and the ranks."""
+        """ray.get bounded by timeout_s; a failure names the stage and the late ranks."""
         try:
             return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = [i + 1 for i, r in enumerate(refs) if r not in ready]
             raise GangStartupError(
-                f"stage {stage!r}: ranks {late} did not finish within {timeout_s:.0f}s"
+                f"stage {stage!r}: ranks {late} did not answer within {timeout_s:.0f}s"
             ) from None
 
+    # -- sequencer-side steps ------------------------------------------------------------
     def _bring_up(self) -> None:
         cfg, ws = self.cfg, self.cfg.world_size
         started = time.monotonic()
@@ -163,35 +203,37 @@ class Gang:
             self.param_bytes_per_rank = [root_bytes, *self._get(refs, "load", cfg.stage_timeout_s)]
 
             # Stage 4: warmup. One tiny request proves every collective path works.
-            self._infer_step(np.zeros((1, 1, self.model_cfg.embed_dim), dtype=np.float32))
+            self._compute(np.zeros((1, 1, self.model_cfg.embed_dim), dtype=np.float32))
         except Exception as exc:
+            self._teardown()
             self.state, self.reason = GangState.BROKEN, f"bring-up failed: {exc}"
             raise
-        self.weights_version = 1
+        self.generation += 1
+        self.weights_version = max(self.weights_version, 1)
         self.state, self.reason = GangState.READY, "ready"
         log.info(
-            "gang ready: world_size=%d backend=%s in %.1fs; ranks on %s",
-            ws, self.backend, time.monotonic() - started, [i.node_ip for i in self.rank_infos],
+            "gang ready (generation %d): world_size=%d backend=%s in %.1fs; pids %s",
+            self.generation, ws, self.backend, time.monotonic() - started,
+            [i.pid for i in self.rank_infos],
         )
 
-    def _swap_weights(self, model: ModelConfig) -> int:
-        assert self._root is not None
-        refs = [a.stage_weights.remote(model) for a in self._actors]
-        try:
-            root_bytes = self._root.stage_weights(model)
-            peer_bytes = self._get(refs, "stage weights", self.cfg.stage_timeout_s)
-        except Exception:
-            self._root.discard_staged()
-            ray.get([a.discard_staged.remote() for a in self._actors], timeout=self.cfg.stage_timeout_s)
-            raise
-        self._get([a.commit_weights.remote() for a in self._actors], "commit weights", self.cfg.stage_timeout_s)
-        self._root.commit_weights()
-        self.model_cfg = model
-        self.param_bytes_per_rank = [root_bytes, *peer_bytes]
-        self.weights_version += 1
-        self.weights_source = model.weights_source
-        log.info("weights swapped to %s (version %d)", self.weights_source, self.weights_version)
-        return self.weights_version
+    def _rebuild(self) -> None:
+        self._teardown()
+        self._bring_up()
+
+    def _teardown(self) -> None:
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self._actors = []
+        if self._root is not None:
+            try:
+                self._root.close()
+            except Exception:  # the group may be broken; we are leaving it anyway
+                log.exception("closing rank 0's process group failed")
+            self._root = None
 
     def _spawn_actor(self, rank: int) -> Any:
         options: dict[str, Any] = {
@@ -218,6 +260,11 @@ class Gang:
         return "nccl" if all_cuda else "gloo"
 
     def _infer_step(self, x: np.ndarray) -> np.ndarray:
+        # Requests queued behind a failure must not touch the broken group.
+        self._require_ready()
+        return self._compute(x)
+
+    def _compute(self, x: np.ndarray) -> np.ndarray:
         assert self._root is not None
         shape = tuple(int(d) for d in x.shape)
         refs = [a.step.remote(shape) for a in self._actors]  # control messages only
@@ -225,14 +272,67 @@ class Gang:
             out = self._root.root_step(x)
             ray.get(refs, timeout=self.cfg.collective_timeout_s)
         except (RayError, RuntimeError) as exc:
-            # A peer died or a collective failed: the group is unusable from here on.
-            self._mark_broken(f"collective failed: {exc}")
+            # A peer died or a collective failed or timed out: the group is unusable now.
+            self._mark_broken(f"collective failed: {type(exc).__name__}: {_first_line(exc)}")
+            if _is_timeout(exc):
+                raise CollectiveTimeout(
+                    f"a collective timed out after collective_timeout_s={self.cfg.collective_timeout_s:.1f}s "
+                    "(a rank is stuck); the gang is being rebuilt"
+                ) from exc
             raise GangUnavailable(
-                f"a rank failed during the request ({type(exc).__name__}); the gang will be rebuilt"
+                f"a rank failed during the request ({type(exc).__name__}); the gang is being rebuilt",
+                code="gang_broken",
             ) from exc
         return out
 
+    def _probe_step(self) -> None:
+        if self.state is not GangState.READY:
+            return
+        timeout_s = min(5.0, self.cfg.collective_timeout_s)
+        try:
+            ray.get([a.describe.remote() for a in self._actors], timeout=timeout_s)
+        except (RayError, GangServeError) as exc:
+            self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {_first_line(exc)}")
+
+    def _swap_weights(self, model: ModelConfig) -> int:
+        assert self._root is not None
+        self._require_ready()
+        refs = [a.stage_weights.remote(model) for a in self._actors]
+        try:
+            root_bytes = self._root.stage_weights(model)
+            peer_bytes = self._get(refs, "stage weights", self.cfg.stage_timeout_s)
+        except Exception:
+            self._root.discard_staged()
+            try:
+                ray.get([a.discard_staged.remote() for a in self._actors], timeout=self.cfg.stage_timeout_s)
+            except RayError as exc:
+                self._mark_broken(f"a rank failed while discarding staged weights: {_first_line(exc)}")
+            raise
+        self._get([a.commit_weights.remote() for a in self._actors], "commit weights", self.cfg.stage_timeout_s)
+        self._root.commit_weights()
+        self.model_cfg = model
+        self.param_bytes_per_rank = [root_bytes, *peer_bytes]
+        self.weights_version += 1
+        self.weights_source = model.weights_source
+        log.info("weights swapped to %s (version %d)", self.weights_source, self.weights_version)
+        return self.weights_version
+
     def _mark_broken(self, reason: str) -> None:
-        if self.state is not GangState.STOPPED:
+        if self.state in (GangState.READY, GangState.STARTING):
             log.error("gang broken: %s", reason)
             self.state, self.reason = GangState.BROKEN, reason
+
+
+def _set_if_pending(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, GetTimeoutError) or "timed out" in text or "timeout" in text

@@ -17,7 +17,7 @@ class Ingress:
 
     def __init__(self, gang: DeploymentHandle, config: dict) -> None:
         self._config = AppConfig.model_validate(config)
-        self._gang = GangClient(gang, self._config.request_timeout_s)
+        self._gang = GangClient(gang, self._config)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self._config, self._gang)

@@ -1,7 +1,15 @@
-"""The ingress's view of the GangServer: handle calls with deadlines and error mapping."""
+"""The ingress's view of the GangServer: bounded handle calls, error mapping, and a
+readiness picture that stays truthful while the gang server itself cannot answer.
+
+When the GangServer replica is not answering (Serve still placing its bundles, the
+replica restarting after rank 0 died, or a gang the cluster can never hold), the ingress
+diagnoses why from the cluster's resources (service.gang.placement) and answers 503 at
+once with needed vs available, instead of letting requests queue in Serve's router.
+"""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -9,40 +17,122 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from service.config import AppConfig
 from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
+from service.gang.placement import (
+    gang_request,
+    GangUnschedulable,
+    check_feasible,
+    cluster_snapshot,
+    waiting_reason,
+)
+
+STATUS_MAX_AGE_S = 1.0  # how stale the cached gang status may be on the request path
+DESCRIBE_TIMEOUT_S = 2.0
 
 
 class GangClient:
     """Calls GangServer methods; every wait is bounded and every failure is a GangServeError."""
 
-    def __init__(self, handle: DeploymentHandle, request_timeout_s: float) -> None:
+    def __init__(self, handle: DeploymentHandle, config: AppConfig) -> None:
         self._handle = handle
-        self._timeout_s = request_timeout_s
+        self._cfg = config
+        self._request = gang_request(config)
+        self._created = time.monotonic()
+        self._last_ready: float | None = None
+        self._status: dict[str, Any] | None = None
+        self._status_at = 0.0
+        self._refresh: asyncio.Task | None = None
 
+    # -- public ---------------------------------------------------------------------------
     async def infer(self, x: np.ndarray) -> np.ndarray:
-        return await self._call("infer", x, timeout_s=self._timeout_s)
+        status = await self.status(max_age_s=STATUS_MAX_AGE_S)
+        if status["state"] != "ready":
+            raise unavailable_error(status)
+        return await self._call("infer", x, timeout_s=self._cfg.request_timeout_s, watch=True)
 
     async def reload_weights(self, checkpoint: str, timeout_s: float = 300.0) -> dict[str, Any]:
         """Hot-swap the gang to a dense checkpoint; returns the new /gang description."""
         return await self._call("reload_weights", checkpoint, timeout_s=timeout_s)
 
-    async def describe(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        return await self._call("describe", timeout_s=timeout_s)
+    async def describe(self) -> dict[str, Any]:
+        """GangServer.describe, or a synthesized status explaining why it cannot answer."""
+        return await self.status(max_age_s=0.0)
 
-    async def _call(self, method: str, *args: Any, timeout_s: float) -> Any:
-        response = getattr(self._handle, method).remote(*args)
+    async def status(self, max_age_s: float) -> dict[str, Any]:
+        """The gang's status, at most `max_age_s` old (refreshed in the background when stale)."""
+        age = time.monotonic() - self._status_at
+        if self._status is None or max_age_s <= 0:
+            return await self._refresh_status()
+        if age > max_age_s and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_status())
+        if age > 5 * max_age_s + DESCRIBE_TIMEOUT_S:  # far too stale to trust: wait for fresh
+            return await self._refresh_status()
+        return self._status
+
+    # -- internals ------------------------------------------------------------------------
+    async def _refresh_status(self) -> dict[str, Any]:
         try:
-            return await asyncio.wait_for(_await(response), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise CollectiveTimeout(
-                f"the gang did not answer {method} within {timeout_s:.1f}s", code="gang_timeout"
-            ) from None
+            status = await self._call("describe", timeout_s=DESCRIBE_TIMEOUT_S)
+            if status.get("state") == "ready":
+                self._last_ready = time.monotonic()
+        except GangServeError as exc:
+            status = await self._diagnose(exc)
+        self._status, self._status_at = status, time.monotonic()
+        return status
+
+    async def _diagnose(self, exc: GangServeError) -> dict[str, Any]:
+        """Why the GangServer is not answering, in needed-vs-available terms."""
+        snapshot = await asyncio.to_thread(cluster_snapshot)
+        since = self._last_ready if self._last_ready is not None else self._created
+        waited = time.monotonic() - since
+        try:
+            check_feasible(snapshot, self._request)
+        except GangUnschedulable as unschedulable:
+            return {"state": "unschedulable", "code": "unschedulable", "reason": unschedulable.message}
+        if waited > self._cfg.schedule_timeout_s:
+            return {
+                "state": "unschedulable",
+                "code": "schedule_timeout",
+                "reason": f"gave up after {waited:.0f}s (schedule_timeout_s={self._cfg.schedule_timeout_s:g}): "
+                f"{waiting_reason(snapshot, self._request)}",
+            }
+        return {
+            "state": "scheduling",
+            "code": "gang_scheduling",
+            "reason": f"gang server not answering for {waited:.0f}s ({exc.message}); "
+            f"{waiting_reason(snapshot, self._request)}",
+        }
+
+    async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False) -> Any:
+        """One handle call bounded by timeout_s. With `watch`, also give up as soon as the
+        gang server is seen unable to answer (so requests never sit in Serve's queue)."""
+        response = getattr(self._handle, method).remote(*args)
+        task = asyncio.ensure_future(_await(response))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeout(
+                        f"the gang did not answer {method} within {timeout_s:.1f}s", code="gang_timeout"
+                    )
+                done, _ = await asyncio.wait({task}, timeout=min(remaining, STATUS_MAX_AGE_S if watch else remaining))
+                if done:
+                    return task.result()
+                if watch:
+                    status = await self.status(max_age_s=STATUS_MAX_AGE_S)
+                    if status["state"] in ("scheduling", "unschedulable"):
+                        raise unavailable_error(status)
         except GangServeError:
-            raise  # includes RayTaskError(GangServeError) from the replica
+            if not task.done():
+                task.cancel()
+                response.cancel()
+            raise
         except BackPressureError as exc:
             raise GangUnavailable(f"the gang is overloaded: {exc}", code="overloaded", retry_after_s=1.0) from None
         except RayActorError as exc:
+            self._status_at = 0.0  # force a fresh status next time
             raise GangUnavailable(
                 f"the gang server replica is gone ({type(exc).__name__}); Serve is restarting it",
                 code="gang_restarting",
@@ -52,6 +142,14 @@ class GangClient:
             if isinstance(cause, GangServeError):
                 raise cause from None
             raise GangUnavailable(f"the gang server failed: {exc}", code="gang_error") from None
+
+
+def unavailable_error(status: dict[str, Any]) -> GangServeError:
+    state, reason = status["state"], status.get("reason", "")
+    code = status.get("code") or f"gang_{state}"
+    if state == "unschedulable":
+        return GangUnschedulable(reason, code=code)
+    return GangUnavailable(f"gang is {state}: {reason}", code=code)
 
 
 async def _await(response: Any) -> Any:

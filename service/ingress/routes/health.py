@@ -5,9 +5,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from service.errors import GangUnavailable
 from service.ingress.deps import get_gang
-from service.ingress.gang_client import GangClient
+from service.ingress.gang_client import GangClient, unavailable_error
 
 router = APIRouter(tags=["health"])
 
@@ -25,7 +24,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
     info = await gang.describe()
     if info["state"] != "ready":
-        raise GangUnavailable(f"gang is {info['state']}: {info['reason']}", code=f"gang_{info['state']}")
+        raise unavailable_error(info)
     return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"]}
 
 

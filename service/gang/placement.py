@@ -1,0 +1,123 @@
+"""Can the cluster ever hold the gang? Checked before anything waits.
+
+Pure functions over per-node resource totals (testable without Ray), plus a snapshot of
+the live cluster. Messages always name both sides, e.g.
+
+    gang needs 4 x {GPU: 1} (STRICT_SPREAD); cluster has 2 GPU on 2 nodes
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from service.config import GangConfig
+from service.errors import GangServeError
+
+# Ray reports these alongside real resources; they never constrain a gang.
+_IGNORED_PREFIXES = ("node:", "memory", "object_store_memory", "accelerator_type:")
+
+
+class GangUnschedulable(GangServeError):
+    """The cluster can never place the gang (or gave up waiting); says needed vs available."""
+
+    status, code = 503, "unschedulable"
+    retry_after_s = 30.0
+
+
+@dataclass(frozen=True)
+class GangRequest:
+    """world_size identical bundles placed with one Ray placement strategy."""
+
+    world_size: int
+    bundle: Mapping[str, float]
+    strategy: str
+
+    def describe(self) -> str:
+        return f"{self.world_size} x {_fmt(self.bundle)} ({self.strategy})"
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Per alive node: resource totals (what it can ever offer) and what is free now."""
+
+    totals: list[dict[str, float]]
+    free: list[dict[str, float]] = field(default_factory=list)
+
+    def summary(self, request: GangRequest, which: str = "totals") -> str:
+        nodes = self.totals if which == "totals" else self.free
+        parts = []
+        for key in request.bundle:
+            amount = sum(n.get(key, 0.0) for n in nodes)
+            holders = sum(1 for n in nodes if n.get(key, 0.0) > 0)
+            parts.append(f"{_num(amount)} {key} on {holders} node{'s' if holders != 1 else ''}")
+        label = "cluster has" if which == "totals" else "free now:"
+        return f"{label} {', '.join(parts)} ({len(self.totals)} alive node{'s' if len(self.totals) != 1 else ''})"
+
+
+def gang_request(cfg: GangConfig) -> GangRequest:
+    """What the gang needs from the cluster: world_size bundles of one rank's resources."""
+    bundle: dict[str, float] = {"CPU": cfg.cpus_per_rank}
+    if cfg.use_gpu:
+        bundle["GPU"] = 1
+    return GangRequest(world_size=cfg.world_size, bundle=bundle, strategy=cfg.placement_strategy)
+
+
+def bundles_per_node(node: Mapping[str, float], bundle: Mapping[str, float]) -> int:
+    """How many copies of `bundle` fit on `node` (exact for identical bundles)."""
+    fits = math.inf
+    for key, need in bundle.items():
+        if need <= 0:
+            continue
+        fits = min(fits, math.floor(node.get(key, 0.0) / need + 1e-9))
+    return 0 if fits == math.inf else int(fits)
+
+
+def fits(nodes: list[dict[str, float]], request: GangRequest) -> bool:
+    """Whether `nodes` (totals or free amounts) can hold every bundle under the strategy."""
+    per_node = [bundles_per_node(n, request.bundle) for n in nodes]
+    if request.strategy == "STRICT_PACK":
+        return any(k >= request.world_size for k in per_node)
+    if request.strategy == "STRICT_SPREAD":
+        return sum(1 for k in per_node if k >= 1) >= request.world_size
+    return sum(per_node) >= request.world_size  # PACK / SPREAD: best effort over nodes
+
+
+def check_feasible(snapshot: ClusterSnapshot, request: GangRequest) -> None:
+    """Raise GangUnschedulable if the cluster's totals can never hold the gang."""
+    if not fits(snapshot.totals, request):
+        raise GangUnschedulable(
+            f"gang needs {request.describe()}; {snapshot.summary(request)}. "
+            "Lower world_size or cpus_per_rank, change placement_strategy, or add nodes."
+        )
+
+
+def waiting_reason(snapshot: ClusterSnapshot, request: GangRequest) -> str:
+    return f"waiting for {request.describe()}; {snapshot.summary(request, 'free')}"
+
+
+def cluster_snapshot() -> ClusterSnapshot:
+    """Alive nodes' totals and free resources from the connected Ray cluster."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    totals = [_clean(n.get("Resources", {})) for n in alive]
+    try:
+        free_by_id = available_resources_per_node()
+        free = [_clean(free_by_id.get(n["NodeID"], {})) for n in alive]
+    except Exception:  # private API; the totals alone still decide feasibility
+        free = []
+    return ClusterSnapshot(totals=totals, free=free)
+
+
+def _clean(resources: Mapping[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in resources.items() if not k.startswith(_IGNORED_PREFIXES)}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _fmt(bundle: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in bundle.items()) + "}"
