@@ -1,4 +1,18 @@
 """Python client and CLI for gangserve (`python -m clients --help`)."""
-from clients.client import GangServeClient, GangServeHTTPError
+from clients.client import (
+    AsyncGangServeClient,
+    BadRequestError,
+    GangServeClient,
+    GangServeHTTPError,
+    InvalidInputError,
+    UnavailableError,
+)
 
-__all__ = ["GangServeClient", "GangServeHTTPError"]
+__all__ = [
+    "AsyncGangServeClient",
+    "BadRequestError",
+    "GangServeClient",
+    "GangServeHTTPError",
+    "InvalidInputError",
+    "UnavailableError",
+]

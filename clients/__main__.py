@@ -1,6 +1,7 @@
 """gangserve CLI.
 
     python -m clients infer input.npy -o out.npy          # also .safetensors in/out
+    python -m clients infer x.safetensors -o y.safetensors --output-dtype bfloat16
     python -m clients gang                                  # the gang's ranks and state
     python -m clients ready
 """
@@ -12,25 +13,30 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
 
 from clients.client import GangServeClient, GangServeHTTPError
+from service import codecs
 
 
 def _read_tensor(path: Path) -> np.ndarray:
+    """The input tensor of a .npy file or of a .safetensors file (hidden_states, or its only tensor)."""
     if path.suffix == ".safetensors":
-        tensors = load_file(str(path))
-        if "hidden_states" in tensors:
-            return tensors["hidden_states"]
-        if len(tensors) == 1:
-            return next(iter(tensors.values()))
-        raise SystemExit(f"{path}: expected a tensor named hidden_states, found {sorted(tensors)}")
+        with safe_open(str(path), framework="numpy") as f:  # reads the header only
+            names = list(f.keys())
+        name = "hidden_states" if "hidden_states" in names else names[0] if len(names) == 1 else None
+        if name is None:
+            raise SystemExit(f"{path}: expected a tensor named hidden_states, found {sorted(names)}")
+        # The codecs read every float dtype, bfloat16 included (safetensors.numpy cannot).
+        return np.array(codecs.decode_safetensors(path.read_bytes(), name=name))
     return np.load(path, allow_pickle=False)
 
 
 def _write_tensor(path: Path, array: np.ndarray) -> None:
     if path.suffix == ".safetensors":
-        save_file({"output": np.ascontiguousarray(array)}, str(path))
+        path.write_bytes(codecs.encode_safetensors({"output": array}))
+    elif array.dtype == codecs.BFLOAT16:
+        raise SystemExit(f"{path}: npy cannot hold bfloat16; write a .safetensors file instead")
     else:
         np.save(path, array, allow_pickle=False)
 
@@ -45,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p_infer.add_argument("-o", "--output", type=Path, help="write the result (.npy or .safetensors)")
     p_infer.add_argument("--format", choices=["safetensors", "npy", "json"], default="safetensors",
                          help="wire format (default safetensors)")
+    p_infer.add_argument("--output-dtype", choices=list(codecs.DTYPE_NAMES),
+                         help="reply dtype (default: the input's dtype)")
     sub.add_parser("gang", help="print GET /gang")
     sub.add_parser("ready", help="exit 0 if the gang is ready")
     args = parser.parse_args(argv)
@@ -52,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     with GangServeClient(args.url) as client:
         try:
             if args.command == "infer":
-                out = client.infer(_read_tensor(args.input), fmt=args.format)
+                out = client.infer(_read_tensor(args.input), fmt=args.format, output_dtype=args.output_dtype)
                 if args.output:
                     _write_tensor(args.output, out)
-                print(f"output shape {list(out.shape)} dtype {out.dtype} mean {float(out.mean()):.6g}")
+                print(f"output shape {list(out.shape)} dtype {codecs.dtype_name(out.dtype)} "
+                      f"mean {float(out.astype(np.float64).mean()):.6g}")
             elif args.command == "gang":
                 print(json.dumps(client.gang(), indent=2))
             elif args.command == "ready":

@@ -201,7 +201,7 @@ def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] 
     arrays = []
     offset = 0
     for name, array in tensors.items():
-        array = _little_endian(np.ascontiguousarray(array))
+        array = _little_endian(np.require(array, requirements="C"))
         code = _NP_TO_ST.get(dtype_name(array.dtype))
         if code is None:
             raise NotAcceptable(f"cannot write dtype {array.dtype} as safetensors; only {', '.join(_NP_TO_ST)}")
@@ -242,17 +242,18 @@ def encode_npy(array: np.ndarray) -> bytes:
     """npy v1 bytes of `array` (header + one copy of the data)."""
     if array.dtype == BFLOAT16:
         raise InvalidInput("npy cannot carry bfloat16; use safetensors or JSON")
-    array = np.ascontiguousarray(array)
+    array = np.require(array, requirements="C")  # (ascontiguousarray would make 0-d arrays 1-d)
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
     return b"".join([header.getvalue(), array.reshape(-1).view(np.uint8).data])
 
 
 def decode_json(body: bytes) -> np.ndarray:
-    """`{"hidden_states": nested lists, "dtype"?: "float32"|"float16"|"bfloat16"|"float64"}`.
+    """`{"hidden_states": nested lists, "dtype"?: "float32"|"float16"|"bfloat16"|"float64", "shape"?: [...]}`.
 
     Values are cast to `dtype` (default float32): the request's dtype, which the reply
     keeps. Values out of that dtype's range become Inf and are refused by validation.
+    With `shape`, the values (nested or flat, row-major) are reshaped to it.
     """
     try:
         doc = orjson.loads(body)
@@ -264,12 +265,22 @@ def decode_json(body: bytes) -> np.ndarray:
     name = doc.get("dtype", "float32")
     if name not in FLOAT_DTYPES:
         raise InvalidInput(f"JSON dtype must be one of {', '.join(DTYPE_NAMES)}; got {name!r:.50}")
-    return numbers_to_array(doc[INPUT_NAME], FLOAT_DTYPES[name], what=INPUT_NAME)
+    array = numbers_to_array(doc[INPUT_NAME], FLOAT_DTYPES[name], what=INPUT_NAME)
+    if doc.get("shape") is None:
+        return array
+    # An explicit shape: flat data is fine, and zero-size shapes ([0, 512] vs [0]) stay exact.
+    shape = _shape_of(doc["shape"], "JSON shape")
+    if array.size != _nbytes(shape, np.dtype(np.uint8)):
+        raise InvalidInput(f"{INPUT_NAME} has {array.size} values; shape {list(shape)} needs {_nbytes(shape, np.dtype(np.uint8))}")
+    return array.reshape(shape)
 
 
-def encode_json(array: np.ndarray) -> bytes:
-    """`{"output": nested lists, "shape": [...], "dtype": name}`, serialized by orjson from numpy."""
-    payload = {OUTPUT_NAME: _json_ready(array), "shape": list(array.shape), "dtype": dtype_name(array.dtype)}
+def encode_json(array: np.ndarray, name: str = OUTPUT_NAME) -> bytes:
+    """`{name: nested lists, "shape": [...], "dtype": dtype name}`, serialized by orjson from numpy.
+
+    With name="hidden_states" it is a valid request body (decode_json ignores "shape").
+    """
+    payload = {name: _json_ready(array), "shape": list(array.shape), "dtype": dtype_name(array.dtype)}
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -292,9 +303,10 @@ def numbers_to_array(values: Any, dtype: np.dtype, *, what: str) -> np.ndarray:
         return array.astype(dtype)
 
 
-def _json_ready(array: np.ndarray) -> np.ndarray:
-    # orjson serializes float16/32/64 natively; bfloat16 values are exact in float32.
-    return array.astype(np.float32) if array.dtype == BFLOAT16 else np.ascontiguousarray(array)
+def _json_ready(array: np.ndarray) -> np.ndarray | float:
+    # orjson serializes float16/32/64 arrays natively (not 0-d ones); bfloat16 values are exact in float32.
+    array = array.astype(np.float32) if array.dtype == BFLOAT16 else np.require(array, requirements="C")
+    return array.item() if array.ndim == 0 else array
 
 
 # ---------------------------------------------------------------- OIP v2 tensors
@@ -330,12 +342,12 @@ def oip_datatype(dtype: np.dtype) -> str:
 
 def oip_json_data(array: np.ndarray) -> np.ndarray:
     """Row-major flat data of `array`, ready for orjson (OPT_SERIALIZE_NUMPY)."""
-    return _json_ready(array).reshape(-1)
+    return _json_ready(array.reshape(-1))
 
 
 def raw_bytes(array: np.ndarray) -> memoryview:
     """Little-endian row-major bytes of `array` (no copy when already contiguous)."""
-    return _little_endian(np.ascontiguousarray(array)).reshape(-1).view(np.uint8).data
+    return _little_endian(np.require(array, requirements="C")).reshape(-1).view(np.uint8).data
 
 
 # ---------------------------------------------------------------- validation
@@ -367,7 +379,9 @@ def to_model_input(array: np.ndarray) -> np.ndarray:
     _check_float(array.dtype)
     x = array[None] if array.ndim == 2 else array
     with np.errstate(over="ignore"):  # float64 beyond float32's range -> Inf, refused just below
-        x = np.ascontiguousarray(x, dtype=MODEL_DTYPE)
+        # ALIGNED: a zero-copy view of a body can sit at any byte offset; torch kernels
+        # then take different (still correct, but not bitwise-equal) paths.
+        x = np.require(x, dtype=MODEL_DTYPE, requirements=["C_CONTIGUOUS", "ALIGNED"])
     if not np.isfinite(x).all():
         raise InvalidInput(f"{INPUT_NAME} contains NaN or Inf (or values that overflow float32)")
     return x

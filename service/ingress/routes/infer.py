@@ -29,6 +29,8 @@ _BODY_DOC = {
                 "properties": {
                     "hidden_states": {"type": "array", "items": {}, "description": "nested lists of numbers"},
                     "dtype": {**_DTYPE, "default": "float32", "description": "the request's dtype"},
+                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                              "description": "optional; hidden_states (flat or nested) is reshaped to it"},
                 },
             }
         },
