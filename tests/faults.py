@@ -1,0 +1,113 @@
+"""Helpers for fault-injection tests: a request loop and process probes."""
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+import torch
+
+from tests.reference import dense_attention, relative_error
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def gang_info(base: str) -> dict | None:
+    try:
+        reply = httpx.get(base + "/gang", timeout=10)
+    except httpx.HTTPError:
+        return None
+    return reply.json() if reply.status_code == 200 else reply.json()
+
+
+def wait_for_new_gang(base: str, old_pids: set[int], timeout_s: float) -> tuple[dict, float]:
+    """Poll /gang until the gang is ready without any of `old_pids` (the ranks that had to
+    be replaced); returns (info, seconds)."""
+    start = time.monotonic()
+    last = None
+    while time.monotonic() - start < timeout_s:
+        last = gang_info(base)
+        if last and last.get("state") == "ready":
+            pids = {r["pid"] for r in last["ranks"]}
+            if not pids & old_pids:
+                return last, time.monotonic() - start
+        time.sleep(0.25)
+    raise AssertionError(f"gang not rebuilt within {timeout_s}s; last /gang: {last}")
+
+
+@dataclass
+class Outcome:
+    status: int
+    latency_s: float
+    correct: bool | None
+    at: float
+    body: str = ""
+
+
+@dataclass
+class RequestLoop:
+    """Background threads posting [1, 4, E] npy requests and checking every 200."""
+
+    url: str
+    weights: dict
+    threads: int = 2
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._workers = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.threads)]
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "RequestLoop":
+        for w in self._workers:
+            w.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for w in self._workers:
+            w.join(timeout=180)
+
+    def _run(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with httpx.Client(timeout=180) as client:
+            while not self._stop.is_set():
+                x = rng.standard_normal((1, 4, 512), dtype=np.float32)
+                buf = io.BytesIO()
+                np.save(buf, x)
+                t0 = time.monotonic()
+                try:
+                    r = client.post(self.url, content=buf.getvalue(), headers={"content-type": "application/x-npy"})
+                    status, text, content = r.status_code, r.text if r.status_code != 200 else "", r.content
+                except httpx.HTTPError as exc:
+                    status, text, content = -1, repr(exc), b""
+                latency = time.monotonic() - t0
+                correct = None
+                if status == 200:
+                    out = np.load(io.BytesIO(content))
+                    want = dense_attention(self.weights, 8, torch.from_numpy(x))
+                    correct = relative_error(torch.from_numpy(out), want) < 1e-5
+                with self._lock:
+                    self.outcomes.append(Outcome(status, latency, correct, t0, text))
+                if status != 200:
+                    time.sleep(0.05)
+
+    def summary(self) -> dict[str, object]:
+        statuses: dict[int, int] = {}
+        for o in self.outcomes:
+            statuses[o.status] = statuses.get(o.status, 0) + 1
+        return {
+            "statuses": statuses,
+            "max_latency_s": round(max((o.latency_s for o in self.outcomes), default=0.0), 3),
+            "wrong": sum(1 for o in self.outcomes if o.correct is False),
+        }
