@@ -36,6 +36,12 @@ class BadRequest(GangServeError):
     status, code = 400, "malformed"
 
 
+class Unauthorized(GangServeError):
+    """Missing or wrong bearer token on a route that needs one."""
+
+    status, code = 401, "unauthorized"
+
+
 class NotFound(GangServeError):
     status, code = 404, "not_found"
 

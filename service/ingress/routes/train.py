@@ -1,0 +1,78 @@
+"""Training jobs: POST /train (auth), GET /train, GET /train/{id}, POST /train/{id}/cancel
+(auth), GET /train/{id}/checkpoint, GET /train/{id}/logs. The JobManager does the work."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+
+from service.auth import require_token
+from service.errors import BadRequest
+from service.ingress.deps import read_body_capped
+from service.ingress.jobs_client import JobsClient, get_jobs
+from service.training.spec import JobSpec
+
+router = APIRouter(tags=["training"])
+
+# A job spec is small; anything bigger is not one.
+MAX_SPEC_BYTES = 64 * 1024
+
+
+@router.post(
+    "/train",
+    status_code=202,
+    summary="Start a DDP training job (Ray Train); 202 + Location: /train/{id}",
+    dependencies=[Depends(require_token)],
+    openapi_extra={"requestBody": {"content": {"application/json": {"schema": JobSpec.model_json_schema()}}}},
+    responses={401: {"description": "missing/bad token"}, 422: {"description": "invalid spec or infeasible job"}},
+)
+async def submit(request: Request, jobs: JobsClient = Depends(get_jobs)) -> JSONResponse:
+    body = await read_body_capped(request, MAX_SPEC_BYTES)
+    try:
+        doc: Any = json.loads(body) if body.strip() else {}
+    except ValueError as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest(f"body must be a JSON object (the job spec), got {type(doc).__name__}")
+    job = await jobs.call("submit", doc)  # the JobManager validates (422 with every problem)
+    return JSONResponse(job, status_code=202, headers={"Location": f"/train/{job['id']}"})
+
+
+@router.get("/train", summary="Jobs, newest first: {jobs, next}")
+async def list_jobs(
+    limit: int = Query(20, ge=1, le=200), cursor: str | None = Query(None, max_length=32),
+    jobs: JobsClient = Depends(get_jobs),
+) -> dict[str, Any]:
+    return await jobs.call("list_jobs", limit, cursor)
+
+
+@router.get("/train/{job_id}", summary="One job: status, progress, history, error, checkpoint")
+async def get_job(job_id: str, jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
+    return await jobs.call("get_job", job_id)
+
+
+@router.post("/train/{job_id}/cancel", summary="Stop a job and free its resources",
+             dependencies=[Depends(require_token)])
+async def cancel(job_id: str, jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
+    return await jobs.call("cancel", job_id)
+
+
+@router.get(
+    "/train/{job_id}/checkpoint",
+    summary="The final checkpoint (safetensors; dense attention contract format for attention jobs)",
+    response_class=Response,
+    responses={200: {"content": {"application/x-safetensors": {}}}, 409: {"description": "job has none"}},
+)
+async def checkpoint(job_id: str, jobs: JobsClient = Depends(get_jobs)) -> FileResponse:
+    path = await jobs.call("checkpoint_path", job_id)
+    return FileResponse(path, media_type="application/x-safetensors", filename=f"{job_id}.safetensors")
+
+
+@router.get("/train/{job_id}/logs", summary="The job's recent log lines")
+async def logs(job_id: str, tail: int = Query(200, ge=1, le=2000),
+               jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
+    return await jobs.call("logs", job_id, tail)
+
+

@@ -1,0 +1,124 @@
+"""Training data: learnable synthetic data and uploaded safetensors datasets.
+
+An uploaded dataset is one safetensors file with exactly two float tensors:
+    linear:    inputs [N, in_features],   targets [N, out_features]
+    attention: inputs [N, seq, E],        targets [N, seq, E]
+The kind is inferred from the rank (2-D or 3-D); a job checks it against its model.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.torch import load_file
+
+from service.training.models import ModelSpecT, teacher_model
+from service.training.spec import AttentionModel, LinearModel, SyntheticDataset
+
+DATASET_KEYS = ("inputs", "targets")
+_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+# Decorrelates the teacher's weights from the inputs drawn with the same dataset seed.
+_TEACHER_SEED_OFFSET = 7919
+
+
+class DatasetError(ValueError):
+    """The upload parsed but is not a usable dataset (names, dtypes, shapes, values)."""
+
+
+class MalformedDataset(ValueError):
+    """The upload is not a safetensors file at all."""
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    kind: str                 # "linear" | "attention"
+    samples: int
+    inputs_shape: list[int]
+    targets_shape: list[int]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def synthetic(model: ModelSpecT, ds: SyntheticDataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) with targets = teacher(inputs) + noise; same on every worker."""
+    gen = torch.Generator().manual_seed(ds.seed)
+    if isinstance(model, AttentionModel):
+        x = torch.randn(ds.samples, ds.seq_len, model.embed_dim, generator=gen)
+    else:
+        x = torch.randn(ds.samples, model.in_features, generator=gen)
+    teacher = teacher_model(model, ds.seed + _TEACHER_SEED_OFFSET)
+    with torch.inference_mode():
+        y = teacher(x)
+    y = y + ds.noise * torch.randn(y.shape, generator=gen)
+    return x.contiguous(), y.contiguous()
+
+
+def parse_upload(body: bytes) -> tuple[DatasetInfo, dict[str, np.ndarray]]:
+    """Validate an uploaded safetensors body; return its description and float32 tensors.
+
+    Raises MalformedDataset (not safetensors) or DatasetError (wrong names/dtypes/shapes/values),
+    each naming what was needed and what was found.
+    """
+    if not body:
+        raise MalformedDataset("empty body: expected a safetensors file with tensors 'inputs' and 'targets'")
+    try:
+        tensors = st_load(body)
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise MalformedDataset(f"body is not a valid safetensors file: {exc}") from None
+    if sorted(tensors) != sorted(DATASET_KEYS):
+        raise DatasetError(f"expected exactly the tensors {list(DATASET_KEYS)}, found {sorted(tensors)}")
+    out: dict[str, np.ndarray] = {}
+    for key in DATASET_KEYS:
+        arr = tensors[key]
+        if arr.dtype.type not in _FLOAT_DTYPES:
+            raise DatasetError(f"{key} has dtype {arr.dtype}; expected float16, float32 or float64")
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not np.isfinite(arr).all():
+            raise DatasetError(f"{key} contains NaN or Inf values")
+        out[key] = arr
+    x, y = out["inputs"], out["targets"]
+    if x.ndim not in (2, 3) or y.ndim != x.ndim:
+        raise DatasetError(
+            f"inputs {list(x.shape)} / targets {list(y.shape)}: expected 2-D [N, in] / [N, out] (linear) "
+            "or 3-D [N, seq, E] / [N, seq, E] (attention)"
+        )
+    if x.shape[0] < 1 or x.shape[0] != y.shape[0]:
+        raise DatasetError(f"inputs has {x.shape[0]} samples, targets {y.shape[0]}: need the same N >= 1")
+    if x.ndim == 3 and x.shape != y.shape:
+        raise DatasetError(f"attention data needs targets shaped like inputs: {list(x.shape)} vs {list(y.shape)}")
+    if 0 in x.shape or 0 in y.shape:
+        raise DatasetError(f"empty dimension in inputs {list(x.shape)} / targets {list(y.shape)}")
+    info = DatasetInfo(
+        kind="attention" if x.ndim == 3 else "linear",
+        samples=int(x.shape[0]),
+        inputs_shape=[int(d) for d in x.shape],
+        targets_shape=[int(d) for d in y.shape],
+    )
+    return info, out
+
+
+def check_compatible(model: ModelSpecT, info: DatasetInfo) -> None:
+    """DatasetError unless the dataset's shapes fit the model."""
+    if isinstance(model, AttentionModel):
+        if info.kind != "attention" or info.inputs_shape[2] != model.embed_dim:
+            raise DatasetError(
+                f"an attention model with embed_dim {model.embed_dim} needs inputs/targets "
+                f"[N, seq, {model.embed_dim}]; the dataset has inputs {info.inputs_shape}, targets {info.targets_shape}"
+            )
+        return
+    assert isinstance(model, LinearModel)
+    if info.kind != "linear" or info.inputs_shape[1] != model.in_features or info.targets_shape[1] != model.out_features:
+        raise DatasetError(
+            f"a linear model {model.in_features} -> {model.out_features} needs inputs [N, {model.in_features}] and "
+            f"targets [N, {model.out_features}]; the dataset has inputs {info.inputs_shape}, targets {info.targets_shape}"
+        )
+
+
+def load_uploaded(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = load_file(str(path))
+    return tensors["inputs"].to(torch.float32), tensors["targets"].to(torch.float32)

@@ -1,0 +1,395 @@
+"""JobManager: the Serve deployment (num_cpus=0) that owns training jobs.
+
+It validates and admits jobs (fail-fast placement check), launches each run as a detached
+`TrainRun` actor, polls the runs and is the only writer of their SQLite records, and
+answers the ingress's job, dataset and checkpoint questions. The ingress never creates
+actors; it only calls this deployment.
+
+Life of a job: PENDING (record written, run actor created, Ray Train waiting for its
+workers; `reason` says what it waits for) -> RUNNING (rank 0 entered the train loop) ->
+SUCCEEDED | FAILED | CANCELLED. A PENDING job that outlives `schedule_timeout_s`, or that
+the cluster can no longer ever hold (a node left), is stopped and FAILED with the numbers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, TypeVar
+
+import ray
+from pydantic import ValidationError
+from ray import serve
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from safetensors.numpy import save_file
+
+from service.errors import BadRequest, Conflict, InvalidInput, NotFound
+from service.state import resolve_inside, state_dir
+from service.training import resources
+from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
+from service.training.run import (
+    RUN_NAMESPACE,
+    TrainRun,
+    read_result,
+    run_actor_name,
+)
+from service.training.spec import TERMINAL_STATUSES, AttentionModel, JobSpec, UploadedDataset
+from service.training.store import JobRecord, JobStore, iso
+
+log = logging.getLogger("gangserve.training")
+
+POLL_INTERVAL_S = 0.5
+HEARTBEAT_INTERVAL_S = 2.0
+# A manager silent this long is presumed dead; another adopts its active jobs.
+OWNER_STALE_S = 15.0
+ADOPT_INTERVAL_S = 5.0
+SNAPSHOT_TIMEOUT_S = 10.0
+# Consecutive unanswered polls before a run actor is declared hung (~2 minutes).
+MAX_MISSED_POLLS = 12
+PENDING_REASON_INTERVAL_S = 2.0
+
+_RemoteTrainRun = ray.remote(TrainRun)
+T = TypeVar("T")
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+
+
+@dataclass
+class _Run:
+    handle: Any
+    log_seq: int = 0
+    missed_polls: int = 0
+    reason_checked_at: float = 0.0
+
+
+@serve.deployment(
+    name="JobManager",
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=256,
+    health_check_period_s=10,
+)
+class JobManager:
+    """Owns the job store and the run actors; every wait is bounded."""
+
+    async def __init__(self) -> None:
+        self._state_dir = state_dir()
+        for sub in ("runs", "checkpoints", "datasets"):
+            (self._state_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._store = JobStore(self._state_dir / "jobs.sqlite")
+        self._id = f"mgr-{uuid.uuid4().hex[:12]}"
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._runs: dict[str, _Run] = {}
+        self._last_heartbeat = 0.0
+        self._last_adopt = 0.0
+        await self._io(self._store.heartbeat, self._id)
+        await self._adopt()
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+        log.info("JobManager %s on state dir %s", self._id, self._state_dir)
+
+    # ---- jobs ---------------------------------------------------------------------------
+
+    async def submit(self, spec_doc: dict[str, Any]) -> dict[str, Any]:
+        """Admit a job: 422 if invalid or infeasible; else a PENDING record and a run actor."""
+        try:
+            spec = JobSpec.model_validate(spec_doc)
+        except ValidationError as exc:
+            raise InvalidInput(f"invalid job spec: {format_validation_error(exc)}", code="invalid_spec") from None
+        dataset_path = None
+        if isinstance(spec.dataset, UploadedDataset):
+            found = await self._io(self._store.get_dataset, spec.dataset.id)
+            if found is None:
+                raise InvalidInput(f"dataset {spec.dataset.id!r} does not exist (see GET /datasets)",
+                                   code="dataset_not_found")
+            public, dataset_path = found
+            info = DatasetInfo(**{k: public[k] for k in ("kind", "samples", "inputs_shape", "targets_shape")})
+            try:
+                check_compatible(spec.model, info)
+            except DatasetError as exc:
+                raise InvalidInput(str(exc), code="dataset_mismatch") from None
+        bundle = spec.worker_bundle()
+        nodes = await asyncio.to_thread(resources.alive_node_totals)
+        why_not = resources.infeasible_reason(bundle, spec.world_size, nodes)
+        if why_not:
+            raise InvalidInput(why_not, code="infeasible")
+        available = await asyncio.to_thread(ray.available_resources)
+        now = time.time()
+        record = JobRecord(
+            id=f"job-{uuid.uuid4().hex[:12]}",
+            status="PENDING",
+            spec=spec.model_dump(),
+            created_at=now,
+            updated_at=now,
+            progress={"epoch": 0, "epochs": spec.epochs, "step": 0, "loss": None},
+            reason=resources.pending_reason(bundle, spec.world_size, available),
+            owner=self._id,
+        )
+        await self._io(self._store.create_job, record)
+        await self._manager_log(record.id, f"submitted by {self._id}: {spec.model_dump_json()}")
+        try:
+            handle = _RemoteTrainRun.options(
+                name=run_actor_name(record.id),
+                namespace=RUN_NAMESPACE,
+                lifetime="detached",
+                num_cpus=0,
+                max_restarts=0,
+                max_concurrency=16,
+                # The Ray Train controller is placed on its driver's node; keep both where
+                # the state dir is known to be mounted.
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
+            ).remote(record.id, spec.model_dump(), str(self._state_dir), dataset_path)
+        except Exception as exc:  # noqa: BLE001 - recorded, then reported
+            await self._fail(record.id, f"could not start the run actor: {type(exc).__name__}: {exc}")
+            raise
+        self._runs[record.id] = _Run(handle)
+        return record.to_public()
+
+    async def get_job(self, job_id: str) -> dict[str, Any]:
+        return (await self._record(job_id)).to_public()
+
+    async def list_jobs(self, limit: int = 20, cursor: str | None = None) -> dict[str, Any]:
+        """Newest first: {"jobs": [...], "next": cursor | None}."""
+        if not 1 <= limit <= 200:
+            raise InvalidInput(f"limit must be in 1..200, got {limit}", code="invalid_request")
+        seq = None
+        if cursor is not None:
+            if not cursor.isdigit():
+                raise InvalidInput(f"cursor {cursor!r} is not one returned by GET /train", code="invalid_request")
+            seq = int(cursor)
+        records, nxt = await self._io(self._store.list_jobs, limit, seq)
+        return {"jobs": [r.to_public() for r in records], "next": str(nxt) if nxt is not None else None}
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        """Stop the run (kill its actor; Ray Train's cleaner frees the workers' placement group
+        within seconds) and mark it CANCELLED. 409 if it already ended."""
+        record = await self._record(job_id)
+        if not record.active:
+            raise Conflict(f"job {job_id} already ended with status {record.status}", code="job_finished")
+        changed = await self._io(
+            self._store.update_job, job_id, status="CANCELLED", finished_at=time.time(),
+            reason="cancelled by request",
+        )
+        if not changed:  # it ended between the read and the write
+            record = await self._record(job_id)
+            raise Conflict(f"job {job_id} already ended with status {record.status}", code="job_finished")
+        await self._manager_log(job_id, "cancelled by request; stopping the run")
+        await self._kill_run(job_id)
+        return await self.get_job(job_id)
+
+    async def logs(self, job_id: str, tail: int = 200) -> dict[str, Any]:
+        await self._record(job_id)
+        if not 1 <= tail <= 2000:
+            raise InvalidInput(f"tail must be in 1..2000, got {tail}", code="invalid_request")
+        lines = await self._io(self._store.tail_logs, job_id, tail)
+        return {"id": job_id, "lines": [f"{iso(ts)} {line}" for ts, line in lines]}
+
+    async def checkpoint_path(self, job_id: str) -> str:
+        """Absolute path of a finished job's final checkpoint (inside the state dir)."""
+        record = await self._record(job_id)
+        if record.status != "SUCCEEDED" or not record.checkpoint:
+            raise Conflict(
+                f"job {job_id} has no final checkpoint: status {record.status}"
+                + (f" ({record.error})" if record.error else ""),
+                code="no_checkpoint",
+            )
+        return str(self._inside_state_dir(record.checkpoint["path"]))
+
+    async def resolve_weights(self, job_id: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
+        """The dense attention checkpoint POST /weights should load: {"path", "job_id",
+        "embed_dim", "num_heads"}. A client-given path must resolve inside the state dir."""
+        if (job_id is None) == (checkpoint is None):
+            raise InvalidInput("give exactly one of job_id or checkpoint", code="invalid_request")
+        if job_id is not None:
+            record = await self._record(job_id)
+            model = JobSpec.model_validate(record.spec).model
+            if not isinstance(model, AttentionModel):
+                raise Conflict(f"job {job_id} trained a {model.kind} model; only attention checkpoints can be served",
+                               code="checkpoint_mismatch")
+            path = Path(await self.checkpoint_path(job_id))
+            return {"path": str(path), "job_id": job_id, "embed_dim": model.embed_dim, "num_heads": model.num_heads}
+        path = self._inside_state_dir(checkpoint)  # type: ignore[arg-type]
+        return {"path": str(path), "job_id": None}
+
+    # ---- datasets -----------------------------------------------------------------------
+
+    async def upload_dataset(self, body: bytes) -> dict[str, Any]:
+        try:
+            info, tensors = await asyncio.to_thread(parse_upload, body)
+        except MalformedDataset as exc:
+            raise BadRequest(str(exc)) from None
+        except DatasetError as exc:
+            raise InvalidInput(str(exc), code="invalid_dataset") from None
+        dataset_id = f"ds-{uuid.uuid4().hex[:12]}"
+        path = self._state_dir / "datasets" / f"{dataset_id}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        await asyncio.to_thread(save_file, tensors, str(tmp))
+        os.replace(tmp, path)
+        return await self._io(self._store.add_dataset, dataset_id, info.to_dict(), str(path), path.stat().st_size)
+
+    async def list_datasets(self) -> dict[str, Any]:
+        return {"datasets": await self._io(self._store.list_datasets)}
+
+    # ---- Serve hooks --------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        if self._poller.done():
+            exc = self._poller.exception() if not self._poller.cancelled() else None
+            raise RuntimeError(f"job poller stopped: {exc!r}")
+
+    # ---- polling ------------------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                now = time.monotonic()
+                if now - self._last_heartbeat > HEARTBEAT_INTERVAL_S:
+                    await self._io(self._store.heartbeat, self._id)
+                    self._last_heartbeat = now
+                if now - self._last_adopt > ADOPT_INTERVAL_S:
+                    await self._adopt()
+                if self._runs:
+                    await asyncio.gather(*(self._poll_run(j, r) for j, r in list(self._runs.items())))
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad poll
+                log.exception("job poll failed")
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    async def _poll_run(self, job_id: str, run: _Run) -> None:
+        record = await self._io(self._store.get_job, job_id)
+        if record is None or not record.active or record.owner != self._id:
+            # Ended elsewhere (cancelled, adopted): make sure the run is gone, stop polling.
+            self._runs.pop(job_id, None)
+            if record is None or record.status in TERMINAL_STATUSES:
+                await self._kill_run(job_id)
+            return
+        try:
+            snap = await asyncio.wait_for(_await(run.handle.snapshot.remote(run.log_seq)), SNAPSHOT_TIMEOUT_S)
+        except (asyncio.TimeoutError, GetTimeoutError):
+            run.missed_polls += 1
+            if run.missed_polls >= MAX_MISSED_POLLS:
+                await self._fail(job_id, f"the run actor did not answer {MAX_MISSED_POLLS} polls in a row; stopped it")
+                await self._kill_run(job_id)
+            return
+        except RayActorError as exc:
+            self._runs.pop(job_id, None)
+            await self._run_gone(record, f"the run's actor died ({type(exc).__name__})")
+            return
+        run.missed_polls = 0
+        await self._apply(record, snap, run)
+        if snap["status"] in TERMINAL_STATUSES:
+            self._runs.pop(job_id, None)
+            await self._kill_run(job_id)  # its outcome is persisted: release the actor
+            return
+        if snap["status"] == "PENDING":
+            await self._check_pending(record, run)
+
+    async def _apply(self, record: JobRecord, snap: dict[str, Any], run: _Run | None) -> None:
+        """Persist a run snapshot (only the fields that changed) and its new log lines."""
+        fields: dict[str, Any] = {}
+        for key in ("status", "error", "started_at", "finished_at", "progress", "history", "workers",
+                    "attempts", "checkpoint"):
+            if key in snap and snap[key] != getattr(record, key):
+                fields[key] = snap[key]
+        if snap["status"] != "PENDING" and record.reason and record.reason.startswith("waiting"):
+            fields["reason"] = None
+        logs = snap.get("logs") or []
+        if logs:
+            await self._io(self._store.append_logs, record.id, [tuple(e) for e in logs])
+            if run is not None:
+                run.log_seq = max(run.log_seq, max(e[0] for e in logs))
+        if fields:
+            await self._io(self._store.update_job, record.id, **fields)
+
+    async def _check_pending(self, record: JobRecord, run: _Run) -> None:
+        """Refresh a PENDING job's reason; fail it if it can never start or waited too long."""
+        now = time.monotonic()
+        if now - run.reason_checked_at < PENDING_REASON_INTERVAL_S:
+            return
+        run.reason_checked_at = now
+        spec = JobSpec.model_validate(record.spec)
+        bundle = spec.worker_bundle()
+        nodes = await asyncio.to_thread(resources.alive_node_totals)
+        why_not = resources.infeasible_reason(bundle, spec.world_size, nodes)
+        available = await asyncio.to_thread(ray.available_resources)
+        waiting = resources.pending_reason(bundle, spec.world_size, available)
+        if why_not is None and time.time() - record.created_at > spec.schedule_timeout_s:
+            why_not = f"not scheduled within schedule_timeout_s={spec.schedule_timeout_s:g}: still {waiting}"
+        if why_not:
+            await self._kill_run(record.id)
+            self._runs.pop(record.id, None)
+            await self._fail(record.id, why_not)
+        elif waiting != record.reason:
+            await self._io(self._store.update_job, record.id, reason=waiting)
+
+    async def _adopt(self) -> None:
+        """Take over active jobs whose manager died: re-attach to live runs, else settle them."""
+        self._last_adopt = time.monotonic()
+        adopted = await self._io(self._store.adopt_orphans, self._id, OWNER_STALE_S)
+        for record in adopted:
+            try:
+                handle = ray.get_actor(run_actor_name(record.id), namespace=RUN_NAMESPACE)
+            except ValueError:
+                await self._run_gone(record, "service restarted")
+                continue
+            seq = await self._io(self._store.last_run_log_seq, record.id)
+            self._runs[record.id] = _Run(handle, log_seq=seq)
+            await self._manager_log(record.id, f"re-attached to the running run by {self._id}")
+
+    async def _run_gone(self, record: JobRecord, why: str) -> None:
+        """The run actor is gone: take its outcome from result.json, else FAIL the job."""
+        result = await asyncio.to_thread(read_result, self._state_dir, record.id)
+        if result is not None:
+            await self._apply(record, result, None)
+            return
+        await self._fail(record.id, f"{why} while the job was {record.status}; its run is gone")
+
+    async def _fail(self, job_id: str, error: str) -> None:
+        await self._io(self._store.update_job, job_id, status="FAILED", error=error, finished_at=time.time())
+        await self._manager_log(job_id, f"FAILED: {error}")
+
+    async def _kill_run(self, job_id: str) -> None:
+        run = self._runs.pop(job_id, None)
+        handle = run.handle if run else None
+        if handle is None:
+            try:
+                handle = ray.get_actor(run_actor_name(job_id), namespace=RUN_NAMESPACE)
+            except ValueError:
+                return
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone is fine
+            pass
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    async def _record(self, job_id: str) -> JobRecord:
+        record = await self._io(self._store.get_job, job_id)
+        if record is None:
+            raise NotFound(f"no training job {job_id!r}", code="job_not_found")
+        return record
+
+    def _inside_state_dir(self, path: str) -> Path:
+        try:
+            resolved = resolve_inside(self._state_dir, path)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), code="path_outside_state_dir") from None
+        if not resolved.is_file():
+            raise NotFound(f"checkpoint {resolved} does not exist", code="checkpoint_not_found")
+        return resolved
+
+    async def _manager_log(self, job_id: str, line: str) -> None:
+        await self._io(self._store.append_logs, job_id, [(None, time.time(), line)])
+
+    @staticmethod
+    async def _io(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking store call off the event loop (SQLite may wait on another writer)."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def _await(ref: Awaitable[T]) -> T:
+    return await ref

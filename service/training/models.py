@@ -1,0 +1,109 @@
+"""The trainable models and their checkpoint files (torch only, no Ray).
+
+attention: `SelfAttention` wraps nn.MultiheadAttention(E, H, bias=True, batch_first=True);
+its in_proj is cat(q, k, v), so the dense contract keys map onto it exactly:
+    q_proj.weight = in_proj_weight[0:E],  k_proj = [E:2E],  v_proj = [2E:3E]   (same for bias)
+    out_proj.{weight,bias} = out_proj.{weight,bias}
+linear: nn.Linear(in, out); checkpoint keys `weight` [out, in], `bias` [out].
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from service.parallel.weights import DenseWeights, random_weights, save_checkpoint
+from service.training.spec import AttentionModel, LinearModel
+
+ModelSpecT = AttentionModel | LinearModel
+MODEL_FILE = "model.safetensors"
+
+
+class SelfAttention(nn.Module):
+    """x [batch, seq, E] -> self-attention(x) [batch, seq, E]."""
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(embed_dim, num_heads, bias=True, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.mha(x, x, x, need_weights=False)
+        return out
+
+
+def build_model(spec: ModelSpecT, seed: int) -> nn.Module:
+    """A freshly initialised student (torch's default init under `seed`)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(spec, AttentionModel):
+            return SelfAttention(spec.embed_dim, spec.num_heads)
+        return nn.Linear(spec.in_features, spec.out_features)
+
+
+def teacher_model(spec: ModelSpecT, seed: int) -> nn.Module:
+    """The fixed random teacher that labels synthetic data (same kind as the student).
+
+    attention: the serving stack's `random_weights(E, seed)` (U(+-1/sqrt(E)));
+    linear: weights and bias ~ N(0, 1), so the targets have unit-scale signal.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(spec, AttentionModel):
+        model = SelfAttention(spec.embed_dim, spec.num_heads)
+        load_dense_into(model, random_weights(spec.embed_dim, seed))
+        return model.eval()
+    model = nn.Linear(spec.in_features, spec.out_features)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(spec.out_features, spec.in_features, generator=gen))
+        model.bias.copy_(torch.randn(spec.out_features, generator=gen))
+    return model.eval()
+
+
+def dense_weights(model: SelfAttention) -> DenseWeights:
+    """The contract's dense keys from a SelfAttention (in_proj split into q/k/v)."""
+    mha = model.mha
+    e = mha.embed_dim
+    w, b = mha.in_proj_weight.detach(), mha.in_proj_bias.detach()
+    return {
+        "q_proj.weight": w[0:e], "q_proj.bias": b[0:e],
+        "k_proj.weight": w[e:2 * e], "k_proj.bias": b[e:2 * e],
+        "v_proj.weight": w[2 * e:3 * e], "v_proj.bias": b[2 * e:3 * e],
+        "out_proj.weight": mha.out_proj.weight.detach(), "out_proj.bias": mha.out_proj.bias.detach(),
+    }
+
+
+def load_dense_into(model: SelfAttention, weights: DenseWeights) -> None:
+    mha = model.mha
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([weights[f"{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]))
+        mha.in_proj_bias.copy_(torch.cat([weights[f"{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")]))
+        mha.out_proj.weight.copy_(weights["out_proj.weight"])
+        mha.out_proj.bias.copy_(weights["out_proj.bias"])
+
+
+def save_model(model: nn.Module, spec: ModelSpecT, path: str | Path) -> None:
+    """attention: the dense serving checkpoint (service.parallel.weights.save_checkpoint);
+    linear: `weight`, `bias` with metadata in_features / out_features."""
+    if isinstance(spec, AttentionModel):
+        assert isinstance(model, SelfAttention)
+        save_checkpoint(path, dense_weights(model), spec.num_heads)
+        return
+    assert isinstance(model, nn.Linear)
+    save_file(
+        {"weight": model.weight.detach().contiguous().cpu(), "bias": model.bias.detach().contiguous().cpu()},
+        str(path),
+        metadata={"kind": "linear", "in_features": str(spec.in_features), "out_features": str(spec.out_features)},
+    )
+
+
+def load_model(model: nn.Module, spec: ModelSpecT, path: str | Path) -> None:
+    """Inverse of save_model (used when a run resumes from a checkpoint)."""
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if isinstance(spec, AttentionModel):
+        assert isinstance(model, SelfAttention)
+        load_dense_into(model, tensors)
+    else:
+        model.load_state_dict(tensors)

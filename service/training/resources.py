@@ -1,0 +1,56 @@
+"""Fail-fast placement checks in front of Ray Train (which retries an unplaceable worker
+group forever: "worker group startup timed out", then again).
+
+`infeasible_reason` answers "can this cluster EVER hold the job?" from each alive node's
+total resources: a worker's bundle must fit whole on one node, so the number of workers
+the cluster can hold is the sum over nodes of how many bundles each node's totals fit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import ray
+
+Resources = dict[str, float]
+_EPS = 1e-6  # Ray accounts resources in 1/10000 units; absorb float noise
+
+
+def fmt(resources: Resources) -> str:
+    """{'CPU': 0.5, 'GPU': 1.0} -> '{CPU: 0.5, GPU: 1}'."""
+    parts = [f"{k}: {v:g}" for k, v in sorted(resources.items())]
+    return "{" + ", ".join(parts) + "}"
+
+
+def alive_node_totals() -> list[Resources]:
+    """Total resources of every alive node (blocking GCS call; run off the event loop)."""
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def workers_placeable(bundle: Resources, nodes: Iterable[Resources]) -> int:
+    total = 0
+    for node in nodes:
+        fits = [math.floor(node.get(k, 0.0) / v + _EPS) for k, v in bundle.items() if v > 0]
+        total += min(fits) if fits else 0
+    return total
+
+
+def infeasible_reason(bundle: Resources, count: int, nodes: list[Resources]) -> str | None:
+    """None if `count` workers of `bundle` fit the cluster's totals; else a message with
+    needed vs available numbers."""
+    placeable = workers_placeable(bundle, nodes)
+    if placeable >= count:
+        return None
+    needed = {k: v * count for k, v in bundle.items()}
+    have = {k: sum(n.get(k, 0.0) for n in nodes) for k in bundle}
+    per_node = "; ".join(fmt({k: n.get(k, 0.0) for k in bundle}) for n in nodes) or "none"
+    return (
+        f"the cluster can never hold this job: it needs {count} worker(s) x {fmt(bundle)} = {fmt(needed)}, "
+        f"each worker's bundle on a single node; the cluster has {fmt(have)} in total on {len(nodes)} alive "
+        f"node(s) (per node: {per_node}), room for at most {placeable} such worker(s)"
+    )
+
+
+def pending_reason(bundle: Resources, count: int, available: Resources) -> str:
+    free = {k: round(available.get(k, 0.0), 4) for k in bundle}
+    return f"waiting for {count} x {fmt(bundle)} (free in the cluster now: {fmt(free)})"

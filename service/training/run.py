@@ -1,0 +1,233 @@
+"""TrainRun: one job's run, a detached named Ray actor that calls `TorchTrainer.fit()`.
+
+Why an actor per run: `fit()` blocks until training ends, so it runs on this actor's
+background thread and nothing in the HTTP path waits on it. Cancel = `ray.kill` of this
+actor: the Ray Train controller it created (owned by it) and the workers (owned by the
+controller) die with it, and Ray Train's detached placement-group cleaner removes the
+workers' placement group about a second later.
+
+Why detached and named: a JobManager replica that restarts re-attaches to runs still in
+flight (`ray.get_actor(name, namespace)`) instead of losing them. The outcome is also
+written to `result.json` in the run dir, so a manager that comes back after the actor has
+gone still learns how the run ended.
+
+The actor keeps the live state (status, progress, history, workers, log lines); the
+JobManager polls `snapshot()` and is the only writer of the SQLite records.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from service.training.models import MODEL_FILE
+from service.training.runner import train_loop_per_worker
+from service.training.spec import AttentionModel, JobSpec
+
+RUN_NAMESPACE = "gangserve"
+RESULT_FILE = "result.json"
+MAX_LOG_LINES = 1000
+# A finished run whose manager never collects it (manager gone) exits after this long;
+# its outcome stays in result.json.
+FINISHED_LINGER_S = 600.0
+
+
+def run_actor_name(job_id: str) -> str:
+    return f"gangserve-train-{job_id}"
+
+
+def run_dir(state_dir: Path, job_id: str) -> Path:
+    """Ray Train's storage for this run: storage_path=<state>/runs, name=<job_id>."""
+    return state_dir / "runs" / job_id
+
+
+def final_checkpoint_path(state_dir: Path, job_id: str) -> Path:
+    return state_dir / "checkpoints" / f"{job_id}.safetensors"
+
+
+def read_result(state_dir: Path, job_id: str) -> dict[str, Any] | None:
+    """The outcome a run wrote when it ended, or None."""
+    path = run_dir(state_dir, job_id) / RESULT_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _short_error(exc: BaseException) -> str:
+    """The most specific 'Type: message' line of a (possibly nested) Ray Train error."""
+    text = str(exc).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt")) and " " not in head:
+            return line[:500]
+    return (lines[-1] if lines else type(exc).__name__)[:500]
+
+
+class TrainRun:
+    """Live state of one run; `fit()` runs on a daemon thread started in __init__."""
+
+    def __init__(self, job_id: str, spec: dict[str, Any], state_dir: str, dataset_path: str | None) -> None:
+        self._job_id = job_id
+        self._spec = JobSpec.model_validate(spec)
+        self._state_dir = Path(state_dir)
+        self._dataset_path = dataset_path
+        self._lock = threading.Lock()
+        self._status = "PENDING"
+        self._error: str | None = None
+        self._started_at: float | None = None
+        self._finished_at: float | None = None
+        self._epoch = 0
+        self._step = 0
+        self._current_loss: float | None = None
+        self._history: list[dict[str, Any]] = []
+        self._workers: dict[int, dict[str, Any]] = {}
+        self._attempts = 0
+        self._ranks_this_attempt: set[int] = set()
+        self._checkpoint: dict[str, Any] | None = None
+        self._logs: collections.deque[tuple[int, float, str]] = collections.deque(maxlen=MAX_LOG_LINES)
+        self._log_seq = 0
+        self._last_poll = time.monotonic()
+        self._log(
+            f"run actor pid {os.getpid()}: {self._spec.world_size} worker(s) x {self._spec.worker_bundle()}, "
+            f"{self._spec.epochs} epoch(s), model {self._spec.model.kind}, max_failures {self._spec.max_failures}"
+        )
+        self._handle = ray.get_runtime_context().current_actor
+        threading.Thread(target=self._run, name=f"fit-{job_id}", daemon=True).start()
+        threading.Thread(target=self._linger_watchdog, name="linger", daemon=True).start()
+
+    # ---- the run ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        spec = self._spec
+        bundle = spec.worker_bundle()
+        try:
+            trainer = TorchTrainer(
+                train_loop_per_worker,
+                train_loop_config={"spec": spec.model_dump(), "reporter": self._handle,
+                                   "dataset_path": self._dataset_path},
+                scaling_config=ScalingConfig(
+                    num_workers=spec.world_size, use_gpu=spec.use_gpu,
+                    resources_per_worker={k: v for k, v in bundle.items()},
+                ),
+                run_config=RunConfig(
+                    name=self._job_id,
+                    storage_path=str(self._state_dir / "runs"),
+                    failure_config=FailureConfig(max_failures=spec.max_failures),
+                    checkpoint_config=CheckpointConfig(num_to_keep=2),
+                ),
+            )
+            self._log("TorchTrainer.fit() started; waiting for the worker group")
+            result = trainer.fit()
+            if result.checkpoint is None:
+                raise RuntimeError("training finished without reporting a checkpoint")
+            final = final_checkpoint_path(self._state_dir, self._job_id)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.with_suffix(".tmp")
+            with result.checkpoint.as_directory() as d:
+                shutil.copyfile(Path(d) / MODEL_FILE, tmp)
+            os.replace(tmp, final)  # atomic: a reader never sees half a checkpoint
+            checkpoint = {
+                "path": str(final),
+                "url": f"/train/{self._job_id}/checkpoint",
+                "format": "dense-attention" if isinstance(spec.model, AttentionModel) else "linear",
+                "bytes": final.stat().st_size,
+            }
+            with self._lock:
+                self._checkpoint = checkpoint
+            self._finish("SUCCEEDED", None)
+        except BaseException as exc:  # noqa: BLE001 - every outcome must be recorded
+            self._log("training failed:\n" + "".join(traceback.format_exception(exc)).strip())
+            with self._lock:
+                attempts = max(self._attempts, 1)
+            self._finish(
+                "FAILED",
+                f"training failed after {attempts} attempt(s) (max_failures={spec.max_failures}): {_short_error(exc)}",
+            )
+
+    def _finish(self, status: str, error: str | None) -> None:
+        with self._lock:
+            self._status, self._error, self._finished_at = status, error, time.time()
+        took = self._finished_at - (self._started_at or self._finished_at)
+        self._log(f"run {status}" + (f": {error}" if error else "") + f" ({took:.1f}s after the first worker started)")
+        result = run_dir(self._state_dir, self._job_id) / RESULT_FILE
+        result.parent.mkdir(parents=True, exist_ok=True)
+        tmp = result.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.snapshot(0, touch=False)))
+        os.replace(tmp, result)
+
+    def _linger_watchdog(self) -> None:
+        while True:
+            time.sleep(10)
+            with self._lock:
+                done = self._finished_at is not None
+                idle = time.monotonic() - self._last_poll
+            if done and idle > FINISHED_LINGER_S:
+                os._exit(0)  # nobody collects us; result.json holds the outcome
+
+    # ---- called by the train workers (fire-and-forget) ----------------------------------
+
+    def worker_started(self, rank: int, world_size: int, pid: int, node_id: str, resumed_epoch: int | None) -> None:
+        with self._lock:
+            # A rank starting a second time means Ray Train restarted the worker group.
+            if rank in self._ranks_this_attempt or self._attempts == 0:
+                self._attempts += 1
+                self._ranks_this_attempt = set()
+            self._ranks_this_attempt.add(rank)
+            if self._status == "PENDING":
+                self._status, self._started_at = "RUNNING", time.time()
+            self._workers[rank] = {"rank": rank, "pid": pid, "node_id": node_id, "attempt": self._attempts}
+            attempt = self._attempts
+        where = f"resuming from the checkpoint after epoch {resumed_epoch}" if resumed_epoch is not None else "from scratch"
+        self._log(f"attempt {attempt}: rank {rank}/{world_size} started (pid {pid}, node {node_id[:12]}), {where}")
+
+    def step(self, epoch: int, step: int, loss: float) -> None:
+        with self._lock:
+            self._step = step
+            self._current_loss = loss
+
+    def epoch_done(self, epoch: int, loss: float, step: int, epoch_s: float) -> None:
+        with self._lock:
+            # A resumed attempt re-reports epochs after its checkpoint: keep one entry per epoch.
+            self._history = [h for h in self._history if h["epoch"] < epoch]
+            self._history.append({"epoch": epoch, "loss": loss, "at": time.time()})
+            self._epoch, self._step, self._current_loss = epoch, step, loss
+        self._log(f"epoch {epoch}/{self._spec.epochs}: loss {loss:.6g}, step {step}, {epoch_s:.2f}s")
+
+    # ---- called by the JobManager -------------------------------------------------------
+
+    def snapshot(self, since_log_seq: int, touch: bool = True) -> dict[str, Any]:
+        """Everything the manager persists; log lines with seq > since_log_seq."""
+        with self._lock:
+            if touch:
+                self._last_poll = time.monotonic()
+            return {
+                "status": self._status,
+                "error": self._error,
+                "started_at": self._started_at,
+                "finished_at": self._finished_at,
+                "progress": {"epoch": self._epoch, "epochs": self._spec.epochs, "step": self._step,
+                             "loss": self._current_loss},
+                "history": list(self._history),
+                "workers": [self._workers[r] for r in sorted(self._workers)],
+                "attempts": self._attempts,
+                "checkpoint": self._checkpoint,
+                "logs": [entry for entry in self._logs if entry[0] > since_log_seq],
+            }
+
+    def _log(self, line: str) -> None:
+        with self._lock:
+            self._log_seq += 1
+            self._logs.append((self._log_seq, time.time(), line))

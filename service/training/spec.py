@@ -1,0 +1,131 @@
+"""The training job spec: one closed pydantic schema (unknown fields rejected, every number
+bounded, defaults for everything so `{}` is a valid small job)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+# Upper bound on the elements of one synthetic tensor (inputs or targets): 64 Mi float32
+# = 256 MiB, generated in every worker.
+MAX_SYNTHETIC_ELEMENTS = 64 * 1024 * 1024
+
+JOB_STATUSES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
+ACTIVE_STATUSES = ("PENDING", "RUNNING")
+TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def _kind(value: object, default: str) -> str | None:
+    """The union tag: `kind`, defaulting when omitted (so {"samples": 64} is a synthetic dataset).
+    An unknown kind returns itself and pydantic reports the valid tags."""
+    if isinstance(value, dict):
+        kind = value.get("kind", default)
+        return kind if isinstance(kind, str) else None
+    return getattr(value, "kind", default)
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttentionModel(_Closed):
+    """Dense self-attention, nn.MultiheadAttention(E, H, bias=True, batch_first=True).
+
+    Its checkpoint is the serving contract's dense format, so the gang can load it.
+    """
+
+    kind: Literal["attention"] = "attention"
+    embed_dim: int = Field(512, ge=8, le=8192, description="Model width E.")
+    num_heads: int = Field(8, ge=1, le=256, description="Heads H; E % H == 0.")
+
+    @model_validator(mode="after")
+    def _divisible(self) -> "AttentionModel":
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
+            )
+        return self
+
+
+class LinearModel(_Closed):
+    """nn.Linear(in_features, out_features): the original notes' DDP example."""
+
+    kind: Literal["linear"] = "linear"
+    in_features: int = Field(10, ge=1, le=65536)
+    out_features: int = Field(1, ge=1, le=65536)
+
+
+ModelSpec = Annotated[
+    Union[Annotated[AttentionModel, Tag("attention")], Annotated[LinearModel, Tag("linear")]],
+    Discriminator(lambda v: _kind(v, "attention")),
+]
+
+
+class SyntheticDataset(_Closed):
+    """Learnable synthetic data: inputs ~ N(0, 1); targets = a fixed random teacher of the
+    same model kind applied to them, plus `noise` * N(0, 1)."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    samples: int = Field(1024, ge=1, le=1_000_000)
+    seq_len: int = Field(8, ge=1, le=4096, description="Sequence length (attention only).")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds the inputs, the teacher and the noise.")
+    noise: float = Field(0.01, ge=0, le=10, description="Std of the noise added to the targets.")
+
+
+class UploadedDataset(_Closed):
+    """A dataset uploaded with POST /datasets."""
+
+    kind: Literal["uploaded"] = "uploaded"
+    id: str = Field(..., pattern=r"^ds-[0-9a-f]{12}$", description="Id returned by POST /datasets.")
+
+
+DatasetSpec = Annotated[
+    Union[Annotated[SyntheticDataset, Tag("synthetic")], Annotated[UploadedDataset, Tag("uploaded")]],
+    Discriminator(lambda v: _kind(v, "synthetic")),
+]
+
+
+class JobSpec(_Closed):
+    """POST /train body. `batch_size` is per worker (each DDP rank steps on its own batch)."""
+
+    model: ModelSpec = Field(default_factory=AttentionModel)
+    dataset: DatasetSpec = Field(default_factory=SyntheticDataset)
+    world_size: int = Field(2, ge=1, le=256, description="DDP workers (Ray Train num_workers).")
+    use_gpu: bool = Field(False, description="One GPU per worker (NCCL); else CPU with gloo.")
+    cpus_per_worker: float = Field(
+        0.5, gt=0, le=256,
+        description="Logical CPUs reserved per worker (fractions allowed, so a job fits next "
+        "to the serving gang on a small machine).",
+    )
+    epochs: int = Field(5, ge=1, le=10_000)
+    batch_size: int = Field(32, ge=1, le=65_536)
+    lr: float = Field(0.01, gt=0, le=10)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    max_failures: int = Field(1, ge=0, le=100, description="Worker-group restarts (from the last checkpoint).")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds the student's initial weights and shuffling.")
+    schedule_timeout_s: float = Field(
+        300, ge=1, le=86_400,
+        description="Longest a job may stay PENDING (cluster busy) before it FAILS with what it waited for.",
+    )
+
+    @model_validator(mode="after")
+    def _bounded_data(self) -> "JobSpec":
+        ds = self.dataset
+        if isinstance(ds, SyntheticDataset):
+            if isinstance(self.model, AttentionModel):
+                elements = ds.samples * ds.seq_len * self.model.embed_dim
+            else:
+                elements = ds.samples * max(self.model.in_features, self.model.out_features)
+            if elements > MAX_SYNTHETIC_ELEMENTS:
+                raise ValueError(
+                    f"synthetic dataset too large: {elements} elements per tensor, the limit is "
+                    f"{MAX_SYNTHETIC_ELEMENTS} (reduce samples, seq_len or the model width)"
+                )
+        return self
+
+    def worker_bundle(self) -> dict[str, float]:
+        """Resources of one worker, as Ray Train's resources_per_worker."""
+        bundle = {"CPU": float(self.cpus_per_worker)}
+        if self.use_gpu:
+            bundle["GPU"] = 1.0
+        return bundle
