@@ -14,6 +14,7 @@ from service.config import AppConfig
 from service.gang.placement import check_feasible, cluster_snapshot, gang_request
 from service.ingress.deployment import Ingress
 from service.server import GangServer
+from service.training.manager import JobManager
 
 
 class InvalidAppArgs(ValueError):
@@ -65,4 +66,4 @@ def compose_app(cfg: AppConfig) -> Application:
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
     return Ingress.options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, cfg.max_ongoing_requests)
-    ).bind(server, cfg.model_dump())
+    ).bind(server, cfg.model_dump(), JobManager.bind())  # training jobs: num_cpus=0, owns the job store

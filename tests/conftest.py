@@ -5,6 +5,7 @@ main world_size-2 app uses deployments/local.yaml's arguments, as `make serve` d
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST_CLUSTER_CPUS = 4
 WORKER_NODE_CPUS = 2
 GPUS_PER_NODE = 1
+TEST_API_TOKEN = "test-token-0123456789"
 
 
 def free_port() -> int:
@@ -37,8 +39,12 @@ def local_yaml_args() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Any]:
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A 2-node Ray cluster (head + one worker raylet), shared by the whole session."""
+    # Before any raylet starts, so every Ray worker (JobManager, ingress, training runs)
+    # inherits them: a throwaway state dir and a known API token.
+    os.environ["GANGSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("gangserve-state"))
+    os.environ["GANGSERVE_API_TOKEN"] = TEST_API_TOKEN
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster

@@ -9,11 +9,14 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.auth import load_api_token
 from service.config import AppConfig
 from service.errors import GangServeError
 from service.ingress.gang_client import GangClient
+from service.ingress.jobs_client import JobsClient
 from service.ingress.routes import health, infer
 from service.ingress.routes import oip
+from service.ingress.routes import datasets, train, weights
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -23,7 +26,7 @@ def error_response(status: int, message: str, code: str, retry_after_s: float | 
     return JSONResponse({"error": message, "code": code}, status_code=status, headers=headers)
 
 
-def create_api(config: AppConfig, gang: GangClient) -> FastAPI:
+def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = None) -> FastAPI:
     # FastAPIOffline: /docs and /redoc served from the package's static files (no CDN).
     app = FastAPIOffline(
         title="gangserve",
@@ -32,9 +35,15 @@ def create_api(config: AppConfig, gang: GangClient) -> FastAPI:
     )
     app.state.config = config
     app.state.gang = gang
+    app.state.jobs = jobs or JobsClient(None)
+    app.state.api_token, token_source = load_api_token()
+    log.info("mutating routes need 'Authorization: Bearer <token>'; token from %s", token_source)
     app.include_router(health.router)
     app.include_router(infer.router)
     app.include_router(oip.router)
+    app.include_router(train.router)
+    app.include_router(datasets.router)
+    app.include_router(weights.router)
 
     @app.exception_handler(GangServeError)
     async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:

@@ -8,6 +8,7 @@ from ray.serve.handle import DeploymentHandle
 from service.config import AppConfig
 from service.ingress.api import create_api
 from service.ingress.gang_client import GangClient
+from service.ingress.jobs_client import JobsClient
 
 
 @serve.deployment(name="Ingress")
@@ -15,9 +16,10 @@ from service.ingress.gang_client import GangClient
 class Ingress:
     """HTTP only: parses, validates and forwards to the GangServer; owns no actors."""
 
-    def __init__(self, gang: DeploymentHandle, config: dict) -> None:
+    def __init__(self, gang: DeploymentHandle, config: dict, jobs: DeploymentHandle | None = None) -> None:
         self._config = AppConfig.model_validate(config)
         self._gang = GangClient(gang, self._config)
+        self._jobs = JobsClient(jobs)  # training routes -> the JobManager deployment
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_api(self._config, self._gang)
+        return create_api(self._config, self._gang, self._jobs)
