@@ -4,6 +4,8 @@
     python -m clients infer x.safetensors -o y.safetensors --output-dtype bfloat16
     python -m clients gang                                  # the gang's ranks and state
     python -m clients ready
+    python -m clients train --epochs 3 --follow             # training jobs: see clients/training.py
+    python -m clients jobs
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from clients import training
 from clients.client import GangServeClient, GangServeHTTPError
 from service import codecs
 
@@ -55,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
                          help="reply dtype (default: the input's dtype)")
     sub.add_parser("gang", help="print GET /gang")
     sub.add_parser("ready", help="exit 0 if the gang is ready")
+    training.add_commands(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "handler", None):  # training subcommands
+        return args.handler(args)
 
     with GangServeClient(args.url) as client:
         try:
