@@ -97,6 +97,35 @@ def bench_gangserve(x: np.ndarray, n: int) -> dict[str, dict[str, float]]:
         ray.shutdown()
 
 
+def bench_codecs(x: np.ndarray, n: int = 50) -> dict[str, dict[str, float]]:
+    """Encode + decode of one tensor per wire codec (service.codecs), printed side by side.
+
+    "decode" is what the ingress does to a request body, "encode" what it does to a reply;
+    JSON is timed with fewer repetitions (it is ~1000x slower).
+    """
+    from service import codecs
+
+    cases = {
+        "safetensors": (lambda a: codecs.encode_safetensors({"hidden_states": a}), codecs.decode_safetensors, n),
+        "npy": (codecs.encode_npy, codecs.decode_npy, n),
+        "json (orjson + numpy)": (lambda a: codecs.encode_json(a, name="hidden_states"), codecs.decode_json, max(3, n // 10)),
+    }
+    rows = {}
+    for name, (encode, decode, reps) in cases.items():
+        body = encode(x)
+        assert np.array_equal(decode(body), x)
+        enc, dec = time_calls(lambda: encode(x), reps), time_calls(lambda: decode(body), reps)
+        both = time_calls(lambda: decode(encode(x)), reps)
+        rows[name] = {"encode_ms": enc["p50_ms"], "decode_ms": dec["p50_ms"], "total_ms": both["p50_ms"],
+                      "bytes": len(body)}
+    print(f"\ncodecs, one {list(x.shape)} {x.dtype} tensor (p50 of {n} runs; JSON {max(3, n // 10)})\n")
+    print("| codec | encode ms | decode ms | encode+decode ms | bytes |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['encode_ms']:.3f} | {r['decode_ms']:.3f} | {r['total_ms']:.3f} | {r['bytes']:,} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per row")
@@ -104,6 +133,7 @@ def main() -> None:
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
     rows: dict[str, dict[str, float]] = {}
+    codec_rows = bench_codecs(x.numpy())
     rows["in-process dense nn.MultiheadAttention"] = bench_in_process(x, args.requests)
     rows.update(bench_gangserve(x.numpy(), args.requests))
     floor = rows["in-process dense nn.MultiheadAttention"]["p50_ms"]
@@ -113,7 +143,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['p50_ms'] / floor:.2f} |")
     out = ROOT / "bench" / "results" / "latest.json"
-    out.write_text(json.dumps({"shape": SHAPE, "rows": rows, "time": time.time()}, indent=2))
+    out.write_text(json.dumps({"shape": SHAPE, "rows": rows, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 
