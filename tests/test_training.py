@@ -105,6 +105,85 @@ def jobs(app_url: str) -> dict[str, str]:
     return ids
 
 
+# ---- units (no Ray) ------------------------------------------------------------------------
+
+def test_empty_spec_is_a_small_valid_job() -> None:
+    from service.training.spec import JobSpec
+
+    spec = JobSpec.model_validate({})
+    assert spec.model.kind == "attention" and spec.model.embed_dim == 512 and spec.model.num_heads == 8
+    assert spec.dataset.kind == "synthetic" and spec.world_size == 2 and spec.epochs == 5
+    assert (spec.batch_size, spec.lr, spec.optimizer, spec.max_failures) == (32, 0.01, "sgd", 1)
+    assert spec.worker_bundle() == {"CPU": 0.5}
+    assert JobSpec.model_validate({"use_gpu": True}).worker_bundle() == {"CPU": 0.5, "GPU": 1.0}
+
+
+def test_store_pages_newest_first_and_terminal_states_stick(tmp_path: Path) -> None:
+    from service.training.store import JobRecord, JobStore
+
+    store = JobStore(tmp_path / "jobs.sqlite")
+    for i in range(5):
+        store.create_job(JobRecord(id=f"job-{i}", status="PENDING", spec={}, created_at=i, updated_at=i,
+                                   progress={"epoch": 0, "epochs": 1, "step": 0}, owner="mgr-a"))
+    page, nxt = store.list_jobs(2)
+    assert [r.id for r in page] == ["job-4", "job-3"] and nxt is not None
+    page, nxt = store.list_jobs(2, nxt)
+    assert [r.id for r in page] == ["job-2", "job-1"]
+    page, nxt = store.list_jobs(2, nxt)
+    assert [r.id for r in page] == ["job-0"] and nxt is None
+    assert store.update_job("job-0", status="CANCELLED")
+    assert not store.update_job("job-0", status="RUNNING")  # a late update cannot undo a cancel
+    assert store.get_job("job-0").status == "CANCELLED"
+    store.append_logs("job-1", [(1, 1.0, "a"), (2, 2.0, "b"), (None, 3.0, "manager line")])
+    store.append_logs("job-1", [(2, 2.0, "b"), (3, 4.0, "c")])  # re-polled line 2 is not duplicated
+    assert [line for _, line in store.tail_logs("job-1", 10)] == ["a", "b", "manager line", "c"]
+    assert store.last_run_log_seq("job-1") == 3
+    store.close()
+    reopened = JobStore(tmp_path / "jobs.sqlite")  # a restart keeps everything
+    assert [r.id for r in reopened.list_jobs(10)[0]] == ["job-4", "job-3", "job-2", "job-1", "job-0"]
+    # Only jobs whose owner stopped heartbeating are adopted, and only once.
+    reopened.heartbeat("mgr-b")
+    assert {r.id for r in reopened.adopt_orphans("mgr-b", stale_after_s=15)} == {"job-1", "job-2", "job-3", "job-4"}
+    assert reopened.adopt_orphans("mgr-c", stale_after_s=15) == []
+
+
+def test_token_file_is_created_once_with_mode_0600(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.auth import load_api_token, token_matches
+
+    monkeypatch.delenv("GANGSERVE_API_TOKEN", raising=False)
+    token, where = load_api_token(tmp_path)
+    assert where == str(tmp_path / "api_token") and len(token) >= 32
+    assert (tmp_path / "api_token").stat().st_mode & 0o777 == 0o600
+    assert load_api_token(tmp_path)[0] == token  # read back, not regenerated
+    assert token_matches(token, token) and not token_matches(token[:-1], token)
+    monkeypatch.setenv("GANGSERVE_API_TOKEN", "from-env")
+    assert load_api_token(tmp_path) == ("from-env", "environment variable GANGSERVE_API_TOKEN")
+
+
+def test_paths_must_resolve_inside_the_state_dir(tmp_path: Path) -> None:
+    from service.state import resolve_inside
+
+    (tmp_path / "checkpoints").mkdir()
+    assert resolve_inside(tmp_path, "checkpoints/a.safetensors") == tmp_path / "checkpoints" / "a.safetensors"
+    assert resolve_inside(tmp_path, str(tmp_path / "x")) == tmp_path / "x"
+    (tmp_path / "checkpoints" / "out").symlink_to("/etc")
+    for bad in ("../x", "/etc/passwd", "checkpoints/../../x", "checkpoints/out/hostname"):
+        with pytest.raises(ValueError, match="outside the state dir"):
+            resolve_inside(tmp_path, bad)
+
+
+def test_feasibility_counts_whole_bundles_per_node() -> None:
+    from service.training.resources import infeasible_reason
+
+    nodes = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    assert infeasible_reason({"CPU": 0.5}, 12, nodes) is None
+    assert infeasible_reason({"CPU": 1.0, "GPU": 1.0}, 2, nodes) is None
+    why = infeasible_reason({"CPU": 0.5, "GPU": 1.0}, 8, nodes)
+    assert why and "8 worker(s) x {CPU: 0.5, GPU: 1} = {CPU: 4, GPU: 8}" in why and "{CPU: 6, GPU: 2}" in why
+    assert "room for at most 2" in why
+    assert "room for at most 1" in (infeasible_reason({"CPU": 3.0}, 2, nodes) or "")
+
+
 # ---- admission: auth, schema, fail-fast ---------------------------------------------------
 
 def test_mutating_routes_need_the_token(app_url: str) -> None:

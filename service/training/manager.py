@@ -159,7 +159,7 @@ class JobManager:
             raise InvalidInput(f"limit must be in 1..200, got {limit}", code="invalid_request")
         seq = None
         if cursor is not None:
-            if not cursor.isdigit():
+            if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
                 raise InvalidInput(f"cursor {cursor!r} is not one returned by GET /train", code="invalid_request")
             seq = int(cursor)
         records, nxt = await self._io(self._store.list_jobs, limit, seq)

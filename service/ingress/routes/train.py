@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 
 from service.auth import require_token
-from service.errors import BadRequest
+from service.errors import BadRequest, NotFound
 from service.ingress.deps import read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.training.spec import JobSpec
@@ -18,6 +19,14 @@ router = APIRouter(tags=["training"])
 
 # A job spec is small; anything bigger is not one.
 MAX_SPEC_BYTES = 64 * 1024
+JOB_ID = re.compile(r"^job-[0-9a-z]{1,64}$")
+
+
+def job_id_param(job_id: str) -> str:
+    """A well-formed job id, else 404 without asking the JobManager."""
+    if not JOB_ID.match(job_id):
+        raise NotFound(f"no training job {job_id!r} (job ids look like job-0123abcd4567)", code="job_not_found")
+    return job_id
 
 
 @router.post(
@@ -49,13 +58,13 @@ async def list_jobs(
 
 
 @router.get("/train/{job_id}", summary="One job: status, progress, history, error, checkpoint")
-async def get_job(job_id: str, jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
+async def get_job(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
     return await jobs.call("get_job", job_id)
 
 
 @router.post("/train/{job_id}/cancel", summary="Stop a job and free its resources",
              dependencies=[Depends(require_token)])
-async def cancel(job_id: str, jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
+async def cancel(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
     return await jobs.call("cancel", job_id)
 
 
@@ -65,13 +74,13 @@ async def cancel(job_id: str, jobs: JobsClient = Depends(get_jobs)) -> dict[str,
     response_class=Response,
     responses={200: {"content": {"application/x-safetensors": {}}}, 409: {"description": "job has none"}},
 )
-async def checkpoint(job_id: str, jobs: JobsClient = Depends(get_jobs)) -> FileResponse:
+async def checkpoint(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> FileResponse:
     path = await jobs.call("checkpoint_path", job_id)
     return FileResponse(path, media_type="application/x-safetensors", filename=f"{job_id}.safetensors")
 
 
 @router.get("/train/{job_id}/logs", summary="The job's recent log lines")
-async def logs(job_id: str, tail: int = Query(200, ge=1, le=2000),
+async def logs(job_id: str = Depends(job_id_param), tail: int = Query(200, ge=1, le=2000),
                jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
     return await jobs.call("logs", job_id, tail)
 
