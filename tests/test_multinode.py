@@ -114,3 +114,41 @@ def test_busy_cluster_waits_schedule_timeout_then_reports_and_recovers(serve_url
         if hog is not None:
             remove_placement_group(hog)
         serve.delete("busy")
+
+
+def _launch(config: dict, tmp_path, address: str | None) -> tuple[int, str, float]:
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "app.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "service.launch", str(path)] + (["--address", address] if address else [])
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr, time.monotonic() - t0
+
+
+def _app_config(args: dict) -> dict:
+    return {
+        "http_options": {"host": "127.0.0.1", "port": 8000},
+        "applications": [{"name": "launch", "route_prefix": "/launch", "import_path": "service.app:build_app", "args": args}],
+    }
+
+
+def test_launcher_exits_nonzero_fast_for_the_notes_scenario(ray_cluster, tmp_path) -> None:
+    """`serve run CONFIG` never exits on an unplaceable gang (Ray 2.60); service.launch does."""
+    args = {"world_size": 4, "use_gpu": True, "placement_strategy": "STRICT_SPREAD", "cpus_per_rank": 0.25}
+    code, stderr, elapsed = _launch(_app_config(args), tmp_path, ray_cluster.address)
+    print(f"launcher: exit {code} after {elapsed:.1f}s")
+    assert code == 3, stderr
+    assert "gang needs 4 x {CPU: 0.25, GPU: 1} (STRICT_SPREAD)" in stderr
+    assert "2 GPU on 2 nodes" in stderr
+    assert elapsed < 30
+
+
+def test_launcher_rejects_invalid_args_before_touching_ray(tmp_path) -> None:
+    code, stderr, _ = _launch(_app_config({"world_size": 3}), tmp_path, None)
+    assert code == 2
+    assert "num_heads (8) must be divisible by world_size (3)" in stderr
