@@ -158,15 +158,20 @@ class TrainRun:
             )
 
     def _finish(self, status: str, error: str | None) -> None:
-        with self._lock:
-            self._status, self._error, self._finished_at = status, error, time.time()
-        took = self._finished_at - (self._started_at or self._finished_at)
+        """Record the outcome: result.json first, then the live status the manager polls
+        (the manager kills this actor once it sees a terminal status, so the file must
+        already be complete by then)."""
+        finished_at = time.time()
+        took = finished_at - (self._started_at or finished_at)
         self._log(f"run {status}" + (f": {error}" if error else "") + f" ({took:.1f}s after the first worker started)")
+        outcome = {**self.snapshot(0, touch=False), "status": status, "error": error, "finished_at": finished_at}
         result = run_dir(self._state_dir, self._job_id) / RESULT_FILE
         result.parent.mkdir(parents=True, exist_ok=True)
         tmp = result.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.snapshot(0, touch=False)))
+        tmp.write_text(json.dumps(outcome))
         os.replace(tmp, result)
+        with self._lock:
+            self._status, self._error, self._finished_at = status, error, finished_at
 
     def _linger_watchdog(self) -> None:
         while True:

@@ -29,7 +29,7 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train.torch import prepare_data_loader, prepare_model
+from ray.train.torch import get_device, prepare_data_loader, prepare_model
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -78,7 +78,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         generator=torch.Generator().manual_seed(spec.seed),
     )
     loader = prepare_data_loader(loader)
-    model = prepare_model(model)
+    model = prepare_model(model)  # moves to the worker's device, wraps in DDP
+    device = get_device()
     optimizer: torch.optim.Optimizer = (
         torch.optim.SGD(model.parameters(), lr=spec.lr) if spec.optimizer == "sgd"
         else torch.optim.Adam(model.parameters(), lr=spec.lr)
@@ -94,7 +95,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             sampler.set_epoch(epoch)
         model.train()
         t0 = time.monotonic()
-        loss_sum = torch.zeros(2, dtype=torch.float64)  # [sum of loss * vectors, vectors]
+        # [sum of loss * vectors, vectors], on the model's device: NCCL reduces CUDA tensors only.
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for xb, yb in loader:
             out = model(xb)
             loss = vector_sq_error(out, yb)
@@ -103,13 +105,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             optimizer.step()
             step += 1
             n = xb.shape[0]
-            loss_sum += torch.tensor([float(loss.detach()) * n, n], dtype=torch.float64)
+            loss_sum[0] += loss.detach().double() * n  # stays on the device: no sync per step
+            loss_sum[1] += n
             if rank == 0 and time.monotonic() - last_progress > PROGRESS_INTERVAL_S:
                 last_progress = time.monotonic()
                 reporter.step.remote(epoch=epoch, step=step, loss=float(loss.detach()))
         if world > 1 and dist.is_initialized():
             dist.all_reduce(loss_sum)  # every rank's samples count once
-        epoch_loss = float(loss_sum[0] / max(loss_sum[1], 1.0))
+        epoch_loss = float(loss_sum[0].item() / max(loss_sum[1].item(), 1.0))
         metrics = {"epoch": epoch + 1, "loss": epoch_loss, "step": step, "epoch_s": time.monotonic() - t0}
         if rank == 0:
             with tempfile.TemporaryDirectory() as tmp:

@@ -22,6 +22,24 @@ MAX_SPEC_BYTES = 64 * 1024
 JOB_ID = re.compile(r"^job-[0-9a-z]{1,64}$")
 
 
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """Replace pydantic's local `#/$defs/X` references by their definitions (the OpenAPI
+    document has no `$defs` at its root, so such a reference would dangle there)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def _spec_schema() -> dict[str, Any]:
+    schema = JobSpec.model_json_schema()
+    return _inline_refs(schema, schema.get("$defs", {}))
+
+
 def job_id_param(job_id: str) -> str:
     """A well-formed job id, else 404 without asking the JobManager."""
     if not JOB_ID.match(job_id):
@@ -34,7 +52,7 @@ def job_id_param(job_id: str) -> str:
     status_code=202,
     summary="Start a DDP training job (Ray Train); 202 + Location: /train/{id}",
     dependencies=[Depends(require_token)],
-    openapi_extra={"requestBody": {"content": {"application/json": {"schema": JobSpec.model_json_schema()}}}},
+    openapi_extra={"requestBody": {"content": {"application/json": {"schema": _spec_schema()}}}},
     responses={401: {"description": "missing/bad token"}, 422: {"description": "invalid spec or infeasible job"}},
 )
 async def submit(request: Request, jobs: JobsClient = Depends(get_jobs)) -> JSONResponse:
