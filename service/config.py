@@ -72,6 +72,16 @@ class GangConfig(BaseModel):
         30.0, gt=0, le=3600, description="Process-group timeout and per-request deadline."
     )
 
+    max_batch_size: int = Field(
+        64, ge=1, le=65536,
+        description="Most batch rows one gang step coalesces from concurrent requests of equal seq len.",
+    )
+    batch_wait_timeout_s: float = Field(
+        0.0, ge=0, le=1.0,
+        description="Extra wait for company before a step when fewer than max_batch_size rows are queued; "
+        "0 = none (batches still form from requests that arrive while a step runs).",
+    )
+
     @model_validator(mode="after")
     def _check_backend(self) -> "GangConfig":
         if self.backend == "nccl" and not self.use_gpu:

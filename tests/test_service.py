@@ -270,3 +270,23 @@ def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> No
             assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights)) < 1e-5
     finally:
         serve.delete("swap")
+
+
+def test_concurrent_requests_of_equal_length_are_batched_and_split_exactly(app_url: str) -> None:
+    before = httpx.get(app_url + "/gang", timeout=30).json()["batching"]
+    inputs = [rand(1 + i % 3, 8, 512, seed=200 + i) for i in range(24)]
+
+    def call(x: np.ndarray) -> np.ndarray:
+        r = httpx.post(app_url + "/infer", content=npy_bytes(x), headers={"content-type": "application/x-npy"}, timeout=120)
+        assert r.status_code == 200, r.text
+        return np.load(io.BytesIO(r.content), allow_pickle=False)
+
+    with ThreadPoolExecutor(24) as pool:
+        outputs = list(pool.map(call, inputs))
+    for x, out in zip(inputs, outputs):
+        assert out.shape == x.shape
+        assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
+    after = httpx.get(app_url + "/gang", timeout=30).json()["batching"]
+    requests, steps = after["requests"] - before["requests"], after["steps"] - before["steps"]
+    assert requests == 24
+    assert steps < requests, f"24 concurrent requests ran as {steps} steps: no batching happened"

@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
 from service.errors import CollectiveTimeout, GangServeError, GangStartupError, GangUnavailable
+from service.gang.batching import StepBatcher
 from service.gang.rank import RankInfo, RankWorker
 
 log = logging.getLogger("gangserve.gang")
@@ -72,6 +73,9 @@ class Gang:
         self._actors: list[Any] = []
         # One thread = one global order of collectives.
         self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
+        self._batcher = StepBatcher(
+            self._batched_step, max_batch_size=gang.max_batch_size, wait_s=gang.batch_wait_timeout_s
+        )
 
     # -- public, async -------------------------------------------------------------------
     async def start(self) -> None:
@@ -87,6 +91,9 @@ class Gang:
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x [batch, seq, E] float32 -> attention output [batch, seq, E] float32."""
         self._require_ready()
+        return await self._batcher.submit(x)
+
+    async def _batched_step(self, x: np.ndarray) -> np.ndarray:
         return await self._run(self._infer_step, x, deadline_s=self.cfg.collective_timeout_s)
 
     async def reload_weights(self, model: ModelConfig) -> int:
@@ -114,6 +121,7 @@ class Gang:
             "weights_source": self.weights_source,
             "generation": self.generation,
             "param_bytes_per_rank": list(self.param_bytes_per_rank),
+            "batching": {"steps": self._batcher.steps, "requests": self._batcher.requests},
             "ranks": [info.public() for info in self.rank_infos],
         }
 

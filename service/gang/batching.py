@@ -1,0 +1,99 @@
+"""Dynamic batching in front of the sequencer.
+
+Concurrent requests with the same sequence length are concatenated along the batch dim
+and run as ONE gang step (one broadcast, one all_reduce per layer), then split back:
+
+    [b_1, s, E] ... [b_k, s, E]  --cat-->  [sum b_i, s, E]  --step-->  split at b_1, b_1+b_2, ...
+
+Attention mixes positions only within a sequence, never across batch rows, so each
+request's rows are exactly what it would get alone (up to float rounding of a larger
+matmul). Only one step is in flight at a time; requests that arrive while it runs form
+the next batch, so under load batches grow by themselves and an idle gang adds no wait
+(unless `wait_s` > 0 asks to linger for company).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import numpy as np
+
+StepFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
+
+
+@dataclass
+class _Pending:
+    x: np.ndarray  # [batch, seq, E]
+    future: asyncio.Future
+
+
+class StepBatcher:
+    """Coalesces concurrent `submit` calls into steps of at most `max_batch_size` rows."""
+
+    def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float) -> None:
+        self._run_step = run_step
+        self._max_rows = max_batch_size
+        self._wait_s = wait_s
+        self._pending: list[_Pending] = []
+        self._drainer: asyncio.Task | None = None
+        self.steps = 0  # counters for /gang and the benchmark
+        self.requests = 0
+
+    async def submit(self, x: np.ndarray) -> np.ndarray:
+        """x [batch, seq, E] -> this request's rows of the batched step's output."""
+        loop = asyncio.get_running_loop()
+        item = _Pending(x, loop.create_future())
+        self._pending.append(item)
+        if self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain())
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            if item in self._pending:  # not taken yet: it will never run
+                self._pending.remove(item)
+            raise
+
+    async def _drain(self) -> None:
+        while self._pending:
+            if self._wait_s > 0 and self._pending_rows() < self._max_rows:
+                await asyncio.sleep(self._wait_s)
+            group = self._take_group()
+            if not group:
+                continue
+            x = group[0].x if len(group) == 1 else np.concatenate([p.x for p in group])
+            try:
+                out = await self._run_step(x)  # [sum b_i, seq, E]
+            except Exception as exc:
+                for p in group:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            self.steps += 1
+            self.requests += len(group)
+            start = 0
+            for p in group:
+                rows = p.x.shape[0]
+                if not p.future.done():
+                    p.future.set_result(out[start : start + rows])
+                start += rows
+
+    def _pending_rows(self) -> int:
+        return sum(p.x.shape[0] for p in self._pending)
+
+    def _take_group(self) -> list[_Pending]:
+        """FIFO: the oldest request plus later ones of the same seq len, up to max rows."""
+        self._pending = [p for p in self._pending if not p.future.done()]
+        if not self._pending:
+            return []
+        seq_len = self._pending[0].x.shape[1]
+        group, rest, rows = [], [], 0
+        for p in self._pending:
+            fits = not group or rows + p.x.shape[0] <= self._max_rows
+            if p.x.shape[1] == seq_len and fits:
+                group.append(p)
+                rows += p.x.shape[0]
+            else:
+                rest.append(p)
+        self._pending = rest
+        return group
