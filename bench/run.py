@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import httpx
@@ -60,38 +61,84 @@ def bench_in_process(x: torch.Tensor, n: int) -> dict[str, float]:
     return time_calls(call, n)
 
 
-def bench_gangserve(x: np.ndarray, n: int) -> dict[str, dict[str, float]]:
+def npy(x: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()
+
+
+def poster(client: httpx.Client, url: str, body: bytes, media: str) -> Callable[[], None]:
+    def call() -> None:
+        r = client.post(url, content=body, headers={"content-type": media})
+        assert r.status_code == 200, r.text[:300]
+
+    return call
+
+
+def throughput(url: str, body: bytes, media: str, clients: int, seconds: float) -> dict[str, float]:
+    """Completed requests per second with `clients` closed-loop clients for `seconds`."""
+    stop = time.monotonic() + seconds
+    counts = [0] * clients
+    latencies: list[float] = []
+
+    def worker(i: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            call = poster(client, url, body, media)
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                call()
+                latencies.append(time.perf_counter() - t0)
+                counts[i] += 1
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(worker, range(clients)))
+    return {"req_per_s": sum(counts) / seconds, **percentiles(latencies)}
+
+
+def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
+    """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster."""
     import ray
     from ray import serve
-    from safetensors.numpy import save as st_save
 
+    from bench.peers import EchoPeer, NaivePeer
     from service.app import build_app
     from tests.conftest import free_port, local_yaml_args
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    cores = os.cpu_count() or 1
+    ray.init(num_cpus=max(4, cores), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    results: dict[str, dict] = {"latency": {}, "small": {}, "memory": {}}
     try:
+        serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
+        serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
         serve.run(build_app(local_yaml_args()), name="gangserve", route_prefix="/")
-        url = f"http://127.0.0.1:{port}/infer"
         client = httpx.Client(timeout=120)
-        body_st = st_save({"hidden_states": x})
-        npy = io.BytesIO()
-        np.save(npy, x)
+        from safetensors.numpy import save as st_save
+
+        lat = results["latency"]
+        lat["Serve echo floor (2 MiB npy body)"] = time_calls(poster(client, base + "/echo", npy(x), "application/x-npy"), n)
+        lat["naive peer: dense MHA in one replica (npy)"] = time_calls(poster(client, base + "/naive", npy(x), "application/x-npy"), n)
+        lat["gangserve ws2 npy"] = time_calls(poster(client, base + "/infer", npy(x), "application/x-npy"), n)
+        lat["gangserve ws2 safetensors"] = time_calls(
+            poster(client, base + "/infer", st_save({"hidden_states": x}), "application/x-safetensors"), n)
         body_json = json.dumps({"hidden_states": x.tolist()}).encode()
+        lat["gangserve ws2 json"] = time_calls(poster(client, base + "/infer", body_json, "application/json"), max(5, n // 4))
 
-        def post(body: bytes, media: str) -> Callable[[], None]:
-            def call() -> None:
-                r = client.post(url, content=body, headers={"content-type": media})
-                assert r.status_code == 200, r.text
-
-            return call
-
-        return {
-            "gangserve ws2 safetensors": time_calls(post(body_st, "application/x-safetensors"), n),
-            "gangserve ws2 npy": time_calls(post(npy.getvalue(), "application/x-npy"), n),
-            "gangserve ws2 json": time_calls(post(body_json, "application/json"), max(5, n // 4)),
-        }
+        small = np.random.default_rng(0).standard_normal((1, 8, 512), dtype=np.float32)
+        for name, url in (("naive peer", base + "/naive"), ("gangserve ws2", base + "/infer")):
+            seq = time_calls(poster(client, url, npy(small), "application/x-npy"), n)
+            load = throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
+            results["small"][name] = {"seq_p50_ms": seq["p50_ms"], "seq_p99_ms": seq["p99_ms"], **{f"c16_{k}": v for k, v in load.items()}}
+        results["memory"]["2"] = client.get(base + "/gang").json()["param_bytes_per_rank"]
+        serve.delete("gangserve")
+        for ws in (1, 4):
+            args = {**local_yaml_args(), "world_size": ws, "cpus_per_rank": 0.5 if ws == 1 else 0.25}
+            serve.run(build_app(args), name=f"ws{ws}", route_prefix=f"/ws{ws}")
+            results["memory"][str(ws)] = client.get(f"{base}/ws{ws}/gang").json()["param_bytes_per_rank"]
+            serve.delete(f"ws{ws}")
+        return results
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -128,22 +175,47 @@ def bench_codecs(x: np.ndarray, n: int = 50) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=30, help="timed requests per row")
+    parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
+    parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
-    rows: dict[str, dict[str, float]] = {}
     codec_rows = bench_codecs(x.numpy())
-    rows["in-process dense nn.MultiheadAttention"] = bench_in_process(x, args.requests)
-    rows.update(bench_gangserve(x.numpy(), args.requests))
-    floor = rows["in-process dense nn.MultiheadAttention"]["p50_ms"]
-    print(f"\nshape {list(SHAPE)} float32, {os.cpu_count()} cores, {platform.processor() or platform.machine()}\n")
+    dense = bench_in_process(x, args.requests)
+    serving = bench_serving(x.numpy(), args.requests, args.load_seconds)
+    lat = {"in-process dense nn.MultiheadAttention (all cores)": dense, **serving["latency"]}
+
+    floor = dense["p50_ms"]
+    echo = serving["latency"]["Serve echo floor (2 MiB npy body)"]["p50_ms"]
+    naive = serving["latency"]["naive peer: dense MHA in one replica (npy)"]["p50_ms"]
+    ours = serving["latency"]["gangserve ws2 npy"]["p50_ms"]
+    print(f"\nnotes' shape {list(SHAPE)} float32, {os.cpu_count()} cores, {platform.machine()}, {args.requests} requests per row\n")
     print("| path | p50 ms | p99 ms | p50 / in-process |")
     print("|---|---:|---:|---:|")
-    for name, r in rows.items():
+    for name, r in lat.items():
         print(f"| {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['p50_ms'] / floor:.2f} |")
+    small = serving["small"]
+    print(f"\nsmall requests [1, 8, 512]: sequential, then 16 concurrent clients for {args.load_seconds:.0f}s\n")
+    print("| peer | sequential p50 ms | 16 clients req/s | 16 clients p50 ms | 16 clients p99 ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in small.items():
+        print(f"| {name} | {r['seq_p50_ms']:.1f} | {r['c16_req_per_s']:.0f} | {r['c16_p50_ms']:.1f} | {r['c16_p99_ms']:.1f} |")
+    print("\n| world size | attention parameter bytes per rank |")
+    print("|---:|---|")
+    for ws, per_rank in sorted(serving["memory"].items(), key=lambda kv: int(kv[0])):
+        print(f"| {ws} | {', '.join(f'{b / 2**20:.2f} MiB' for b in per_rank)} |")
+    goals = {
+        "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
+        "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
+        "small-request throughput gangserve / naive (goal >= 2)": small["gangserve ws2"]["c16_req_per_s"] / small["naive peer"]["c16_req_per_s"],
+    }
+    print("\n| ratio | value |")
+    print("|---|---:|")
+    for name, value in goals.items():
+        print(f"| {name} | {value:.2f} |")
     out = ROOT / "bench" / "results" / "latest.json"
-    out.write_text(json.dumps({"shape": SHAPE, "rows": rows, "codecs": codec_rows, "time": time.time()}, indent=2))
+    out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"],
+                               "ratios": goals, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 
