@@ -71,6 +71,7 @@ class Gang:
         self.param_bytes_per_rank: list[int] = []
         self._root: RankWorker | None = None
         self._actors: list[Any] = []
+        self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
         # One thread = one global order of collectives.
         self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
         self._batcher = StepBatcher(
@@ -236,6 +237,7 @@ class Gang:
             except Exception:  # already dead
                 pass
         self._actors = []
+        self._unacked = []
         if self._root is not None:
             try:
                 self._root.close()
@@ -278,7 +280,7 @@ class Gang:
         refs = [a.step.remote(shape) for a in self._actors]  # control messages only
         try:
             out = self._root.root_step(x)
-            ray.get(refs, timeout=self.cfg.collective_timeout_s)
+            self._reap_acks(refs)
         except (RayError, RuntimeError) as exc:
             # A peer died or a collective failed or timed out: the group is unusable now.
             self._mark_broken(f"collective failed: {type(exc).__name__}: {_first_line(exc)}")
@@ -293,13 +295,31 @@ class Gang:
             ) from exc
         return out
 
+    def _reap_acks(self, refs: list) -> None:
+        """Collect the peers' step results without waiting a round trip on every request.
+
+        Rank 0's all_reduce completing already proves every peer took part, so the output
+        is final; the peers' acks only carry errors. They are checked without blocking
+        here and waited for (bounded) only when a backlog builds up.
+        """
+        self._unacked.extend(refs)
+        if not self._unacked:
+            return
+        ready, pending = ray.wait(self._unacked, num_returns=len(self._unacked), timeout=0)
+        ray.get(ready)  # raises a peer's error, if any
+        if len(pending) > 4 * max(1, len(self._actors)):
+            ray.get(pending, timeout=self.cfg.collective_timeout_s)
+            pending = []
+        self._unacked = pending
+
     def _probe_step(self) -> None:
         if self.state is not GangState.READY:
             return
         timeout_s = min(5.0, self.cfg.collective_timeout_s)
         try:
+            self._reap_acks([])
             ray.get([a.describe.remote() for a in self._actors], timeout=timeout_s)
-        except (RayError, GangServeError) as exc:
+        except (RayError, RuntimeError, GangServeError) as exc:
             self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {_first_line(exc)}")
 
     def _swap_weights(self, model: ModelConfig) -> int:
