@@ -52,3 +52,15 @@ def test_local_yaml_is_cpu_gloo_world_size_2() -> None:
     assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000}
     cfg = parse_args(args)
     assert (cfg.world_size, cfg.use_gpu, cfg.backend, cfg.init) == (2, False, "gloo", "seed")
+
+
+def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
+    manifest = yaml.safe_load((ROOT / "deployments" / "kuberay.yaml").read_text())
+    assert manifest["kind"] == "RayService"
+    doc = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(doc)
+    cfg = parse_args(doc["applications"][0]["args"])
+    assert cfg.use_gpu and cfg.placement_strategy == "STRICT_SPREAD"
+    workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    gpus = workers["replicas"] * int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus >= cfg.world_size, "the manifest's GPU workers cannot hold the gang"
