@@ -96,13 +96,13 @@ class GangServer:
                 await self._rebuild_once()
 
     async def _rebuild_once(self) -> None:
+        cause = self._gang.reason
         if self._failed_rebuilds:
             delay = min(MAX_BACKOFF_S, 2.0 ** (self._failed_rebuilds - 1))
             self._gang.reason = (
-                f"rebuild attempt {self._failed_rebuilds} failed ({self._gang.reason}); retrying in {delay:.0f}s"
+                f"rebuild attempt {self._failed_rebuilds} failed ({cause}); retrying in {delay:.0f}s"
             )
             await asyncio.sleep(delay)
-        cause = self._gang.reason
         log.warning("rebuilding gang (attempt %d) after: %s", self._failed_rebuilds + 1, cause)
         self._gang.reason = f"rebuilding after: {cause}"
         try:

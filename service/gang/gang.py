@@ -39,6 +39,7 @@ from service.gang.rank import RankInfo, RankWorker
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
+SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class GangState(str, enum.Enum):
@@ -131,7 +132,14 @@ class Gang:
         if self.state is GangState.STOPPED:
             return
         self.state, self.reason = GangState.STOPPED, "shut down"
-        self._teardown()
+        # Killing the peers first unblocks rank 0 if it is inside a collective; then rank 0
+        # leaves the group on the sequencer thread, never concurrently with a step.
+        for actor in self._actors:
+            _kill_quietly(actor)
+        try:
+            self._sequencer.submit(self._teardown).result(timeout=SHUTDOWN_TIMEOUT_S)
+        except Exception:
+            log.exception("gang teardown did not finish within %.0fs", SHUTDOWN_TIMEOUT_S)
         self._sequencer.shutdown(wait=False, cancel_futures=True)
 
     # -- sequencing ----------------------------------------------------------------------
@@ -232,10 +240,7 @@ class Gang:
 
     def _teardown(self) -> None:
         for actor in self._actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead
-                pass
+            _kill_quietly(actor)
         self._actors = []
         self._unacked = []
         if self._root is not None:
@@ -349,6 +354,13 @@ class Gang:
         if self.state in (GangState.READY, GangState.STARTING):
             log.error("gang broken: %s", reason)
             self.state, self.reason = GangState.BROKEN, reason
+
+
+def _kill_quietly(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already dead
+        pass
 
 
 def _set_if_pending(fut: asyncio.Future, value: Any) -> None:
