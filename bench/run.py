@@ -114,6 +114,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
         serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
         serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
         serve.run(build_app(local_yaml_args()), name="gangserve", route_prefix="/")
+        # Lever A/B in the same run: the same gang with dynamic batching off.
+        serve.run(build_app({**local_yaml_args(), "max_batch_size": 1, "cpus_per_rank": 0.25}),
+                  name="nobatch", route_prefix="/nobatch")
         client = httpx.Client(timeout=120)
         from safetensors.numpy import save as st_save
 
@@ -127,12 +130,16 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
         lat["gangserve ws2 json"] = time_calls(poster(client, base + "/infer", body_json, "application/json"), max(5, n // 4))
 
         small = np.random.default_rng(0).standard_normal((1, 8, 512), dtype=np.float32)
-        for name, url in (("naive peer", base + "/naive"), ("gangserve ws2", base + "/infer")):
+        peers = (("naive peer", base + "/naive"), ("gangserve ws2", base + "/infer"),
+                 ("gangserve ws2, batching off (max_batch_size=1)", base + "/nobatch/infer"))
+        for name, url in peers:
             seq = time_calls(poster(client, url, npy(small), "application/x-npy"), n)
             load = throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
             results["small"][name] = {"seq_p50_ms": seq["p50_ms"], "seq_p99_ms": seq["p99_ms"], **{f"c16_{k}": v for k, v in load.items()}}
         results["memory"]["2"] = client.get(base + "/gang").json()["param_bytes_per_rank"]
+        results["batching"] = client.get(base + "/gang").json()["batching"]
         serve.delete("gangserve")
+        serve.delete("nobatch")
         for ws in (1, 4):
             args = {**local_yaml_args(), "world_size": ws, "cpus_per_rank": 0.5 if ws == 1 else 0.25}
             serve.run(build_app(args), name=f"ws{ws}", route_prefix=f"/ws{ws}")
