@@ -262,10 +262,10 @@ class JobManager:
     async def _poll_run(self, job_id: str, run: _Run) -> None:
         record = await self._io(self._store.get_job, job_id)
         if record is None or not record.active or record.owner != self._id:
-            # Ended elsewhere (cancelled, adopted): make sure the run is gone, stop polling.
-            self._runs.pop(job_id, None)
+            # Ended elsewhere (cancelled, adopted): stop polling; a run that ended must be gone.
             if record is None or record.status in TERMINAL_STATUSES:
                 await self._kill_run(job_id)
+            self._runs.pop(job_id, None)
             return
         try:
             snap = await asyncio.wait_for(_await(run.handle.snapshot.remote(run.log_seq)), SNAPSHOT_TIMEOUT_S)
@@ -282,7 +282,6 @@ class JobManager:
         run.missed_polls = 0
         await self._apply(record, snap, run)
         if snap["status"] in TERMINAL_STATUSES:
-            self._runs.pop(job_id, None)
             await self._kill_run(job_id)  # its outcome is persisted: release the actor
             return
         if snap["status"] == "PENDING":
@@ -321,7 +320,6 @@ class JobManager:
             why_not = f"not scheduled within schedule_timeout_s={spec.schedule_timeout_s:g}: still {waiting}"
         if why_not:
             await self._kill_run(record.id)
-            self._runs.pop(record.id, None)
             await self._fail(record.id, why_not)
         elif waiting != record.reason:
             await self._io(self._store.update_job, record.id, reason=waiting)
@@ -349,10 +347,12 @@ class JobManager:
         await self._fail(record.id, f"{why} while the job was {record.status}; its run is gone")
 
     async def _fail(self, job_id: str, error: str) -> None:
-        await self._io(self._store.update_job, job_id, status="FAILED", error=error, finished_at=time.time())
-        await self._manager_log(job_id, f"FAILED: {error}")
+        """FAIL an active job (a job that already ended, e.g. CANCELLED, keeps its status)."""
+        if await self._io(self._store.update_job, job_id, status="FAILED", error=error, finished_at=time.time()):
+            await self._manager_log(job_id, f"FAILED: {error}")
 
     async def _kill_run(self, job_id: str) -> None:
+        """Stop polling the run and kill its actor (with it, the Ray Train controller and workers)."""
         run = self._runs.pop(job_id, None)
         handle = run.handle if run else None
         if handle is None:
