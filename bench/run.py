@@ -95,6 +95,32 @@ def throughput(url: str, body: bytes, media: str, clients: int, seconds: float) 
     return {"req_per_s": sum(counts) / seconds, **percentiles(latencies)}
 
 
+def time_breakdown(client: httpx.Client, base: str, body: bytes, n: int = 20) -> dict[str, float]:
+    """Median split of one gangserve request: the ingress's Server-Timing phases, the
+    gang's own step time (/gang), and what is left for the HTTP proxy path."""
+    phases: dict[str, list[float]] = {}
+    totals = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = client.post(base + "/infer", content=body, headers={"content-type": "application/x-npy"})
+        totals.append((time.perf_counter() - t0) * 1000)
+        for part in r.headers["server-timing"].split(","):
+            name, dur = part.strip().split(";dur=")
+            phases.setdefault(name, []).append(float(dur))
+    med = {name: statistics.median(v) for name, v in phases.items()}
+    step = client.get(base + "/gang").json()["batching"]["recent_step_ms_p50"]
+    total = statistics.median(totals)
+    return {
+        "client total": total,
+        "HTTP proxy path + client (total - ingress)": total - sum(med.values()),
+        "ingress: read body": med["read"],
+        "ingress: decode + validate": med["decode"],
+        "ingress -> GangServer handle hop (gang - step)": med["gang"] - step,
+        "gang step: broadcast + TP attention + all_reduce": step,
+        "ingress: encode reply": med["encode"],
+    }
+
+
 def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
     """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster."""
     import ray
@@ -129,6 +155,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
         body_json = json.dumps({"hidden_states": x.tolist()}).encode()
         lat["gangserve ws2 json"] = time_calls(poster(client, base + "/infer", body_json, "application/json"), max(5, n // 4))
 
+        results["breakdown"] = time_breakdown(client, base, npy(x))
         small = np.random.default_rng(0).standard_normal((1, 8, 512), dtype=np.float32)
         peers = (("naive peer", base + "/naive"), ("gangserve ws2", base + "/infer"),
                  ("gangserve ws2, batching off (max_batch_size=1)", base + "/nobatch/infer"))
@@ -211,6 +238,11 @@ def main() -> None:
     print("|---:|---|")
     for ws, per_rank in sorted(serving["memory"].items(), key=lambda kv: int(kv[0])):
         print(f"| {ws} | {', '.join(f'{b / 2**20:.2f} MiB' for b in per_rank)} |")
+    print("\nwhere one gangserve ws2 npy request spends its time (medians, ms)\n")
+    print("| part | ms |")
+    print("|---|---:|")
+    for name, ms in serving["breakdown"].items():
+        print(f"| {name} | {ms:.1f} |")
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -221,7 +253,7 @@ def main() -> None:
     for name, value in goals.items():
         print(f"| {name} | {value:.2f} |")
     out = ROOT / "bench" / "results" / "latest.json"
-    out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"],
+    out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "breakdown": serving["breakdown"],
                                "ratios": goals, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 

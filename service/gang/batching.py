@@ -14,6 +14,9 @@ the next batch, so under load batches grow by themselves and an idle gang adds n
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -39,6 +42,16 @@ class StepBatcher:
         self._drainer: asyncio.Task | None = None
         self.steps = 0  # counters for /gang and the benchmark
         self.requests = 0
+        self._step_ms: deque[float] = deque(maxlen=256)
+
+    def stats(self) -> dict[str, float]:
+        """Steps, requests served, and the median duration of the recent gang steps."""
+        recent = list(self._step_ms)
+        return {
+            "steps": self.steps,
+            "requests": self.requests,
+            "recent_step_ms_p50": round(statistics.median(recent), 3) if recent else 0.0,
+        }
 
     async def submit(self, x: np.ndarray) -> np.ndarray:
         """x [batch, seq, E] -> this request's rows of the batched step's output."""
@@ -62,6 +75,7 @@ class StepBatcher:
             if not group:
                 continue
             x = group[0].x if len(group) == 1 else np.concatenate([p.x for p in group])
+            started = time.perf_counter()
             try:
                 out = await self._run_step(x)  # [sum b_i, seq, E]
             except Exception as exc:
@@ -69,6 +83,7 @@ class StepBatcher:
                     if not p.future.done():
                         p.future.set_exception(exc)
                 continue
+            self._step_ms.append((time.perf_counter() - started) * 1000)
             self.steps += 1
             self.requests += len(group)
             start = 0

@@ -123,7 +123,7 @@ class Gang:
             "weights_source": self.weights_source,
             "generation": self.generation,
             "param_bytes_per_rank": list(self.param_bytes_per_rank),
-            "batching": {"steps": self._batcher.steps, "requests": self._batcher.requests},
+            "batching": self._batcher.stats(),
             "ranks": [info.public() for info in self.rank_infos],
         }
 

@@ -1,6 +1,7 @@
 """POST /infer: one tensor in, the attention output out, in the caller's wire format."""
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -73,7 +74,9 @@ async def infer(
 ) -> Response:
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
+    t_start = time.perf_counter()
     body = await read_body_capped(request, cfg.max_body_bytes)
+    t_read = time.perf_counter()
     array = codecs.decode(body, media)
     dtype = codecs.reply_dtype(array.dtype, output_dtype, reply_media)
     x, squeezed = codecs.validate_hidden_states(
@@ -82,7 +85,17 @@ async def infer(
         max_seq_len=cfg.max_seq_len,
         max_tokens=cfg.max_tokens_per_request,
     )
+    t_decoded = time.perf_counter()
     out = await gang.infer(x)  # [batch, seq, E] float32
+    t_gang = time.perf_counter()
     if squeezed:
         out = out[0]
-    return Response(content=codecs.encode(codecs.cast_reply(out, dtype), reply_media), media_type=reply_media)
+    content = codecs.encode(codecs.cast_reply(out, dtype), reply_media)
+    t_end = time.perf_counter()
+    # Where the time went, for clients and `make bench` (W3C Server-Timing, milliseconds).
+    timing = ", ".join(
+        f"{name};dur={(b - a) * 1000:.2f}"
+        for name, a, b in (("read", t_start, t_read), ("decode", t_read, t_decoded),
+                           ("gang", t_decoded, t_gang), ("encode", t_gang, t_end))
+    )
+    return Response(content=content, media_type=reply_media, headers={"Server-Timing": timing})
