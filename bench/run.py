@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,54 @@ def time_breakdown(client: httpx.Client, base: str, body: bytes, n: int = 20) ->
     }
 
 
+def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float = 600) -> dict[str, float]:
+    """The default DDP job (`POST /train {}`: world_size 2) next to a plain single-process
+    loop on the same data; plus the time from POST to the first reported epoch."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from service.training.datasets import synthetic
+    from service.training.models import build_model
+    from service.training.runner import vector_sq_error
+    from service.training.spec import JobSpec
+
+    spec = JobSpec()
+    samples = spec.dataset.samples
+    t_post = time.monotonic()
+    r = client.post(base + "/train", json={}, headers={"authorization": f"Bearer {token}"})
+    assert r.status_code == 202, r.text
+    job_url = base + r.headers["location"]
+    epoch_times: list[float] = []
+    while time.monotonic() - t_post < timeout_s:
+        job = client.get(job_url).json()
+        while len(epoch_times) < len(job["history"]):
+            epoch_times.append(time.monotonic())
+        if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(0.2)
+    assert job["status"] == "SUCCEEDED", job
+    ddp_rate = samples * (len(epoch_times) - 1) / (epoch_times[-1] - epoch_times[0])
+
+    # Plain loop: same model, data, batch size, optimizer and loss, one process, all cores.
+    torch.set_num_threads(os.cpu_count() or 1)
+    x, y = synthetic(spec.model, spec.dataset)
+    model = build_model(spec.model, spec.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    loader = DataLoader(TensorDataset(x, y), batch_size=spec.batch_size, shuffle=True)
+    t0 = time.perf_counter()
+    for _ in range(spec.epochs):
+        for xb, yb in loader:
+            opt.zero_grad()
+            vector_sq_error(model(xb), yb).backward()
+            opt.step()
+    plain_rate = samples * spec.epochs / (time.perf_counter() - t0)
+    return {
+        "POST to first epoch s": epoch_times[0] - t_post,
+        "POST to SUCCEEDED s": time.monotonic() - t_post,
+        "DDP ws2 samples/s (epochs 2..N, incl. per-epoch checkpoint)": ddp_rate,
+        "plain single-process loop samples/s": plain_rate,
+    }
+
+
 def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
     """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster."""
     import ray
@@ -131,6 +180,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
     from tests.conftest import free_port, local_yaml_args
 
     cores = os.cpu_count() or 1
+    # Training jobs need a token and a state dir; set before Ray starts so workers inherit them.
+    token = os.environ.setdefault("GANGSERVE_API_TOKEN", "bench-token")
+    os.environ.setdefault("GANGSERVE_STATE_DIR", tempfile.mkdtemp(prefix="gangserve-bench-"))
     ray.init(num_cpus=max(4, cores), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -163,10 +215,11 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
             seq = time_calls(poster(client, url, npy(small), "application/x-npy"), n)
             load = throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
             results["small"][name] = {"seq_p50_ms": seq["p50_ms"], "seq_p99_ms": seq["p99_ms"], **{f"c16_{k}": v for k, v in load.items()}}
+        serve.delete("nobatch")  # free its CPUs for the training job
+        results["training"] = bench_training(client, base, token)
         results["memory"]["2"] = client.get(base + "/gang").json()["param_bytes_per_rank"]
         results["batching"] = client.get(base + "/gang").json()["batching"]
         serve.delete("gangserve")
-        serve.delete("nobatch")
         for ws in (1, 4):
             args = {**local_yaml_args(), "world_size": ws, "cpus_per_rank": 0.5 if ws == 1 else 0.25}
             serve.run(build_app(args), name=f"ws{ws}", route_prefix=f"/ws{ws}")
@@ -243,6 +296,11 @@ def main() -> None:
     print("|---|---:|")
     for name, ms in serving["breakdown"].items():
         print(f"| {name} | {ms:.1f} |")
+    print("\ntraining: the default job (POST /train {}: attention, 1024 samples, world_size 2, 5 epochs)\n")
+    print("| measure | value |")
+    print("|---|---:|")
+    for name, value in serving["training"].items():
+        print(f"| {name} | {value:.1f} |")
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -253,7 +311,7 @@ def main() -> None:
     for name, value in goals.items():
         print(f"| {name} | {value:.2f} |")
     out = ROOT / "bench" / "results" / "latest.json"
-    out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "breakdown": serving["breakdown"],
+    out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "breakdown": serving["breakdown"], "training": serving["training"],
                                "ratios": goals, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
