@@ -5,7 +5,6 @@ Every expected output comes from tests.reference (torch.nn.MultiheadAttention).
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys

@@ -6,7 +6,6 @@ come from tests.reference (torch.nn.MultiheadAttention), never from service code
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
