@@ -110,3 +110,45 @@ def test_kill_rank0_replica_under_load_recovers(fault_url: str) -> None:
         time.sleep(0.5)
     assert not any(pid_alive(p) for p in old_pids), "orphan rank processes after rank 0 died"
     _check_one_request(fault_url)
+
+
+def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp_path) -> None:
+    """A rebuild that cannot reload the weights (checkpoint gone) is reported in /readyz and
+    retried with backoff; once the file is back the gang recovers on its own."""
+    import shutil
+
+    from ray import serve
+
+    from service.parallel.weights import random_weights, save_checkpoint
+
+    weights = random_weights(512, seed=12)
+    path = tmp_path / "w.safetensors"
+    save_checkpoint(path, weights, num_heads=8)
+    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+            "checkpoint": str(path)}
+    base = deploy(serve_url, "rebuild", "/rebuild", args)
+    try:
+        victim = gang_info(base)["ranks"][1]["pid"]
+        shutil.move(path, tmp_path / "away.safetensors")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        seen = None
+        while time.monotonic() < deadline:
+            r = httpx.get(base + "/readyz", timeout=10)
+            if r.status_code == 503 and "rebuild attempt" in r.json()["error"]:
+                seen = r.json()
+                break
+            time.sleep(0.25)
+        assert seen is not None, "a failed rebuild was never reported in /readyz"
+        print("failed rebuild reported:", seen)
+        assert "retrying in" in seen["error"] and str(path) in seen["error"]
+        shutil.move(tmp_path / "away.safetensors", path)
+        new, recovery_s = wait_for_new_gang(base, {victim}, timeout_s=90)
+        print(f"recovered {recovery_s:.1f}s after the checkpoint came back (failed_rebuilds reset: {new['failed_rebuilds']})")
+        assert new["failed_rebuilds"] == 0
+        x = np.random.default_rng(3).standard_normal((1, 4, 512), dtype=np.float32)
+        r = httpx.post(base + "/infer", json={"hidden_states": x.tolist()}, timeout=60)
+        assert r.status_code == 200
+        assert relative_error(torch.tensor(r.json()["output"]), dense_attention(weights, 8, torch.from_numpy(x))) < 1e-5
+    finally:
+        serve.delete("rebuild")
