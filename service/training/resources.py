@@ -7,13 +7,11 @@ the cluster can hold is the sum over nodes of how many bundles each node's total
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
-import ray
+from service.gang.placement import bundles_per_node, cluster_snapshot
 
 Resources = dict[str, float]
-_EPS = 1e-6  # Ray accounts resources in 1/10000 units; absorb float noise
 
 
 def fmt(resources: Resources) -> str:
@@ -24,15 +22,12 @@ def fmt(resources: Resources) -> str:
 
 def alive_node_totals() -> list[Resources]:
     """Total resources of every alive node (blocking GCS call; run off the event loop)."""
-    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+    return cluster_snapshot().totals
 
 
 def workers_placeable(bundle: Resources, nodes: Iterable[Resources]) -> int:
-    total = 0
-    for node in nodes:
-        fits = [math.floor(node.get(k, 0.0) / v + _EPS) for k, v in bundle.items() if v > 0]
-        total += min(fits) if fits else 0
-    return total
+    """Workers of `bundle` the nodes can hold (the same count the serving gang's PACK check uses)."""
+    return sum(bundles_per_node(node, bundle) for node in nodes)
 
 
 def infeasible_reason(bundle: Resources, count: int, nodes: list[Resources]) -> str | None:
