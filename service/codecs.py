@@ -270,8 +270,9 @@ def decode_json(body: bytes) -> np.ndarray:
         return array
     # An explicit shape: flat data is fine, and zero-size shapes ([0, 512] vs [0]) stay exact.
     shape = _shape_of(doc["shape"], "JSON shape")
-    if array.size != _nbytes(shape, np.dtype(np.uint8)):
-        raise InvalidInput(f"{INPUT_NAME} has {array.size} values; shape {list(shape)} needs {_nbytes(shape, np.dtype(np.uint8))}")
+    count = _numel(shape)
+    if array.size != count:
+        raise InvalidInput(f"{INPUT_NAME} has {array.size} values; shape {list(shape)} needs {count}")
     return array.reshape(shape)
 
 
@@ -319,7 +320,7 @@ def decode_oip_tensor(
     if dtype is None:
         raise InvalidInput(f"input {name!r} datatype must be one of {', '.join(OIP_TO_NP)}; got {datatype!r:.50}")
     shape = _shape_of(list(shape), f"shape of input {name!r}")
-    count = _nbytes(shape, np.dtype(np.uint8))
+    count = _numel(shape)
     if raw is not None:
         needed = count * dtype.itemsize
         if len(raw) != needed:
@@ -423,12 +424,16 @@ def _shape_of(shape: Any, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
+def _numel(shape: Sequence[int]) -> int:
     # Python ints: a lying header cannot overflow the product.
-    total = dtype.itemsize
+    total = 1
     for d in shape:
         total *= int(d)
     return total
+
+
+def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
+    return _numel(shape) * dtype.itemsize
 
 
 def _little_endian(array: np.ndarray) -> np.ndarray:

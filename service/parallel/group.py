@@ -6,7 +6,6 @@ module-level globals, so a gang can be torn down and rebuilt in the same process
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,21 +64,3 @@ class ParallelGroup:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
-
-def init_torch_process_group(
-    *, backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
-) -> dist.ProcessGroup:
-    """Join the default torch process group through an existing store.
-
-    The store (rank 0's TCPStore, bound to a port chosen by the OS) replaces the
-    notes' hard-coded `tcp://<ip>:23456`. `timeout_s` bounds every collective of
-    the group, so a missing peer surfaces as an error instead of a hang.
-    """
-    dist.init_process_group(
-        backend=backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    return dist.group.WORLD

@@ -30,6 +30,7 @@ from safetensors.numpy import save_file
 
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound
 from service.state import resolve_inside, state_dir
+from service.gang.placement import cluster_snapshot
 from service.training import resources
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
 from service.training.run import (
@@ -114,11 +115,10 @@ class JobManager:
             except DatasetError as exc:
                 raise InvalidInput(str(exc), code="dataset_mismatch") from None
         bundle = spec.worker_bundle()
-        nodes = await asyncio.to_thread(resources.alive_node_totals)
-        why_not = resources.infeasible_reason(bundle, spec.world_size, nodes)
+        snapshot = await asyncio.to_thread(cluster_snapshot)  # one GCS read: totals and free
+        why_not = resources.infeasible_reason(bundle, spec.world_size, snapshot.totals)
         if why_not:
             raise InvalidInput(why_not, code="infeasible")
-        available = await asyncio.to_thread(ray.available_resources)
         now = time.time()
         record = JobRecord(
             id=f"job-{uuid.uuid4().hex[:12]}",
@@ -127,7 +127,7 @@ class JobManager:
             created_at=now,
             updated_at=now,
             progress={"epoch": 0, "epochs": spec.epochs, "step": 0, "loss": None},
-            reason=resources.pending_reason(bundle, spec.world_size, available),
+            reason=resources.pending_reason(bundle, spec.world_size, snapshot),
             owner=self._id,
         )
         await self._io(self._store.create_job, record)
@@ -312,10 +312,9 @@ class JobManager:
         run.reason_checked_at = now
         spec = JobSpec.model_validate(record.spec)
         bundle = spec.worker_bundle()
-        nodes = await asyncio.to_thread(resources.alive_node_totals)
-        why_not = resources.infeasible_reason(bundle, spec.world_size, nodes)
-        available = await asyncio.to_thread(ray.available_resources)
-        waiting = resources.pending_reason(bundle, spec.world_size, available)
+        snapshot = await asyncio.to_thread(cluster_snapshot)
+        why_not = resources.infeasible_reason(bundle, spec.world_size, snapshot.totals)
+        waiting = resources.pending_reason(bundle, spec.world_size, snapshot)
         if why_not is None and time.time() - record.created_at > spec.schedule_timeout_s:
             why_not = f"not scheduled within schedule_timeout_s={spec.schedule_timeout_s:g}: still {waiting}"
         if why_not:

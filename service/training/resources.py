@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from service.gang.placement import bundles_per_node, cluster_snapshot
+from service.gang.placement import ClusterSnapshot, GangRequest, bundles_per_node, waiting_reason
 
 Resources = dict[str, float]
 
@@ -18,11 +18,6 @@ def fmt(resources: Resources) -> str:
     """{'CPU': 0.5, 'GPU': 1.0} -> '{CPU: 0.5, GPU: 1}'."""
     parts = [f"{k}: {v:g}" for k, v in sorted(resources.items())]
     return "{" + ", ".join(parts) + "}"
-
-
-def alive_node_totals() -> list[Resources]:
-    """Total resources of every alive node (blocking GCS call; run off the event loop)."""
-    return cluster_snapshot().totals
 
 
 def workers_placeable(bundle: Resources, nodes: Iterable[Resources]) -> int:
@@ -46,6 +41,6 @@ def infeasible_reason(bundle: Resources, count: int, nodes: list[Resources]) -> 
     )
 
 
-def pending_reason(bundle: Resources, count: int, available: Resources) -> str:
-    free = {k: round(available.get(k, 0.0), 4) for k in bundle}
-    return f"waiting for {count} x {fmt(bundle)} (free in the cluster now: {fmt(free)})"
+def pending_reason(bundle: Resources, count: int, snapshot: ClusterSnapshot) -> str:
+    """'waiting for 2 x {CPU: 0.5} (PACK); free now: ...', worded as the serving gang's."""
+    return waiting_reason(snapshot, GangRequest(world_size=count, bundle=bundle, strategy="PACK"))

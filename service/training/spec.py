@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 # = 256 MiB, generated in every worker.
 MAX_SYNTHETIC_ELEMENTS = 64 * 1024 * 1024
 
-JOB_STATUSES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
 ACTIVE_STATUSES = ("PENDING", "RUNNING")
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "CANCELLED")
 

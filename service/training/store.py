@@ -165,14 +165,6 @@ class JobStore:
         nxt = records[-1].seq if len(rows) > limit else None
         return records, nxt
 
-    def jobs_owned_by(self, owner: str) -> list[JobRecord]:
-        marks = ", ".join("?" for _ in ACTIVE_STATUSES)
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT * FROM jobs WHERE owner = ? AND status IN ({marks}) ORDER BY seq", (owner, *ACTIVE_STATUSES)
-            ).fetchall()
-        return [_record(r) for r in rows]
-
     def update_job(self, job_id: str, *, only_active: bool = True, **fields: Any) -> bool:
         """Apply `fields` (and updated_at = now). With only_active, a job that already reached
         a terminal status is left alone (so a late progress update cannot undo a cancel).
