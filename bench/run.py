@@ -1,5 +1,8 @@
 """gangserve benchmark: everything side by side in ONE run, printed as a markdown table.
 
+Serving rows go through the Serve HTTP proxy; rows marked "direct ingress" hit the ingress
+replica's own HTTP port (RAY_SERVE_ENABLE_DIRECT_INGRESS), same cluster, same run.
+
     make bench            # or: .venv/bin/python bench/run.py [--requests N]
 
 Writes bench/results/latest.json. Compare ratios, not absolute numbers: machines are noisy.
@@ -96,6 +99,32 @@ def throughput(url: str, body: bytes, media: str, clients: int, seconds: float) 
     return {"req_per_s": sum(counts) / seconds, **percentiles(latencies)}
 
 
+def direct_base(app_name: str, timeout_s: float = 30.0) -> str:
+    """`http://host:port` of the app's first direct-ingress HTTP target (an ingress replica's
+    own port, not the proxy's), polling the Serve controller for up to `timeout_s`.
+
+    The replica binds the Serve `http_options.host` (127.0.0.1 here) while the target
+    reports the node IP, so a specific bind host wins over the target's IP."""
+    import ray
+    from ray import serve
+
+    controller = serve.context._get_global_client()._controller
+    http = ray.get(controller.get_http_config.remote())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        targets = [t for group in ray.get(controller.get_target_groups.remote(app_name))
+                   if group.protocol == "HTTP" for t in group.targets]
+        if targets and targets[0].port != http.port:
+            host = targets[0].ip if http.host in ("0.0.0.0", "::", "") else http.host
+            return f"http://{host}:{targets[0].port}"
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"no direct-ingress HTTP target for app {app_name!r} after {timeout_s:.0f}s "
+                f"(targets {[(t.ip, t.port) for t in targets]}, proxy port {http.port}); "
+                "is RAY_SERVE_ENABLE_DIRECT_INGRESS=1 set before ray.init?")
+        time.sleep(0.5)
+
+
 def time_breakdown(client: httpx.Client, base: str, body: bytes, n: int = 20) -> dict[str, float]:
     """Median split of one gangserve request: the ingress's Server-Timing phases, the
     gang's own step time (/gang), and what is left for the HTTP proxy path."""
@@ -171,7 +200,8 @@ def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float
 
 
 def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
-    """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster."""
+    """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster;
+    echo, naive and gangserve ws2 also through direct ingress (no proxy)."""
     import ray
     from ray import serve
 
@@ -183,6 +213,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
     # Training jobs need a token and a state dir; set before Ray starts so workers inherit them.
     token = os.environ.setdefault("GANGSERVE_API_TOKEN", "bench-token")
     os.environ.setdefault("GANGSERVE_STATE_DIR", tempfile.mkdtemp(prefix="gangserve-bench-"))
+    # Bench only: every ingress replica also serves HTTP on its own port (30000+), so one run
+    # measures both paths. The controller and replicas read it, hence before ray.init.
+    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     ray.init(num_cpus=max(4, cores), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -196,6 +229,8 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
         serve.run(build_app({**local_yaml_args(), "max_batch_size": 1, "cpus_per_rank": 0.25}),
                   name="nobatch", route_prefix="/nobatch")
         client = httpx.Client(timeout=120)
+        echo_d, naive_d, gang_d = (direct_base(app) for app in ("echo", "naive", "gangserve"))
+        results["direct_ingress"] = {"echo": echo_d, "naive": naive_d, "gangserve": gang_d}
         from safetensors.numpy import save as st_save
 
         lat = results["latency"]
@@ -206,11 +241,19 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
             poster(client, base + "/infer", st_save({"hidden_states": x}), "application/x-safetensors"), n)
         body_json = json.dumps({"hidden_states": x.tolist()}).encode()
         lat["gangserve ws2 json"] = time_calls(poster(client, base + "/infer", body_json, "application/json"), max(5, n // 4))
+        # The route prefix stays part of the path on the direct port.
+        lat["Serve echo floor (2 MiB npy body), direct ingress"] = time_calls(
+            poster(client, echo_d + "/echo", npy(x), "application/x-npy"), n)
+        lat["naive peer: dense MHA in one replica (npy), direct ingress"] = time_calls(
+            poster(client, naive_d + "/naive", npy(x), "application/x-npy"), n)
+        lat["gangserve ws2 npy, direct ingress"] = time_calls(
+            poster(client, gang_d + "/infer", npy(x), "application/x-npy"), n)
 
         results["breakdown"] = time_breakdown(client, base, npy(x))
         small = np.random.default_rng(0).standard_normal((1, 8, 512), dtype=np.float32)
         peers = (("naive peer", base + "/naive"), ("gangserve ws2", base + "/infer"),
-                 ("gangserve ws2, batching off (max_batch_size=1)", base + "/nobatch/infer"))
+                 ("gangserve ws2, batching off (max_batch_size=1)", base + "/nobatch/infer"),
+                 ("naive peer, direct ingress", naive_d + "/naive"), ("gangserve ws2, direct ingress", gang_d + "/infer"))
         for name, url in peers:
             seq = time_calls(poster(client, url, npy(small), "application/x-npy"), n)
             load = throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
@@ -276,6 +319,9 @@ def main() -> None:
     echo = serving["latency"]["Serve echo floor (2 MiB npy body)"]["p50_ms"]
     naive = serving["latency"]["naive peer: dense MHA in one replica (npy)"]["p50_ms"]
     ours = serving["latency"]["gangserve ws2 npy"]["p50_ms"]
+    echo_d = serving["latency"]["Serve echo floor (2 MiB npy body), direct ingress"]["p50_ms"]
+    naive_d = serving["latency"]["naive peer: dense MHA in one replica (npy), direct ingress"]["p50_ms"]
+    ours_d = serving["latency"]["gangserve ws2 npy, direct ingress"]["p50_ms"]
     print(f"\nnotes' shape {list(SHAPE)} float32, {os.cpu_count()} cores, {platform.machine()}, {args.requests} requests per row\n")
     print("| path | p50 ms | p99 ms | p50 / in-process |")
     print("|---|---:|---:|---:|")
@@ -305,6 +351,10 @@ def main() -> None:
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
         "small-request throughput gangserve / naive (goal >= 2)": small["gangserve ws2"]["c16_req_per_s"] / small["naive peer"]["c16_req_per_s"],
+        "direct ingress: gangserve p50 / naive p50 (goal <= 1)": ours_d / naive_d,
+        "direct ingress: gangserve p50 / (echo + in-process) (goal <= 1)": ours_d / (echo_d + floor),
+        "direct ingress: small-request throughput gangserve / naive (goal >= 2)":
+            small["gangserve ws2, direct ingress"]["c16_req_per_s"] / small["naive peer, direct ingress"]["c16_req_per_s"],
     }
     print("\n| ratio | value |")
     print("|---|---:|")
@@ -312,7 +362,7 @@ def main() -> None:
         print(f"| {name} | {value:.2f} |")
     out = ROOT / "bench" / "results" / "latest.json"
     out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "breakdown": serving["breakdown"], "training": serving["training"],
-                               "ratios": goals, "codecs": codec_rows, "time": time.time()}, indent=2))
+                               "direct_ingress": serving["direct_ingress"], "ratios": goals, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 
