@@ -114,6 +114,12 @@ class ServingConfig(BaseModel):
     request_timeout_s: float = Field(
         120.0, gt=0, description="Ingress wait for the gang's answer before 504."
     )
+    shm_transport: bool = Field(
+        True,
+        description="Hand request/reply tensors of 64 KiB or more between the ingress and the "
+        "GangServer through /dev/shm when both run on one node, instead of through Ray's object "
+        "store; falls back to the object store otherwise (or when /dev/shm is missing or full).",
+    )
 
 
 class AppConfig(ModelConfig, GangConfig, ServingConfig):

@@ -19,8 +19,11 @@ import asyncio
 import logging
 
 import numpy as np
+import ray
 from ray import serve
 from ray.util import get_current_placement_group
+
+from service import shm
 
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.errors import Conflict
@@ -42,6 +45,7 @@ class GangServer:
         cfg = AppConfig.model_validate(config)
         self._gang = Gang(cfg.part(ModelConfig), cfg.part(GangConfig), get_current_placement_group())
         self._failed_rebuilds = 0
+        self._node_id = ray.get_runtime_context().get_node_id()
         try:
             await self._gang.start()
         except Exception:
@@ -52,6 +56,19 @@ class GangServer:
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x: [batch, seq, E] float32 (validated by the ingress) -> [batch, seq, E] float32."""
         return await self._gang.infer(x)
+
+    async def infer_shared(self, ref: shm.SharedTensorRef) -> tuple[int, ...]:
+        """Same as `infer`, but the tensor travels through /dev/shm (see service.shm).
+
+        Reads the request from the pages `ref` names and writes the output into the same
+        pages; only the ref and the reply's shape cross the handle call. Raises
+        SharedMemoryUnavailable (the ingress then sends the tensor by value) when `ref`
+        lives on another node or is gone.
+        """
+        view = shm.open_ref(ref, self._node_id)  # [batch, seq, E] float32
+        out = await self._gang.infer(view)
+        view[...] = out  # the ingress reads the reply from the same pages
+        return tuple(int(d) for d in out.shape)
 
     async def reload_weights(self, checkpoint: str) -> dict[str, object]:
         """Hot-swap to a dense checkpoint (absolute path every rank can read).

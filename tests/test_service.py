@@ -220,6 +220,7 @@ def test_other_world_sizes_serve_the_same_function(serve_url: str, tmp_path: Pat
         path = tmp_path / "w.safetensors"
         save_checkpoint(path, weights, num_heads=8)
         args["checkpoint"] = str(path)
+        args["shm_transport"] = False  # the by-value path, side by side with the shm default
     else:
         args.update(init="random", seed=3)
     name = f"ws{world_size}"
@@ -231,6 +232,14 @@ def test_other_world_sizes_serve_the_same_function(serve_url: str, tmp_path: Pat
         with GangServeClient(base) as client:
             out = client.infer(x, fmt="npy")
         assert relative_error(torch.from_numpy(out), reference(x, weights)) < 1e-5
+        if world_size == 4:  # 24 KiB request: by value; shared memory off anyway
+            big = rand(4, 16, 512, seed=5)  # 128 KiB: would qualify for shared memory
+            with GangServeClient(base) as client:
+                out = client.infer(big, fmt="npy")
+            assert relative_error(torch.from_numpy(out), reference(big, weights)) < 1e-5
+            transport = httpx.get(base + "/gang", timeout=30).json()["ingress_transport"]
+            assert transport["shm_enabled"] is False and transport["shared_memory"] == 0
+            assert transport["object_store"] >= 2, transport
     finally:
         serve.delete(name)
     # Graceful shutdown: every rank process is gone.

@@ -9,14 +9,17 @@ once with needed vs available, instead of letting requests queue in Serve's rout
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import numpy as np
+import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from service import shm
 from service.config import AppConfig
 from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
 from service.gang.placement import (
@@ -27,8 +30,11 @@ from service.gang.placement import (
     waiting_reason,
 )
 
+log = logging.getLogger("gangserve.ingress")
+
 STATUS_MAX_AGE_S = 1.0  # how stale the cached gang status may be on the request path
 DESCRIBE_TIMEOUT_S = 2.0
+SHM_RETRY_AFTER_S = 30.0  # after a shared-memory failure, send by value for this long
 
 
 class GangClient:
@@ -43,12 +49,27 @@ class GangClient:
         self._status: dict[str, Any] | None = None
         self._status_at = 0.0
         self._refresh: asyncio.Task | None = None
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._shm_enabled = config.shm_transport and shm.available()
+        self._shm_retry_at = 0.0
+        self._transport = {"shared_memory": 0, "object_store": 0, "shared_memory_fallbacks": 0}
+        if self._shm_enabled:
+            shm.sweep_stale()  # files a crashed ingress on this node left behind
 
     # -- public ---------------------------------------------------------------------------
     async def infer(self, x: np.ndarray) -> np.ndarray:
         status = await self.status(max_age_s=STATUS_MAX_AGE_S)
         if status["state"] != "ready":
             raise unavailable_error(status)
+        if self._can_share(x, status):
+            try:
+                return await self._infer_shared(x)
+            except shm.SharedMemoryUnavailable as exc:
+                self._transport["shared_memory_fallbacks"] += 1
+                self._shm_retry_at = time.monotonic() + SHM_RETRY_AFTER_S
+                log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs",
+                            exc, SHM_RETRY_AFTER_S)
+        self._transport["object_store"] += 1
         return await self._call("infer", x, timeout_s=self._cfg.request_timeout_s, watch=True)
 
     async def reload_weights(self, checkpoint: str, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -56,8 +77,11 @@ class GangClient:
         return await self._call("reload_weights", checkpoint, timeout_s=timeout_s)
 
     async def describe(self) -> dict[str, Any]:
-        """GangServer.describe, or a synthesized status explaining why it cannot answer."""
-        return await self.status(max_age_s=0.0)
+        """GangServer.describe, or a synthesized status explaining why it cannot answer;
+        plus how this ingress replica has been handing tensors to the gang."""
+        status = await self.status(max_age_s=0.0)
+        return {**status, "ingress_transport": {
+            "node_id": self._node_id, "shm_enabled": self._shm_enabled, **self._transport}}
 
     async def status(self, max_age_s: float) -> dict[str, Any]:
         """The gang's status, at most `max_age_s` old (refreshed in the background when stale)."""
@@ -71,6 +95,27 @@ class GangClient:
         return self._status
 
     # -- internals ------------------------------------------------------------------------
+    def _can_share(self, x: np.ndarray, status: dict[str, Any]) -> bool:
+        """Shared memory pays only for tensors Ray would not inline, and needs rank 0
+        (the GangServer replica) on this node."""
+        if not self._shm_enabled or x.size * 4 < shm.MIN_SHARED_BYTES:
+            return False
+        if time.monotonic() < self._shm_retry_at:
+            return False
+        ranks = status.get("ranks") or []
+        return bool(ranks) and ranks[0].get("node_id") == self._node_id
+
+    async def _infer_shared(self, x: np.ndarray) -> np.ndarray:
+        ref, view = shm.create(x, self._node_id)
+        try:
+            shape = await self._call("infer_shared", ref, timeout_s=self._cfg.request_timeout_s, watch=True)
+        finally:
+            shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
+        self._transport["shared_memory"] += 1
+        if tuple(shape) != ref.shape:
+            raise GangUnavailable(f"gang replied with shape {tuple(shape)} to a {ref.shape} request", code="gang_error")
+        return view  # [batch, seq, E] float32, written by the gang
+
     async def _refresh_status(self) -> dict[str, Any]:
         try:
             status = await self._call("describe", timeout_s=DESCRIBE_TIMEOUT_S)
@@ -139,7 +184,7 @@ class GangClient:
             ) from None
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
-            if isinstance(cause, GangServeError):
+            if isinstance(cause, (GangServeError, shm.SharedMemoryUnavailable)):
                 raise cause from None
             raise GangUnavailable(f"the gang server failed: {exc}", code="gang_error") from None
 

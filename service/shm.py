@@ -1,0 +1,150 @@
+"""Same-node tensor hand-off between the ingress and the GangServer through /dev/shm.
+
+Why: a Serve handle call copies a multi-MiB numpy argument into Ray's object store and
+the reply back out (measured here: 12.8 ms round trip with 2 MiB each way vs 3.3 ms with
+a tiny payload). When both replicas run on the same node, the ingress instead writes the
+request tensor into a file in /dev/shm, sends only its name (`SharedTensorRef`, a few
+hundred bytes), and the GangServer maps the same pages, broadcasts straight from them and
+writes the reply into them (attention maps [batch, seq, E] to [batch, seq, E], so the
+request's pages fit the reply exactly).
+
+Lifetime contract:
+- The ingress creates the file (O_EXCL, space reserved with posix_fallocate so a full
+  /dev/shm fails cleanly with ENOSPC instead of SIGBUS on first write) and unlinks it
+  when the call returns or fails. Unlinking only removes the name: pages stay valid for
+  every process that still maps them and are freed by the kernel at the last unmap.
+- Nobody closes a mapping explicitly: numpy views keep their mmap alive, and it is
+  unmapped when the last view is garbage. So a GangServer step that outlives the
+  ingress's wait (a 504) can never touch unmapped memory.
+- Names carry the creating process's pid, so `sweep_stale` can remove files left by a
+  process that died between create and unlink.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "gangserve-"
+_NAME = re.compile(r"^gangserve-(\d+)-[0-9a-f]{16}$")
+# Ray sends objects under 100 KiB inline in the RPC itself: nothing to save below that.
+MIN_SHARED_BYTES = 64 * 1024
+
+
+class SharedMemoryUnavailable(RuntimeError):
+    """The shared-memory path cannot be used for this call; send the tensor by value."""
+
+
+@dataclass(frozen=True)
+class SharedTensorRef:
+    """Names one float32 tensor in /dev/shm on node `node_id` (what crosses the handle call)."""
+
+    name: str
+    shape: tuple[int, ...]
+    node_id: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * 4
+
+
+def available() -> bool:
+    """True when this process can create files in /dev/shm (Linux)."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def create(x: np.ndarray, node_id: str) -> tuple[SharedTensorRef, np.ndarray]:
+    """Copy x (any float dtype, cast to float32) into a new /dev/shm file.
+
+    Returns the ref to send and a writable float32 view of the same pages (where the
+    reply will appear). Raises SharedMemoryUnavailable when /dev/shm is missing or full.
+    """
+    shape = tuple(int(d) for d in x.shape)
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    ref = SharedTensorRef(name=name, shape=shape, node_id=node_id)
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(f"cannot create {path}: {exc}") from None
+    try:
+        os.posix_fallocate(fd, 0, max(ref.nbytes, 1))
+        mapping = mmap.mmap(fd, max(ref.nbytes, 1))
+    except OSError as exc:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise SharedMemoryUnavailable(f"cannot reserve {ref.nbytes} bytes in {SHM_DIR}: {exc}") from None
+    os.close(fd)  # the mapping holds its own reference to the file
+    view = _view(mapping, ref)
+    view[...] = x
+    return ref, view
+
+
+def open_ref(ref: SharedTensorRef, node_id: str) -> np.ndarray:
+    """The GangServer side: a writable float32 view of the tensor `ref` names.
+
+    Raises SharedMemoryUnavailable when `ref` was made on another node or is gone.
+    """
+    if ref.node_id != node_id:
+        raise SharedMemoryUnavailable(f"tensor is in shared memory on node {ref.node_id}, this is node {node_id}")
+    if not _NAME.match(ref.name):
+        raise SharedMemoryUnavailable(f"not a gangserve shared tensor name: {ref.name!r}")
+    path = SHM_DIR / ref.name
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(f"cannot open {path}: {exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < ref.nbytes:
+            raise SharedMemoryUnavailable(f"{path} holds {size} bytes, the tensor needs {ref.nbytes}")
+        mapping = mmap.mmap(fd, max(ref.nbytes, 1))
+    finally:
+        os.close(fd)
+    return _view(mapping, ref)
+
+
+def unlink(ref: SharedTensorRef) -> None:
+    """Remove the name (pages live on until every view of them is gone)."""
+    _unlink_quietly(SHM_DIR / ref.name)
+
+
+def sweep_stale() -> int:
+    """Remove files whose creating process is gone; returns how many were removed."""
+    if not available():
+        return 0
+    removed = 0
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        match = _NAME.match(path.name)
+        if match and not _pid_alive(int(match.group(1))):
+            _unlink_quietly(path)
+            removed += 1
+    return removed
+
+
+def _view(mapping: mmap.mmap, ref: SharedTensorRef) -> np.ndarray:
+    count = int(np.prod(ref.shape, dtype=np.int64))
+    return np.frombuffer(mapping, dtype=np.float32, count=count).reshape(ref.shape)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
