@@ -225,11 +225,14 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
         serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
         serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
         serve.run(build_app(local_yaml_args()), name="gangserve", route_prefix="/")
-        # Lever A/B in the same run: the same gang with dynamic batching off.
+        # Lever A/Bs in the same run: the same gang with dynamic batching off (in the
+        # ingress and in the gang server), and with the /dev/shm tensor hand-off off.
         serve.run(build_app({**local_yaml_args(), "max_batch_size": 1, "cpus_per_rank": 0.25}),
                   name="nobatch", route_prefix="/nobatch")
+        serve.run(build_app({**local_yaml_args(), "shm_transport": False, "cpus_per_rank": 0.25}),
+                  name="noshm", route_prefix="/noshm")
         client = httpx.Client(timeout=120)
-        echo_d, naive_d, gang_d = (direct_base(app) for app in ("echo", "naive", "gangserve"))
+        echo_d, naive_d, gang_d, nobatch_d = (direct_base(app) for app in ("echo", "naive", "gangserve", "nobatch"))
         results["direct_ingress"] = {"echo": echo_d, "naive": naive_d, "gangserve": gang_d}
         from safetensors.numpy import save as st_save
 
@@ -237,6 +240,8 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
         lat["Serve echo floor (2 MiB npy body)"] = time_calls(poster(client, base + "/echo", npy(x), "application/x-npy"), n)
         lat["naive peer: dense MHA in one replica (npy)"] = time_calls(poster(client, base + "/naive", npy(x), "application/x-npy"), n)
         lat["gangserve ws2 npy"] = time_calls(poster(client, base + "/infer", npy(x), "application/x-npy"), n)
+        lat["gangserve ws2 npy, shm_transport off (object store)"] = time_calls(
+            poster(client, base + "/noshm/infer", npy(x), "application/x-npy"), n)
         lat["gangserve ws2 safetensors"] = time_calls(
             poster(client, base + "/infer", st_save({"hidden_states": x}), "application/x-safetensors"), n)
         body_json = json.dumps({"hidden_states": x.tolist()}).encode()
@@ -253,12 +258,14 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
         small = np.random.default_rng(0).standard_normal((1, 8, 512), dtype=np.float32)
         peers = (("naive peer", base + "/naive"), ("gangserve ws2", base + "/infer"),
                  ("gangserve ws2, batching off (max_batch_size=1)", base + "/nobatch/infer"),
-                 ("naive peer, direct ingress", naive_d + "/naive"), ("gangserve ws2, direct ingress", gang_d + "/infer"))
+                 ("naive peer, direct ingress", naive_d + "/naive"), ("gangserve ws2, direct ingress", gang_d + "/infer"),
+                 ("gangserve ws2, batching off, direct ingress", nobatch_d + "/nobatch/infer"))
         for name, url in peers:
             seq = time_calls(poster(client, url, npy(small), "application/x-npy"), n)
             load = throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
             results["small"][name] = {"seq_p50_ms": seq["p50_ms"], "seq_p99_ms": seq["p99_ms"], **{f"c16_{k}": v for k, v in load.items()}}
-        serve.delete("nobatch")  # free its CPUs for the training job
+        serve.delete("nobatch")  # free their CPUs for the training job
+        serve.delete("noshm")
         results["training"] = bench_training(client, base, token)
         results["memory"]["2"] = client.get(base + "/gang").json()["param_bytes_per_rank"]
         results["batching"] = client.get(base + "/gang").json()["batching"]

@@ -86,3 +86,35 @@ def test_a_cancelled_request_is_dropped_before_it_runs() -> None:
         return step
 
     assert len(asyncio.run(scenario()).shapes) == 1
+
+
+class ConcurrencyProbe(RecordingStep):
+    """A step function that also records how many of its calls overlap."""
+
+    def __init__(self, delay_s: float = 0.02) -> None:
+        super().__init__(delay_s)
+        self.running = self.peak = 0
+
+    async def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            return await super().__call__(x)
+        finally:
+            self.running -= 1
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_steps_in_flight_never_exceed_the_limit_and_rows_stay_exact(max_in_flight: int) -> None:
+    async def scenario() -> tuple[list, list, ConcurrencyProbe, StepBatcher]:
+        step = ConcurrencyProbe()
+        batcher = StepBatcher(step, max_batch_size=3, wait_s=0.0, max_in_flight=max_in_flight)
+        inputs = [_x(1, 5, i) for i in range(20)]
+        outs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        return inputs, outs, step, batcher
+
+    inputs, outs, step, batcher = asyncio.run(scenario())
+    for x, out in zip(inputs, outs):
+        np.testing.assert_array_equal(out, x * 2)
+    assert step.peak == max_in_flight  # 20 requests of <= 3 rows each keep every slot busy
+    assert batcher.requests == 20 and batcher.steps == len(step.shapes)

@@ -281,7 +281,14 @@ def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> No
 
 
 def test_concurrent_requests_of_equal_length_are_batched_and_split_exactly(app_url: str) -> None:
-    before = httpx.get(app_url + "/gang", timeout=30).json()["batching"]
+    """Batching happens twice: the ingress coalesces requests into handle calls, the
+    GangServer coalesces calls into gang steps. Every reply must still be its own rows."""
+
+    def counters() -> tuple[dict, dict]:
+        info = httpx.get(app_url + "/gang", timeout=30).json()
+        return info["ingress_transport"]["batching"], info["batching"]
+
+    ingress_before, gang_before = counters()
     inputs = [rand(1 + i % 3, 8, 512, seed=200 + i) for i in range(24)]
 
     def call(x: np.ndarray) -> np.ndarray:
@@ -294,7 +301,11 @@ def test_concurrent_requests_of_equal_length_are_batched_and_split_exactly(app_u
     for x, out in zip(inputs, outputs):
         assert out.shape == x.shape
         assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
-    after = httpx.get(app_url + "/gang", timeout=30).json()["batching"]
-    requests, steps = after["requests"] - before["requests"], after["steps"] - before["steps"]
+    ingress_after, gang_after = counters()
+    requests = ingress_after["requests"] - ingress_before["requests"]
+    calls = ingress_after["steps"] - ingress_before["steps"]
+    gang_calls = gang_after["requests"] - gang_before["requests"]
+    steps = gang_after["steps"] - gang_before["steps"]
     assert requests == 24
-    assert steps < requests, f"24 concurrent requests ran as {steps} steps: no batching happened"
+    assert calls < requests, f"24 concurrent requests made {calls} handle calls: the ingress did not batch"
+    assert gang_calls == calls and 1 <= steps <= calls, (calls, gang_calls, steps)

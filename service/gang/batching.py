@@ -7,9 +7,14 @@ and run as ONE gang step (one broadcast, one all_reduce per layer), then split b
 
 Attention mixes positions only within a sequence, never across batch rows, so each
 request's rows are exactly what it would get alone (up to float rounding of a larger
-matmul). Only one step is in flight at a time; requests that arrive while it runs form
-the next batch, so under load batches grow by themselves and an idle gang adds no wait
-(unless `wait_s` > 0 asks to linger for company).
+matmul). At most `max_in_flight` steps run at once (1 in front of the gang's sequencer);
+requests that arrive while they run form the next batch, so under load batches grow by
+themselves and an idle gang adds no wait (unless `wait_s` > 0 asks to linger for company).
+
+The same class batches twice: in the GangServer (one gang step per batch) and in each
+ingress replica (one handle call per batch, `max_in_flight=2` so one batch crosses the
+hop while the gang computes the previous one), which amortises the per-call cost of the
+hop over every request in the batch.
 """
 from __future__ import annotations
 
@@ -34,10 +39,12 @@ class _Pending:
 class StepBatcher:
     """Coalesces concurrent `submit` calls into steps of at most `max_batch_size` rows."""
 
-    def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float) -> None:
+    def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1) -> None:
         self._run_step = run_step
         self._max_rows = max_batch_size
         self._wait_s = wait_s
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._running: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
         self._pending: list[_Pending] = []
         self._drainer: asyncio.Task | None = None
         self.steps = 0  # counters for /gang and the benchmark
@@ -68,12 +75,22 @@ class StepBatcher:
             raise
 
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._pending:
+            await self._slots.acquire()  # requests keep queueing while every slot is busy
             if self._wait_s > 0 and self._pending_rows() < self._max_rows:
                 await asyncio.sleep(self._wait_s)
             group = self._take_group()
             if not group:
+                self._slots.release()
                 continue
+            task = loop.create_task(self._run_group(group))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run_group(self, group: list[_Pending]) -> None:
+        """One step for `group` (holding one slot); every member gets its rows or the error."""
+        try:
             x = group[0].x if len(group) == 1 else np.concatenate([p.x for p in group])
             started = time.perf_counter()
             try:
@@ -82,7 +99,7 @@ class StepBatcher:
                 for p in group:
                     if not p.future.done():
                         p.future.set_exception(exc)
-                continue
+                return
             self._step_ms.append((time.perf_counter() - started) * 1000)
             self.steps += 1
             self.requests += len(group)
@@ -92,6 +109,8 @@ class StepBatcher:
                 if not p.future.done():
                     p.future.set_result(out[start : start + rows])
                 start += rows
+        finally:
+            self._slots.release()
 
     def _pending_rows(self) -> int:
         return sum(p.x.shape[0] for p in self._pending)

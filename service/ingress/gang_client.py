@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from service import shm
 from service.config import AppConfig
 from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
+from service.gang.batching import StepBatcher
 from service.gang.placement import (
     gang_request,
     GangUnschedulable,
@@ -34,6 +35,7 @@ log = logging.getLogger("gangserve.ingress")
 
 STATUS_MAX_AGE_S = 1.0  # how stale the cached gang status may be on the request path
 DESCRIBE_TIMEOUT_S = 2.0
+INGRESS_CALLS_IN_FLIGHT = 2  # one batch crossing the hop while the gang computes another
 SHM_RETRY_AFTER_S = 30.0  # after a shared-memory failure, send by value for this long
 
 
@@ -53,6 +55,11 @@ class GangClient:
         self._shm_enabled = config.shm_transport and shm.available()
         self._shm_retry_at = 0.0
         self._transport = {"shared_memory": 0, "object_store": 0, "shared_memory_fallbacks": 0}
+        # Concurrent requests of equal seq len share one handle call (see StepBatcher).
+        self._batcher = StepBatcher(
+            self._send, max_batch_size=config.max_batch_size, wait_s=config.batch_wait_timeout_s,
+            max_in_flight=INGRESS_CALLS_IN_FLIGHT,
+        )
         if self._shm_enabled:
             shm.sweep_stale()  # files a crashed ingress on this node left behind
 
@@ -61,16 +68,7 @@ class GangClient:
         status = await self.status(max_age_s=STATUS_MAX_AGE_S)
         if status["state"] != "ready":
             raise unavailable_error(status)
-        if self._can_share(x, status):
-            try:
-                return await self._infer_shared(x)
-            except shm.SharedMemoryUnavailable as exc:
-                self._transport["shared_memory_fallbacks"] += 1
-                self._shm_retry_at = time.monotonic() + SHM_RETRY_AFTER_S
-                log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs",
-                            exc, SHM_RETRY_AFTER_S)
-        self._transport["object_store"] += 1
-        return await self._call("infer", x, timeout_s=self._cfg.request_timeout_s, watch=True)
+        return await self._batcher.submit(x)
 
     async def reload_weights(self, checkpoint: str, timeout_s: float = 300.0) -> dict[str, Any]:
         """Hot-swap the gang to a dense checkpoint; returns the new /gang description."""
@@ -81,7 +79,8 @@ class GangClient:
         plus how this ingress replica has been handing tensors to the gang."""
         status = await self.status(max_age_s=0.0)
         return {**status, "ingress_transport": {
-            "node_id": self._node_id, "shm_enabled": self._shm_enabled, **self._transport}}
+            "node_id": self._node_id, "shm_enabled": self._shm_enabled, **self._transport,
+            "batching": self._batcher.stats()}}
 
     async def status(self, max_age_s: float) -> dict[str, Any]:
         """The gang's status, at most `max_age_s` old (refreshed in the background when stale)."""
@@ -95,6 +94,19 @@ class GangClient:
         return self._status
 
     # -- internals ------------------------------------------------------------------------
+    async def _send(self, x: np.ndarray) -> np.ndarray:
+        """One handle call carrying x [batch, seq, E] (one request or a batch of them)."""
+        if self._can_share(x, self._status or {}):
+            try:
+                return await self._infer_shared(x)
+            except shm.SharedMemoryUnavailable as exc:
+                self._transport["shared_memory_fallbacks"] += 1
+                self._shm_retry_at = time.monotonic() + SHM_RETRY_AFTER_S
+                log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs",
+                            exc, SHM_RETRY_AFTER_S)
+        self._transport["object_store"] += 1
+        return await self._call("infer", x, timeout_s=self._cfg.request_timeout_s, watch=True)
+
     def _can_share(self, x: np.ndarray, status: dict[str, Any]) -> bool:
         """Shared memory pays only for tensors Ray would not inline, and needs rank 0
         (the GangServer replica) on this node."""
