@@ -24,7 +24,6 @@ from ray import serve
 from ray.util import get_current_placement_group
 
 from service import shm
-
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.errors import Conflict
 from service.gang.gang import Gang, GangState

@@ -32,7 +32,7 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "gangserve-"
-_NAME = re.compile(r"^gangserve-(\d+)-[0-9a-f]{16}$")
+_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[0-9a-f]{{16}}$")  # PREFIX, creator pid, 64 random bits
 # Ray sends objects under 100 KiB inline in the RPC itself: nothing to save below that.
 MIN_SHARED_BYTES = 64 * 1024
 
@@ -50,8 +50,17 @@ class SharedTensorRef:
     node_id: str
 
     @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * 4
+        return self.numel * 4  # float32
+
+    @property
+    def map_size(self) -> int:
+        """Bytes to reserve and map (mmap refuses a zero-length mapping)."""
+        return max(self.nbytes, 1)
 
 
 def available() -> bool:
@@ -74,8 +83,8 @@ def create(x: np.ndarray, node_id: str) -> tuple[SharedTensorRef, np.ndarray]:
     except OSError as exc:
         raise SharedMemoryUnavailable(f"cannot create {path}: {exc}") from None
     try:
-        os.posix_fallocate(fd, 0, max(ref.nbytes, 1))
-        mapping = mmap.mmap(fd, max(ref.nbytes, 1))
+        os.posix_fallocate(fd, 0, ref.map_size)
+        mapping = mmap.mmap(fd, ref.map_size)
     except OSError as exc:
         os.close(fd)
         _unlink_quietly(path)
@@ -104,7 +113,7 @@ def open_ref(ref: SharedTensorRef, node_id: str) -> np.ndarray:
         size = os.fstat(fd).st_size
         if size < ref.nbytes:
             raise SharedMemoryUnavailable(f"{path} holds {size} bytes, the tensor needs {ref.nbytes}")
-        mapping = mmap.mmap(fd, max(ref.nbytes, 1))
+        mapping = mmap.mmap(fd, ref.map_size)
     finally:
         os.close(fd)
     return _view(mapping, ref)
@@ -129,8 +138,7 @@ def sweep_stale() -> int:
 
 
 def _view(mapping: mmap.mmap, ref: SharedTensorRef) -> np.ndarray:
-    count = int(np.prod(ref.shape, dtype=np.int64))
-    return np.frombuffer(mapping, dtype=np.float32, count=count).reshape(ref.shape)
+    return np.frombuffer(mapping, dtype=np.float32, count=ref.numel).reshape(ref.shape)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -6,8 +6,13 @@ path with its transport counters. Expected outputs come from tests.reference.
 """
 from __future__ import annotations
 
+import asyncio
+import io
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -102,7 +107,7 @@ def test_http_requests_use_shared_memory_on_one_node_and_leave_no_files(app_url:
     for x in (big, small):
         r = httpx.post(app_url + "/infer", content=npy_bytes(x), headers={"content-type": "application/x-npy"}, timeout=60)
         assert r.status_code == 200, r.text
-        out = np.load(__import__("io").BytesIO(r.content))
+        out = np.load(io.BytesIO(r.content))
         assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
     after = httpx.get(app_url + "/gang", timeout=30).json()["ingress_transport"]
     assert after["shm_enabled"] is True
@@ -135,8 +140,6 @@ def _driver_side_client(app_url: str) -> tuple[object, str]:
 
 
 def test_gang_client_hands_tensors_over_shared_memory(app_url: str) -> None:
-    import asyncio
-
     client, _ = _driver_side_client(app_url)
     big = rand(3, 32, 512, seed=14)  # 192 KiB
 
@@ -146,12 +149,10 @@ def test_gang_client_hands_tensors_over_shared_memory(app_url: str) -> None:
     out = asyncio.run(run())
     assert relative_error(torch.from_numpy(np.array(out)), reference(big)) < 1e-5
     assert client._transport == {"shared_memory": 1, "object_store": 0, "shared_memory_fallbacks": 0}
-    assert not any(name.startswith(f"{shm.PREFIX}{__import__('os').getpid()}-") for name in gangserve_files())
+    assert not any(name.startswith(f"{shm.PREFIX}{os.getpid()}-") for name in gangserve_files())
 
 
 def test_gang_client_falls_back_to_the_object_store_when_shm_fails(app_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncio
-
     client, _ = _driver_side_client(app_url)
     monkeypatch.setattr(shm, "SHM_DIR", Path("/nonexistent-shm-dir"))  # as if /dev/shm were gone or full
     big = rand(3, 32, 512, seed=15)
@@ -170,11 +171,6 @@ def test_rank_death_during_shared_memory_requests_is_a_clean_error_and_leaves_no
     """kill -9 of rank 1 while shm requests flow: every request either gets its exact rows or
     a GangServeError (503/504 at the edge), no /dev/shm file outlives its call, and the
     rebuilt gang serves through shared memory again."""
-    import asyncio
-    import os
-    import signal
-    import time
-
     from service.errors import GangServeError
     from tests.faults import wait_for_new_gang
 

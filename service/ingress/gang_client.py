@@ -119,11 +119,11 @@ class GangClient:
 
     async def _infer_shared(self, x: np.ndarray) -> np.ndarray:
         ref, view = shm.create(x, self._node_id)
+        self._transport["shared_memory"] += 1  # calls made, like "object_store"
         try:
             shape = await self._call("infer_shared", ref, timeout_s=self._cfg.request_timeout_s, watch=True)
         finally:
             shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
-        self._transport["shared_memory"] += 1
         if tuple(shape) != ref.shape:
             raise GangUnavailable(f"gang replied with shape {tuple(shape)} to a {ref.shape} request", code="gang_error")
         return view  # [batch, seq, E] float32, written by the gang
