@@ -12,6 +12,11 @@ Recovery, in two tiers:
 2. Serve: after `max_rebuild_attempts` failed rebuilds, `check_health` raises and Serve
    replaces the whole replica (new placement group). If rank 0 itself (this process)
    dies, Serve does the same on its own.
+
+Served weights are durable (service.served_weights): every bring-up, at either tier and
+on every restart of the app, loads the app's recorded version; `reload_weights` records
+a new version before any rank serves it; the supervisor also moves the gang to a newer
+recorded version written by another replica of the app.
 """
 from __future__ import annotations
 
@@ -25,9 +30,19 @@ from ray.util import get_current_placement_group
 
 from service import shm
 from service.config import AppConfig, GangConfig, ModelConfig
-from service.errors import Conflict
+from service.errors import Conflict, GangStartupError
 from service.gang.gang import Gang, GangState
 from service.parallel.weights import check_checkpoint
+from service.served_weights import (
+    ConfigWeights,
+    ServedWeights,
+    WeightsRecord,
+    WeightsRecordError,
+    describe_config_weights,
+    store_immutable_copy,
+    verify_recorded_file,
+)
+from service.state import state_dir
 
 log = logging.getLogger("gangserve.server")
 
@@ -42,15 +57,37 @@ class GangServer:
 
     async def __init__(self, config: dict) -> None:
         cfg = AppConfig.model_validate(config)
-        self._gang = Gang(cfg.part(ModelConfig), cfg.part(GangConfig), get_current_placement_group())
+        self._model = cfg.part(ModelConfig)
+        self._state = state_dir()
+        self._app = serve.get_replica_context().app_name
+        self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
         try:
-            await self._gang.start()
+            self._record = WeightsRecord(self._state)
+            self._config_weights, weights = await asyncio.to_thread(self._weights_at_start)
+            await self._gang.start(weights)
         except Exception:
             self._gang.shutdown()
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    def _weights_at_start(self) -> tuple[ConfigWeights, ServedWeights]:
+        """The version this replica must serve: the app's record, unless its config changed."""
+        config = describe_config_weights(self._model)
+        weights = self._record.reconcile(self._app, config)
+        try:
+            verify_recorded_file(weights, self._state)
+        except WeightsRecordError as exc:
+            raise GangStartupError(
+                f"{exc}. Restore the file, or start the app with a different weights config "
+                "(a changed config wins over the record)",
+                code="weights_record_broken",
+            ) from None
+        log.info("app %r serves weights version %d (%s: %s, sha256 %s)", self._app, weights.version,
+                 weights.source, weights.description, weights.sha256[:16])
+        return config, weights
 
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x: [batch, seq, E] float32 (validated by the ingress) -> [batch, seq, E] float32."""
@@ -69,20 +106,45 @@ class GangServer:
         view[...] = out  # the ingress reads the reply from the same pages
         return tuple(int(d) for d in out.shape)
 
-    async def reload_weights(self, checkpoint: str) -> dict[str, object]:
-        """Hot-swap to a dense checkpoint (absolute path every rank can read).
+    async def reload_weights(self, checkpoint: str | None, job_id: str | None = None) -> dict[str, object]:
+        """Hot-swap to a dense checkpoint (absolute path every rank can read), or with
+        `checkpoint=None` back to the app's configured weights; returns the /gang description.
 
-        Raises Conflict (409) if its shapes do not fit the serving model; in-flight and
+        The checkpoint is first copied into the state dir's content-addressed `weights/`
+        (what the record points to, immutable), then staged on every rank, recorded as the
+        app's next version, and committed. Raises Conflict (409) if its shapes do not fit
+        the serving model or a rank cannot stage it (nothing changes then); in-flight and
         queued requests are unaffected (the swap is sequenced between them).
         """
-        current = self._gang.model_cfg
-        try:
-            check_checkpoint(checkpoint, current.embed_dim, current.num_heads)
-        except (ValueError, OSError) as exc:
-            raise Conflict(str(exc), code="checkpoint_mismatch") from None
-        new_cfg = current.model_copy(update={"checkpoint": checkpoint})
-        await self._gang.reload_weights(new_cfg)
-        return self._gang.describe()
+        async with self._swap_lock:
+            if checkpoint is None:
+                config = self._config_weights
+                model = self._model
+                source, description, sha, stored = "config", config.description, config.sha256, config.checkpoint
+            else:
+                current = self._model
+                try:
+                    check_checkpoint(checkpoint, current.embed_dim, current.num_heads)
+                    stored, sha = await asyncio.to_thread(store_immutable_copy, checkpoint, self._state)
+                except (ValueError, OSError) as exc:
+                    raise Conflict(str(exc), code="checkpoint_mismatch") from None
+                source = "swap"
+                description = f"job {job_id}" if job_id else f"checkpoint {checkpoint.rsplit('/', 1)[-1]}"
+                model = current.model_copy(update={"checkpoint": str(self._state / stored)})
+
+            def record() -> ServedWeights:
+                return self._record.record(
+                    self._app, source, description, sha256=sha, fingerprint=self._config_weights.fingerprint,
+                    checkpoint=stored, job_id=job_id,
+                )
+
+            await self._gang.swap_weights(model, record)
+        return await self.describe()
+
+    async def arm_failpoint(self, rank: int, name: str) -> None:
+        """Tests only (the cluster must run with GANGSERVE_FAILPOINTS=1): make one rank fail
+        once at a named point (see service.failpoints)."""
+        await self._gang.arm_failpoint(rank, name)
 
     async def describe(self) -> dict[str, object]:
         info = self._gang.describe()
@@ -108,8 +170,39 @@ class GangServer:
             if state is GangState.READY and since_probe >= PROBE_INTERVAL_S:
                 since_probe = 0.0
                 await self._gang.probe()
+                await self._follow_record()
             elif state is GangState.BROKEN:
                 await self._rebuild_once()
+
+    async def _recorded_weights(self) -> ServedWeights:
+        """The app's newest recorded version (what a bring-up loads); falls back to the
+        version the gang last held if the record cannot be read right now."""
+        try:
+            recorded = await asyncio.to_thread(self._record.current, self._app)
+        except Exception as exc:  # e.g. the state dir's volume hiccups: keep serving what we had
+            log.error("cannot read the weights record (%s); using version %d", exc, self._gang.weights_version)
+            recorded = None
+        if recorded is None or recorded.fingerprint != self._config_weights.fingerprint:
+            # No row (deleted by hand) or written under another config (an older replica
+            # of a redeployed app): this replica's own version stands.
+            assert self._gang.weights is not None
+            return self._gang.weights
+        return recorded
+
+    async def _follow_record(self) -> None:
+        """Serve a newer version another replica of this app recorded (multi-replica apps)."""
+        if self._swap_lock.locked():
+            return
+        recorded = await self._recorded_weights()
+        if recorded.version <= self._gang.weights_version or self._gang.state is not GangState.READY:
+            return
+        async with self._swap_lock:
+            log.info("following the record: weights version %d -> %d", self._gang.weights_version, recorded.version)
+            model = recorded.model_config(self._model, self._state)
+            try:
+                await self._gang.swap_weights(model, lambda: recorded)
+            except Exception as exc:
+                log.error("could not move to recorded weights version %d: %s", recorded.version, exc)
 
     async def _rebuild_once(self) -> None:
         cause = self._gang.reason
@@ -122,7 +215,7 @@ class GangServer:
         log.warning("rebuilding gang (attempt %d) after: %s", self._failed_rebuilds + 1, cause)
         self._gang.reason = f"rebuilding after: {cause}"
         try:
-            await self._gang.rebuild()
+            await self._gang.rebuild(await self._recorded_weights())
             self._failed_rebuilds = 0
         except Exception as exc:
             self._failed_rebuilds += 1

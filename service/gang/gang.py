@@ -6,6 +6,14 @@ reserves all bundles at once, so the gang is placed all-or-nothing).
 
 Bring-up runs in named stages, each bounded: create -> rendezvous -> load -> warmup.
 
+Weights: the gang serves one recorded version (`ServedWeights`, see service.served_weights)
+at a time. Every rank holds the version number of its weights, and every step message
+carries the version the gang expects: a rank that disagrees poisons its contribution and
+refuses the step, so no answer is ever computed from mixed versions. A swap stages the new
+shard on every rank (any failure: the old weights stay in force everywhere), then records
+the new version durably, then commits it on every rank; a failed commit marks the gang
+BROKEN and the rebuild loads the recorded version.
+
 Sequencer: every operation that touches the ranks (bring-up, inference, weight swap,
 liveness probe, teardown) runs on ONE thread. Rank 0 submits the peers' control messages
 and then runs its own side; Ray executes each actor's calls in submission order, so all
@@ -24,18 +32,20 @@ import enum
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
-from service.errors import CollectiveTimeout, GangServeError, GangStartupError, GangUnavailable
+from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
 from service.gang.batching import StepBatcher
-from service.gang.rank import RankInfo, RankWorker
+from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
+from service.served_weights import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
@@ -57,16 +67,16 @@ class Gang:
     """Owns the rank actors and the process group of one tensor-parallel model."""
 
     def __init__(
-        self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None
+        self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None, state_dir: Path
     ) -> None:
-        self.model_cfg = model
+        self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
         self.cfg = gang
         self.placement_group = placement_group
+        self.state_dir = state_dir  # recorded checkpoints are relative to it
         self.state = GangState.STARTING
         self.reason = "starting"
         self.backend = "unknown"
-        self.weights_version = 0
-        self.weights_source = model.weights_source
+        self.weights: ServedWeights | None = None  # the version every rank holds (None: none yet)
         self.generation = 0  # bumps on every successful bring-up
         self.rank_infos: list[RankInfo] = []
         self.param_bytes_per_rank: list[int] = []
@@ -80,15 +90,21 @@ class Gang:
         )
 
     # -- public, async -------------------------------------------------------------------
-    async def start(self) -> None:
-        await self._run(self._bring_up)
+    @property
+    def weights_version(self) -> int:
+        return self.weights.version if self.weights else 0
 
-    async def rebuild(self) -> None:
-        """Tear the gang down and bring it up again in the same bundles (new group, new pids)."""
+    async def start(self, weights: ServedWeights) -> None:
+        """Bring the gang up serving `weights` (the app's recorded version)."""
+        await self._run(self._bring_up, weights)
+
+    async def rebuild(self, weights: ServedWeights) -> None:
+        """Tear the gang down and bring it up again in the same bundles (new group, new pids),
+        serving `weights` (the caller reads the record: the last good recorded version)."""
         if self.state is GangState.STOPPED:
             return
         self.state = GangState.REBUILDING
-        await self._run(self._rebuild)
+        await self._run(self._rebuild, weights)
 
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x [batch, seq, E] float32 -> attention output [batch, seq, E] float32."""
@@ -98,15 +114,25 @@ class Gang:
     async def _batched_step(self, x: np.ndarray) -> np.ndarray:
         return await self._run(self._infer_step, x, deadline_s=self.cfg.collective_timeout_s)
 
-    async def reload_weights(self, model: ModelConfig) -> int:
-        """Hot-swap every rank's shard to `model`'s weights; returns the new weights_version.
+    async def swap_weights(
+        self, model: ModelConfig, record: Callable[[], ServedWeights]
+    ) -> ServedWeights:
+        """Hot-swap every rank's shard to `model`'s weights, atomically across ranks.
 
         Sequenced like a request: earlier requests finish on the old weights, later ones
-        see the new. Two phases (stage on all ranks, then commit on all), so a rank that
-        fails to read its slice leaves every rank on the old weights.
+        see the new. Phases: stage on every rank (a failure anywhere discards the staged
+        shards: the old weights stay in force everywhere, Conflict/GangUnavailable), then
+        `record()` (durably assigns the new version; it runs on the sequencer, after staging
+        succeeded everywhere), then commit that version on every rank. A failed commit
+        marks the gang BROKEN: the rebuild loads the recorded version, never a mix.
         """
         self._require_ready()
-        return await self._run(self._swap_weights, model)
+        return await self._run(self._swap_weights, model, record)
+
+    async def arm_failpoint(self, rank: int, name: str) -> None:
+        """Tests only: make `rank` fail once at failpoint `name` (see service.failpoints)."""
+        self._require_ready()
+        await self._run(self._arm_failpoint, rank, name)
 
     async def probe(self) -> None:
         """Ask every peer for a sign of life; a dead or stopped peer marks the gang BROKEN."""
@@ -119,8 +145,7 @@ class Gang:
             "backend": self.backend,
             "state": self.state.value,
             "reason": self.reason,
-            "weights_version": self.weights_version,
-            "weights_source": self.weights_source,
+            **(self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}),
             "generation": self.generation,
             "param_bytes_per_rank": list(self.param_bytes_per_rank),
             "batching": self._batcher.stats(),
@@ -196,8 +221,9 @@ class Gang:
             ) from None
 
     # -- sequencer-side steps ------------------------------------------------------------
-    def _bring_up(self) -> None:
+    def _bring_up(self, weights: ServedWeights) -> None:
         cfg, ws = self.cfg, self.cfg.world_size
+        model = weights.model_config(self.declared_model, self.state_dir)
         started = time.monotonic()
         try:
             # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1.
@@ -214,29 +240,29 @@ class Gang:
             self._root.rendezvous(host, port, self.backend, cfg.collective_timeout_s)
             self._get(refs, "rendezvous", cfg.stage_timeout_s)
 
-            # Stage 3: load. Each rank reads only its own slice.
-            refs = [a.load_weights.remote(self.model_cfg) for a in self._actors]
-            root_bytes = self._root.load_weights(self.model_cfg)
+            # Stage 3: load. Each rank reads only its own slice of the recorded version.
+            refs = [a.load_weights.remote(model, weights.version) for a in self._actors]
+            root_bytes = self._root.load_weights(model, weights.version)
             self.param_bytes_per_rank = [root_bytes, *self._get(refs, "load", cfg.stage_timeout_s)]
+            self.weights = weights
 
             # Stage 4: warmup. One tiny request proves every collective path works.
-            self._compute(np.zeros((1, 1, self.model_cfg.embed_dim), dtype=np.float32))
+            self._compute(np.zeros((1, 1, model.embed_dim), dtype=np.float32))
         except Exception as exc:
             self._teardown()
             self.state, self.reason = GangState.BROKEN, f"bring-up failed: {exc}"
             raise
         self.generation += 1
-        self.weights_version = max(self.weights_version, 1)
         self.state, self.reason = GangState.READY, "ready"
         log.info(
-            "gang ready (generation %d): world_size=%d backend=%s in %.1fs; pids %s",
-            self.generation, ws, self.backend, time.monotonic() - started,
-            [i.pid for i in self.rank_infos],
+            "gang ready (generation %d): world_size=%d backend=%s in %.1fs; weights version %d (%s, %s); pids %s",
+            self.generation, ws, self.backend, time.monotonic() - started, weights.version,
+            weights.source, weights.description, [i.pid for i in self.rank_infos],
         )
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, weights: ServedWeights) -> None:
         self._teardown()
-        self._bring_up()
+        self._bring_up(weights)
 
     def _teardown(self) -> None:
         for actor in self._actors:
@@ -282,11 +308,23 @@ class Gang:
     def _compute(self, x: np.ndarray) -> np.ndarray:
         assert self._root is not None
         shape = tuple(int(d) for d in x.shape)
-        refs = [a.step.remote(shape) for a in self._actors]  # control messages only
+        version = self.weights_version
+        refs = [a.step.remote(shape, version) for a in self._actors]  # control messages only
         try:
-            out = self._root.root_step(x)
+            out = self._root.root_step(x, version)
+            if out.size and np.isnan(out.flat[0]):
+                # Maybe a rank refused the step (see RankWorker._forward): its ack says so.
+                self._collect_acks(refs)
             self._reap_acks(refs)
         except (RayError, RuntimeError) as exc:
+            if _is_version_mismatch(exc):
+                self._mark_broken(f"weights versions disagree: {_first_line(_cause(exc))}")
+                raise GangUnavailable(
+                    f"a rank did not hold the expected weights version {version} "
+                    f"({_first_line(_cause(exc))}); no answer was computed from mixed weights; "
+                    "the gang is being rebuilt with the recorded version",
+                    code="weights_version_mismatch",
+                ) from exc
             # A peer died or a collective failed or timed out: the group is unusable now.
             self._mark_broken(f"collective failed: {type(exc).__name__}: {_first_line(exc)}")
             if _is_timeout(exc):
@@ -299,6 +337,12 @@ class Gang:
                 code="gang_broken",
             ) from exc
         return out
+
+    def _collect_acks(self, refs: list) -> None:
+        """Wait (bounded) for every outstanding peer ack, raising the first peer error."""
+        pending, self._unacked = [*self._unacked, *refs], []
+        refs.clear()
+        ray.get(pending, timeout=self.cfg.collective_timeout_s)
 
     def _reap_acks(self, refs: list) -> None:
         """Collect the peers' step results without waiting a round trip on every request.
@@ -327,28 +371,89 @@ class Gang:
         except (RayError, RuntimeError, GangServeError) as exc:
             self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {_first_line(exc)}")
 
-    def _swap_weights(self, model: ModelConfig) -> int:
+    def _swap_weights(self, model: ModelConfig, record: Callable[[], ServedWeights]) -> ServedWeights:
         assert self._root is not None
         self._require_ready()
+        # Phase 1: stage everywhere; the old weights stay in force until every rank has staged.
         refs = [a.stage_weights.remote(model) for a in self._actors]
+        failures: list[str] = []
+        root_bytes = 0
         try:
             root_bytes = self._root.stage_weights(model)
-            peer_bytes = self._get(refs, "stage weights", self.cfg.stage_timeout_s)
+        except Exception as exc:
+            failures.append(f"rank 0: {type(exc).__name__}: {_first_line(exc)}")
+        peer_bytes = self._settle(refs, "stage weights", failures)
+        if failures:
+            self._discard_staged()
+            if self.state is GangState.BROKEN:  # a rank died meanwhile: nothing to keep serving
+                raise GangUnavailable(
+                    f"weights not swapped: {'; '.join(failures)}; the gang is being rebuilt with "
+                    f"version {self.weights_version}", code="gang_broken",
+                )
+            raise Conflict(
+                "weights not swapped, every rank still serves version "
+                f"{self.weights_version}: staging failed on {'; '.join(failures)}",
+                code="weights_stage_failed",
+            )
+        # Phase 2: the new version is durable before any rank serves it.
+        try:
+            weights = record()
         except Exception:
-            self._root.discard_staged()
-            try:
-                ray.get([a.discard_staged.remote() for a in self._actors], timeout=self.cfg.stage_timeout_s)
-            except RayError as exc:
-                self._mark_broken(f"a rank failed while discarding staged weights: {_first_line(exc)}")
+            self._discard_staged()
             raise
-        self._get([a.commit_weights.remote() for a in self._actors], "commit weights", self.cfg.stage_timeout_s)
-        self._root.commit_weights()
-        self.model_cfg = model
+        # Phase 3: commit everywhere. Steps are sequenced behind this, so none can run in between.
+        refs = [a.commit_weights.remote(weights.version) for a in self._actors]
+        failures = []
+        try:
+            self._root.commit_weights(weights.version)
+        except Exception as exc:
+            failures.append(f"rank 0: {type(exc).__name__}: {_first_line(exc)}")
+        self._settle(refs, "commit weights", failures)
+        self.weights = weights  # the version every step now expects (and a rebuild would load)
+        if failures:
+            self._mark_broken(f"commit of weights version {weights.version} failed: {'; '.join(failures)}")
+            raise GangUnavailable(
+                f"weights version {weights.version} was recorded but its commit failed on "
+                f"{'; '.join(failures)}; the gang is being rebuilt with version {weights.version}",
+                code="weights_commit_failed",
+            )
         self.param_bytes_per_rank = [root_bytes, *peer_bytes]
-        self.weights_version += 1
-        self.weights_source = model.weights_source
-        log.info("weights swapped to %s (version %d)", self.weights_source, self.weights_version)
-        return self.weights_version
+        log.info("weights swapped to version %d (%s, %s)", weights.version, weights.source, weights.description)
+        return weights
+
+    def _settle(self, refs: list, stage: str, failures: list[str]) -> list:
+        """Each peer's result of `stage`, bounded; appends 'rank r: why' for every failure."""
+        results: list = []
+        deadline = time.monotonic() + self.cfg.stage_timeout_s
+        for rank, ref in enumerate(refs, start=1):
+            try:
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except GetTimeoutError:
+                failures.append(f"rank {rank}: no answer within stage_timeout_s={self.cfg.stage_timeout_s:.0f}s")
+            except RayActorError as exc:
+                failures.append(f"rank {rank}: its process died ({_first_line(exc)})")
+                self._mark_broken(f"rank {rank} died during {stage}")
+            except RayError as exc:
+                cause = _cause(exc)
+                failures.append(f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}")
+        return results
+
+    def _discard_staged(self) -> None:
+        assert self._root is not None
+        self._root.discard_staged()
+        try:
+            ray.get([a.discard_staged.remote() for a in self._actors], timeout=self.cfg.stage_timeout_s)
+        except RayError as exc:
+            self._mark_broken(f"a rank failed while discarding staged weights: {_first_line(exc)}")
+
+    def _arm_failpoint(self, rank: int, name: str) -> None:
+        if not 0 <= rank < self.cfg.world_size:
+            raise ValueError(f"rank {rank} is not in the gang (world_size {self.cfg.world_size})")
+        if rank == 0:
+            assert self._root is not None
+            self._root.arm_failpoint(name)
+        else:
+            ray.get(self._actors[rank - 1].arm_failpoint.remote(name), timeout=self.cfg.stage_timeout_s)
 
     def _mark_broken(self, reason: str) -> None:
         if self.state in (GangState.READY, GangState.STARTING):
@@ -371,6 +476,15 @@ def _set_if_pending(fut: asyncio.Future, value: Any) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a Ray task raised (RayTaskError wraps it), else exc itself."""
+    return getattr(exc, "cause", None) or exc
+
+
+def _is_version_mismatch(exc: BaseException) -> bool:
+    return isinstance(_cause(exc), WeightsVersionMismatch)
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -16,10 +16,15 @@ import torch
 import torch.distributed as dist
 
 from service.config import ModelConfig
+from service.failpoints import Failpoints
 from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.weights import load_checkpoint_shard, random_weights, seed_weights, shard_dense
 
 log = logging.getLogger("gangserve.rank")
+
+
+class WeightsVersionMismatch(RuntimeError):
+    """A step expected another weights version than the one this rank holds."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,9 @@ class RankWorker:
         self.group: ParallelGroup | None = None
         self.model: TensorParallelAttention | None = None
         self._staged: TensorParallelAttention | None = None
+        self.weights_version = 0  # the recorded version self.model holds (0: none yet)
         self._store: dist.TCPStore | None = None
+        self.failpoints = Failpoints()
 
     # -- stage: create -------------------------------------------------------------------
     def describe(self) -> RankInfo:
@@ -108,14 +115,36 @@ class RankWorker:
         self.group = ParallelGroup(self.rank, self.world_size, backend, self.device, dist.group.WORLD)
 
     # -- stage: load (and hot-swap) -----------------------------------------------------
-    def load_weights(self, model_cfg: ModelConfig) -> int:
-        """Build this rank's shard of the model from `model_cfg`; returns its parameter bytes."""
-        nbytes = self.stage_weights(model_cfg)
-        self.commit_weights()
+    def load_weights(self, model_cfg: ModelConfig, version: int) -> int:
+        """Build this rank's shard of `model_cfg` as weights `version`; returns its parameter bytes."""
+        nbytes = self._build(model_cfg)
+        self.commit_weights(version)
         return nbytes
 
     def stage_weights(self, model_cfg: ModelConfig) -> int:
         """Phase 1 of a swap: read this rank's slice into a new model, not yet serving."""
+        self.failpoints.fire("stage_weights", f"rank {self.rank}")
+        return self._build(model_cfg)
+
+    def commit_weights(self, version: int) -> None:
+        """Phase 2: serve the staged model as `version` from the next step on (a pointer swap)."""
+        self.failpoints.fire("commit_weights", f"rank {self.rank}")
+        if self._staged is None:
+            raise RuntimeError(f"rank {self.rank}: nothing staged to commit")
+        if self.failpoints.take("commit_weights_noop"):  # claims success, keeps the old weights
+            self._staged = None
+            return
+        self.model, self._staged = self._staged, None
+        self.weights_version = version
+
+    def discard_staged(self) -> None:
+        self._staged = None
+
+    def arm_failpoint(self, name: str) -> None:
+        """Tests only (needs GANGSERVE_FAILPOINTS=1): make this rank fail once at `name`."""
+        self.failpoints.arm(name)
+
+    def _build(self, model_cfg: ModelConfig) -> int:
         if self.group is None:
             raise RuntimeError(f"rank {self.rank}: weights loaded before rendezvous")
         model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group)
@@ -123,39 +152,48 @@ class RankWorker:
         self._staged = model.eval()
         return model.parameter_bytes()
 
-    def commit_weights(self) -> None:
-        """Phase 2: serve the staged model from the next step on (a pointer swap)."""
-        if self._staged is None:
-            raise RuntimeError(f"rank {self.rank}: nothing staged to commit")
-        self.model, self._staged = self._staged, None
-
-    def discard_staged(self) -> None:
-        self._staged = None
-
     # -- serving -------------------------------------------------------------------------
-    def step(self, shape: tuple[int, ...]) -> None:
+    def step(self, shape: tuple[int, ...], weights_version: int) -> None:
         """Ranks 1..N-1: receive rank 0's input by broadcast and compute this rank's heads.
 
-        `shape` arrives in a tiny control message; the tensor itself only travels through
-        the process group.
+        `shape` and the weights version the step expects arrive in a tiny control message;
+        the tensor itself only travels through the process group.
         """
         x = torch.empty(shape, dtype=torch.float32, device=self.device)
-        self._forward(x)
+        self._forward(x, weights_version)
 
-    def root_step(self, x: np.ndarray) -> np.ndarray:
+    def root_step(self, x: np.ndarray, weights_version: int) -> np.ndarray:
         """Rank 0: broadcast x [batch, seq, E] float32 to the gang and return the reduced output."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if not x.flags.writeable:  # arrays from Ray's object store are read-only views
             x = x.copy()
         xt = torch.from_numpy(x).to(self.device)  # [batch, seq, E]
-        return self._forward(xt).cpu().numpy()
+        return self._forward(xt, weights_version).cpu().numpy()
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, weights_version: int) -> torch.Tensor:
+        """One step: broadcast, this rank's heads, all-reduce.
+
+        A rank holding another weights version than the step expects must not contribute
+        to an answer, yet must still take part in every collective (or the others would
+        wait out the group timeout). So it computes on NaN: its partial output is NaN in
+        every element (every output element depends on all of this rank's inputs), the
+        all-reduced output is NaN everywhere, and rank 0 refuses it by looking at one
+        element. The rank then raises, so its ack names the mismatch.
+        """
         if self.model is None or self.group is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
         with torch.inference_mode():
             self.group.broadcast_(x, src=0)  # [batch, seq, E] on every rank
-            return self.model(x)  # [batch, seq, E], all-reduced
+            mismatch = weights_version != self.weights_version
+            if mismatch:
+                x = torch.full_like(x, float("nan"))
+            out = self.model(x)  # [batch, seq, E], all-reduced
+        if mismatch:
+            raise WeightsVersionMismatch(
+                f"rank {self.rank} holds weights version {self.weights_version}, "
+                f"the step expected {weights_version}"
+            )
+        return out
 
     def close(self) -> None:
         """Leave the process group (idempotent)."""

@@ -70,9 +70,12 @@ class GangClient:
             raise unavailable_error(status)
         return await self._batcher.submit(x)
 
-    async def reload_weights(self, checkpoint: str, timeout_s: float = 300.0) -> dict[str, Any]:
-        """Hot-swap the gang to a dense checkpoint; returns the new /gang description."""
-        return await self._call("reload_weights", checkpoint, timeout_s=timeout_s)
+    async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
+                             timeout_s: float = 300.0) -> dict[str, Any]:
+        """Hot-swap the gang to a dense checkpoint (None: back to the app's configured
+        weights), recorded as the app's next weights version; returns the new /gang description."""
+        self._status_at = 0.0  # the version changes: next status read is fresh
+        return await self._call("reload_weights", checkpoint, job_id, timeout_s=timeout_s)
 
     async def describe(self) -> dict[str, Any]:
         """GangServer.describe, or a synthesized status explaining why it cannot answer;

@@ -1,10 +1,13 @@
 """POST /weights: hot-swap the serving gang to a trained attention checkpoint.
 
-Body: {"job_id": "job-..."} (a SUCCEEDED attention job) or {"checkpoint": "<path>"} (a
-dense checkpoint inside the state dir; `..` and symlinks out of it are refused). The
-JobManager resolves the path; the GangServer swaps between requests (two-phase, through its
-sequencer), so in-flight requests finish on the old weights and none fails.
-"""
+Body: {"job_id": "job-..."} (a SUCCEEDED attention job), {"checkpoint": "<path>"} (a dense
+checkpoint inside the state dir; `..` and symlinks out of it are refused) or
+{"reset": true} (back to the weights the app's config declares). The JobManager resolves
+the path; the GangServer copies the file into the state dir's immutable `weights/`, stages
+it on every rank, records it as the app's next weights version and commits it between
+requests, so in-flight requests finish on the old weights and none fails. The recorded
+version is what every later bring-up serves (replica loss, restart), until the app is
+started with a changed weights config.
 from __future__ import annotations
 
 from typing import Any
@@ -13,6 +16,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.auth import require_token
+from service.errors import InvalidInput
 from service.ingress.deps import get_gang
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient, get_jobs
@@ -25,18 +29,28 @@ class WeightsRequest(BaseModel):
 
     job_id: str | None = Field(None, max_length=64, description="A SUCCEEDED attention training job.")
     checkpoint: str | None = Field(None, max_length=4096, description="A dense checkpoint path inside the state dir.")
+    reset: bool = Field(False, description="Serve the weights the app's config declares again (init or checkpoint).")
 
 
 @router.post(
     "/weights",
     summary="Load a trained checkpoint into the running gang (no restart, no dropped requests)",
     dependencies=[Depends(require_token)],
-    responses={404: {"description": "no such job/checkpoint"}, 409: {"description": "shape mismatch or job not finished"},
-               422: {"description": "path outside the state dir"}},
+    responses={404: {"description": "no such job/checkpoint"},
+               409: {"description": "shape mismatch, job not finished, or a rank could not stage the weights "
+                                    "(nothing changed)"},
+               422: {"description": "path outside the state dir, or not exactly one of job_id/checkpoint/reset"},
+               503: {"description": "the gang is not ready, or a commit failed (the gang is rebuilt with the "
+                                    "recorded version)"}},
 )
 async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs),
                        gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
+    if req.reset:
+        if req.job_id is not None or req.checkpoint is not None:
+            raise InvalidInput("give exactly one of job_id, checkpoint or reset", code="invalid_request")
+        info = await gang.reload_weights(None)
+        return {"job_id": None, "checkpoint": None, "weights_version": info.get("weights_version"), "gang": info}
     target = await jobs.call("resolve_weights", job_id=req.job_id, checkpoint=req.checkpoint)
-    info = await gang.reload_weights(target["path"])
+    info = await gang.reload_weights(target["path"], target["job_id"])
     return {"job_id": target["job_id"], "checkpoint": target["path"],
             "weights_version": info.get("weights_version"), "gang": info}
