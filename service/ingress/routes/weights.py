@@ -8,6 +8,7 @@ it on every rank, records it as the app's next weights version and commits it be
 requests, so in-flight requests finish on the old weights and none fails. The recorded
 version is what every later bring-up serves (replica loss, restart), until the app is
 started with a changed weights config.
+"""
 from __future__ import annotations
 
 from typing import Any
