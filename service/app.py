@@ -14,6 +14,7 @@ from service.config import AppConfig
 from service.gang.placement import check_feasible, cluster_snapshot, gang_request
 from service.ingress.deployment import Ingress
 from service.server import GangServer
+from service.training.limits import TrainingLimits
 from service.training.manager import JobManager
 
 
@@ -63,7 +64,9 @@ def compose_app(cfg: AppConfig) -> Application:
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
     ).bind(cfg.model_dump())
+    # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
+    jobs = JobManager.bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len)
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
     return Ingress.options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, cfg.max_ongoing_requests)
-    ).bind(server, cfg.model_dump(), JobManager.bind())  # training jobs: num_cpus=0, owns the job store
+    ).bind(server, cfg.model_dump(), jobs)

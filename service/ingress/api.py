@@ -17,6 +17,7 @@ from service.ingress.jobs_client import JobsClient
 from service.ingress.routes import health, infer
 from service.ingress.routes import oip
 from service.ingress.routes import datasets, train, weights
+from service.ingress.routes import retention
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -44,6 +45,7 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     app.include_router(train.router)
     app.include_router(datasets.router)
     app.include_router(weights.router)
+    app.include_router(retention.router)
 
     @app.exception_handler(GangServeError)
     async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:

@@ -8,13 +8,20 @@ actors; it only calls this deployment.
 Life of a job: PENDING (record written, run actor created, Ray Train waiting for its
 workers; `reason` says what it waits for) -> RUNNING (rank 0 entered the train loop) ->
 SUCCEEDED | FAILED | CANCELLED. A PENDING job that outlives `schedule_timeout_s`, or that
-the cluster can no longer ever hold (a node left), is stopped and FAILED with the numbers.
+the cluster can no longer ever hold (a node left), is stopped and FAILED with the numbers;
+so is any job past its `max_runtime_s` (wall clock since submission).
+
+Quotas (`TrainingLimits`): admission counts the active jobs, their workers and GPUs in the
+same SQLite transaction that inserts the job, and dataset uploads count the stored datasets
+the same way, so concurrent requests cannot overshoot a limit. `delete_job` and
+`delete_dataset` give the space back.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,19 +35,30 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from safetensors.numpy import save_file
 
+from service.config import ServingConfig
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound
 from service.state import resolve_inside, state_dir
 from service.gang.placement import cluster_snapshot
 from service.training import resources
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
+from service.training.limits import (
+    ActiveUsage,
+    TrainingLimits,
+    check_dataset_alone,
+    check_dataset_fits,
+    check_job_alone,
+    check_job_fits,
+)
 from service.training.run import (
     RUN_NAMESPACE,
     TrainRun,
+    final_checkpoint_path,
     read_result,
     run_actor_name,
+    run_dir,
 )
 from service.training.spec import TERMINAL_STATUSES, AttentionModel, JobSpec, UploadedDataset
-from service.training.store import JobRecord, JobStore, iso
+from service.training.store import DatasetInUse, JobRecord, JobStore, iso
 
 log = logging.getLogger("gangserve.training")
 
@@ -53,6 +71,9 @@ SNAPSHOT_TIMEOUT_S = 10.0
 # Consecutive unanswered polls before a run actor is declared hung (~2 minutes).
 MAX_MISSED_POLLS = 12
 PENDING_REASON_INTERVAL_S = 2.0
+# After deleting a job whose run was still active, its files are removed again this much
+# later: a run being killed may still write a checkpoint or result.json for a moment.
+LATE_SWEEP_S = (5.0, 20.0)
 
 _RemoteTrainRun = ray.remote(TrainRun)
 T = TypeVar("T")
@@ -66,6 +87,7 @@ def format_validation_error(exc: ValidationError) -> str:
 class _Run:
     handle: Any
     log_seq: int = 0
+    history_seq: int = 0
     missed_polls: int = 0
     reason_checked_at: float = 0.0
 
@@ -79,7 +101,11 @@ class _Run:
 class JobManager:
     """Owns the job store and the run actors; every wait is bounded."""
 
-    async def __init__(self) -> None:
+    async def __init__(self, limits: dict[str, Any] | None = None, max_seq_len: int | None = None) -> None:
+        """`limits`: TrainingLimits fields (builder arguments; defaults otherwise).
+        `max_seq_len`: the serving limit, applied to uploaded attention datasets too."""
+        self._limits = TrainingLimits.model_validate(limits or {})
+        self._max_seq_len = int(max_seq_len or ServingConfig.model_fields["max_seq_len"].default)
         self._state_dir = state_dir()
         for sub in ("runs", "checkpoints", "datasets"):
             (self._state_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -87,6 +113,7 @@ class JobManager:
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
         self._node_id = ray.get_runtime_context().get_node_id()
         self._runs: dict[str, _Run] = {}
+        self._sweeps: set[asyncio.Task[None]] = set()
         self._last_heartbeat = 0.0
         self._last_adopt = 0.0
         await self._io(self._store.heartbeat, self._id)
@@ -102,6 +129,9 @@ class JobManager:
             spec = JobSpec.model_validate(spec_doc)
         except ValidationError as exc:
             raise InvalidInput(f"invalid job spec: {format_validation_error(exc)}", code="invalid_spec") from None
+        check_job_alone(self._limits, spec.world_size, spec.use_gpu, spec.max_runtime_s)
+        if spec.max_runtime_s is None:  # recorded with the job, so a restart keeps enforcing it
+            spec = spec.model_copy(update={"max_runtime_s": self._limits.max_runtime_s})
         dataset_path = None
         if isinstance(spec.dataset, UploadedDataset):
             found = await self._io(self._store.get_dataset, spec.dataset.id)
@@ -130,7 +160,16 @@ class JobManager:
             reason=resources.pending_reason(bundle, spec.world_size, snapshot),
             owner=self._id,
         )
-        await self._io(self._store.create_job, record)
+
+        def admit(usage: ActiveUsage) -> None:
+            check_job_fits(self._limits, usage, spec.world_size, spec.use_gpu)
+
+        dataset_id = spec.dataset.id if isinstance(spec.dataset, UploadedDataset) else None
+        try:
+            await self._io(self._store.create_job, record, admit, dataset_id)
+        except LookupError:
+            raise InvalidInput(f"dataset {dataset_id!r} was deleted (see GET /datasets)",
+                               code="dataset_not_found") from None
         await self._manager_log(record.id, f"submitted by {self._id}: {spec.model_dump_json()}")
         try:
             handle = _RemoteTrainRun.options(
@@ -168,7 +207,7 @@ class JobManager:
     async def cancel(self, job_id: str) -> dict[str, Any]:
         """Stop the run (kill its actor; Ray Train's cleaner frees the workers' placement group
         within seconds) and mark it CANCELLED. 409 if it already ended."""
-        record = await self._record(job_id)
+        record = await self._record(job_id, with_history=False)
         if not record.active:
             raise Conflict(f"job {job_id} already ended with status {record.status}", code="job_finished")
         changed = await self._io(
@@ -182,8 +221,55 @@ class JobManager:
         await self._kill_run(job_id)
         return await self.get_job(job_id)
 
+    async def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Remove a job: cancel it if active (its workers are freed within seconds), then its
+        record, history, logs, Ray Train run dir and final checkpoint. Served weights are not
+        affected: POST /weights serves its own copy of a checkpoint."""
+        record = await self._record(job_id, with_history=False)
+        if record.active:
+            await self._io(
+                self._store.update_job, job_id, status="CANCELLED", finished_at=time.time(),
+                reason="deleted by request",
+            )
+            await self._kill_run(job_id)
+        if not await self._io(self._store.delete_job, job_id):
+            raise NotFound(f"no training job {job_id!r}", code="job_not_found")
+        freed = await asyncio.to_thread(self._remove_job_files, job_id)
+        if record.active:
+            task = asyncio.get_running_loop().create_task(self._late_sweep(job_id))
+            self._sweeps.add(task)
+            task.add_done_callback(self._sweeps.discard)
+        log.info("deleted job %s (was %s), freed %d bytes", job_id, record.status, freed)
+        return {"id": job_id, "deleted": True, "status": record.status, "freed_bytes": freed}
+
+    def _remove_job_files(self, job_id: str) -> int:
+        """Delete the run dir and final checkpoint of a job; bytes freed."""
+        freed = 0
+        final = final_checkpoint_path(self._state_dir, job_id)
+        for path in (final, final.with_suffix(".tmp")):
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        run = run_dir(self._state_dir, job_id)
+        if run.is_dir() and not run.is_symlink():
+            for f in run.rglob("*"):
+                try:
+                    if f.is_file() and not f.is_symlink():
+                        freed += f.stat().st_size
+                except OSError:
+                    pass
+            shutil.rmtree(run, ignore_errors=True)
+        return freed
+
+    async def _late_sweep(self, job_id: str) -> None:
+        for delay in LATE_SWEEP_S:
+            await asyncio.sleep(delay)
+            await asyncio.to_thread(self._remove_job_files, job_id)
+
     async def logs(self, job_id: str, tail: int = 200) -> dict[str, Any]:
-        await self._record(job_id)
+        await self._record(job_id, with_history=False)
         if not 1 <= tail <= 2000:
             raise InvalidInput(f"tail must be in 1..2000, got {tail}", code="invalid_request")
         lines = await self._io(self._store.tail_logs, job_id, tail)
@@ -191,7 +277,7 @@ class JobManager:
 
     async def checkpoint_path(self, job_id: str) -> str:
         """Absolute path of a finished job's final checkpoint (inside the state dir)."""
-        record = await self._record(job_id)
+        record = await self._record(job_id, with_history=False)
         if record.status != "SUCCEEDED" or not record.checkpoint:
             raise Conflict(
                 f"job {job_id} has no final checkpoint: status {record.status}"
@@ -225,15 +311,46 @@ class JobManager:
             raise BadRequest(str(exc)) from None
         except DatasetError as exc:
             raise InvalidInput(str(exc), code="invalid_dataset") from None
+        seq_len = info.inputs_shape[1] if info.kind == "attention" else None
+        estimate = sum(int(t.nbytes) for t in tensors.values())  # the stored file is a header more
+        check_dataset_alone(self._limits, self._max_seq_len, seq_len, estimate)
+        count, total = await self._io(self._store.dataset_usage)
+        check_dataset_fits(self._limits, count, total, estimate)  # before writing anything
         dataset_id = f"ds-{uuid.uuid4().hex[:12]}"
         path = self._state_dir / "datasets" / f"{dataset_id}.safetensors"
         tmp = path.with_suffix(".tmp")
-        await asyncio.to_thread(save_file, tensors, str(tmp))
-        os.replace(tmp, path)
-        return await self._io(self._store.add_dataset, dataset_id, info.to_dict(), str(path), path.stat().st_size)
+        try:
+            await asyncio.to_thread(save_file, tensors, str(tmp))
+            nbytes = tmp.stat().st_size
+            check_dataset_alone(self._limits, self._max_seq_len, seq_len, nbytes)
+            os.replace(tmp, path)
 
-    async def list_datasets(self) -> dict[str, Any]:
-        return {"datasets": await self._io(self._store.list_datasets)}
+            def admit(count: int, total: int) -> None:  # again, atomically with the insert
+                check_dataset_fits(self._limits, count, total, nbytes)
+
+            return await self._io(self._store.add_dataset, dataset_id, info.to_dict(), str(path), nbytes, admit)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+            raise
+
+    async def delete_dataset(self, dataset_id: str) -> dict[str, Any]:
+        """Remove an uploaded dataset (record and file). 409 while an active job trains on it."""
+        try:
+            public, path = await self._io(self._store.delete_dataset, dataset_id)
+        except KeyError:
+            raise NotFound(f"no dataset {dataset_id!r} (see GET /datasets)", code="dataset_not_found") from None
+        except DatasetInUse as exc:
+            raise Conflict(
+                f"dataset {dataset_id} is used by active job(s) {', '.join(exc.job_ids)}; cancel or delete them first",
+                code="dataset_in_use",
+            ) from None
+        try:
+            # Only files inside the state dir are ever removed.
+            await asyncio.to_thread(resolve_inside(self._state_dir / "datasets", path).unlink, missing_ok=True)
+        except ValueError:
+            log.warning("dataset %s recorded a path outside the state dir (%s); left it", dataset_id, path)
+        return {"id": dataset_id, "deleted": True, "freed_bytes": public["bytes"]}
 
     # ---- Serve hooks --------------------------------------------------------------------
 
@@ -260,15 +377,21 @@ class JobManager:
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def _poll_run(self, job_id: str, run: _Run) -> None:
-        record = await self._io(self._store.get_job, job_id)
+        record = await self._io(self._store.get_job, job_id, False)
         if record is None or not record.active or record.owner != self._id:
             # Ended elsewhere (cancelled, adopted): stop polling; a run that ended must be gone.
             if record is None or record.status in TERMINAL_STATUSES:
                 await self._kill_run(job_id)
             self._runs.pop(job_id, None)
             return
+        over = self._over_runtime(record)
+        if over:
+            await self._kill_run(job_id)
+            await self._fail(job_id, over)
+            return
         try:
-            snap = await asyncio.wait_for(_await(run.handle.snapshot.remote(run.log_seq)), SNAPSHOT_TIMEOUT_S)
+            snap = await asyncio.wait_for(
+                _await(run.handle.snapshot.remote(run.log_seq, True, run.history_seq)), SNAPSHOT_TIMEOUT_S)
         except (asyncio.TimeoutError, GetTimeoutError):
             run.missed_polls += 1
             if run.missed_polls >= MAX_MISSED_POLLS:
@@ -288,9 +411,10 @@ class JobManager:
             await self._check_pending(record, run)
 
     async def _apply(self, record: JobRecord, snap: dict[str, Any], run: _Run | None) -> None:
-        """Persist a run snapshot (only the fields that changed) and its new log lines."""
+        """Persist a run snapshot (only the fields that changed), its newly reported epochs
+        and its new log lines."""
         fields: dict[str, Any] = {}
-        for key in ("status", "error", "started_at", "finished_at", "progress", "history", "workers",
+        for key in ("status", "error", "started_at", "finished_at", "progress", "workers",
                     "attempts", "checkpoint"):
             if key in snap and snap[key] != getattr(record, key):
                 fields[key] = snap[key]
@@ -301,6 +425,10 @@ class JobManager:
             await self._io(self._store.append_logs, record.id, [tuple(e) for e in logs])
             if run is not None:
                 run.log_seq = max(run.log_seq, max(e[0] for e in logs))
+        if snap.get("history"):
+            await self._io(self._store.put_history, record.id, snap["history"])
+        if run is not None and "history_seq" in snap:
+            run.history_seq = max(run.history_seq, int(snap["history_seq"]))
         if fields:
             await self._io(self._store.update_job, record.id, **fields)
 
@@ -322,6 +450,15 @@ class JobManager:
             await self._fail(record.id, why_not)
         elif waiting != record.reason:
             await self._io(self._store.update_job, record.id, reason=waiting)
+
+    def _over_runtime(self, record: JobRecord) -> str | None:
+        """Why an active job must stop for its wall clock, or None."""
+        limit = record.spec.get("max_runtime_s") or self._limits.max_runtime_s
+        took = time.time() - record.created_at
+        if took <= limit:
+            return None
+        return (f"exceeded max_runtime_s={limit:g}: {took:.0f}s since submission, still {record.status} "
+                f"(epoch {record.progress.get('epoch', 0)}/{record.progress.get('epochs', '?')})")
 
     async def _adopt(self) -> None:
         """Take over active jobs whose manager died: re-attach to live runs, else settle them."""
@@ -366,8 +503,8 @@ class JobManager:
 
     # ---- helpers ------------------------------------------------------------------------
 
-    async def _record(self, job_id: str) -> JobRecord:
-        record = await self._io(self._store.get_job, job_id)
+    async def _record(self, job_id: str, with_history: bool = True) -> JobRecord:
+        record = await self._io(self._store.get_job, job_id, with_history)
         if record is None:
             raise NotFound(f"no training job {job_id!r}", code="job_not_found")
         return record

@@ -12,7 +12,9 @@ written to `result.json` in the run dir, so a manager that comes back after the 
 gone still learns how the run ended.
 
 The actor keeps the live state (status, progress, history, workers, log lines); the
-JobManager polls `snapshot()` and is the only writer of the SQLite records.
+JobManager polls `snapshot()` and is the only writer of the SQLite records. A snapshot
+carries only what is new since the manager's last one: log lines after `since_log_seq`,
+history entries reported after `since_history_seq`.
 """
 from __future__ import annotations
 
@@ -90,6 +92,9 @@ class TrainRun:
         self._step = 0
         self._current_loss: float | None = None
         self._history: list[dict[str, Any]] = []
+        # Each history entry's report number ("seq", never sent): snapshots carry the suffix
+        # of the history reported after the caller's since_history_seq.
+        self._history_seq = 0
         self._workers: dict[int, dict[str, Any]] = {}
         self._attempts = 0
         self._ranks_this_attempt: set[int] = set()
@@ -207,14 +212,18 @@ class TrainRun:
         with self._lock:
             # A resumed attempt re-reports epochs after its checkpoint: keep one entry per epoch.
             self._history = [h for h in self._history if h["epoch"] < epoch]
-            self._history.append({"epoch": epoch, "loss": loss, "at": time.time()})
+            self._history_seq += 1
+            self._history.append({"epoch": epoch, "loss": loss, "at": time.time(), "seq": self._history_seq})
             self._epoch, self._step, self._current_loss = epoch, step, loss
         self._log(f"epoch {epoch}/{self._spec.epochs}: loss {loss:.6g}, step {step}, {epoch_s:.2f}s")
 
     # ---- called by the JobManager -------------------------------------------------------
 
-    def snapshot(self, since_log_seq: int, touch: bool = True) -> dict[str, Any]:
-        """Everything the manager persists; log lines with seq > since_log_seq."""
+    def snapshot(self, since_log_seq: int, touch: bool = True, since_history_seq: int = 0) -> dict[str, Any]:
+        """Everything the manager persists; log lines with seq > since_log_seq and the
+        history entries reported after since_history_seq (always a suffix of the history,
+        in epoch order: storing each one as "this epoch, and nothing after it" rebuilds
+        the run's history exactly). `history_seq` is the value to pass next time."""
         with self._lock:
             if touch:
                 self._last_poll = time.monotonic()
@@ -225,7 +234,9 @@ class TrainRun:
                 "finished_at": self._finished_at,
                 "progress": {"epoch": self._epoch, "epochs": self._spec.epochs, "step": self._step,
                              "loss": self._current_loss},
-                "history": list(self._history),
+                "history": [{k: v for k, v in h.items() if k != "seq"} for h in self._history
+                            if h["seq"] > since_history_seq],
+                "history_seq": self._history_seq,
                 "workers": [self._workers[r] for r in sorted(self._workers)],
                 "attempts": self._attempts,
                 "checkpoint": self._checkpoint,

@@ -106,6 +106,11 @@ class JobSpec(_Closed):
         300, ge=1, le=86_400,
         description="Longest a job may stay PENDING (cluster busy) before it FAILS with what it waited for.",
     )
+    max_runtime_s: float | None = Field(
+        None, gt=0, le=30 * 86_400,
+        description="Wall-clock limit from submission (PENDING included) to the end; a job past it is "
+        "stopped and FAILS. Default, and upper bound: the service's max_runtime_s.",
+    )
 
     @model_validator(mode="after")
     def _bounded_data(self) -> "JobSpec":

@@ -1,0 +1,244 @@
+"""Training quotas and retention: limits on active jobs, workers, GPUs, wall clock, datasets;
+DELETE /train/{id} and DELETE /datasets/{id}; the loss history stored incrementally; the job
+store's journal mode (WAL on local disks only).
+
+Units first (no Ray), then a JobManager deployed with tight limits on its own state dir
+(called through the ingress's own JobsClient, so errors arrive exactly as the ingress
+sees them), then the main app over HTTP.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import save as st_save
+
+from tests.conftest import TEST_API_TOKEN
+from tests.test_training import AUTH, assert_error, post, state_dir, wait_done, wait_for
+
+# ---- units: limits --------------------------------------------------------------------------
+
+
+def test_limits_name_themselves_and_split_alone_from_next_to_others() -> None:
+    from service.errors import GangServeError
+    from service.training.limits import (
+        ActiveUsage,
+        OverLimit,
+        QuotaExceeded,
+        TrainingLimits,
+        check_dataset_alone,
+        check_dataset_fits,
+        check_job_alone,
+        check_job_fits,
+    )
+
+    limits = TrainingLimits(max_active_jobs=2, max_training_workers=4, max_training_gpus=2, max_runtime_s=60,
+                            max_datasets=1, max_dataset_bytes=2000)
+    cases: list[tuple[Any, type[GangServeError], str]] = [
+        (lambda: check_job_alone(limits, 5, False, None), OverLimit, "max_training_workers is 4"),
+        (lambda: check_job_alone(limits, 3, True, None), OverLimit, "max_training_gpus is 2"),
+        (lambda: check_job_alone(limits, 1, False, 61), OverLimit, "max_runtime_s is 60"),
+        (lambda: check_job_fits(limits, ActiveUsage(2, 2, 0), 1, False), QuotaExceeded, "max_active_jobs is 2"),
+        (lambda: check_job_fits(limits, ActiveUsage(1, 3, 0), 2, False), QuotaExceeded, "max_training_workers is 4"),
+        (lambda: check_job_fits(limits, ActiveUsage(1, 1, 1), 2, True), QuotaExceeded, "max_training_gpus is 2"),
+        (lambda: check_dataset_alone(limits, 16, 17, 10), OverLimit, "max_seq_len is 16"),
+        (lambda: check_dataset_alone(limits, 16, None, 2001), OverLimit, "max_dataset_bytes is 2000"),
+        (lambda: check_dataset_fits(limits, 1, 10, 10), QuotaExceeded, "max_datasets is 1"),
+        (lambda: check_dataset_fits(limits, 0, 1900, 101), QuotaExceeded, "max_dataset_bytes is 2000"),
+    ]
+    for call, kind, needle in cases:
+        with pytest.raises(kind) as info:
+            call()
+        assert needle in info.value.message
+        assert (info.value.status, info.value.code) == ((422, "over_limit") if kind is OverLimit
+                                                        else (429, "quota_exceeded"))
+        assert info.value.retry_after_s is None  # waiting alone frees nothing
+    # Exactly at the limit is fine.
+    check_job_alone(limits, 4, False, 60)
+    check_job_alone(limits, 2, True, None)
+    check_job_fits(limits, ActiveUsage(1, 2, 1), 2, False)
+    check_dataset_alone(limits, 16, 16, 2000)
+    check_dataset_fits(limits, 0, 1000, 1000)
+
+
+# ---- units: the store -----------------------------------------------------------------------
+
+
+def _job(i: int, **kw: Any) -> Any:
+    from service.training.store import JobRecord
+
+    spec = kw.pop("spec", {"world_size": 1, "use_gpu": False})
+    return JobRecord(id=f"job-{i}", status=kw.pop("status", "PENDING"), spec=spec, created_at=i, updated_at=i,
+                     progress={"epoch": 0, "epochs": 1, "step": 0}, **kw)
+
+
+def test_admission_is_atomic_across_concurrent_submits(tmp_path: Path) -> None:
+    """16 threads (two store connections, like two managers) race for 3 active slots."""
+    from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
+    from service.training.store import JobStore
+
+    limits = TrainingLimits(max_active_jobs=3)
+    stores = [JobStore(tmp_path / "jobs.sqlite"), JobStore(tmp_path / "jobs.sqlite")]
+    stores[0].create_job(_job(100, status="SUCCEEDED", spec={"world_size": 8}))  # ended: holds nothing
+    admitted, refused = [], []
+    start = threading.Barrier(16)
+
+    def submit(i: int) -> None:
+        start.wait()
+        try:
+            stores[i % 2].create_job(_job(i, spec={"world_size": 2, "use_gpu": i % 4 == 0}),
+                                     lambda usage: check_job_fits(limits, usage, 2, i % 4 == 0))
+            admitted.append(i)
+        except QuotaExceeded as exc:
+            refused.append(exc.message)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(admitted) == 3 and len(refused) == 13, (admitted, refused)
+    assert all("3 job(s) are PENDING or RUNNING; max_active_jobs is 3" in m for m in refused)
+    usage = stores[1].active_usage()
+    assert (usage.jobs, usage.workers) == (3, 6)
+    assert usage.gpus == 2 * sum(1 for i in admitted if i % 4 == 0)
+    assert {r.id for r in stores[0].list_jobs(50)[0]} == {f"job-{i}" for i in admitted} | {"job-100"}
+
+
+def test_a_job_on_a_deleted_dataset_is_refused_and_a_used_dataset_cannot_be_deleted(tmp_path: Path) -> None:
+    from service.training.store import DatasetInUse, JobStore
+
+    store = JobStore(tmp_path / "jobs.sqlite")
+    store.add_dataset("ds-a", {"kind": "linear"}, str(tmp_path / "a"), 10)
+    store.add_dataset("ds-b", {"kind": "linear"}, str(tmp_path / "b"), 20)
+    assert store.dataset_usage() == (2, 30)
+    with pytest.raises(LookupError):
+        store.create_job(_job(1, spec={"world_size": 1, "dataset": {"kind": "uploaded", "id": "ds-gone"}}),
+                         dataset_id="ds-gone")
+    assert store.get_job("job-1") is None
+    store.create_job(_job(2, spec={"world_size": 1, "dataset": {"kind": "uploaded", "id": "ds-a"}}), dataset_id="ds-a")
+    with pytest.raises(DatasetInUse) as info:
+        store.delete_dataset("ds-a")
+    assert info.value.job_ids == ["job-2"]
+    store.update_job("job-2", status="SUCCEEDED")
+    public, path = store.delete_dataset("ds-a")  # the job ended: its dataset may go
+    assert public["id"] == "ds-a" and path == str(tmp_path / "a") and store.dataset_usage() == (1, 20)
+    with pytest.raises(KeyError):
+        store.delete_dataset("ds-a")
+    # add_dataset's admission runs in the inserting transaction.
+    with pytest.raises(RuntimeError):
+        store.add_dataset("ds-c", {}, "c", 5, admit=lambda count, total: (_ for _ in ()).throw(RuntimeError("no")))
+    assert store.dataset_usage() == (1, 20)
+
+
+def test_loss_history_is_stored_incrementally(tmp_path: Path) -> None:
+    """Each poll stores only the epochs reported since the last one; earlier rows are never
+    rewritten. A resumed attempt's re-report of epoch e replaces e and drops later epochs."""
+    from service.training.store import JobStore
+
+    store = JobStore(tmp_path / "jobs.sqlite")
+    store.create_job(_job(1))
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)  # what SQLite actually executes
+
+    def rowids() -> dict[int, int]:
+        db = sqlite3.connect(tmp_path / "jobs.sqlite")
+        try:
+            return dict(db.execute("SELECT epoch, rowid FROM job_history WHERE job_id = 'job-1'").fetchall())
+        finally:
+            db.close()
+
+    store.put_history("job-1", [{"epoch": 1, "loss": 4.0, "at": 1.0}, {"epoch": 2, "loss": 3.0, "at": 2.0}])
+    first = rowids()
+    statements.clear()
+    store.put_history("job-1", [{"epoch": 3, "loss": 2.0, "at": 3.0}])  # one new epoch
+    writes = [s for s in statements if s.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
+    assert writes == ["DELETE FROM job_history WHERE job_id = 'job-1' AND epoch >= 3",
+                      "INSERT INTO job_history (job_id, epoch, loss, at) VALUES ('job-1', 3, 2.0, 3.0)"], writes
+    assert {e: r for e, r in rowids().items() if e < 3} == first  # epochs 1-2 untouched
+    assert [h["loss"] for h in store.get_job("job-1").history] == [4.0, 3.0, 2.0]
+    store.put_history("job-1", [])  # nothing new: nothing written
+    # A worker died after epoch 3; the group resumed from the checkpoint of epoch 1.
+    store.put_history("job-1", [{"epoch": 2, "loss": 2.5, "at": 4.0}])
+    assert store.get_job("job-1").history == [{"epoch": 1, "loss": 4.0, "at": 1.0},
+                                              {"epoch": 2, "loss": 2.5, "at": 4.0}]
+    assert store.list_jobs(10)[0][0].history == store.get_job("job-1").history
+    assert store.get_job("job-1", with_history=False).history == []
+    store._db.set_trace_callback(None)
+    # The store no longer takes whole histories as a job update.
+    with pytest.raises(ValueError, match="history"):
+        store.update_job("job-1", history=[])
+    # A deleted job's late poll writes nothing (no orphan rows).
+    assert store.delete_job("job-1") and not store.delete_job("job-1")
+    store.put_history("job-1", [{"epoch": 9, "loss": 1.0}])
+    store.append_logs("job-1", [(1, 1.0, "late line")])
+    db = sqlite3.connect(tmp_path / "jobs.sqlite")
+    assert db.execute("SELECT COUNT(*) FROM job_history").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM job_logs").fetchone()[0] == 0
+    db.close()
+
+
+# ---- units: journal mode --------------------------------------------------------------------
+
+MOUNTS = """\
+/dev/root / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
+10.0.0.5:/export /mnt/state nfs4 rw,relatime,vers=4.1 0 0
+//files/share /mnt/smb cifs rw 0 0
+/dev/sdb1 /mnt/state/local ext4 rw 0 0
+sshfs#me@host: /mnt/sshfs fuse.sshfs rw 0 0
+10.0.0.6:6789:/ /mnt/ceph ceph rw 0 0
+/dev/sdc1 /mnt/with\\040space xfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(("path", "fstype", "mode"), [
+    ("/home/gangserve/state/jobs.sqlite", "ext4", "wal"),
+    ("/dev/shm/x/jobs.sqlite", "tmpfs", "wal"),
+    ("/mnt/state/jobs.sqlite", "nfs4", "delete"),
+    ("/mnt/state/sub/dir/jobs.sqlite", "nfs4", "delete"),
+    ("/mnt/state/local/jobs.sqlite", "ext4", "wal"),  # the longest mount point wins
+    ("/mnt/stateful/jobs.sqlite", "ext4", "wal"),     # a name prefix is not a mount prefix
+    ("/mnt/smb/jobs.sqlite", "cifs", "delete"),
+    ("/mnt/sshfs/jobs.sqlite", "fuse.sshfs", "delete"),
+    ("/mnt/ceph/jobs.sqlite", "ceph", "delete"),
+    ("/mnt/with space/jobs.sqlite", "xfs", "wal"),
+])
+def test_journal_mode_is_wal_only_on_local_file_systems(
+        path: str, fstype: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.training.store import filesystem_type, journal_mode_for
+
+    monkeypatch.delenv("GANGSERVE_SQLITE_JOURNAL", raising=False)
+    assert filesystem_type(Path(path).parent, MOUNTS) == fstype
+    got, why = journal_mode_for(path, MOUNTS)
+    assert got == mode and fstype in why
+
+
+def test_the_store_opens_in_the_detected_journal_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real files and the real /proc/mounts: the mode SQLite reports is the one chosen, and
+    the override switches an existing WAL database to the rollback journal."""
+    from service.training.store import JobStore, journal_mode_for
+
+    monkeypatch.delenv("GANGSERVE_SQLITE_JOURNAL", raising=False)
+    db = tmp_path / "jobs.sqlite"
+    expected, _ = journal_mode_for(db)
+    store = JobStore(db)
+    assert store.journal_mode == expected
+    store.close()
+    monkeypatch.setenv("GANGSERVE_SQLITE_JOURNAL", "delete")
+    store = JobStore(db)
+    assert store.journal_mode == "delete"
+    store.create_job(_job(1))
+    store.close()
+    assert not Path(str(db) + "-wal").exists()
+    check = sqlite3.connect(db)
+    assert check.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    check.close()
