@@ -184,6 +184,16 @@ class GangClient:
                     status = await self.status(max_age_s=STATUS_MAX_AGE_S)
                     if status["state"] in ("scheduling", "unschedulable"):
                         raise unavailable_error(status)
+        except RayTaskError as exc:
+            # Before `except GangServeError`: a task error is also an instance of its cause's
+            # type (Ray's dual class) but without the cause's code/retry_after_s.
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, (GangServeError, shm.SharedMemoryUnavailable)):
+                raise cause from None
+            log.error("gang server call %s failed: %s", method, exc)  # the traceback stays in the log
+            raise GangUnavailable(
+                f"the gang server failed ({type(cause or exc).__name__}); see the service log", code="gang_error"
+            ) from None
         except GangServeError:
             if not task.done():
                 task.cancel()
@@ -197,11 +207,6 @@ class GangClient:
                 f"the gang server replica is gone ({type(exc).__name__}); Serve is restarting it",
                 code="gang_restarting",
             ) from None
-        except RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, (GangServeError, shm.SharedMemoryUnavailable)):
-                raise cause from None
-            raise GangUnavailable(f"the gang server failed: {exc}", code="gang_error") from None
 
 
 def unavailable_error(status: dict[str, Any]) -> GangServeError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -102,10 +102,15 @@ def save_checkpoint(path: str | Path, weights: DenseWeights, num_heads: int) -> 
 
 
 def read_checkpoint_header(path: str | Path) -> dict[str, object]:
-    """Metadata and tensor shapes of a checkpoint, without reading tensor data."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    """Metadata and tensor shapes of a checkpoint, without reading tensor data.
+
+    Raises ValueError for a file safetensors cannot open (bad header, truncated data)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except SafetensorError as exc:
+        raise ValueError(f"checkpoint {path} is not a readable safetensors file: {exc}") from None
     return {"metadata": meta, "shapes": shapes}
 
 
