@@ -352,6 +352,9 @@ class JobManager:
             log.warning("dataset %s recorded a path outside the state dir (%s); left it", dataset_id, path)
         return {"id": dataset_id, "deleted": True, "freed_bytes": public["bytes"]}
 
+    async def list_datasets(self) -> dict[str, Any]:
+        return {"datasets": await self._io(self._store.list_datasets)}
+
     # ---- Serve hooks --------------------------------------------------------------------
 
     async def check_health(self) -> None:
