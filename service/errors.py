@@ -3,8 +3,17 @@
 Raised anywhere (ingress, gang server, rank actors) and mapped to
 `{"error": <message>, "code": <code>}` with `status` at the HTTP edge only. They
 survive Ray calls: Ray re-raises a task's exception as a subclass of its own type.
+Messages are capped at MAX_MESSAGE_CHARS (an error reply stays small whatever the input).
 """
 from __future__ import annotations
+
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message`, cut to at most `limit` characters (marked with '...')."""
+    message = str(message)
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 class GangServeError(Exception):
@@ -15,6 +24,7 @@ class GangServeError(Exception):
     retry_after_s: float | None = None
 
     def __init__(self, message: str, *, code: str | None = None, retry_after_s: float | None = None):
+        message = bounded(message)
         super().__init__(message)
         self.message = message
         if code is not None:
@@ -75,6 +85,13 @@ class GangUnavailable(GangServeError):
 
     status, code = 503, "gang_unavailable"
     retry_after_s = 5.0
+
+
+class Overloaded(GangServeError):
+    """Too much work in flight (e.g. the ingress's bounded decoding pool is full); retry later."""
+
+    status, code = 503, "overloaded"
+    retry_after_s = 1.0
 
 
 class CollectiveTimeout(GangServeError):
