@@ -2,7 +2,7 @@
 
     python -m clients train --epochs 3 --follow        # submit, show progress, exit 1 unless SUCCEEDED
     python -m clients jobs                             # newest first
-    python -m clients weights JOB_ID                   # serve what JOB_ID trained
+    python -m clients weights JOB_ID                   # serve what JOB_ID trained ("reset": the config's weights)
 
 The bearer token comes from --token, $GANGSERVE_API_TOKEN, or $GANGSERVE_STATE_DIR/api_token
 (default .gangserve/api_token), the same places the service takes it from.
@@ -99,9 +99,12 @@ class TrainingClient:
     def datasets(self) -> list[dict[str, Any]]:
         return _raise_for(self._http.get("/datasets")).json()["datasets"]
 
-    def load_weights(self, job_id: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
-        """POST /weights: hot-swap the serving gang to a job's (or a state-dir path's) checkpoint."""
-        body = {"job_id": job_id} if job_id else {"checkpoint": checkpoint}
+    def load_weights(self, job_id: str | None = None, checkpoint: str | None = None,
+                     reset: bool = False) -> dict[str, Any]:
+        """POST /weights: hot-swap the serving gang to a job's (or a state-dir path's) checkpoint,
+        or with `reset=True` back to the app's configured weights. The new version is recorded
+        and survives replica loss and restarts."""
+        body: dict[str, Any] = {"reset": True} if reset else {"job_id": job_id} if job_id else {"checkpoint": checkpoint}
         return _raise_for(self._http.post("/weights", json=body, timeout=330)).json()
 
     def wait(self, job_id: str, timeout_s: float = 3600.0, poll_s: float = 0.5,
@@ -222,8 +225,13 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 def _cmd_weights(args: argparse.Namespace) -> int:
     with TrainingClient(args.url, token=args.token) as client:
-        reply = client.load_weights(job_id=args.job_id)
-    print(f"serving {reply['checkpoint']} (weights_version {reply['weights_version']})")
+        if args.job_id == "reset":
+            reply = client.load_weights(reset=True)
+        else:
+            reply = client.load_weights(job_id=args.job_id)
+    gang = reply.get("gang", {})
+    print(f"serving weights_version {reply['weights_version']} ({gang.get('weights_source')}: "
+          f"{gang.get('weights_description')}, sha256 {str(gang.get('weights_sha256'))[:16]}...)")
     return 0
 
 
@@ -276,4 +284,5 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     p = parser("logs", "a job's recent log lines", _cmd_logs)
     p.add_argument("job_id")
     p.add_argument("--tail", type=int, default=200)
-    parser("weights", "serve what a SUCCEEDED attention job trained (POST /weights)", _cmd_weights).add_argument("job_id")
+    parser("weights", "serve what a SUCCEEDED attention job trained (POST /weights); "
+           "'weights reset' serves the app's configured weights again", _cmd_weights).add_argument("job_id")
