@@ -2,8 +2,10 @@
 #   docker build -t gangserve .                                   # GPU (CUDA torch from PyPI)
 #   docker build -t gangserve:cpu --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu \
 #                --build-arg CONFIG=deployments/local.yaml .
-#   docker run --gpus all -p 8000:8000 --shm-size=8g gangserve
+#   docker run --gpus all -p 8000:8000 --shm-size=8g -e GANGSERVE_API_TOKEN=... gangserve
 # Multi-node: use this image for the head and worker pods (deployments/kuberay.yaml).
+# What gets installed is exactly what pyproject.toml declares, each version pinned by
+# constraints.txt (tests/test_deployment.py checks this recipe; `hadolint Dockerfile` is clean).
 FROM python:3.11-slim
 
 ARG CONFIG=deployments/gpu.yaml
@@ -14,21 +16,32 @@ ENV PYTHONUNBUFFERED=1 \
     GANGSERVE_STATE_DIR=/home/gangserve/state \
     GANGSERVE_CONFIG=${CONFIG}
 
-RUN useradd --create-home --uid 1000 gangserve
+# uid/gid 1000: numeric, so Kubernetes' runAsNonRoot can verify it (fsGroup 1000 in kuberay.yaml).
+RUN useradd --create-home --uid 1000 --user-group gangserve
 WORKDIR /app
 
-# Dependencies first (cached layer), exact pins from constraints.txt.
+# Dependencies first (a cached layer while only the code changes): the list is read from
+# pyproject.toml itself, the versions from constraints.txt. A CPU-only build takes torch
+# (same pinned version) from TORCH_INDEX.
 COPY constraints.txt pyproject.toml README.md ./
-RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" torch==2.13.0; fi \
- && grep -vE '^(#|torch==)' constraints.txt > /tmp/pins.txt \
- && pip install -c /tmp/pins.txt torch==2.13.0 "ray[serve,train]==2.60.0" fastapi uvicorn httpx \
-        safetensors pydantic numpy orjson pyyaml
+RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" -c constraints.txt torch; fi \
+ && python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
+        > /tmp/requirements.txt \
+ && pip install -c constraints.txt -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt
 
+# The project itself, with its dependencies resolved again against the same pins (a no-op
+# unless pyproject.toml and the layer above disagree).
 COPY service ./service
 COPY clients ./clients
+RUN pip install -c constraints.txt . \
+ && mkdir -p /home/gangserve/state \
+ && chown -R 1000:1000 /home/gangserve \
+ && chmod 0700 /home/gangserve/state
 COPY deployments ./deployments
-RUN pip install --no-deps -e . && mkdir -p /home/gangserve/state && chown -R gangserve /home/gangserve
 
-USER gangserve
-EXPOSE 8000 8265
+USER 1000:1000
+# Only Serve's HTTP port. Ray's dashboard/Jobs API (8265), GCS (6379) and client server
+# (10001) are for the Ray pods themselves, never to be published.
+EXPOSE 8000
 CMD ["sh", "-c", "exec serve run \"$GANGSERVE_CONFIG\""]

@@ -9,7 +9,6 @@ sees them), then the main app over HTTP.
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import threading
 import time
@@ -21,8 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
-from tests.conftest import TEST_API_TOKEN
-from tests.test_training import AUTH, assert_error, post, state_dir, wait_done, wait_for
+from tests.test_training import AUTH, assert_error, post, state_dir
 
 # ---- units: limits --------------------------------------------------------------------------
 
@@ -242,3 +240,178 @@ def test_the_store_opens_in_the_detected_journal_mode(tmp_path: Path, monkeypatc
     check = sqlite3.connect(db)
     assert check.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     check.close()
+
+
+# ---- a JobManager with tight limits, on its own state dir -----------------------------------
+
+TIGHT = {"max_active_jobs": 2, "max_training_workers": 2, "max_training_gpus": 0, "max_runtime_s": 120,
+         "max_datasets": 2, "max_dataset_bytes": 64 * 1024}
+TIGHT_SEQ_LEN = 16
+TINY = {"world_size": 1, "cpus_per_worker": 0.25, "epochs": 10_000}
+
+
+@pytest.fixture(scope="module")
+def tight(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(JobsClient, state dir) of a JobManager deployed with TIGHT limits: the ingress's own
+    client, so every refusal arrives as the ingress would turn it into HTTP."""
+    from ray import serve
+
+    from service.ingress.jobs_client import JobsClient
+    from service.training.manager import JobManager
+
+    state = tmp_path_factory.mktemp("tight-state")
+    handle = serve.run(
+        JobManager.options(ray_actor_options={
+            "num_cpus": 0, "runtime_env": {"env_vars": {"GANGSERVE_STATE_DIR": str(state)}}}
+        ).bind(TIGHT, TIGHT_SEQ_LEN),
+        name="tight-jobs", route_prefix=None,
+    )
+    yield JobsClient(handle, timeout_s=60), state
+    serve.delete("tight-jobs")
+
+
+def _linear_ds(n: int) -> bytes:
+    x = np.ones((n, 10), np.float32)
+    return st_save({"inputs": x, "targets": x[:, :1]})
+
+
+async def _refused(call: Any, status: int, code: str, needle: str) -> str:
+    from service.errors import GangServeError
+
+    with pytest.raises(GangServeError) as info:
+        await call
+    assert (info.value.status, info.value.code) == (status, code), info.value.message
+    assert needle in info.value.message, info.value.message
+    return info.value.message
+
+
+def test_quotas_refuse_with_the_limit_named_and_deletes_give_the_room_back(tight: Any) -> None:
+    import ray
+
+    from service.training.run import RUN_NAMESPACE, run_actor_name
+
+    jobs, state = tight
+
+    async def scenario() -> None:
+        # Datasets: alone too big or too long (422), then no room next to the stored ones (429).
+        await _refused(jobs.call("upload_dataset", _linear_ds(1600)), 422, "over_limit", "max_dataset_bytes is 65536")
+        x = np.ones((2, TIGHT_SEQ_LEN + 1, 8), np.float32)
+        await _refused(jobs.call("upload_dataset", st_save({"inputs": x, "targets": x})), 422, "over_limit",
+                       f"sequence length is {TIGHT_SEQ_LEN + 1}; max_seq_len is {TIGHT_SEQ_LEN}")
+        big = await jobs.call("upload_dataset", _linear_ds(800))
+        await _refused(jobs.call("upload_dataset", _linear_ds(800)), 429, "quota_exceeded", "max_dataset_bytes")
+        small = await jobs.call("upload_dataset", _linear_ds(16))
+        await _refused(jobs.call("upload_dataset", _linear_ds(16)), 429, "quota_exceeded", "max_datasets is 2")
+        assert len(list((state / "datasets").iterdir())) == 2  # refused uploads left no file
+        gone = await jobs.call("delete_dataset", big["id"])
+        assert gone == {"id": big["id"], "deleted": True, "freed_bytes": big["bytes"]}
+        assert not (state / "datasets" / f"{big['id']}.safetensors").exists()
+        await _refused(jobs.call("delete_dataset", big["id"]), 404, "dataset_not_found", big["id"])
+
+        # Jobs: alone over a limit (422) ...
+        linear = {"model": {"kind": "linear"}, **TINY}
+        await _refused(jobs.call("submit", {**linear, "max_runtime_s": 121}), 422, "over_limit",
+                       "the service's max_runtime_s is 120")
+        await _refused(jobs.call("submit", {**linear, "world_size": 3}), 422, "over_limit", "max_training_workers is 2")
+        await _refused(jobs.call("submit", {**linear, "use_gpu": True}), 422, "over_limit", "max_training_gpus is 0")
+        # ... or not next to the active ones (429).
+        j1 = await jobs.call("submit", {**linear, "dataset": {"kind": "uploaded", "id": small["id"]}})
+        assert j1["spec"]["max_runtime_s"] == 120  # the service's limit, recorded with the job
+        await _refused(jobs.call("submit", {**linear, "world_size": 2}), 429, "quota_exceeded",
+                       "active jobs hold 1 worker(s), this job needs 2 more; max_training_workers is 2")
+        j2 = await jobs.call("submit", {**linear, "max_runtime_s": 2})
+        await _refused(jobs.call("submit", linear), 429, "quota_exceeded",
+                       "2 job(s) are PENDING or RUNNING; max_active_jobs is 2")
+        await _refused(jobs.call("delete_dataset", small["id"]), 409, "dataset_in_use", j1["id"])
+
+        # The wall clock: j2 is stopped and FAILS naming its limit, which frees its slot.
+        deadline = time.monotonic() + 90
+        while (j := await jobs.call("get_job", j2["id"]))["status"] in ("PENDING", "RUNNING"):
+            assert time.monotonic() < deadline, j
+            await asyncio.sleep(0.5)
+        assert j["status"] == "FAILED" and "exceeded max_runtime_s=2" in j["error"], j
+        j3 = await jobs.call("submit", linear)
+
+        # DELETE an active job: cancelled (its run actor goes), then its record is gone.
+        deleted = await jobs.call("delete_job", j1["id"])
+        assert deleted["deleted"] and deleted["status"] in ("PENDING", "RUNNING"), deleted
+        await _refused(jobs.call("get_job", j1["id"]), 404, "job_not_found", j1["id"])
+        await _refused(jobs.call("delete_job", j1["id"]), 404, "job_not_found", j1["id"])
+        for job in (j3, j2):
+            assert (await jobs.call("delete_job", job["id"]))["deleted"]
+        deadline = time.monotonic() + 30
+        for job in (j1, j2, j3):
+            while True:
+                try:
+                    ray.get_actor(run_actor_name(job["id"]), namespace=RUN_NAMESPACE)
+                except ValueError:
+                    break
+                assert time.monotonic() < deadline, f"run actor of {job['id']} still alive after delete"
+                await asyncio.sleep(0.5)
+        # The dataset is free again, and so is every slot.
+        assert (await jobs.call("delete_dataset", small["id"]))["deleted"]
+        assert (await jobs.call("list_datasets")) == {"datasets": []}
+        assert (await jobs.call("list_jobs", 200))["jobs"] == []
+        # Files a dying run may still write are swept again shortly after the delete.
+        while any((state / "runs" / job["id"]).exists() for job in (j1, j2, j3)):
+            assert time.monotonic() < deadline + 30, sorted(p.name for p in (state / "runs").iterdir())
+            await asyncio.sleep(1)
+
+    asyncio.run(scenario())
+
+
+# ---- the main app over HTTP -----------------------------------------------------------------
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"world_size": 64}, "max_training_workers is 32"),
+    ({"world_size": 9, "use_gpu": True}, "max_training_gpus is 8"),
+    ({"max_runtime_s": 10**6}, "the service's max_runtime_s is 21600"),
+])
+def test_over_limit_jobs_are_422_naming_the_limit(app_url: str, body: dict[str, Any], needle: str) -> None:
+    assert needle in assert_error(post(app_url, "/train", body), 422, "over_limit")["error"]
+
+
+def test_uploaded_sequences_are_bounded_by_max_seq_len(app_url: str) -> None:
+    x = np.zeros((1, 4097, 8), np.float32)
+    reply = httpx.post(app_url + "/datasets", content=st_save({"inputs": x, "targets": x}), timeout=60,
+                       headers={**AUTH, "content-type": "application/x-safetensors"})
+    assert "max_seq_len is 4096" in assert_error(reply, 422, "over_limit")["error"]
+
+
+def test_delete_routes_need_the_token_and_name_unknown_ids(app_url: str) -> None:
+    bad = {"authorization": "Bearer not-the-token"}
+    for path in ("/train/job-000000000000", "/datasets/ds-000000000000"):
+        assert_error(httpx.delete(app_url + path, timeout=30), 401, "missing_token")
+        assert_error(httpx.delete(app_url + path, headers=bad, timeout=30), 401, "invalid_token")
+    assert_error(httpx.delete(app_url + "/train/job-000000000000", headers=AUTH, timeout=30), 404, "job_not_found")
+    assert_error(httpx.delete(app_url + "/datasets/ds-000000000000", headers=AUTH, timeout=30), 404,
+                 "dataset_not_found")
+    assert_error(httpx.delete(app_url + "/datasets/ds-NOT-AN-ID", headers=AUTH, timeout=30), 404, "dataset_not_found")
+
+
+def test_deleting_a_finished_job_removes_its_record_logs_run_and_checkpoint(app_url: str) -> None:
+    reply = post(app_url, "/train", {"model": {"kind": "linear"}, "dataset": {"samples": 64}, "world_size": 1,
+                                     "cpus_per_worker": 0.25, "epochs": 2})
+    assert reply.status_code == 202, reply.text
+    job_id = reply.json()["id"]
+    assert reply.json()["spec"]["max_runtime_s"] == 21600  # the default limit, recorded with the job
+    deadline = time.monotonic() + 300
+    while (job := httpx.get(f"{app_url}/train/{job_id}", headers=AUTH, timeout=30).json())["status"] in (
+            "PENDING", "RUNNING"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.5)
+    assert job["status"] == "SUCCEEDED" and [h["epoch"] for h in job["history"]] == [1, 2], job
+    checkpoint, run = state_dir() / "checkpoints" / f"{job_id}.safetensors", state_dir() / "runs" / job_id
+    assert checkpoint.is_file() and run.is_dir()
+    size = checkpoint.stat().st_size
+
+    reply = httpx.delete(f"{app_url}/train/{job_id}", headers=AUTH, timeout=60)
+    assert reply.status_code == 200, reply.text
+    doc = reply.json()
+    assert (doc["id"], doc["deleted"], doc["status"]) == (job_id, True, "SUCCEEDED") and doc["freed_bytes"] > size
+    assert not checkpoint.exists() and not run.exists()
+    for path in ("", "/logs", "/checkpoint"):
+        assert_error(httpx.get(f"{app_url}/train/{job_id}{path}", headers=AUTH, timeout=30), 404, "job_not_found")
+    listed = httpx.get(app_url + "/train", params={"limit": 200}, headers=AUTH, timeout=30).json()["jobs"]
+    assert job_id not in [j["id"] for j in listed]
+    assert_error(httpx.delete(f"{app_url}/train/{job_id}", headers=AUTH, timeout=30), 404, "job_not_found")
