@@ -55,8 +55,8 @@ def test_local_yaml_is_cpu_gloo_world_size_2() -> None:
 
 
 def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
-    manifest = yaml.safe_load((ROOT / "deployments" / "kuberay.yaml").read_text())
-    assert manifest["kind"] == "RayService"
+    docs = list(yaml.safe_load_all((ROOT / "deployments" / "kuberay.yaml").read_text()))
+    (manifest,) = [d for d in docs if d and d["kind"] == "RayService"]
     doc = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(doc)
     cfg = parse_args(doc["applications"][0]["args"])
@@ -64,3 +64,22 @@ def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
     workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = workers["replicas"] * int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     assert gpus >= cfg.world_size, "the manifest's GPU workers cannot hold the gang"
+
+
+def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
+    from service.training.limits import TrainingLimits
+
+    defaults = parse_args({})
+    assert defaults.part(TrainingLimits) == TrainingLimits()
+    assert (defaults.max_active_jobs, defaults.max_training_workers, defaults.max_training_gpus) == (8, 32, 8)
+    assert (defaults.max_runtime_s, defaults.max_datasets, defaults.max_dataset_bytes) == (6 * 3600, 64, 4 * 1024**3)
+    for field in TrainingLimits.model_fields.values():
+        assert field.description, "every limit says what it bounds"
+    with pytest.raises(InvalidAppArgs, match="max_active_jobs"):
+        parse_args({"max_active_jobs": 0})
+    cfg = parse_args({"max_active_jobs": "3", "max_runtime_s": "60", "max_seq_len": 128})
+    # The JobManager deployment is bound with exactly these limits and the serving max_seq_len.
+    ingress = compose_app(cfg)._bound_deployment
+    limits, max_seq_len = ingress.init_args[2]._bound_deployment.init_args
+    assert TrainingLimits.model_validate(limits) == cfg.part(TrainingLimits)
+    assert (limits["max_active_jobs"], limits["max_runtime_s"], max_seq_len) == (3, 60.0, 128)
