@@ -71,8 +71,8 @@ SNAPSHOT_TIMEOUT_S = 10.0
 # Consecutive unanswered polls before a run actor is declared hung (~2 minutes).
 MAX_MISSED_POLLS = 12
 PENDING_REASON_INTERVAL_S = 2.0
-# After deleting a job whose run was still active, its files are removed again this much
-# later: a run being killed may still write a checkpoint or result.json for a moment.
+# After deleting a job whose run was still active, its files are removed again after these
+# pauses (5 s, then 20 s more): a run being killed may still write a checkpoint or result.json.
 LATE_SWEEP_S = (5.0, 20.0)
 
 _RemoteTrainRun = ray.remote(TrainRun)
@@ -456,7 +456,8 @@ class JobManager:
 
     def _over_runtime(self, record: JobRecord) -> str | None:
         """Why an active job must stop for its wall clock, or None."""
-        limit = record.spec.get("max_runtime_s") or self._limits.max_runtime_s
+        # The job's own limit, never above the service's (which may have been lowered since).
+        limit = min(record.spec.get("max_runtime_s") or self._limits.max_runtime_s, self._limits.max_runtime_s)
         took = time.time() - record.created_at
         if took <= limit:
             return None
