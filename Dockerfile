@@ -21,10 +21,11 @@ RUN useradd --create-home --uid 1000 --user-group gangserve
 WORKDIR /app
 
 # Dependencies first (a cached layer while only the code changes): the list is read from
-# pyproject.toml itself, the versions from constraints.txt. A CPU-only build takes torch
-# (same pinned version) from TORCH_INDEX.
+# pyproject.toml itself, the versions from constraints.txt. A CPU-only build first takes
+# torch, at its pinned version, from TORCH_INDEX (that index need not carry the other pins;
+# the next install brings torch's own dependencies to theirs).
 COPY constraints.txt pyproject.toml README.md ./
-RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" -c constraints.txt torch; fi \
+RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" "$(grep '^torch==' constraints.txt)"; fi \
  && python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
         > /tmp/requirements.txt \
  && pip install -c constraints.txt -r /tmp/requirements.txt \
