@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from service.config import ModelConfig
 from service.failpoints import Failpoints
+from service.netif import bind_collectives_to
 from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.weights import load_checkpoint_shard, random_weights, seed_weights, shard_dense
 
@@ -38,9 +39,11 @@ class RankInfo:
     device: str
     has_cuda: bool
     gpu_ids: list[str]
+    iface: str | None = None  # the interface its collectives use (see service.netif)
+    iface_how: str = ""
 
     def public(self) -> dict[str, object]:
-        return {k: v for k, v in asdict(self).items() if k in ("rank", "node_id", "node_ip", "pid", "device")}
+        return {k: v for k, v in asdict(self).items() if k in ("rank", "node_id", "node_ip", "pid", "device", "iface")}
 
 
 def load_rank_shard(model: ModelConfig, rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -70,15 +73,21 @@ class RankWorker:
                 rank, gpu_ids,
             )
         self.device = torch.device("cuda", 0) if has_cuda else torch.device("cpu")
+        node_ip = ray.util.get_node_ip_address()
+        # Before any process group exists in this process: gloo/NCCL read it at creation.
+        choice = bind_collectives_to(node_ip)
         self.info = RankInfo(
             rank=rank,
             node_id=ctx.get_node_id(),
-            node_ip=ray.util.get_node_ip_address(),
+            node_ip=node_ip,
             pid=os.getpid(),
             device=str(self.device),
             has_cuda=has_cuda,
             gpu_ids=gpu_ids,
+            iface=choice.iface,
+            iface_how=choice.how,
         )
+        log.info("rank %d on %s: collectives use interface %s (%s)", rank, node_ip, choice.iface, choice.how)
         self.group: ParallelGroup | None = None
         self.model: TensorParallelAttention | None = None
         self._staged: TensorParallelAttention | None = None

@@ -1,0 +1,87 @@
+"""Which network interface a process group binds to: the one that carries the node's Ray IP.
+
+gloo and NCCL pick their interface from the hostname when `GLOO_SOCKET_IFNAME` /
+`NCCL_SOCKET_IFNAME` are unset. On Debian/Ubuntu the hostname resolves to a loopback
+address (127.0.1.1, or 127.0.0.1 here), so each rank advertises loopback to its peers and
+every cross-node connection is refused (`Gloo connectFullMesh failed ... remote=[127.0.0.1]`).
+Ray already knows the address other nodes reach this node at (`--node-ip-address`, the
+address the raylet registered), so we bind to the interface holding that address.
+
+A value the user set in the environment always wins; we only fill in what is unset (and
+what we set ourselves earlier in the same process, e.g. before a rebuild).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+log = logging.getLogger("gangserve.netif")
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+_SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
+_set_by_us: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class InterfaceChoice:
+    """The interface this process's collectives use, and why."""
+
+    iface: str | None  # None: left to gloo/NCCL's own choice
+    how: str  # "user" (set in the environment), "node_ip", or "unknown: <why>"
+
+
+def ipv4_interfaces() -> dict[str, str]:
+    """{interface name: IPv4 address} for every local interface that has one."""
+    found: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def interface_for(ip: str) -> str | None:
+    """The local interface holding `ip`, or None."""
+    for name, address in ipv4_interfaces().items():
+        if address == ip:
+            return name
+    return None
+
+
+def bind_collectives_to(node_ip: str) -> InterfaceChoice:
+    """Point gloo and NCCL at the interface that carries `node_ip` (unless the user chose).
+
+    Must run in the process that creates the process group, before it does.
+    """
+    user = {v: os.environ[v] for v in SOCKET_IFNAME_VARS if os.environ.get(v) and _set_by_us.get(v) != os.environ[v]}
+    if "GLOO_SOCKET_IFNAME" in user or "NCCL_SOCKET_IFNAME" in user:
+        iface = user.get("GLOO_SOCKET_IFNAME") or user.get("NCCL_SOCKET_IFNAME")
+        log.info("collectives bind to %s (set by the user: %s)", iface, ", ".join(f"{k}={v}" for k, v in user.items()))
+        return InterfaceChoice(iface, "user")
+    try:
+        iface = interface_for(node_ip)
+    except OSError as exc:
+        return InterfaceChoice(None, f"unknown: cannot list interfaces ({exc.strerror or exc})")
+    if iface is None:
+        log.warning("no local interface holds the node IP %s; gloo/NCCL choose their own", node_ip)
+        return InterfaceChoice(None, f"unknown: no interface holds {node_ip}")
+    for var in SOCKET_IFNAME_VARS:
+        os.environ[var] = iface
+        _set_by_us[var] = iface
+    log.info("collectives bind to %s (the interface of node IP %s)", iface, node_ip)
+    return InterfaceChoice(iface, "node_ip")
+
+
+def setup_ray_worker() -> None:
+    """`runtime_env={"worker_process_setup_hook": "service.netif.setup_ray_worker"}`: bind the
+    collectives of any Ray worker process (e.g. Ray Train's DDP workers) to its node's interface."""
+    import ray
+
+    bind_collectives_to(ray.util.get_node_ip_address())
