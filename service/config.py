@@ -1,8 +1,9 @@
 """Configuration: one pydantic model per concern, composed into the builder's arguments.
 
 `AppConfig` is what `service.app:build_app` validates (unknown keys rejected); it is the
-union of `ModelConfig`, `GangConfig` and `ServingConfig`, so every argument is declared
-once, with its description, in the concern it belongs to.
+union of `ModelConfig`, `GangConfig`, `ServingConfig` and the training quotas
+(`service.training.limits.TrainingLimits`), so every argument is declared once, with its
+description, in the concern it belongs to.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from service.training.limits import TrainingLimits
 
 _Part = TypeVar("_Part", bound=BaseModel)
 
@@ -101,6 +104,23 @@ class ServingConfig(BaseModel):
     max_body_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413 before it is read."
     )
+    max_json_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024,
+        description="Largest JSON body (/infer JSON, an OIP request's JSON part), counted after "
+        "gzip/deflate decompression; larger gets 413 (before it is read when Content-Length says so). "
+        "Parsing JSON holds one core and the interpreter lock for ~5 ms per MiB; binary formats "
+        "carry big tensors.",
+    )
+    decode_threads: int = Field(
+        2, ge=1, le=64,
+        description="Threads of the ingress's decoding pool: JSON parsing, decompression and large-body "
+        "decoding run there, never on the event loop.",
+    )
+    max_pending_decodes: int = Field(
+        8, ge=1, le=4096,
+        description="Decodes admitted to the pool at once (running or waiting for a thread); one more "
+        "gets 503 `overloaded` with Retry-After. Small binary bodies are decoded inline and never wait.",
+    )
     max_seq_len: int = Field(4096, ge=1, description="Longest sequence accepted (attention is O(seq^2)).")
     max_tokens_per_request: int = Field(
         262144, ge=1, description="Largest batch * seq accepted in one request."
@@ -121,8 +141,16 @@ class ServingConfig(BaseModel):
         "store; falls back to the object store otherwise (or when /dev/shm is missing or full).",
     )
 
+    @model_validator(mode="after")
+    def _check_json_limit(self) -> "ServingConfig":
+        if self.max_json_bytes > self.max_body_bytes:
+            raise ValueError(
+                f"max_json_bytes ({self.max_json_bytes}) must not exceed max_body_bytes ({self.max_body_bytes})"
+            )
+        return self
 
-class AppConfig(ModelConfig, GangConfig, ServingConfig):
+
+class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
     """Every `build_app` argument. Unknown keys are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

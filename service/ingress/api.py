@@ -1,4 +1,9 @@
-"""The FastAPI application: routers, state and error mapping to {"error", "code"}."""
+"""The FastAPI application: routers, state, auth and error mapping to {"error", "code"}.
+
+Every error reply is `{"error", "code"}`, its message bounded (service.errors.bounded);
+an unexpected exception is logged with its traceback and answered 500 without its text.
+`AuthMiddleware` (service.auth) checks tokens before any route reads a body.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,9 +14,10 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.auth import load_api_token
+from service.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.config import AppConfig
-from service.errors import GangServeError
+from service.errors import GangServeError, bounded
+from service.ingress.deps import DecodePool
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
 from service.ingress.routes import health, infer
@@ -24,7 +30,17 @@ log = logging.getLogger("gangserve.ingress")
 
 def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> JSONResponse:
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
-    return JSONResponse({"error": message, "code": code}, status_code=status, headers=headers)
+    return JSONResponse({"error": bounded(message), "code": code}, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """Where and what, for the first few problems; never the (possibly huge) input itself."""
+    problems = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(part) for part in error.get("loc", ()))[:80] or "request"
+        problems.append(f"{where}: {str(error.get('msg', 'invalid'))[:120]}")
+    more = len(exc.errors()) - len(problems)
+    return "invalid request: " + "; ".join(problems) + (f" (and {more} more)" if more > 0 else "")
 
 
 def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = None) -> FastAPI:
@@ -38,7 +54,14 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     app.state.gang = gang
     app.state.jobs = jobs or JobsClient(None)
     app.state.api_token, token_source = load_api_token()
-    log.info("mutating routes need 'Authorization: Bearer <token>'; token from %s", token_source)
+    app.state.infer_token = load_infer_token()
+    app.state.decode_pool = DecodePool(config.decode_threads, config.max_pending_decodes)
+    log.info("/train*, /datasets*, /weights* need 'Authorization: Bearer <token>'; token from %s", token_source)
+    if app.state.infer_token:
+        log.info("inference routes need the inference token ($GANGSERVE_INFER_TOKEN)")
+    # Outermost of the app's own layers: a request without the right token is answered
+    # here, before routing, dependencies or body parsing.
+    app.add_middleware(AuthMiddleware, api_token=app.state.api_token, infer_token=app.state.infer_token)
     app.include_router(health.router)
     app.include_router(infer.router)
     app.include_router(oip.router)
@@ -53,16 +76,16 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, f"invalid request: {exc.errors()}", "invalid_request")
+        return error_response(422, _validation_message(exc), "invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, str(exc.detail), code)
+        return error_response(exc.status_code, str(exc.detail)[:200], code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal")
+        log.exception("unhandled error")  # the traceback stays in the log; the reply says nothing internal
+        return error_response(500, "internal error (logged by the service)", "internal")
 
     return app

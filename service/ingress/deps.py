@@ -1,11 +1,25 @@
-"""FastAPI dependencies: the gang client, the config, and a size-capped body reader."""
+"""FastAPI dependencies: the gang client, the config, a size-capped body reader, and the
+bounded pool that does heavy decoding off the event loop."""
 from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from fastapi import Request
 
 from service.config import AppConfig
-from service.errors import BadRequest, PayloadTooLarge
+from service.errors import BadRequest, Overloaded, PayloadTooLarge
 from service.ingress.gang_client import GangClient
+
+T = TypeVar("T")
+
+# Bodies up to this size in a binary format are decoded inline: a zero-copy view and a
+# float32 check of at most 16 Ki values costs less than a hop to a thread.
+INLINE_DECODE_BYTES = 64 * 1024
+# Replies of at most this many values are encoded inline.
+INLINE_ENCODE_VALUES = 16 * 1024
 
 
 def get_config(request: Request) -> AppConfig:
@@ -16,25 +30,92 @@ def get_gang(request: Request) -> GangClient:
     return request.app.state.gang
 
 
-async def read_body_capped(request: Request, max_bytes: int) -> bytes:
+def get_decode_pool(request: Request) -> "DecodePool":
+    return request.app.state.decode_pool
+
+
+def check_declared_length(request: Request, max_bytes: int, limit_name: str = "max_body_bytes") -> None:
+    """413 (before any byte is read) when Content-Length says the body is over `max_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return
+    try:
+        length = int(declared)
+    except ValueError:
+        raise BadRequest(f"Content-Length {declared[:40]!r} is not an integer") from None
+    if length > max_bytes:
+        raise PayloadTooLarge(f"body is {length} bytes; the limit is {limit_name}={max_bytes}")
+
+
+async def read_body_capped(request: Request, max_bytes: int, limit_name: str = "max_body_bytes") -> bytes:
     """The request body, refusing (413) as soon as it is known to exceed max_bytes.
 
     A declared Content-Length above the cap is refused before any byte is read; a
     chunked body is refused as soon as the running total passes the cap.
     """
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            length = int(declared)
-        except ValueError:
-            raise BadRequest(f"Content-Length {declared!r} is not an integer") from None
-        if length > max_bytes:
-            raise PayloadTooLarge(f"body is {length} bytes; the limit is max_body_bytes={max_bytes}")
+    check_declared_length(request, max_bytes, limit_name)
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > max_bytes:
-            raise PayloadTooLarge(f"body exceeds max_body_bytes={max_bytes}")
+            raise PayloadTooLarge(f"body exceeds {limit_name}={max_bytes}")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class DecodePool:
+    """A few threads for CPU-heavy request work (JSON parsing, decompression, conversion of
+    large bodies, JSON encoding of large replies), so the event loop keeps serving.
+
+    Admission is bounded: at most `max_pending` submissions are running or queued; one
+    more is refused at once with 503 `overloaded` + Retry-After. A slot is freed when its
+    work has really finished in the thread (not when a disconnected client's task is
+    cancelled), so the bound holds for the threads themselves.
+
+    What the bound buys: parsing in a thread still holds the interpreter lock for the
+    length of one C call (orjson parses a whole body in one call), so the loop can stall
+    for up to one body's parse time (~5 ms per MiB of JSON); numpy conversion runs in
+    chunks (codecs.JSON_CHUNK_VALUES) and zlib inflation releases the lock.
+    """
+
+    def __init__(self, threads: int, max_pending: int) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gangserve-decode")
+        self._max_pending = max_pending
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a pool thread; 503 overloaded when the pool is full."""
+        with self._lock:
+            if self._pending >= self._max_pending:
+                self.refused += 1
+                raise Overloaded(
+                    f"{self._pending} requests are being decoded (max_pending_decodes={self._max_pending}); "
+                    "retry shortly"
+                )
+            self._pending += 1
+        try:
+            future = self._executor.submit(fn, *args)
+        except BaseException:
+            self._release(None)
+            raise
+        future.add_done_callback(self._release)
+        return await asyncio.wrap_future(future)
+
+    async def run_unbounded(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a pool thread without admission control: for work a request already
+        admitted must finish (encoding its reply), so it is never refused after compute."""
+        return await asyncio.wrap_future(self._executor.submit(fn, *args))
+
+    def _release(self, _: object) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

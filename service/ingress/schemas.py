@@ -21,9 +21,20 @@ def _err(description: str) -> dict[str, Any]:
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _err("malformed body or headers"),
     406: _err("Accept names no supported format"),
-    413: _err("body over max_body_bytes (refused before it is read)"),
+    413: _err("body over max_body_bytes, or a JSON body over max_json_bytes (refused before it is read "
+              "when Content-Length says so; compressed bodies are inflated only up to the cap)"),
     415: _err("unsupported Content-Type or Content-Encoding"),
     422: _err("wrong shape, dtype, name, non-finite values, or over max_seq_len / max_tokens_per_request"),
-    503: _err("gang not ready or overloaded; has Retry-After"),
+    503: _err("gang not ready, or overloaded (code `overloaded`: too many bodies being decoded); has Retry-After"),
     504: _err("the gang did not answer within the deadline"),
 }
+# The inference routes add 401: only when the service runs with GANGSERVE_INFER_TOKEN.
+INFER_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    401: _err("missing or wrong inference token (only when GANGSERVE_INFER_TOKEN is set)"),
+}
+# Routes that need the API token (auth.AuthMiddleware answers before the body is read).
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {401: _err("missing or wrong API token (code missing_token / invalid_token)")}
+# OpenAPI: the inference scheme is optional (`{}` = no security needed), appended by FastAPI
+# to the operation's `security` list (which the `inference_auth` dependency declares).
+OPTIONAL_INFER_SECURITY: dict[str, Any] = {"security": [{}]}

@@ -9,8 +9,10 @@ from service.auth import require_token
 from service.config import AppConfig
 from service.ingress.deps import get_config, read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
+from service.ingress.schemas import AUTH_RESPONSES
 
-router = APIRouter(tags=["training"], dependencies=[Depends(require_token)])
+# The API token, on every route (auth.AuthMiddleware checks it before the body is read).
+router = APIRouter(tags=["training"], dependencies=[Depends(require_token)], responses=AUTH_RESPONSES)
 
 
 @router.post(

@@ -1,10 +1,15 @@
-"""Liveness, readiness and the gang's description."""
+"""Liveness, readiness and the gang's description.
+
+/gang is public, but shows file-system paths (checkpoint locations, in weights_source or a
+reason) only to callers with the API token; everyone else gets them as '<path>'.
+"""
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
+from service.auth import has_api_token, optional_api_auth, redact_paths
 from service.ingress.deps import get_gang
 from service.ingress.gang_client import GangClient, unavailable_error
 
@@ -24,10 +29,17 @@ async def healthz() -> dict[str, str]:
 async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
     info = await gang.describe()
     if info["state"] != "ready":
-        raise unavailable_error(info)
+        raise unavailable_error(redact_paths(info))
     return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"]}
 
 
-@router.get("/gang", summary="World size, backend, state, weights version and every rank's placement")
-async def gang_info(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
-    return await gang.describe()
+@router.get(
+    "/gang",
+    summary="World size, backend, state, weights version and every rank's placement",
+    description="File-system paths (e.g. a checkpoint's location) are shown only with the API token.",
+    dependencies=[Depends(optional_api_auth)],
+    openapi_extra={"security": [{}]},  # the token is optional here
+)
+async def gang_info(request: Request, gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
+    info = await gang.describe()
+    return info if has_api_token(request) else redact_paths(info)

@@ -1,4 +1,11 @@
-"""POST /infer: one tensor in, the attention output out, in the caller's wire format."""
+"""POST /infer: one tensor in, the attention output out, in the caller's wire format.
+
+Bounded before it is decoded: the body by max_body_bytes (JSON: max_json_bytes), refused
+from Content-Length before it is read; the declared shape by max_seq_len /
+max_tokens_per_request before any value is converted. Bodies over INLINE_DECODE_BYTES are
+decoded in the ingress's DecodePool (never on the event loop; 503 `overloaded` when it is
+full), smaller ones inline (they cost less than the hop to a thread).
+"""
 from __future__ import annotations
 
 import time
@@ -6,13 +13,19 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from service import codecs
-from service.config import AppConfig
-from service.ingress.deps import get_config, get_gang, read_body_capped
-from service.ingress.schemas import ERROR_RESPONSES
-from service.ingress.gang_client import GangClient
+import numpy as np
 
-router = APIRouter(tags=["inference"])
+from service import codecs
+from service.auth import inference_auth
+from service.config import AppConfig
+from service.ingress.deps import (
+    INLINE_DECODE_BYTES, INLINE_ENCODE_VALUES, DecodePool, check_declared_length, get_config, get_decode_pool,
+    get_gang, read_body_capped,
+)
+from service.ingress.gang_client import GangClient
+from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY
+
+router = APIRouter(tags=["inference"], dependencies=[Depends(inference_auth)])
 
 _BINARY = {"type": "string", "format": "binary"}
 _DTYPE = {"type": "string", "enum": list(codecs.DTYPE_NAMES)}
@@ -60,9 +73,9 @@ _REPLY_DOC = {
 @router.post(
     "/infer",
     summary="Self-attention over hidden_states [batch, seq, E] or [seq, E]",
-    openapi_extra={"requestBody": _BODY_DOC},
+    openapi_extra={"requestBody": _BODY_DOC, **OPTIONAL_INFER_SECURITY},
     response_class=Response,
-    responses={200: _REPLY_DOC, **ERROR_RESPONSES},
+    responses={200: _REPLY_DOC, **INFER_ERROR_RESPONSES},
 )
 async def infer(
     request: Request,
@@ -71,26 +84,31 @@ async def infer(
     ),
     cfg: AppConfig = Depends(get_config),
     gang: GangClient = Depends(get_gang),
+    pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
     t_start = time.perf_counter()
-    body = await read_body_capped(request, cfg.max_body_bytes)
+    check_declared_length(request, cfg.max_body_bytes)
+    if media == codecs.JSON:
+        body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
+    else:
+        body = await read_body_capped(request, cfg.max_body_bytes)
     t_read = time.perf_counter()
-    array = codecs.decode(body, media)
-    dtype = codecs.reply_dtype(array.dtype, output_dtype, reply_media)
-    x, squeezed = codecs.validate_hidden_states(
-        array,
-        embed_dim=cfg.embed_dim,
-        max_seq_len=cfg.max_seq_len,
-        max_tokens=cfg.max_tokens_per_request,
-    )
+    limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
+    if len(body) > INLINE_DECODE_BYTES:
+        x, squeezed, dtype = await pool.run(_prepare, body, media, limits, output_dtype, reply_media)
+    else:
+        x, squeezed, dtype = _prepare(body, media, limits, output_dtype, reply_media)
     t_decoded = time.perf_counter()
     out = await gang.infer(x)  # [batch, seq, E] float32
     t_gang = time.perf_counter()
     if squeezed:
         out = out[0]
-    content = codecs.encode(codecs.cast_reply(out, dtype), reply_media)
+    if out.size > INLINE_ENCODE_VALUES:
+        content = await pool.run_unbounded(_encode, out, dtype, reply_media)
+    else:
+        content = _encode(out, dtype, reply_media)
     t_end = time.perf_counter()
     # Where the time went, for clients and `make bench` (W3C Server-Timing, milliseconds).
     timing = ", ".join(
@@ -99,3 +117,20 @@ async def infer(
                            ("gang", t_decoded, t_gang), ("encode", t_gang, t_end))
     )
     return Response(content=content, media_type=reply_media, headers={"Server-Timing": timing})
+
+
+def _prepare(
+    body: bytes, media: str, limits: codecs.Limits, output_dtype: str | None, reply_media: str
+) -> tuple[np.ndarray, bool, np.dtype]:
+    """Decode (shape and dtype checked before any value is converted), pick the reply dtype,
+    and bring the tensor to [batch, seq, E] float32: (x, squeezed, reply dtype)."""
+    array = codecs.decode(body, media, limits)
+    dtype = codecs.reply_dtype(array.dtype, output_dtype, reply_media)
+    x, squeezed = codecs.validate_hidden_states(
+        array, embed_dim=limits.embed_dim, max_seq_len=limits.max_seq_len, max_tokens=limits.max_tokens
+    )
+    return x, squeezed, dtype
+
+
+def _encode(out: np.ndarray, dtype: np.dtype, reply_media: str) -> bytes:
+    return codecs.encode(codecs.cast_reply(out, dtype), reply_media)

@@ -12,6 +12,10 @@ computed in FP32), one output `output` of the same shape, in the input's datatyp
 the `output_dtype` query parameter asks for another. Errors are JSON `{"error", "code"}`
 (OIP clients read `error`). Shapes and limits are checked before any tensor data is
 decoded, and long before any compute.
+
+Bounds: the body by max_body_bytes; a JSON-only body (no Inference-Header-Content-Length),
+and the JSON header of a binary one, by max_json_bytes, counted after decompression (gzip /
+deflate are inflated only up to that cap, in the DecodePool: never on the event loop).
 """
 from __future__ import annotations
 
@@ -24,11 +28,15 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WithJsonSchema
 
 from service import codecs
+from service.auth import inference_auth, redact_paths
 from service.config import AppConfig
 from service.errors import BadRequest, GangUnavailable, InvalidInput, NotFound, PayloadTooLarge, UnsupportedMediaType
-from service.ingress.deps import get_config, get_gang, read_body_capped
+from service.ingress.deps import (
+    INLINE_DECODE_BYTES, INLINE_ENCODE_VALUES, DecodePool, check_declared_length, get_config, get_decode_pool,
+    get_gang, read_body_capped,
+)
 from service.ingress.gang_client import GangClient
-from service.ingress.schemas import ERROR_RESPONSES, ErrorBody
+from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY, ErrorBody
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol v2"])
 
@@ -38,6 +46,10 @@ SERVER_NAME = "gangserve"
 SERVER_VERSION = "0.1.0"
 BINARY_MEDIA = "application/octet-stream"
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# Bounds checked on the parsed JSON before pydantic walks it (it would walk any list).
+MAX_TENSORS = 16
+MAX_PARAMETERS = 64
+MAX_ID_CHARS = 1024
 
 
 # ---------------------------------------------------------------- schemas
@@ -94,7 +106,7 @@ class RequestOutput(BaseModel):
 class InferenceRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: str | None = None
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
     parameters: dict[str, Any] | None = Field(None, description="binary_data_output: every output as raw bytes")
     inputs: list[RequestInput]
     outputs: list[RequestOutput] | None = None
@@ -141,6 +153,7 @@ def _inline(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 _INFER_DOC: dict[str, Any] = {
+    **OPTIONAL_INFER_SECURITY,
     "requestBody": {
         "required": True,
         "content": {
@@ -159,7 +172,7 @@ _INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     404: {"model": ErrorBody, "description": "unknown model version"},
-    **{k: v for k, v in ERROR_RESPONSES.items() if k != 406},
+    **{k: v for k, v in INFER_ERROR_RESPONSES.items() if k != 406},
 }
 _NOT_READY = {503: {"model": ErrorBody, "description": "gang not ready; has Retry-After"}}
 _VERSION_404 = {404: {"model": ErrorBody, "description": "unknown model version"}}
@@ -220,19 +233,22 @@ _DtypeName = Literal["float32", "float16", "bfloat16", "float64"]
 
 
 @router.post(f"/models/{MODEL_NAME}/infer", summary="Inference (JSON tensors or binary tensor data)",
-             response_class=Response, openapi_extra=_INFER_DOC, responses=_INFER_RESPONSES)
+             response_class=Response, openapi_extra=_INFER_DOC, responses=_INFER_RESPONSES,
+             dependencies=[Depends(inference_auth)])
 async def infer(
     request: Request,
     output_dtype: _DtypeName | None = _OutputDtype,
     header_length: int | None = _HeaderLength,
     cfg: AppConfig = Depends(get_config),
     gang: GangClient = Depends(get_gang),
+    pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
-    return await _infer(request, output_dtype, header_length, cfg, gang)
+    return await _infer(request, output_dtype, header_length, cfg, gang, pool)
 
 
 @router.post(f"/models/{MODEL_NAME}/versions/{{version}}/infer", summary="Inference (versioned)",
-             response_class=Response, openapi_extra=_INFER_DOC, responses=_INFER_RESPONSES)
+             response_class=Response, openapi_extra=_INFER_DOC, responses=_INFER_RESPONSES,
+             dependencies=[Depends(inference_auth)])
 async def infer_version(
     version: str,
     request: Request,
@@ -240,19 +256,52 @@ async def infer_version(
     header_length: int | None = _HeaderLength,
     cfg: AppConfig = Depends(get_config),
     gang: GangClient = Depends(get_gang),
+    pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
     _check_version(version)
-    return await _infer(request, output_dtype, header_length, cfg, gang)
+    return await _infer(request, output_dtype, header_length, cfg, gang, pool)
 
 
 async def _infer(
-    request: Request, output_dtype: str | None, header_length: int | None, cfg: AppConfig, gang: GangClient
+    request: Request, output_dtype: str | None, header_length: int | None, cfg: AppConfig, gang: GangClient,
+    pool: DecodePool,
 ) -> Response:
     media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     if media not in ("", codecs.JSON, BINARY_MEDIA):
-        raise UnsupportedMediaType(f"Content-Type {media!r} is not supported here; use {codecs.JSON} or {BINARY_MEDIA}")
-    body = await read_body_capped(request, cfg.max_body_bytes)
-    body = _decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
+        raise UnsupportedMediaType(
+            f"Content-Type {codecs.snip(media)} is not supported here; use {codecs.JSON} or {BINARY_MEDIA}"
+        )
+    encoding = _content_encoding(request.headers.get("content-encoding"))
+    if header_length is not None and header_length > cfg.max_json_bytes:
+        raise PayloadTooLarge(f"{HEADER_LENGTH} is {header_length}; the limit is max_json_bytes={cfg.max_json_bytes}")
+    # A body that is all JSON is capped at max_json_bytes (after decompression too).
+    json_only = header_length is None
+    check_declared_length(request, cfg.max_body_bytes)
+    if json_only and encoding == "identity":
+        body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
+    else:
+        body = await read_body_capped(request, cfg.max_body_bytes)
+    limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
+    cap = (cfg.max_json_bytes, "max_json_bytes") if json_only else (cfg.max_body_bytes, "max_body_bytes")
+    args = (body, encoding, cap, header_length, limits, output_dtype)
+    if encoding != "identity" or len(body) > INLINE_DECODE_BYTES:
+        req, x, squeezed, reply_dtype, binary = await pool.run(_prepare, *args)
+    else:
+        req, x, squeezed, reply_dtype, binary = _prepare(*args)
+    out = await gang.infer(x)  # [batch, seq, E] float32
+    out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
+    if out.size > INLINE_ENCODE_VALUES:
+        return await pool.run_unbounded(_reply, req, out, binary)
+    return _reply(req, out, binary)
+
+
+def _prepare(
+    body: bytes, encoding: str, cap: tuple[int, str], header_length: int | None, limits: codecs.Limits,
+    output_dtype: str | None,
+) -> tuple[InferenceRequest, np.ndarray, bool, np.dtype, bool]:
+    """Inflate (capped), parse and check the request, and decode its input tensor:
+    (request, x [batch, seq, E] float32, squeezed, reply dtype, binary output)."""
+    body = _decompress(body, encoding, *cap)
     if not body:
         raise BadRequest("request body is empty; it needs a JSON inference request")
     view = memoryview(body)
@@ -260,44 +309,63 @@ async def _infer(
         header_length = len(view)
     elif header_length > len(view):
         raise BadRequest(f"{HEADER_LENGTH} is {header_length}; the body has only {len(view)} bytes")
-    req = _parse_request(view[:header_length])
-    (array, squeezed) = _decode_input(req, view[header_length:], cfg)
+    req = _parse_request(view[:header_length], limits)
+    array, squeezed = _decode_input(req, view[header_length:], limits)
     reply_dtype = codecs.reply_dtype(array.dtype, output_dtype)
     x = codecs.to_model_input(array)
-    binary = _binary_outputs(req)
-    out = await gang.infer(x)  # [batch, seq, E] float32
-    out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
-    return _reply(req, out, binary)
+    return req, x, squeezed, reply_dtype, _binary_outputs(req)
 
 
-def _parse_request(header: memoryview) -> InferenceRequest:
-    try:
-        doc = orjson.loads(header)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"inference request header is not valid JSON: {exc}") from None
+def _parse_request(header: memoryview, limits: codecs.Limits) -> InferenceRequest:
+    doc = codecs.loads_json(header, limits, what="inference request")
+    _check_sizes(doc)
     try:
         return InferenceRequest.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))[:60] or 'body'}: {str(e['msg'])[:120]}" for e in exc.errors()[:5]
+        )
         raise BadRequest(f"invalid inference request: {problems}") from None
 
 
-def _decode_input(req: InferenceRequest, binary: memoryview, cfg: AppConfig) -> tuple[np.ndarray, bool]:
+def _check_sizes(doc: Any) -> None:
+    """Bound the lists and maps pydantic would walk (tensors, shapes, parameters), cheaply."""
+    if not isinstance(doc, dict):
+        return
+    maps = [doc.get("parameters")]
+    for key in ("inputs", "outputs"):
+        tensors = doc.get(key)
+        if not isinstance(tensors, list):
+            continue
+        if len(tensors) > MAX_TENSORS:
+            raise InvalidInput(f"the request has {len(tensors)} {key}; model {MODEL_NAME!r} takes at most {MAX_TENSORS}")
+        for tensor in tensors:
+            if isinstance(tensor, dict):
+                shape = tensor.get("shape")
+                if isinstance(shape, list) and len(shape) > codecs.MAX_DIMS:
+                    raise InvalidInput(f"a shape in {key} has {len(shape)} dimensions; at most {codecs.MAX_DIMS}")
+                maps.append(tensor.get("parameters"))
+    for params in maps:
+        if isinstance(params, dict) and len(params) > MAX_PARAMETERS:
+            raise InvalidInput(f"a parameters object has {len(params)} entries; at most {MAX_PARAMETERS}")
+
+
+def _decode_input(req: InferenceRequest, binary: memoryview, limits: codecs.Limits) -> tuple[np.ndarray, bool]:
     """The one input tensor, shape-checked against the limits before its data is decoded."""
     names = [i.name for i in req.inputs]
     if names != [codecs.INPUT_NAME]:
-        raise InvalidInput(f"model {MODEL_NAME!r} takes exactly one input {codecs.INPUT_NAME!r}; got {names}")
+        raise InvalidInput(f"model {MODEL_NAME!r} takes exactly one input {codecs.INPUT_NAME!r}; got {codecs.snip(names)}")
     spec = req.inputs[0]
     params = spec.parameters or {}
     if "shared_memory_region" in params:
         raise BadRequest("shared-memory inputs are not supported over HTTP here; send JSON data or binary data")
     if spec.datatype not in codecs.OIP_TO_NP:
-        raise InvalidInput(f"input {spec.name!r} datatype must be one of {', '.join(codecs.OIP_TO_NP)}; got {spec.datatype!r:.50}")
+        raise InvalidInput(
+            f"input {spec.name!r} datatype must be one of {', '.join(codecs.OIP_TO_NP)}; got {codecs.snip(spec.datatype)}"
+        )
     if any(d < 0 for d in spec.shape):
-        raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {spec.shape}")
-    squeezed = codecs.check_shape(
-        spec.shape, embed_dim=cfg.embed_dim, max_seq_len=cfg.max_seq_len, max_tokens=cfg.max_tokens_per_request
-    )
+        raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {codecs.snip(spec.shape)}")
+    squeezed = limits.check(spec.shape)
     size = params.get("binary_data_size")
     if size is None:
         if len(binary):
@@ -306,7 +374,9 @@ def _decode_input(req: InferenceRequest, binary: memoryview, cfg: AppConfig) -> 
             raise BadRequest(f"input {spec.name!r} has neither JSON 'data' nor a binary_data_size parameter")
         return codecs.decode_oip_tensor(spec.datatype, spec.shape, data=spec.data, name=spec.name), squeezed
     if type(size) is not int or size < 0:
-        raise BadRequest(f"binary_data_size of input {spec.name!r} must be a non-negative integer; got {size!r:.50}")
+        raise BadRequest(
+            f"binary_data_size of input {spec.name!r} must be a non-negative integer; got {codecs.snip(size)}"
+        )
     if spec.data is not None:
         raise BadRequest(f"input {spec.name!r} has both JSON 'data' and binary_data_size; send one")
     if size != len(binary):
@@ -341,8 +411,8 @@ def _reply(req: InferenceRequest, out: np.ndarray, binary: bool) -> Response:
     if req.id is not None:
         doc["id"] = req.id
     if not binary:
-        tensor["data"] = codecs.oip_json_data(out)
-        return Response(orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), media_type=codecs.JSON)
+        tensor["data"] = codecs.json_values(out.reshape(-1))  # serialized in chunks
+        return Response(orjson.dumps(doc), media_type=codecs.JSON)
     raw = codecs.raw_bytes(out)
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = orjson.dumps(doc)
@@ -370,24 +440,31 @@ def _check_version(version: str) -> None:
 async def _require_ready(gang: GangClient) -> None:
     info = await gang.describe()
     if info["state"] != "ready":
+        info = redact_paths(info)
         raise GangUnavailable(f"gang is {info['state']}: {info['reason']}", code=f"gang_{info['state']}")
 
 
-def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """gzip / deflate request bodies (tritonclient's request_compression_algorithm), capped at `limit`."""
-    encoding = (encoding or "identity").strip().lower()
+def _content_encoding(header: str | None) -> str:
+    """'identity', 'gzip' or 'deflate' (tritonclient's request_compression_algorithm); else 415."""
+    encoding = (header or "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise UnsupportedMediaType(f"Content-Encoding {codecs.snip(encoding)} is not supported; use gzip, deflate or none")
+    return encoding
+
+
+def _decompress(body: bytes, encoding: str, limit: int, limit_name: str) -> bytes:
+    """gzip / deflate request bodies, inflated to at most `limit` bytes (zlib gives the
+    interpreter lock back while it inflates); a body that inflates further is 413."""
     if encoding == "identity":
         return body
-    if encoding not in ("gzip", "deflate"):
-        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
     # wbits: 16+MAX for a gzip wrapper, MAX for zlib ("deflate" in HTTP means zlib-wrapped).
     inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
     try:
         data = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise BadRequest(f"body is not valid {encoding} data: {exc}") from None
+    except zlib.error:
+        raise BadRequest(f"body is not valid {encoding} data") from None
     if len(data) > limit or inflater.unconsumed_tail:
-        raise PayloadTooLarge(f"decompressed body exceeds max_body_bytes={limit}")
+        raise PayloadTooLarge(f"the {encoding} body inflates past {limit_name}={limit}")
     if not inflater.eof:
         raise BadRequest(f"{encoding} body is truncated")
     return data

@@ -1,5 +1,9 @@
-"""Training jobs: POST /train (auth), GET /train, GET /train/{id}, POST /train/{id}/cancel
-(auth), GET /train/{id}/checkpoint, GET /train/{id}/logs. The JobManager does the work."""
+"""Training jobs: POST /train, GET /train, GET /train/{id}, POST /train/{id}/cancel,
+GET /train/{id}/checkpoint, GET /train/{id}/logs. The JobManager does the work.
+
+Every route needs the API token, reads included (job specs, trained weights and logs are
+not public): `auth.AuthMiddleware` checks it before any body is read, and the router's
+`require_token` dependency declares the scheme in OpenAPI."""
 from __future__ import annotations
 
 import json
@@ -13,9 +17,10 @@ from service.auth import require_token
 from service.errors import BadRequest, NotFound
 from service.ingress.deps import read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
+from service.ingress.schemas import AUTH_RESPONSES
 from service.training.spec import JobSpec
 
-router = APIRouter(tags=["training"])
+router = APIRouter(tags=["training"], dependencies=[Depends(require_token)], responses=AUTH_RESPONSES)
 
 # A job spec is small; anything bigger is not one.
 MAX_SPEC_BYTES = 64 * 1024
@@ -51,9 +56,8 @@ def job_id_param(job_id: str) -> str:
     "/train",
     status_code=202,
     summary="Start a DDP training job (Ray Train); 202 + Location: /train/{id}",
-    dependencies=[Depends(require_token)],
     openapi_extra={"requestBody": {"content": {"application/json": {"schema": _spec_schema()}}}},
-    responses={401: {"description": "missing/bad token"}, 422: {"description": "invalid spec or infeasible job"}},
+    responses={422: {"description": "invalid spec or infeasible job"}},
 )
 async def submit(request: Request, jobs: JobsClient = Depends(get_jobs)) -> JSONResponse:
     body = await read_body_capped(request, MAX_SPEC_BYTES)
@@ -80,8 +84,7 @@ async def get_job(job_id: str = Depends(job_id_param), jobs: JobsClient = Depend
     return await jobs.call("get_job", job_id)
 
 
-@router.post("/train/{job_id}/cancel", summary="Stop a job and free its resources",
-             dependencies=[Depends(require_token)])
+@router.post("/train/{job_id}/cancel", summary="Stop a job and free its resources")
 async def cancel(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
     return await jobs.call("cancel", job_id)
 
