@@ -44,6 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.config import GangConfig, ModelConfig
 from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
 from service.gang.batching import StepBatcher
+from service.gang.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
 from service.served_weights import ServedWeights
 
@@ -216,9 +217,22 @@ class Gang:
         except GetTimeoutError:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = [i + 1 for i, r in enumerate(refs) if r not in ready]
-            raise GangStartupError(
-                f"stage {stage!r}: ranks {late} did not answer within {timeout_s:.0f}s"
-            ) from None
+            why = f"stage {stage!r}: ranks {late} did not answer within {timeout_s:.0f}s"
+            if stage == "create":  # most likely their bundles are not placed (e.g. a node was lost)
+                why += f"; {self._placement_diagnosis()}"
+            raise GangStartupError(why) from None
+
+    def _placement_diagnosis(self) -> str:
+        """Needed vs free, in the words of the fail-fast check (best effort)."""
+        try:
+            snapshot, request = cluster_snapshot(), gang_request(self.cfg)
+            try:
+                check_feasible(snapshot, request)
+            except GangUnschedulable as exc:
+                return exc.message
+            return waiting_reason(snapshot, request)
+        except Exception as exc:  # diagnosis must never hide the real error
+            return f"(placement unknown: {type(exc).__name__})"
 
     # -- sequencer-side steps ------------------------------------------------------------
     def _bring_up(self, weights: ServedWeights) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from service import shm
@@ -206,6 +206,14 @@ class GangClient:
             raise GangUnavailable(
                 f"the gang server replica is gone ({type(exc).__name__}); Serve is restarting it",
                 code="gang_restarting",
+            ) from None
+        except (RayError, RayServeException) as exc:
+            # Anything else between here and the gang (a lost node's objects, an unavailable
+            # replica, a cancelled call) is the gang being unavailable, never a 500.
+            self._status_at = 0.0
+            log.warning("gang server call %s failed: %s: %s", method, type(exc).__name__, exc)
+            raise GangUnavailable(
+                f"the gang server could not be reached ({type(exc).__name__})", code="gang_unreachable"
             ) from None
 
 

@@ -1,0 +1,182 @@
+"""A real multi-node Ray cluster on one machine: one network namespace per node.
+
+Each node gets its own network stack (a veth on a private bridge, its own address from the
+benchmark range 198.18.0.0/15, its own loopback) and runs `ray start` inside it, so node
+addresses, interface selection, partitions and node loss are real. Traffic only goes to
+addresses inside namespaces this module created.
+
+Needs root with CAP_NET_ADMIN (`ip netns`); `NetnsCluster.available()` says why not.
+Teardown kills every process by the PIDs in each namespace (never `ray stop`, which would
+kill every Ray process on the machine, the test session's own cluster included) and
+removes every namespace, link and temp dir, also after a failed test.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RAY = str(Path(sys.executable).with_name("ray"))
+HEAD_PORT = 6379
+SERVE_PORT = 8000
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+@dataclass
+class Node:
+    name: str  # network namespace
+    ip: str
+    host_veth: str
+    temp_dir: str
+    num_cpus: float
+    num_gpus: int
+    head: bool = False
+    alive: bool = True
+
+
+@dataclass
+class NetnsCluster:
+    """Build with `start()`, always `shutdown()` (the fixture does)."""
+
+    num_cpus_per_node: float = 2
+    tag: str = field(default_factory=lambda: f"{os.getpid() % 10000:04d}")
+    nodes: list[Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.subnet = f"198.18.{100 + os.getpid() % 150}"
+        self.bridge = f"gsbr{self.tag}"
+        self.token = secrets.token_hex(32)
+        self.work = Path(tempfile.mkdtemp(prefix=f"gs-netns-{self.tag}-"))
+        self.state_dir = self.work / "state"  # shared storage: every node sees this path
+        self.state_dir.mkdir(mode=0o700)
+        self.api_token = secrets.token_urlsafe(24)
+        self._bridge_up = False
+
+    # -- capability ----------------------------------------------------------------------
+    @staticmethod
+    def available() -> str | None:
+        """None if namespaces can be built here, else why not."""
+        if shutil.which("ip") is None:
+            return "iproute2's `ip` is not installed"
+        if os.geteuid() != 0:
+            return "needs root (CAP_NET_ADMIN) for ip netns"
+        probe = f"gsprobe{os.getpid() % 100000}"
+        made = _ip("netns", "add", probe, check=False)
+        if made.returncode != 0:
+            return f"ip netns add failed: {made.stderr.strip()}"
+        _ip("netns", "del", probe, check=False)
+        return None
+
+    # -- life cycle ------------------------------------------------------------------------
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.head.ip}:{SERVE_PORT}"
+
+    def env(self) -> dict[str, str]:
+        """The environment of every process of this cluster (Ray token auth on)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GANGSERVE_"))}
+        env.update(
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN=self.token,
+            GANGSERVE_STATE_DIR=str(self.state_dir),
+            GANGSERVE_API_TOKEN=self.api_token,
+            PYTHONPATH=str(ROOT),
+        )
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the service must choose by itself
+            env.pop(var, None)
+        return env
+
+    def start(self, gpus_per_node: list[int]) -> "NetnsCluster":
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._bridge_up = True
+        _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for gpus in gpus_per_node:
+            self.add_node(num_gpus=gpus)
+        return self
+
+    def add_node(self, num_gpus: int = 0) -> Node:
+        index = len(self.nodes) + 1
+        node = Node(
+            name=f"gs{self.tag}n{index}", ip=f"{self.subnet}.{index + 1}", host_veth=f"gsv{self.tag}n{index}",
+            temp_dir=str(self.work / f"ray-n{index}"), num_cpus=self.num_cpus_per_node, num_gpus=num_gpus,
+            head=not self.nodes,
+        )
+        _ip("netns", "add", node.name)
+        self.nodes.append(node)
+        _ip("link", "add", node.host_veth, "type", "veth", "peer", "name", "eth0", "netns", node.name)
+        _ip("link", "set", node.host_veth, "master", self.bridge)
+        _ip("link", "set", node.host_veth, "up")
+        _ip("-n", node.name, "addr", "add", f"{node.ip}/24", "dev", "eth0")
+        _ip("-n", node.name, "link", "set", "eth0", "up")
+        _ip("-n", node.name, "link", "set", "lo", "up")
+        cmd = [RAY, "start", f"--node-ip-address={node.ip}", f"--temp-dir={node.temp_dir}",
+               f"--num-cpus={node.num_cpus}", f"--num-gpus={node.num_gpus}", "--disable-usage-stats"]
+        if node.head:
+            # Node loss is noticed in ~5 s instead of ~30 s (so the tests stay short).
+            cmd += ["--head", f"--port={HEAD_PORT}", "--include-dashboard=false",
+                    '--system-config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}']
+        else:
+            cmd += [f"--address={self.head.ip}:{HEAD_PORT}"]
+        self.run_in(node, cmd, timeout_s=120)
+        return node
+
+    def run_in(self, node: Node, cmd: list[str], timeout_s: float, check: bool = True) -> subprocess.CompletedProcess:
+        """Run a command inside `node`'s namespace with the cluster's environment."""
+        done = subprocess.run(["ip", "netns", "exec", node.name, *cmd], env=self.env(), capture_output=True,
+                              text=True, timeout=timeout_s, cwd=str(ROOT))
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:3])} in {node.name} exited {done.returncode}:\n"
+                               f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        return done
+
+    def python(self, code: str, timeout_s: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+        """Run a Python driver on the head node (it connects to this cluster)."""
+        return self.run_in(self.head, [sys.executable, "-c", code], timeout_s=timeout_s, check=check)
+
+    def pids(self, node: Node) -> list[int]:
+        out = _ip("netns", "pids", node.name, check=False).stdout.split()
+        return [int(p) for p in out if p.isdigit()]
+
+    def kill_node(self, node: Node) -> None:
+        """Every process of the node dies at once (SIGKILL), as in a machine loss."""
+        for _ in range(5):  # a dying raylet may still be forking workers
+            pids = self.pids(node)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+        node.alive = False
+
+    def link(self, node: Node, up: bool) -> None:
+        """Cut (or restore) the node's only network link: a partition, its processes keep running."""
+        _ip("-n", node.name, "link", "set", "eth0", "up" if up else "down")
+
+    def shutdown(self) -> None:
+        for node in reversed(self.nodes):
+            self.kill_node(node)
+        for node in self.nodes:
+            _ip("link", "del", node.host_veth, check=False)
+            _ip("netns", "del", node.name, check=False)
+        if self._bridge_up:
+            _ip("link", "del", self.bridge, check=False)
+        shutil.rmtree(self.work, ignore_errors=True)
