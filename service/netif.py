@@ -79,9 +79,9 @@ def bind_collectives_to(node_ip: str) -> InterfaceChoice:
     return InterfaceChoice(iface, "node_ip")
 
 
-def setup_ray_worker() -> None:
-    """`runtime_env={"worker_process_setup_hook": "service.netif.setup_ray_worker"}`: bind the
-    collectives of any Ray worker process (e.g. Ray Train's DDP workers) to its node's interface."""
+def bind_ray_worker() -> InterfaceChoice:
+    """Bind this Ray worker process's collectives to its own node's interface (run it in
+    each worker before the process group exists, e.g. Ray Train's DDP workers)."""
     import ray
 
-    bind_collectives_to(ray.util.get_node_ip_address())
+    return bind_collectives_to(ray.util.get_node_ip_address())

@@ -220,3 +220,31 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     info = httpx.get(app + "/gang", timeout=10).json()
     assert replacement.ip in [r["node_ip"] for r in info["ranks"]], info
     check_answer(app, seed=3)
+
+
+def test_ddp_job_with_strict_spread_trains_across_both_nodes_and_is_served(cluster: NetnsCluster, app: str) -> None:
+    """The notes' training half, on real nodes: 2 DDP workers, one per node (STRICT_SPREAD),
+    each binding gloo to its own node's interface; the checkpoint is then served."""
+    auth = {"authorization": f"Bearer {cluster.api_token}"}
+    spec = {"placement_strategy": "STRICT_SPREAD", "world_size": 2, "epochs": 3,
+            "dataset": {"samples": 256, "seq_len": 4}}
+    r = httpx.post(app + "/train", json=spec, headers=auth, timeout=60)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    deadline, job = time.monotonic() + 420, {}
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{app}/train/{job_id}", headers=auth, timeout=30).json()
+        if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(2)
+    logs = httpx.get(f"{app}/train/{job_id}/logs", headers=auth, timeout=30).text
+    assert job["status"] == "SUCCEEDED", (job, logs[-3000:])
+    alive = sorted(n.ip for n in cluster.nodes if n.alive)
+    assert sorted(w["node_ip"] for w in job["workers"]) == alive, job["workers"]
+    assert all(w["iface"] == "eth0" for w in job["workers"]), job["workers"]
+    losses = [h["loss"] for h in job["history"]]
+    assert losses[-1] < losses[0], losses
+    swap = httpx.post(app + "/weights", json={"job_id": job_id}, headers=auth, timeout=330)
+    assert swap.status_code == 200, swap.text
+    info = httpx.get(app + "/gang", headers=auth, timeout=10).json()
+    assert info["weights_source"] == "swap" and info["weights_description"] == f"job {job_id}", info

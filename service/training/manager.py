@@ -146,7 +146,7 @@ class JobManager:
                 raise InvalidInput(str(exc), code="dataset_mismatch") from None
         bundle = spec.worker_bundle()
         snapshot = await asyncio.to_thread(cluster_snapshot)  # one GCS read: totals and free
-        why_not = resources.infeasible_reason(bundle, spec.world_size, snapshot.totals)
+        why_not = resources.infeasible_reason(bundle, spec.world_size, snapshot.totals, spec.placement_strategy)
         if why_not:
             raise InvalidInput(why_not, code="infeasible")
         now = time.time()
@@ -157,7 +157,7 @@ class JobManager:
             created_at=now,
             updated_at=now,
             progress={"epoch": 0, "epochs": spec.epochs, "step": 0, "loss": None},
-            reason=resources.pending_reason(bundle, spec.world_size, snapshot),
+            reason=resources.pending_reason(bundle, spec.world_size, snapshot, spec.placement_strategy),
             owner=self._id,
         )
 
@@ -444,8 +444,8 @@ class JobManager:
         spec = JobSpec.model_validate(record.spec)
         bundle = spec.worker_bundle()
         snapshot = await asyncio.to_thread(cluster_snapshot)
-        why_not = resources.infeasible_reason(bundle, spec.world_size, snapshot.totals)
-        waiting = resources.pending_reason(bundle, spec.world_size, snapshot)
+        why_not = resources.infeasible_reason(bundle, spec.world_size, snapshot.totals, spec.placement_strategy)
+        waiting = resources.pending_reason(bundle, spec.world_size, snapshot, spec.placement_strategy)
         if why_not is None and time.time() - record.created_at > spec.schedule_timeout_s:
             why_not = f"not scheduled within schedule_timeout_s={spec.schedule_timeout_s:g}: still {waiting}"
         if why_not:

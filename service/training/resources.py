@@ -25,10 +25,18 @@ def workers_placeable(bundle: Resources, nodes: Iterable[Resources]) -> int:
     return sum(bundles_per_node(node, bundle) for node in nodes)
 
 
-def infeasible_reason(bundle: Resources, count: int, nodes: list[Resources]) -> str | None:
-    """None if `count` workers of `bundle` fit the cluster's totals; else a message with
-    needed vs available numbers."""
+def infeasible_reason(bundle: Resources, count: int, nodes: list[Resources], strategy: str = "PACK") -> str | None:
+    """None if `count` workers of `bundle` fit the cluster's totals under `strategy`; else a
+    message with needed vs available numbers."""
     placeable = workers_placeable(bundle, nodes)
+    if strategy == "STRICT_SPREAD":
+        holders = sum(1 for n in nodes if bundles_per_node(n, bundle) >= 1)
+        if holders >= count:
+            return None
+        return (
+            f"the cluster can never hold this job: STRICT_SPREAD needs {count} node(s) that can each hold a "
+            f"worker of {fmt(bundle)}; the cluster has {holders} such node(s) of {len(nodes)} alive"
+        )
     if placeable >= count:
         return None
     needed = {k: v * count for k, v in bundle.items()}
@@ -41,6 +49,6 @@ def infeasible_reason(bundle: Resources, count: int, nodes: list[Resources]) -> 
     )
 
 
-def pending_reason(bundle: Resources, count: int, snapshot: ClusterSnapshot) -> str:
+def pending_reason(bundle: Resources, count: int, snapshot: ClusterSnapshot, strategy: str = "PACK") -> str:
     """'waiting for 2 x {CPU: 0.5} (PACK); free now: ...', worded as the serving gang's."""
-    return waiting_reason(snapshot, GangRequest(world_size=count, bundle=bundle, strategy="PACK"))
+    return waiting_reason(snapshot, GangRequest(world_size=count, bundle=bundle, strategy=strategy))

@@ -116,6 +116,8 @@ class TrainRun:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
+        from service.training.torch_backend import InterfaceBoundTorchConfig
+
         spec = self._spec
         bundle = spec.worker_bundle()
         try:
@@ -126,6 +128,7 @@ class TrainRun:
                 scaling_config=ScalingConfig(
                     num_workers=spec.world_size, use_gpu=spec.use_gpu,
                     resources_per_worker={k: v for k, v in bundle.items()},
+                    placement_strategy=spec.placement_strategy,
                 ),
                 run_config=RunConfig(
                     name=self._job_id,
@@ -133,6 +136,9 @@ class TrainRun:
                     failure_config=FailureConfig(max_failures=spec.max_failures),
                     checkpoint_config=CheckpointConfig(num_to_keep=2),
                 ),
+                # Each worker binds its DDP process group to the interface of its own node's
+                # IP before Ray Train creates the group (service.netif).
+                torch_config=InterfaceBoundTorchConfig(),
             )
             self._log("TorchTrainer.fit() started; waiting for the worker group")
             result = trainer.fit()
@@ -189,7 +195,8 @@ class TrainRun:
 
     # ---- called by the train workers (fire-and-forget) ----------------------------------
 
-    def worker_started(self, rank: int, world_size: int, pid: int, node_id: str, resumed_epoch: int | None) -> None:
+    def worker_started(self, rank: int, world_size: int, pid: int, node_id: str, resumed_epoch: int | None,
+                       node_ip: str | None = None, iface: str | None = None) -> None:
         with self._lock:
             # A rank starting a second time means Ray Train restarted the worker group.
             if rank in self._ranks_this_attempt or self._attempts == 0:
@@ -198,7 +205,8 @@ class TrainRun:
             self._ranks_this_attempt.add(rank)
             if self._status == "PENDING":
                 self._status, self._started_at = "RUNNING", time.time()
-            self._workers[rank] = {"rank": rank, "pid": pid, "node_id": node_id, "attempt": self._attempts}
+            self._workers[rank] = {"rank": rank, "pid": pid, "node_id": node_id, "node_ip": node_ip,
+                                   "iface": iface, "attempt": self._attempts}
             attempt = self._attempts
         where = f"resuming from the checkpoint after epoch {resumed_epoch}" if resumed_epoch is not None else "from scratch"
         self._log(f"attempt {attempt}: rank {rank}/{world_size} started (pid {pid}, node {node_id[:12]}), {where}")

@@ -67,6 +67,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ray.get(reporter.worker_started.remote(
         rank=rank, world_size=world, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
         resumed_epoch=start_epoch if restored is not None else None,
+        node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
     ), timeout=ACK_TIMEOUT_S)
 
     if isinstance(spec.dataset, SyntheticDataset):

@@ -91,6 +91,12 @@ class JobSpec(_Closed):
     dataset: DatasetSpec = Field(default_factory=SyntheticDataset)
     world_size: int = Field(2, ge=1, le=256, description="DDP workers (Ray Train num_workers).")
     use_gpu: bool = Field(False, description="One GPU per worker (NCCL); else CPU with gloo.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How Ray Train places the workers: PACK (few nodes), SPREAD (many nodes, best "
+        "effort) or STRICT_SPREAD (one worker per node; refused at once if the cluster has fewer nodes "
+        "that can hold a worker).",
+    )
     cpus_per_worker: float = Field(
         0.5, gt=0, le=256,
         description="Logical CPUs reserved per worker (fractions allowed, so a job fits next "
