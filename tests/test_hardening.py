@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
