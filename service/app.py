@@ -68,5 +68,6 @@ def compose_app(cfg: AppConfig) -> Application:
     jobs = JobManager.bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len)
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
     return Ingress.options(
+        num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, cfg.max_ongoing_requests)
     ).bind(server, cfg.model_dump(), jobs)

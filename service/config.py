@@ -104,6 +104,11 @@ class ServingConfig(BaseModel):
     max_body_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413 before it is read."
     )
+    ingress_replicas: int = Field(
+        1, ge=1, le=64,
+        description="Replicas of the HTTP ingress (no logical CPU each). Serve spreads them over the "
+        "nodes, so on a multi-node cluster the loss of one node leaves the others answering.",
+    )
     max_json_bytes: int = Field(
         8 * 1024 * 1024, ge=1024,
         description="Largest JSON body (/infer JSON, an OIP request's JSON part), counted after "

@@ -29,6 +29,7 @@ COLLECTIVE_TIMEOUT_S = 5.0
 APP_ARGS = {
     "world_size": 2, "use_gpu": True, "placement_strategy": "STRICT_SPREAD", "cpus_per_rank": 0.5,
     "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "stage_timeout_s": 20.0, "schedule_timeout_s": 30.0,
+    "ingress_replicas": 2,
 }
 
 
@@ -73,6 +74,19 @@ def npy(x: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def ingress_node_ips(cluster: NetnsCluster) -> list[str]:
+    """Node IPs of the live Ingress replicas (from the GCS actor table; the dashboard is off)."""
+    done = cluster.python(
+        "import json, ray\n"
+        f"ray.init(address='{cluster.head.ip}:6379', log_to_driver=False)\n"
+        "actors = ray._private.state.state.actor_table(None).values()\n"
+        "print('IPS', json.dumps(sorted(a['Address']['IPAddress'] for a in actors\n"
+        "      if a['State'] == 'ALIVE' and a['ActorClassName'].endswith(':Ingress'))))\n",
+        timeout_s=120,
+    )
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("IPS "))[4:])
+
+
 def check_answer(url: str, seed: int = 0) -> None:
     x = np.random.default_rng(seed).standard_normal((2, 4, 512), dtype=np.float32)
     r = httpx.post(url + "/infer", content=npy(x), headers={"content-type": "application/x-npy"}, timeout=60)
@@ -92,6 +106,8 @@ def test_gang_spans_two_nodes_on_their_own_addresses_and_interfaces(cluster: Net
     assert sorted(ips) == sorted(n.ip for n in cluster.nodes), info
     assert all(r["iface"] == "eth0" for r in info["ranks"]), info  # never the loopback the hostname names
     check_answer(app)
+    # Serve spreads the two ingress replicas over the nodes.
+    assert ingress_node_ips(cluster) == sorted(n.ip for n in cluster.nodes)
 
 
 class Load:
@@ -191,13 +207,18 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     # The worker node holding a rank (rank 1, or rank 0 if Serve put the replica there): the
     # head also holds the GCS, whose loss is a different failure.
     victim = next(n for n in cluster.nodes if not n.head and n.ip in [r["node_ip"] for r in info["ranks"]])
-    reason, seen = None, []
+    reason, seen, health = None, [], []
+    assert victim.ip in ingress_node_ips(cluster)  # it also holds one of the two ingress replicas
     with Load(app) as load:
         time.sleep(1.0)
         killed_at = time.monotonic()
         cluster.kill_node(victim)
         deadline = killed_at + 120
         while time.monotonic() < deadline:
+            try:
+                health.append(httpx.get(app + "/healthz", timeout=10).status_code)
+            except httpx.HTTPError as exc:
+                health.append(repr(exc))
             r = httpx.get(app + "/readyz", timeout=10)
             seen.append(r.text)
             if r.status_code == 503 and "STRICT_SPREAD" in r.json()["error"]:
@@ -215,6 +236,13 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     print(f"node loss: {statuses}; reason after {diagnosed_at - killed_at:.1f}s: {reason}; "
           f"serving again {recovered_at - joined_at if recovered_at else float('nan'):.1f}s after the new node joined")
     assert reason is not None and "GPU: 1" in reason and "STRICT_SPREAD" in reason, sorted(set(seen))[-5:]
+    # The other ingress replica kept answering: health always 200, every request a JSON answer.
+    # The only exception is Serve's proxy itself: a request in flight on the ingress replica
+    # that died with the node gets the proxy's own 500 (it cannot retry a POST); at most one
+    # per client thread.
+    assert set(health) == {200}, health
+    proxy_500s = statuses.pop(500, 0)
+    assert proxy_500s <= 2 and (not proxy_500s or "Actor" in load.bodies[500]), load.bodies
     assert -200 not in statuses and set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     assert recovered_at is not None, "the gang did not come back on the replacement node"
     info = httpx.get(app + "/gang", timeout=10).json()

@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 
 from service.config import AppConfig
-from service.errors import BadRequest, Overloaded, PayloadTooLarge
+from service.errors import BadRequest, GangUnavailable, Overloaded, PayloadTooLarge
 from service.ingress.gang_client import GangClient
 
 T = TypeVar("T")
@@ -61,6 +61,15 @@ async def read_body_capped(request: Request, max_bytes: int, limit_name: str = "
         if total > max_bytes:
             raise PayloadTooLarge(f"body exceeds {limit_name}={max_bytes}")
         chunks.append(chunk)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) != total:
+        # The HTTP server enforces Content-Length, so a mismatch here means the body was lost
+        # on its way through Serve (seen when an ingress replica dies mid-request and the
+        # proxy hands the request to another one): a retry will do, the input is not at fault.
+        raise GangUnavailable(
+            f"the request body arrived incomplete ({total} of {declared} bytes); retry",
+            code="incomplete_body", retry_after_s=1.0,
+        )
     return b"".join(chunks)
 
 
