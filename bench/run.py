@@ -169,7 +169,7 @@ def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float
     job_url = base + r.headers["location"]
     epoch_times: list[float] = []
     while time.monotonic() - t_post < timeout_s:
-        job = client.get(job_url).json()
+        job = client.get(job_url, headers={"authorization": f"Bearer {token}"}).json()
         while len(epoch_times) < len(job["history"]):
             epoch_times.append(time.monotonic())
         if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):

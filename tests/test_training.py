@@ -59,7 +59,7 @@ def get_job(url: str, job_id: str) -> dict[str, Any]:
     # job's state is what these tests check, so one transport-level retry is allowed.
     for attempt in range(2):
         try:
-            reply = httpx.get(f"{url}/train/{job_id}", timeout=30)
+            reply = httpx.get(f"{url}/train/{job_id}", headers=AUTH, timeout=30)
             break
         except httpx.RemoteProtocolError:
             if attempt:
@@ -79,7 +79,7 @@ def wait_for(url: str, job_id: str, pred: Any, timeout_s: float, what: str) -> d
         if job["status"] in TERMINAL:
             break
         time.sleep(0.25)
-    logs = httpx.get(f"{url}/train/{job_id}/logs", timeout=30).json().get("lines", [])
+    logs = httpx.get(f"{url}/train/{job_id}/logs", headers=AUTH, timeout=30).json().get("lines", [])
     raise AssertionError(f"job {job_id} never {what}; last: {json.dumps(job)[:1500]}\nlogs:\n" + "\n".join(logs[-40:]))
 
 
@@ -240,7 +240,7 @@ def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
     doc = assert_error(post(app_url, "/train", {"world_size": 2, "cpus_per_worker": 3}), 422, "infeasible")
     assert "room for at most 1" in doc["error"], doc
     # Nothing was recorded for refused jobs.
-    listed = httpx.get(app_url + "/train", params={"limit": 200}, timeout=30).json()["jobs"]
+    listed = httpx.get(app_url + "/train", params={"limit": 200}, headers=AUTH, timeout=30).json()["jobs"]
     assert not any(j["spec"]["world_size"] == 8 for j in listed)
 
 
@@ -257,7 +257,7 @@ def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str
     assert job["error"] is None and job["checkpoint"]["url"] == f"/train/{job_id}/checkpoint"
     assert job["created_at"] <= job["started_at"] <= job["finished_at"]
 
-    reply = httpx.get(f"{app_url}/train/{job_id}/checkpoint", timeout=60)
+    reply = httpx.get(f"{app_url}/train/{job_id}/checkpoint", headers=AUTH, timeout=60)
     assert reply.status_code == 200 and reply.headers["content-type"] == "application/x-safetensors"
     weights = st_load_torch(reply.content)
     assert sorted(weights) == sorted(f"{p}.{k}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -292,7 +292,7 @@ def test_linear_seed_example_trains(app_url: str, jobs: dict[str, str]) -> None:
     # 1000 samples over 2 ranks with batch 32: 16 steps per rank per epoch.
     assert job["progress"]["step"] == 5 * 16
     assert job["checkpoint"]["format"] == "linear"
-    logs = httpx.get(f"{app_url}/train/{job['id']}/logs", timeout=30).json()["lines"]
+    logs = httpx.get(f"{app_url}/train/{job['id']}/logs", headers=AUTH, timeout=30).json()["lines"]
     assert any("epoch 5/5" in line for line in logs), logs
     # A linear checkpoint cannot be served by the attention gang.
     assert_error(post(app_url, "/weights", {"job_id": job["id"]}), 409, "checkpoint_mismatch")
@@ -309,7 +309,7 @@ def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[
     assert done["attempts"] == 2, done
     assert [h["epoch"] for h in done["history"]] == list(range(1, 13))
     assert all(w["attempt"] == 2 for w in done["workers"]) and victim["pid"] not in [w["pid"] for w in done["workers"]]
-    logs = httpx.get(f"{app_url}/train/{job_id}/logs", params={"tail": 2000}, timeout=30).json()["lines"]
+    logs = httpx.get(f"{app_url}/train/{job_id}/logs", params={"tail": 2000}, headers=AUTH, timeout=30).json()["lines"]
     assert any("attempt 2" in line and "resuming from the checkpoint after epoch" in line for line in logs), logs
 
 
@@ -404,7 +404,7 @@ def test_cli_trains_on_an_uploaded_dataset(app_url: str) -> None:
 def test_weights_hot_swap_under_traffic(app_url: str, jobs: dict[str, str]) -> None:
     job = wait_done(app_url, jobs["serve"])
     assert job["status"] == "SUCCEEDED", job
-    trained = st_load_torch(httpx.get(f"{app_url}/train/{job['id']}/checkpoint", timeout=60).content)
+    trained = st_load_torch(httpx.get(f"{app_url}/train/{job['id']}/checkpoint", headers=AUTH, timeout=60).content)
     before = httpx.get(app_url + "/gang", timeout=30).json()["weights_version"]
     x = np.random.default_rng(7).standard_normal((2, 4, 512), dtype=np.float32)
 
@@ -474,7 +474,7 @@ def test_list_is_newest_first_and_paginated(app_url: str, jobs: dict[str, str]) 
         params: dict[str, Any] = {"limit": 2}
         if cursor:
             params["cursor"] = cursor
-        page = httpx.get(app_url + "/train", params=params, timeout=30).json()
+        page = httpx.get(app_url + "/train", params=params, headers=AUTH, timeout=30).json()
         assert set(page) == {"jobs", "next"} and len(page["jobs"]) <= 2
         seen.extend(page["jobs"])
         cursor = page["next"]
@@ -488,8 +488,8 @@ def test_list_is_newest_first_and_paginated(app_url: str, jobs: dict[str, str]) 
         assert {"id", "status", "spec", "created_at", "updated_at", "progress", "history", "error",
                 "checkpoint"} <= set(j)
         assert {"epoch", "epochs", "step"} <= set(j["progress"])
-    assert_error(httpx.get(app_url + "/train", params={"cursor": "abc"}, timeout=30), 422)
-    assert_error(httpx.get(app_url + "/train/job-doesnotexist", timeout=30), 404, "job_not_found")
+    assert_error(httpx.get(app_url + "/train", params={"cursor": "abc"}, headers=AUTH, timeout=30), 422)
+    assert_error(httpx.get(app_url + "/train/job-doesnotexist", headers=AUTH, timeout=30), 404, "job_not_found")
 
 
 def test_restart_keeps_every_record_and_settles_orphans(app_url: str, jobs: dict[str, str]) -> None:
