@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from fastapi import Request
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from service.errors import GangServeError, GangUnavailable
 
 CALL_TIMEOUT_S = 30.0
+log = logging.getLogger("gangserve.ingress")
 
 
 class JobsUnavailable(GangUnavailable):
@@ -40,13 +42,19 @@ class JobsClient:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, GangServeError):
                 raise cause from None
-            raise JobsUnavailable(f"the job manager failed: {exc}") from None
+            log.error("job manager call %s failed: %s", method, exc)  # the traceback stays in the log
+            raise JobsUnavailable(
+                f"the job manager failed ({type(cause or exc).__name__}); see the service log"
+            ) from None
         except GangServeError:
             raise
         except BackPressureError as exc:
             raise JobsUnavailable(f"the job manager is overloaded: {exc}", retry_after_s=1.0) from None
         except RayActorError as exc:
             raise JobsUnavailable(f"the job manager replica is gone ({type(exc).__name__}); Serve is restarting it") from None
+        except (RayError, RayServeException) as exc:  # anything else on the way: unavailable, never a 500
+            log.warning("job manager call %s failed: %s: %s", method, type(exc).__name__, exc)
+            raise JobsUnavailable(f"the job manager could not be reached ({type(exc).__name__})") from None
 
 
 def get_jobs(request: Request) -> JobsClient:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.auth import require_token
 from service.errors import InvalidInput
-from service.ingress.deps import get_gang
+from service.ingress.deps import check_declared_length, get_gang
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient, get_jobs
 
@@ -33,11 +33,20 @@ class WeightsRequest(BaseModel):
     reset: bool = Field(False, description="Serve the weights the app's config declares again (init or checkpoint).")
 
 
+MAX_WEIGHTS_BODY_BYTES = 64 * 1024  # a job id or a path: never more
+
+
+def _small_body(request: Request) -> None:
+    """413 before FastAPI parses the body, when Content-Length says it is not a small JSON object."""
+    check_declared_length(request, MAX_WEIGHTS_BODY_BYTES, "the /weights body limit")
+
+
 @router.post(
     "/weights",
     summary="Load a trained checkpoint into the running gang (no restart, no dropped requests)",
-    dependencies=[Depends(require_token)],
-    responses={404: {"description": "no such job/checkpoint"},
+    dependencies=[Depends(require_token), Depends(_small_body)],
+    responses={401: {"description": "missing or wrong API token"}, 404: {"description": "no such job/checkpoint"},
+               413: {"description": "body over 64 KiB"},
                409: {"description": "shape mismatch, job not finished, or a rank could not stage the weights "
                                     "(nothing changed)"},
                422: {"description": "path outside the state dir, or not exactly one of job_id/checkpoint/reset"},
