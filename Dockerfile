@@ -20,21 +20,24 @@ ENV PYTHONUNBUFFERED=1 \
 RUN useradd --create-home --uid 1000 --user-group gangserve
 WORKDIR /app
 
-# Dependencies first (a cached layer while only the code changes): the list is read from
+# Dependencies first (cached layers while only the code changes): the list is read from
 # pyproject.toml itself, the versions from constraints.txt. A CPU-only build first takes
 # torch, at its pinned version, from TORCH_INDEX (that index need not carry the other pins;
-# the next install brings torch's own dependencies to theirs).
+# the next install brings torch's own dependencies to theirs). The client distribution
+# (./clients, gangserve-client) is on no index: its wheel is built here and found by pip
+# in /tmp/wheels (with its own dependencies' wheels, at their pins).
 COPY constraints.txt pyproject.toml README.md ./
-RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" "$(grep '^torch==' constraints.txt)"; fi \
+RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" "$(grep '^torch==' constraints.txt)"; fi
+COPY clients ./clients
+RUN pip wheel -c constraints.txt --wheel-dir /tmp/wheels ./clients \
  && python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
         > /tmp/requirements.txt \
- && pip install -c constraints.txt -r /tmp/requirements.txt \
- && rm /tmp/requirements.txt
+ && PIP_FIND_LINKS=/tmp/wheels pip install -c constraints.txt -r /tmp/requirements.txt \
+ && rm -r /tmp/requirements.txt /tmp/wheels
 
 # The project itself, with its dependencies resolved again against the same pins (a no-op
 # unless pyproject.toml and the layer above disagree).
 COPY service ./service
-COPY clients ./clients
 RUN pip install -c constraints.txt . \
  && mkdir -p /home/gangserve/state \
  && chown -R 1000:1000 /home/gangserve \

@@ -9,10 +9,12 @@ PIP_FLAGS := --disable-pip-version-check -q
 
 install: $(STAMP)
 
-# Re-install whenever the pins or the project metadata change.
-$(STAMP): constraints.txt pyproject.toml
+# Re-install whenever the pins or the project metadata change. The client distribution
+# (./clients, gangserve-client) is a dependency of the project found on no index: it is
+# installed from this repository in the same pip run, both editable, both under the pins.
+$(STAMP): constraints.txt pyproject.toml clients/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test]'
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e ./clients -e '.[test]'
 	touch $(STAMP)
 
 serve: $(STAMP)

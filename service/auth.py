@@ -35,12 +35,14 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gangserve_client import tokens
 from service.errors import Unauthorized
 from service.state import state_dir
 
-TOKEN_ENV = "GANGSERVE_API_TOKEN"
-INFER_TOKEN_ENV = "GANGSERVE_INFER_TOKEN"
-TOKEN_FILE = "api_token"
+# Where the tokens come from is one rule, shared with the client: gangserve_client.tokens.
+TOKEN_ENV = tokens.API_TOKEN_ENV
+INFER_TOKEN_ENV = tokens.INFER_TOKEN_ENV
+TOKEN_FILE = tokens.TOKEN_FILE
 
 # Every method on these path prefixes needs the API token (segment-wise: /train, /train/..).
 PROTECTED_PREFIXES = ("/train", "/datasets", "/weights")
@@ -66,21 +68,20 @@ infer_security = HTTPBearer(
 # ---------------------------------------------------------------- tokens
 
 def load_api_token(state: Path | None = None) -> tuple[str, str]:
-    """(token, where it came from). Creates the token file if neither source has one.
+    """(token, where it came from) by `gangserve_client.tokens.api_token`; creates the token
+    file if neither the environment nor the file has one.
 
     Creation is race-free between processes (several ingress replicas may start at once):
     the token is written to a private temp file, then hard-linked into place, which fails
     if another process won; the winner's token is then read. An existing token file that
     group or others can read is used, with a warning.
     """
-    env = os.environ.get(TOKEN_ENV, "").strip()
-    if env:
-        return env, f"environment variable {TOKEN_ENV}"
-    path = (state or state_dir()) / TOKEN_FILE
-    existing = _read(path)
-    if existing:
-        _warn_if_exposed(path)
-        return existing, str(path)
+    found = tokens.api_token(state or state_dir)
+    if found is not None:
+        if found.file is not None:
+            _warn_if_exposed(found.file)
+        return found.value, found.source
+    path = tokens.token_file(state or state_dir())
     tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -93,7 +94,7 @@ def load_api_token(state: Path | None = None) -> tuple[str, str]:
             pass
     finally:
         tmp.unlink(missing_ok=True)
-    token = _read(path)
+    token = tokens.read_token_file(path)
     if not token:
         raise RuntimeError(f"API token file {path} is empty; delete it or set {TOKEN_ENV}")
     return token, str(path)
@@ -101,14 +102,7 @@ def load_api_token(state: Path | None = None) -> tuple[str, str]:
 
 def load_infer_token() -> str | None:
     """`GANGSERVE_INFER_TOKEN`, or None: inference then needs no token."""
-    return os.environ.get(INFER_TOKEN_ENV, "").strip() or None
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except FileNotFoundError:
-        return None
+    return tokens.infer_token()
 
 
 def _warn_if_exposed(path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from clients import GangServeClient
+from gangserve_client import GangServeClient
 from tests.conftest import ROOT, deploy, local_yaml_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
@@ -184,7 +184,7 @@ def test_cli_infer_round_trip(app_url: str, tmp_path: Path) -> None:
     np.save(tmp_path / "in.npy", x)
     for out_name in ("out.npy", "out.safetensors"):
         proc = subprocess.run(
-            [sys.executable, "-m", "clients", "--url", app_url, "infer", str(tmp_path / "in.npy"),
+            [sys.executable, "-m", "gangserve_client", "--url", app_url, "infer", str(tmp_path / "in.npy"),
              "-o", str(tmp_path / out_name)],
             capture_output=True, text=True, timeout=120, cwd=ROOT,
         )

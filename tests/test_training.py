@@ -381,7 +381,7 @@ def test_cli_trains_on_an_uploaded_dataset(app_url: str) -> None:
     assert ds["id"] in [d["id"] for d in listed]
 
     env = {**os.environ, "GANGSERVE_API_TOKEN": TEST_API_TOKEN}
-    cmd = [sys.executable, "-m", "clients", "--url", app_url]
+    cmd = [sys.executable, "-m", "gangserve_client", "--url", app_url]
     run = subprocess.run(cmd + ["train", "--model", "linear", "--dataset", ds["id"], "--epochs", "3",
                                 "--cpus-per-worker", "0.25", "--follow", "--timeout", "300"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load as st_load_torch
 from safetensors.torch import save as st_save_torch
 
-from clients import AsyncGangServeClient, GangServeClient, InvalidInputError
-from clients.client import UnsupportedMediaTypeError
+from gangserve_client import AsyncGangServeClient, GangServeClient, InvalidInputError
+from gangserve_client import UnsupportedMediaTypeError
 from tests.conftest import ROOT
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
@@ -201,7 +201,7 @@ def test_cli_bfloat16_safetensors_round_trip(app_url: str, tmp_path: Path) -> No
     x = rand(2, 3, 512, seed=12).to(torch.bfloat16)
     (tmp_path / "in.safetensors").write_bytes(st_save_torch({"hidden_states": x}))
     proc = subprocess.run(
-        [sys.executable, "-m", "clients", "--url", app_url, "infer", str(tmp_path / "in.safetensors"),
+        [sys.executable, "-m", "gangserve_client", "--url", app_url, "infer", str(tmp_path / "in.safetensors"),
          "-o", str(tmp_path / "out.safetensors"), "--output-dtype", "float32"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )

@@ -1,63 +1,51 @@
-"""Training-jobs client and CLI commands (`python -m clients train|jobs|job|cancel|logs|weights`).
+"""Training-jobs client (`TrainingClient`: /train, /datasets, /weights) and its CLI commands
+(`gangserve train|jobs|job|cancel|logs|weights`).
 
-    python -m clients train --epochs 3 --follow        # submit, show progress, exit 1 unless SUCCEEDED
-    python -m clients jobs                             # newest first
-    python -m clients weights JOB_ID                   # serve what JOB_ID trained ("reset": the config's weights)
+    gangserve train --epochs 3 --follow        # submit, show progress, exit 1 unless SUCCEEDED
+    gangserve jobs                             # newest first
+    gangserve weights JOB_ID                   # serve what JOB_ID trained ("reset": the config's weights)
 
-The bearer token comes from --token, $GANGSERVE_API_TOKEN, or $GANGSERVE_STATE_DIR/api_token
-(default .gangserve/api_token), the same places the service takes it from.
+Every route here needs the API token: `token=` / --token, else $GANGSERVE_API_TOKEN, else
+$GANGSERVE_STATE_DIR/api_token (default .gangserve/api_token), the places the service takes
+it from (`gangserve_client.tokens`). Calls retry as `gangserve_client.retries` says (a
+submission, upload, cancel or swap is resent only when it surely never left) and raise the
+typed errors of `gangserve_client.errors`.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 import numpy as np
-from safetensors.numpy import save as st_save
 
-from clients.client import GangServeHTTPError
+from gangserve_client import codecs, tokens
+from gangserve_client.errors import GangServeError, JobTimeoutError
+from gangserve_client.retries import RetryPolicy, send
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
-def resolve_token() -> str | None:
-    """$GANGSERVE_API_TOKEN, else the token file the service generated, else None."""
-    env = os.environ.get("GANGSERVE_API_TOKEN", "").strip()
-    if env:
-        return env
-    path = Path(os.environ.get("GANGSERVE_STATE_DIR") or ".gangserve") / "api_token"
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _raise_for(reply: httpx.Response) -> httpx.Response:
-    if reply.is_success:
-        return reply
-    try:
-        doc = reply.json()
-        code, message = str(doc.get("code", "http_error")), str(doc.get("error", reply.text))
-    except ValueError:
-        code, message = "http_error", reply.text[:500]
-    retry = reply.headers.get("retry-after")
-    raise GangServeHTTPError(reply.status_code, code, message, float(retry) if retry and retry.isdigit() else None)
+def resolve_token(token: str | None = None) -> str | None:
+    """`token`, else the API token by the service's rule (`tokens.api_token`), else None."""
+    if token:
+        return token
+    found = tokens.api_token()
+    return found.value if found else None
 
 
 class TrainingClient:
     """Synchronous client for /train, /datasets and /weights."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout_s: float = 60.0) -> None:
-        token = token or resolve_token()
+                 timeout_s: float = 60.0, retries: int = 3, retry_timeout_s: float | None = 60.0) -> None:
+        token = resolve_token(token)
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
+        self._policy = RetryPolicy(retries=retries, timeout_s=retry_timeout_s)
 
     def close(self) -> None:
         self._http.close()
@@ -68,36 +56,49 @@ class TrainingClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return send(self._http, self._policy, "GET", path, idempotent=True, **kwargs)
+
+    def _post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return send(self._http, self._policy, "POST", path, idempotent=False, **kwargs)
+
     def submit(self, spec: dict[str, Any] | None = None) -> dict[str, Any]:
         """POST /train; the accepted job (status PENDING)."""
-        return _raise_for(self._http.post("/train", json=spec or {})).json()
+        return self._post("/train", json=spec or {}).json()
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return _raise_for(self._http.get(f"/train/{job_id}")).json()
+        return self._get(f"/train/{job_id}").json()
 
     def jobs(self, limit: int = 20, cursor: str | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}
         if cursor:
             params["cursor"] = cursor
-        return _raise_for(self._http.get("/train", params=params)).json()
+        return self._get("/train", params=params).json()
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return _raise_for(self._http.post(f"/train/{job_id}/cancel")).json()
+        return self._post(f"/train/{job_id}/cancel").json()
+
+    def delete(self, job_id: str) -> dict[str, Any]:
+        """DELETE /train/{id}: cancel it if active, then remove everything it stored."""
+        return send(self._http, self._policy, "DELETE", f"/train/{job_id}", idempotent=False).json()
 
     def logs(self, job_id: str, tail: int = 200) -> list[str]:
-        return _raise_for(self._http.get(f"/train/{job_id}/logs", params={"tail": tail})).json()["lines"]
+        return self._get(f"/train/{job_id}/logs", params={"tail": tail}).json()["lines"]
 
     def checkpoint(self, job_id: str) -> bytes:
         """The final checkpoint's safetensors bytes."""
-        return _raise_for(self._http.get(f"/train/{job_id}/checkpoint")).content
+        return self._get(f"/train/{job_id}/checkpoint").content
 
     def upload_dataset(self, inputs: np.ndarray, targets: np.ndarray) -> dict[str, Any]:
-        body = st_save({"inputs": np.ascontiguousarray(inputs), "targets": np.ascontiguousarray(targets)})
-        reply = self._http.post("/datasets", content=body, headers={"content-type": "application/x-safetensors"})
-        return _raise_for(reply).json()
+        """POST /datasets: float arrays `inputs` and `targets` (written as safetensors)."""
+        body = codecs.encode_safetensors({"inputs": np.asarray(inputs), "targets": np.asarray(targets)})
+        return self._post("/datasets", content=body, headers={"content-type": codecs.SAFETENSORS}).json()
 
     def datasets(self) -> list[dict[str, Any]]:
-        return _raise_for(self._http.get("/datasets")).json()["datasets"]
+        return self._get("/datasets").json()["datasets"]
+
+    def delete_dataset(self, dataset_id: str) -> dict[str, Any]:
+        return send(self._http, self._policy, "DELETE", f"/datasets/{dataset_id}", idempotent=False).json()
 
     def load_weights(self, job_id: str | None = None, checkpoint: str | None = None,
                      reset: bool = False) -> dict[str, Any]:
@@ -105,11 +106,11 @@ class TrainingClient:
         or with `reset=True` back to the app's configured weights. The new version is recorded
         and survives replica loss and restarts."""
         body: dict[str, Any] = {"reset": True} if reset else {"job_id": job_id} if job_id else {"checkpoint": checkpoint}
-        return _raise_for(self._http.post("/weights", json=body, timeout=330)).json()
+        return self._post("/weights", json=body, timeout=330).json()
 
     def wait(self, job_id: str, timeout_s: float = 3600.0, poll_s: float = 0.5,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Poll until the job ends (or timeout_s: TimeoutError); returns the final job."""
+        """Poll until the job ends (or timeout_s: JobTimeoutError); returns the final job."""
         deadline = time.monotonic() + timeout_s
         while True:
             job = self.job(job_id)
@@ -118,7 +119,7 @@ class TrainingClient:
             if job["status"] in TERMINAL:
                 return job
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s:.0f}s")
+                raise JobTimeoutError(f"job {job_id} still {job['status']} after {timeout_s:.0f}s")
             time.sleep(poll_s)
 
 
@@ -239,10 +240,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
-        except GangServeHTTPError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        except (TimeoutError, httpx.HTTPError) as exc:
+        except (GangServeError, codecs.WireFormatError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     return run

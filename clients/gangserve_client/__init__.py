@@ -1,0 +1,58 @@
+"""gangserve-client: Python client and CLI (`gangserve --help`) for the gangserve HTTP API.
+
+    from gangserve_client import GangServeClient
+    with GangServeClient("http://127.0.0.1:8000") as c:
+        y = c.infer(x)          # numpy in, numpy out (safetensors | npy | json on the wire)
+
+Modules: `client` (inference, sync and async), `training` (jobs, datasets, weights),
+`codecs` (the wire formats, shared with the service), `errors` (typed errors), `retries`
+(the retry policy), `tokens` (where tokens come from, shared with the service), `cli`.
+"""
+from gangserve_client.client import AsyncGangServeClient, GangServeClient
+from gangserve_client.errors import (
+    AuthError,
+    BadRequestError,
+    ConflictError,
+    GangServeError,
+    GangServeHTTPError,
+    GatewayTimeoutError,
+    InvalidInputError,
+    JobTimeoutError,
+    NotAcceptableError,
+    NotFoundError,
+    OverLimitError,
+    PayloadTooLargeError,
+    QuotaExceededError,
+    ServerError,
+    ServiceUnreachableError,
+    UnavailableError,
+    UnsupportedMediaTypeError,
+)
+from gangserve_client.retries import RetryPolicy
+from gangserve_client.training import TrainingClient
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncGangServeClient",
+    "AuthError",
+    "BadRequestError",
+    "ConflictError",
+    "GangServeClient",
+    "GangServeError",
+    "GangServeHTTPError",
+    "GatewayTimeoutError",
+    "InvalidInputError",
+    "JobTimeoutError",
+    "NotAcceptableError",
+    "NotFoundError",
+    "OverLimitError",
+    "PayloadTooLargeError",
+    "QuotaExceededError",
+    "RetryPolicy",
+    "ServerError",
+    "ServiceUnreachableError",
+    "TrainingClient",
+    "UnavailableError",
+    "UnsupportedMediaTypeError",
+]

@@ -1,0 +1,6 @@
+"""`python -m gangserve_client` = the `gangserve` command."""
+import sys
+
+from gangserve_client.cli import main
+
+sys.exit(main())

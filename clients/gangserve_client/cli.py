@@ -1,0 +1,88 @@
+"""gangserve: the command line of gangserve-client.
+
+    gangserve infer input.npy -o out.npy                 # also .safetensors in/out
+    gangserve infer x.safetensors -o y.safetensors --output-dtype bfloat16
+    gangserve gang                                       # the gang's ranks and state
+    gangserve ready
+    gangserve train --epochs 3 --follow                  # training jobs: see gangserve_client.training
+    gangserve jobs
+
+`python -m gangserve_client` is the same command. Tokens: see gangserve_client.tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from gangserve_client import codecs, training
+from gangserve_client.client import DEFAULT_URL, GangServeClient
+from gangserve_client.errors import GangServeError
+
+
+def read_tensor(path: Path) -> np.ndarray:
+    """The input tensor of a .npy file or of a .safetensors file (hidden_states, or its only tensor)."""
+    body = path.read_bytes()
+    if path.suffix == ".safetensors":
+        names = codecs.safetensors_names(body)
+        name = codecs.INPUT_NAME if codecs.INPUT_NAME in names else names[0] if len(names) == 1 else None
+        if name is None:
+            raise SystemExit(f"{path}: expected a tensor named {codecs.INPUT_NAME}, found {sorted(names)}")
+        return np.array(codecs.decode_safetensors(body, name=name))
+    return np.array(codecs.decode_npy(body))
+
+
+def write_tensor(path: Path, array: np.ndarray) -> None:
+    if path.suffix == ".safetensors":
+        path.write_bytes(codecs.encode_safetensors({codecs.OUTPUT_NAME: array}))
+    elif codecs.is_bfloat16(array.dtype):
+        raise SystemExit(f"{path}: npy cannot hold bfloat16; write a .safetensors file instead")
+    else:
+        path.write_bytes(codecs.encode_npy(array))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gangserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=DEFAULT_URL, help="service base URL")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_infer = sub.add_parser("infer", help="run attention on a .npy or .safetensors tensor")
+    p_infer.add_argument("input", type=Path)
+    p_infer.add_argument("-o", "--output", type=Path, help="write the result (.npy or .safetensors)")
+    p_infer.add_argument("--format", choices=["safetensors", "npy", "json"], default="safetensors",
+                         help="wire format (default safetensors)")
+    p_infer.add_argument("--output-dtype", choices=list(codecs.DTYPE_NAMES),
+                         help="reply dtype (default: the input's dtype)")
+    p_infer.add_argument("--token", help="inference token (default: $GANGSERVE_INFER_TOKEN)")
+    sub.add_parser("gang", help="print GET /gang")
+    sub.add_parser("ready", help="exit 0 if the gang is ready")
+    training.add_commands(sub)
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None):  # training subcommands
+        return args.handler(args)
+
+    try:
+        with GangServeClient(args.url, infer_token=getattr(args, "token", None)) as client:
+            if args.command == "infer":
+                out = client.infer(read_tensor(args.input), fmt=args.format, output_dtype=args.output_dtype)
+                if args.output:
+                    write_tensor(args.output, out)
+                print(f"output shape {list(out.shape)} dtype {codecs.dtype_name(out.dtype)} "
+                      f"mean {float(out.astype(np.float64).mean()):.6g}")
+            elif args.command == "gang":
+                print(json.dumps(client.gang(), indent=2))
+            elif args.command == "ready":
+                ok = client.ready()
+                print("ready" if ok else "not ready")
+                return 0 if ok else 1
+    except (GangServeError, codecs.WireFormatError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Inference clients for the gangserve HTTP API: `GangServeClient` (sync) and `AsyncGangServeClient`.
+
+Both speak every /infer wire format (safetensors, npy, JSON) with the codecs the service
+itself uses (`gangserve_client.codecs`), keep the array's dtype on the wire (float32,
+float16, bfloat16 as `ml_dtypes.bfloat16`, float64), retry as `gangserve_client.retries`
+says, and raise typed errors (`gangserve_client.errors`). Tokens come from where the
+service takes them (`gangserve_client.tokens`): inference sends the inference token
+(`infer_token=`, else $GANGSERVE_INFER_TOKEN), else the API token if one is known (the
+service accepts it on inference too); `gang()` sends the API token, which shows the full
+description. For the Open Inference Protocol v2 routes use a stock client
+(`tritonclient.http`), which works against /v2 unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import numpy as np
+
+from gangserve_client import codecs, tokens
+from gangserve_client.errors import ServiceUnreachableError
+from gangserve_client.retries import RetryPolicy, asend, send
+
+FORMATS = {
+    "safetensors": codecs.SAFETENSORS,
+    "npy": codecs.NPY,
+    "json": codecs.JSON,
+}
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def encode_request(x: np.ndarray, fmt: str) -> tuple[bytes, str]:
+    """(body, Content-Type) of an /infer request holding `x` as `hidden_states`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    x = np.asarray(x)
+    if fmt == "safetensors":
+        return codecs.encode_safetensors({codecs.INPUT_NAME: x}), FORMATS[fmt]
+    if fmt == "npy":
+        if codecs.is_bfloat16(x.dtype):
+            raise ValueError("npy cannot carry bfloat16; use fmt='safetensors' or fmt='json'")
+        return codecs.encode_npy(x), FORMATS[fmt]
+    return codecs.encode_json(x, name=codecs.INPUT_NAME), FORMATS[fmt]
+
+
+def decode_reply(reply: httpx.Response) -> np.ndarray:
+    """The `output` tensor of a 200 /infer reply, in the reply's dtype."""
+    media = reply.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media == codecs.SAFETENSORS:
+        return codecs.decode_safetensors(reply.content, name=codecs.OUTPUT_NAME)
+    if media == codecs.NPY:
+        return codecs.decode_npy(reply.content)
+    return codecs.decode_json(reply.content, name=codecs.OUTPUT_NAME)
+
+
+def _known_api_token(token: str | None) -> str | None:
+    if token:
+        return token
+    try:
+        found = tokens.api_token()
+    except OSError:  # an unreadable token file: inference may not need it
+        return None
+    return found.value if found else None
+
+
+def _bearer(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+class _Base:
+    def __init__(self, token: str | None, infer_token: str | None, retries: int,
+                 retry_timeout_s: float | None) -> None:
+        self._api_token = _known_api_token(token)
+        self._infer_token = infer_token or tokens.infer_token() or token
+        self._policy = RetryPolicy(retries=retries, timeout_s=retry_timeout_s)
+
+    def _infer_args(self, x: np.ndarray, fmt: str, output_dtype: str | None, accept: str | None) -> dict[str, Any]:
+        body, media = encode_request(x, fmt)
+        headers = {"content-type": media, **_bearer(self._infer_token)}
+        if accept is not None:
+            headers["accept"] = FORMATS.get(accept, accept)
+        params = {"output_dtype": output_dtype} if output_dtype else None
+        return {"content": body, "headers": headers, "params": params}
+
+
+class GangServeClient(_Base):
+    """Sync client: `with GangServeClient("http://127.0.0.1:8000") as c: y = c.infer(x)`.
+
+    token: the API token (default: $GANGSERVE_API_TOKEN, else $GANGSERVE_STATE_DIR/api_token);
+    infer_token: the inference token (default: $GANGSERVE_INFER_TOKEN, else `token`);
+    timeout_s: per HTTP request; retries / retry_timeout_s: see `RetryPolicy`.
+    """
+
+    def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
+                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0) -> None:
+        super().__init__(token, infer_token, retries, retry_timeout_s)
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "GangServeClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def infer(self, x: np.ndarray, fmt: str = "safetensors", *, output_dtype: str | None = None,
+              accept: str | None = None) -> np.ndarray:
+        """Self-attention of x [batch, seq, E] or [seq, E].
+
+        fmt: request format (safetensors | npy | json); accept: reply format (default: fmt);
+        output_dtype: float32 | float16 | bfloat16 | float64 (default: x's dtype).
+        """
+        args = self._infer_args(x, fmt, output_dtype, accept)
+        return decode_reply(send(self._http, self._policy, "POST", "/infer", idempotent=True, **args))
+
+    def gang(self) -> dict[str, Any]:
+        """GET /gang (file-system paths in it only with the API token)."""
+        return send(self._http, self._policy, "GET", "/gang", idempotent=True,
+                    headers=_bearer(self._api_token)).json()
+
+    def ready(self) -> bool:
+        """GET /readyz once: True when the gang can serve."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.TransportError as exc:
+            raise ServiceUnreachableError(f"GET {self._http.base_url}readyz: {type(exc).__name__}: {exc}") from exc
+
+
+class AsyncGangServeClient(_Base):
+    """Async client: `async with AsyncGangServeClient(url) as c: y = await c.infer(x)`; arguments as
+    GangServeClient's."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
+                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0) -> None:
+        super().__init__(token, infer_token, retries, retry_timeout_s)
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncGangServeClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def infer(self, x: np.ndarray, fmt: str = "safetensors", *, output_dtype: str | None = None,
+                    accept: str | None = None) -> np.ndarray:
+        """As GangServeClient.infer."""
+        args = self._infer_args(x, fmt, output_dtype, accept)
+        return decode_reply(await asend(self._http, self._policy, "POST", "/infer", idempotent=True, **args))
+
+    async def gang(self) -> dict[str, Any]:
+        return (await asend(self._http, self._policy, "GET", "/gang", idempotent=True,
+                            headers=_bearer(self._api_token))).json()
+
+    async def ready(self) -> bool:
+        try:
+            return (await self._http.get("/readyz")).status_code == 200
+        except httpx.TransportError as exc:
+            raise ServiceUnreachableError(f"GET {self._http.base_url}readyz: {type(exc).__name__}: {exc}") from exc
