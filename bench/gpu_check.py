@@ -55,7 +55,7 @@ def main() -> int:
 
     from service.app import build_app
     from service.parallel.weights import seed_weights
-    from tests.reference import dense_reference, relative_error
+    from harness.reference import dense_reference, relative_error
 
     rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name(0)), ("NCCL 1-rank all_reduce", nccl_smoke())]
     torch.manual_seed(42)

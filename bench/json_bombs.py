@@ -104,7 +104,7 @@ def main() -> None:
     from ray import serve
 
     from service.app import build_app
-    from tests.conftest import free_port, local_yaml_args
+    from harness.local import free_port, local_yaml_args
 
     os.environ.setdefault("GANGSERVE_API_TOKEN", "bench-token")
     os.environ.setdefault("GANGSERVE_STATE_DIR", tempfile.mkdtemp(prefix="gangserve-bench-"))

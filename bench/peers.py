@@ -26,7 +26,7 @@ class NaivePeer:
         import torch
 
         from service.parallel.weights import seed_weights
-        from tests.reference import dense_reference
+        from harness.reference import dense_reference
 
         torch.set_num_threads(threads)
         self._torch = torch

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.reference import dense_reference, notes_seed_weights  # noqa: E402
+from harness.reference import dense_reference, notes_seed_weights  # noqa: E402
 
 SHAPE = (128, 8, 512)  # the original notes' request
 
@@ -207,7 +207,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
 
     from bench.peers import EchoPeer, NaivePeer
     from service.app import build_app
-    from tests.conftest import free_port, local_yaml_args
+    from harness.local import free_port, local_yaml_args
 
     cores = os.cpu_count() or 1
     # Training jobs need a token and a state dir; set before Ray starts so workers inherit them.

@@ -1,0 +1,3 @@
+"""What the tests and the benchmarks share, so that neither imports from the other: the
+independent dense reference (`harness.reference`) and the local deployment's arguments
+(`harness.local`). Not part of any distribution: used from a repository checkout."""
