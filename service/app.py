@@ -34,25 +34,29 @@ def parse_args(args: dict[str, Any]) -> AppConfig:
         ) from None
 
 
-def preflight(cfg: AppConfig) -> None:
+def preflight(cfg: AppConfig) -> int | None:
     """Fail at once, naming needed vs available, if the connected cluster can never hold
     the gang (Serve alone would wait forever, warning every 30 s). Skipped when Ray is not
     initialised yet (`serve run module:build_app ...` builds before connecting); the
-    ingress then reports the same diagnosis on /readyz and /infer."""
+    ingress then reports the same diagnosis on /readyz and /infer. Returns the number of
+    alive nodes (None: not connected)."""
     import ray
 
-    if ray.is_initialized():
-        check_feasible(cluster_snapshot(), gang_request(cfg))
+    if not ray.is_initialized():
+        return None
+    snapshot = cluster_snapshot()
+    check_feasible(snapshot, gang_request(cfg))
+    return len(snapshot.totals)
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the arguments, check the cluster can hold the gang, compose the app."""
     cfg = parse_args(args)
-    preflight(cfg)
-    return compose_app(cfg)
+    nodes = preflight(cfg)
+    return compose_app(cfg, nodes)
 
 
-def compose_app(cfg: AppConfig) -> Application:
+def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve."""
     request = gang_request(cfg)
     bundle = dict(request.bundle)
@@ -67,7 +71,13 @@ def compose_app(cfg: AppConfig) -> Application:
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
     jobs = JobManager.bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len)
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
+    # Several replicas are spread over the nodes (Serve alone packs 0-CPU replicas): at most
+    # ceil(replicas / nodes) per node, so one lost node never takes every ingress with it.
+    spread: dict[str, Any] = {}
+    if cfg.ingress_replicas > 1 and nodes:
+        spread["max_replicas_per_node"] = -(-cfg.ingress_replicas // nodes)
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, cfg.max_ongoing_requests)
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
+        **spread,
     ).bind(server, cfg.model_dump(), jobs)
