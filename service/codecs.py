@@ -85,12 +85,12 @@ OIP_TO_NP: dict[str, np.dtype] = {
 }
 NP_TO_OIP = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32", "float64": "FP64"}
 
-# The shared codecs' errors, as the service's HTTP errors.
-_SERVICE_ERRORS: dict[type[wire.WireFormatError], type[GangServeError]] = {
-    wire.MalformedError: BadRequest,
-    wire.InvalidTensorError: InvalidInput,
-    wire.UnencodableError: NotAcceptable,
-}
+# The shared codecs' errors, as the service's HTTP errors (by class; the first match wins).
+_SERVICE_ERRORS: tuple[tuple[type[wire.WireFormatError], type[GangServeError]], ...] = (
+    (wire.InvalidTensorError, InvalidInput),
+    (wire.UnencodableError, NotAcceptable),
+    (wire.WireFormatError, BadRequest),  # MalformedError, and anything else the codecs call malformed
+)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -101,7 +101,8 @@ def _service_errors(fn: _F) -> _F:
         try:
             return fn(*args, **kwargs)
         except wire.WireFormatError as exc:
-            raise _SERVICE_ERRORS[type(exc)](exc.message) from None
+            service_error = next(cls for base, cls in _SERVICE_ERRORS if isinstance(exc, base))
+            raise service_error(exc.message) from None
     return call  # type: ignore[return-value]
 
 
@@ -124,6 +125,7 @@ def _check(limits: Limits | None) -> Callable[[tuple[int, ...]], object] | None:
 
 
 # ---------------------------------------------------------------- media negotiation
+
 def media_type_of(content_type: str | None) -> str:
     """The request's media type, or UnsupportedMediaType naming the supported ones."""
     media = (content_type or "").split(";", 1)[0].strip().lower()

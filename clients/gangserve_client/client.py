@@ -112,13 +112,11 @@ class GangServeClient(_Base):
         fmt: request format (safetensors | npy | json); accept: reply format (default: fmt);
         output_dtype: float32 | float16 | bfloat16 | float64 (default: x's dtype).
         """
-        args = self._infer_args(x, fmt, output_dtype, accept)
-        return decode_reply(send(self._http, self._policy, "POST", "/infer", idempotent=True, **args))
+        return decode_reply(self._request("POST", "/infer", **self._infer_args(x, fmt, output_dtype, accept)))
 
     def gang(self) -> dict[str, Any]:
         """GET /gang (file-system paths in it only with the API token)."""
-        return send(self._http, self._policy, "GET", "/gang", idempotent=True,
-                    headers=_bearer(self._api_token)).json()
+        return self._request("GET", "/gang", headers=_bearer(self._api_token)).json()
 
     def ready(self) -> bool:
         """GET /readyz once: True when the gang can serve."""
@@ -126,6 +124,10 @@ class GangServeClient(_Base):
             return self._http.get("/readyz").status_code == 200
         except httpx.TransportError as exc:
             raise ServiceUnreachableError(f"GET {self._http.base_url}readyz: {type(exc).__name__}: {exc}") from exc
+
+    def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
+        """One call with this client's retry policy: the 2xx reply, or the typed error."""
+        return send(self._http, self._policy, method, path, idempotent=idempotent, **kwargs)
 
 
 class AsyncGangServeClient(_Base):
@@ -149,15 +151,17 @@ class AsyncGangServeClient(_Base):
     async def infer(self, x: np.ndarray, fmt: str = "safetensors", *, output_dtype: str | None = None,
                     accept: str | None = None) -> np.ndarray:
         """As GangServeClient.infer."""
-        args = self._infer_args(x, fmt, output_dtype, accept)
-        return decode_reply(await asend(self._http, self._policy, "POST", "/infer", idempotent=True, **args))
+        return decode_reply(await self._request("POST", "/infer", **self._infer_args(x, fmt, output_dtype, accept)))
 
     async def gang(self) -> dict[str, Any]:
-        return (await asend(self._http, self._policy, "GET", "/gang", idempotent=True,
-                            headers=_bearer(self._api_token))).json()
+        return (await self._request("GET", "/gang", headers=_bearer(self._api_token))).json()
 
     async def ready(self) -> bool:
         try:
             return (await self._http.get("/readyz")).status_code == 200
         except httpx.TransportError as exc:
             raise ServiceUnreachableError(f"GET {self._http.base_url}readyz: {type(exc).__name__}: {exc}") from exc
+
+    async def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
+        """As GangServeClient._request."""
+        return await asend(self._http, self._policy, method, path, idempotent=idempotent, **kwargs)
