@@ -9,9 +9,11 @@ from typing import Any
 
 from pydantic import ValidationError
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from service.config import AppConfig
 from service.gang.placement import check_feasible, cluster_snapshot, gang_request
+from service.gang.router import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S, ReadyGangRouter
 from service.ingress.deployment import Ingress
 from service.server import GangServer
 from service.training.limits import TrainingLimits
@@ -60,7 +62,19 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve."""
     request = gang_request(cfg)
     bundle = dict(request.bundle)
+    # One gang per replica: a fixed count, or Serve's autoscaling.
+    scale: dict[str, Any] = (
+        {"num_replicas": cfg.num_replicas} if cfg.autoscaling_config is None
+        else {"autoscaling_config": dict(cfg.autoscaling_config)}
+    )
     server = GangServer.options(
+        **scale,
+        # Requests go to ready gangs only (replicas report their gang's state).
+        request_router_config=RequestRouterConfig(
+            request_router_class=ReadyGangRouter,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
+        ),
         # One bundle per rank, reserved all-or-nothing; the replica is rank 0 in bundle 0.
         placement_group_bundles=[dict(bundle) for _ in range(cfg.world_size)],
         placement_group_strategy=cfg.placement_strategy,

@@ -8,7 +8,7 @@ description, in the concern it belongs to.
 from __future__ import annotations
 
 import os
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -59,6 +59,16 @@ class GangConfig(BaseModel):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the ranks' bundles."
     )
+    num_replicas: int = Field(
+        1, ge=1, le=1024,
+        description="Gangs serving the app (data parallel x tensor parallel): GangServer replicas, "
+        "each with its own placement group of world_size bundles. Exclusive with autoscaling_config.",
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Serve's autoscaling for the GangServer (min_replicas, max_replicas, "
+        "target_ongoing_requests, ...): each replica is one gang. Exclusive with num_replicas.",
+    )
     cpus_per_rank: float = Field(
         1.0, gt=0, le=256, description="Logical CPUs reserved per rank (fractions allowed)."
     )
@@ -89,7 +99,24 @@ class GangConfig(BaseModel):
     def _check_backend(self) -> "GangConfig":
         if self.backend == "nccl" and not self.use_gpu:
             raise ValueError("backend=nccl needs use_gpu=true (NCCL runs on CUDA devices only)")
+        if self.autoscaling_config is not None:
+            if self.num_replicas != 1:  # (1 is the default: a dumped-and-revalidated config carries it)
+                raise ValueError("give num_replicas or autoscaling_config, not both")
+            from ray.serve.config import AutoscalingConfig
+
+            unknown = set(self.autoscaling_config) - set(AutoscalingConfig.model_fields)
+            if unknown:
+                raise ValueError(f"autoscaling_config: unknown keys {sorted(unknown)}; "
+                                 f"valid: {sorted(AutoscalingConfig.model_fields)}")
+            AutoscalingConfig.model_validate(self.autoscaling_config)  # Serve's own rules
         return self
+
+    @property
+    def min_gangs(self) -> int:
+        """Gangs the cluster must be able to hold at once (num_replicas, or min_replicas >= 1)."""
+        if self.autoscaling_config is None:
+            return self.num_replicas
+        return max(1, int(self.autoscaling_config.get("min_replicas", 1)))
 
     @property
     def threads_per_rank(self) -> int:

@@ -32,6 +32,8 @@ from service import shm
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.errors import Conflict, GangStartupError
 from service.gang.gang import Gang, GangState
+from service.gang.router import routing_stats
+from service.gang_registry import PUBLISH_INTERVAL_S, GangRegistry
 from service.parallel.weights import check_checkpoint
 from service.served_weights import (
     ConfigWeights,
@@ -59,13 +61,15 @@ class GangServer:
         cfg = AppConfig.model_validate(config)
         self._model = cfg.part(ModelConfig)
         self._state = state_dir()
-        self._app = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        self._app, self._replica_id = context.app_name, context.replica_id.unique_id
         self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
         try:
             self._record = WeightsRecord(self._state)
+            self._registry = GangRegistry(self._state)
             self._config_weights, weights = await asyncio.to_thread(self._weights_at_start)
             await self._gang.start(weights)
         except Exception:
@@ -139,6 +143,7 @@ class GangServer:
                 )
 
             await self._gang.swap_weights(model, record)
+        await self._publish()  # the rollout's progress is read from the registry
         return await self.describe()
 
     async def arm_failpoint(self, rank: int, name: str) -> None:
@@ -149,7 +154,12 @@ class GangServer:
     async def describe(self) -> dict[str, object]:
         info = self._gang.describe()
         info["failed_rebuilds"] = self._failed_rebuilds
+        info["replica_id"] = self._replica_id
         return info
+
+    def record_routing_stats(self) -> dict[str, object]:
+        """Serve asks every ROUTING_STATS_PERIOD_S; the router sends requests to ready gangs only."""
+        return routing_stats(self._gang.state is GangState.READY, self._gang.weights_version)
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica (and gang)."""
@@ -162,17 +172,30 @@ class GangServer:
 
     async def _supervise(self) -> None:
         """Probe the peers; rebuild a broken gang with exponential backoff."""
-        since_probe = 0.0
+        since_probe = since_publish = PUBLISH_INTERVAL_S
+        published: GangState | None = None
         while self._gang.state is not GangState.STOPPED:
             await asyncio.sleep(0.25)
             since_probe += 0.25
+            since_publish += 0.25
             state = self._gang.state
+            if since_publish >= PUBLISH_INTERVAL_S or state is not published:
+                # Periodically, and at once on a state change (so /gangs, /readyz see it).
+                since_publish, published = 0.0, state
+                await self._publish()
             if state is GangState.READY and since_probe >= PROBE_INTERVAL_S:
                 since_probe = 0.0
                 await self._gang.probe()
                 await self._follow_record()
             elif state is GangState.BROKEN:
                 await self._rebuild_once()
+
+    async def _publish(self) -> None:
+        """This gang's description into the registry (GET /gangs, rollouts); best effort."""
+        try:
+            await asyncio.to_thread(self._registry.publish, self._app, self._replica_id, await self.describe())
+        except Exception as exc:
+            log.warning("could not publish the gang's status: %s", exc)
 
     async def _recorded_weights(self) -> ServedWeights:
         """The app's newest recorded version (what a bring-up loads); falls back to the
@@ -203,6 +226,7 @@ class GangServer:
                 await self._gang.swap_weights(model, lambda: recorded)
             except Exception as exc:
                 log.error("could not move to recorded weights version %d: %s", recorded.version, exc)
+        await self._publish()
 
     async def _rebuild_once(self) -> None:
         cause = self._gang.reason
@@ -217,6 +241,7 @@ class GangServer:
         try:
             await self._gang.rebuild(await self._recorded_weights())
             self._failed_rebuilds = 0
+            await self._publish()
         except Exception as exc:
             self._failed_rebuilds += 1
             log.error("gang rebuild attempt %d failed: %s", self._failed_rebuilds, exc)
@@ -226,3 +251,9 @@ class GangServer:
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.shutdown()
+        registry = getattr(self, "_registry", None)
+        if registry is not None:
+            try:
+                registry.remove(self._app, self._replica_id)
+            except Exception:  # the state dir may be gone already; the row goes stale
+                pass

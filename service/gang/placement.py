@@ -32,9 +32,11 @@ class GangRequest:
     world_size: int
     bundle: Mapping[str, float]
     strategy: str
+    gangs: int = 1  # independent gangs (GangServer replicas), each its own placement group
 
     def describe(self) -> str:
-        return f"{self.world_size} x {_fmt(self.bundle)} ({self.strategy})"
+        one = f"{self.world_size} x {_fmt(self.bundle)} ({self.strategy})"
+        return one if self.gangs == 1 else f"{self.gangs} gangs of {one}"
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ def gang_request(cfg: GangConfig) -> GangRequest:
     bundle: dict[str, float] = {"CPU": cfg.cpus_per_rank}
     if cfg.use_gpu:
         bundle["GPU"] = 1
-    return GangRequest(world_size=cfg.world_size, bundle=bundle, strategy=cfg.placement_strategy)
+    return GangRequest(world_size=cfg.world_size, bundle=bundle, strategy=cfg.placement_strategy,
+                       gangs=cfg.min_gangs)
 
 
 def bundles_per_node(node: Mapping[str, float], bundle: Mapping[str, float]) -> int:
@@ -74,13 +77,20 @@ def bundles_per_node(node: Mapping[str, float], bundle: Mapping[str, float]) -> 
 
 
 def fits(nodes: list[dict[str, float]], request: GangRequest) -> bool:
-    """Whether `nodes` (totals or free amounts) can hold every bundle under the strategy."""
+    """Whether `nodes` (totals or free amounts) can hold every bundle of every gang under the
+    strategy (each gang is its own placement group; gangs may share nodes).
+
+    STRICT_PACK: each gang on one node, so sum(k // ws) >= gangs. STRICT_SPREAD: each gang
+    on ws distinct nodes, and a node serves at most one bundle per gang, so a node holding k
+    bundles contributes min(k, gangs): feasible iff that sum reaches gangs * ws.
+    """
     per_node = [bundles_per_node(n, request.bundle) for n in nodes]
+    ws, gangs = request.world_size, request.gangs
     if request.strategy == "STRICT_PACK":
-        return any(k >= request.world_size for k in per_node)
+        return sum(k // ws for k in per_node) >= gangs
     if request.strategy == "STRICT_SPREAD":
-        return sum(1 for k in per_node if k >= 1) >= request.world_size
-    return sum(per_node) >= request.world_size  # PACK / SPREAD: best effort over nodes
+        return sum(1 for k in per_node if k >= 1) >= ws and sum(min(k, gangs) for k in per_node) >= gangs * ws
+    return sum(per_node) >= ws * gangs  # PACK / SPREAD: best effort over nodes
 
 
 def check_feasible(snapshot: ClusterSnapshot, request: GangRequest) -> None:

@@ -18,7 +18,7 @@ class Ingress:
 
     def __init__(self, gang: DeploymentHandle, config: dict, jobs: DeploymentHandle | None = None) -> None:
         self._config = AppConfig.model_validate(config)
-        self._gang = GangClient(gang, self._config)
+        self._gang = GangClient(gang, self._config, app_name=serve.get_replica_context().app_name)
         self._jobs = JobsClient(jobs)  # training routes -> the JobManager deployment
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -17,6 +17,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from service import shm
@@ -24,12 +25,15 @@ from service.config import AppConfig
 from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
 from service.gang.batching import StepBatcher
 from service.gang.placement import (
-    gang_request,
+    GangRequest,
     GangUnschedulable,
     check_feasible,
     cluster_snapshot,
+    gang_request,
     waiting_reason,
 )
+from service.gang_registry import GangRegistry
+from service.state import state_dir
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -42,9 +46,13 @@ SHM_RETRY_AFTER_S = 30.0  # after a shared-memory failure, send by value for thi
 class GangClient:
     """Calls GangServer methods; every wait is bounded and every failure is a GangServeError."""
 
-    def __init__(self, handle: DeploymentHandle, config: AppConfig) -> None:
+    def __init__(self, handle: DeploymentHandle, config: AppConfig, app_name: str | None = None) -> None:
         self._handle = handle
         self._cfg = config
+        # Every gang of the app publishes its status here (several gangs: num_replicas).
+        self._app = app_name
+        self._registry = GangRegistry(state_dir()) if app_name else None
+        self._desired_cache: tuple[float, int] | None = None
         self._request = gang_request(config)
         self._created = time.monotonic()
         self._last_ready: float | None = None
@@ -76,6 +84,52 @@ class GangClient:
         weights), recorded as the app's next weights version; returns the new /gang description."""
         self._status_at = 0.0  # the version changes: next status read is fresh
         return await self._call("reload_weights", checkpoint, job_id, timeout_s=timeout_s)
+
+    async def gangs(self) -> dict[str, Any]:
+        """Every live gang of the app: {"desired", "ready", "gangs": [/gang + replica_id], "missing"}.
+
+        `missing` names, for each desired gang that is not serving, what it waits for.
+        """
+        rows = await asyncio.to_thread(self._registry.fresh, self._app) if self._registry else []
+        desired = await self._desired()
+        ready = sum(1 for g in rows if g.get("state") == "ready")
+        missing: list[str] = []
+        if len(rows) < desired:
+            snapshot = await asyncio.to_thread(cluster_snapshot)
+            one = GangRequest(self._request.world_size, self._request.bundle, self._request.strategy)
+            missing = [f"gang {i + 1} of {desired}: not started; {waiting_reason(snapshot, one)}"
+                       for i in range(len(rows), desired)]
+        missing += [f"gang {g['replica_id']}: {g.get('state')}: {g.get('reason')}" for g in rows
+                    if g.get("state") != "ready"]
+        return {"desired": desired, "ready": ready, "gangs": rows, "missing": missing}
+
+    async def wait_rollout(self, version: int, timeout_s: float) -> tuple[bool, list[dict[str, Any]]]:
+        """Wait (bounded) until every live gang serves weights `version` or newer; returns
+        (all there, each gang's {replica_id, state, weights_version})."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = await asyncio.to_thread(self._registry.fresh, self._app) if self._registry else []
+            outcome = [{k: g.get(k) for k in ("replica_id", "state", "weights_version")} for g in rows]
+            done = all((g.get("weights_version") or 0) >= version for g in rows)
+            if done or time.monotonic() >= deadline:
+                return done, outcome
+            await asyncio.sleep(0.5)
+
+    async def _desired(self) -> int:
+        """Gangs the app should have: num_replicas, or Serve's current target when autoscaling."""
+        if self._cfg.autoscaling_config is None:
+            return self._cfg.num_replicas
+        now = time.monotonic()
+        if self._desired_cache and now - self._desired_cache[0] < 5.0:
+            return self._desired_cache[1]
+        try:
+            status = await asyncio.to_thread(serve.status)
+            states = status.applications[self._app].deployments["GangServer"].replica_states
+            desired = max(self._cfg.min_gangs, sum(states.values()))
+        except Exception:  # the controller is busy or restarting: the floor is still right
+            desired = self._cfg.min_gangs
+        self._desired_cache = (now, desired)
+        return desired
 
     async def describe(self) -> dict[str, Any]:
         """GangServer.describe, or a synthesized status explaining why it cannot answer;

@@ -27,10 +27,27 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "gang not ready: starting, rebuilding, broken or unschedulable"}},
 )
 async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
-    info = await gang.describe()
+    """Ready while at least one gang is (with several gangs, requests go to the ready ones)."""
+    info = await gang.describe()  # routed to a ready gang when there is one
     if info["state"] != "ready":
         raise unavailable_error(redact_paths(info))
-    return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"]}
+    counts = await gang.gangs()
+    return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"],
+            "ready": max(1, counts["ready"]), "desired": counts["desired"],
+            "missing": [redact_paths({"m": m})["m"] for m in counts["missing"]]}
+
+
+@router.get(
+    "/gangs",
+    summary="Every gang of the app: {desired, ready, gangs: [/gang + replica_id], missing}",
+    description="One gang per GangServer replica (`num_replicas`, or autoscaling). `missing` says, for "
+    "each desired gang that is not serving, what it waits for. Paths only with the API token.",
+    dependencies=[Depends(optional_api_auth)],
+    openapi_extra={"security": [{}]},
+)
+async def gangs_info(request: Request, gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
+    info = await gang.gangs()
+    return info if has_api_token(request) else redact_paths(info)
 
 
 @router.get(

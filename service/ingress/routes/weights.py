@@ -34,6 +34,7 @@ class WeightsRequest(BaseModel):
 
 
 MAX_WEIGHTS_BODY_BYTES = 64 * 1024  # a job id or a path: never more
+ROLLOUT_TIMEOUT_S = 120.0  # the other gangs follow the record within a probe interval or two
 
 
 def _small_body(request: Request) -> None:
@@ -58,9 +59,13 @@ async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs)
     if req.reset:
         if req.job_id is not None or req.checkpoint is not None:
             raise InvalidInput("give exactly one of job_id, checkpoint or reset", code="invalid_request")
-        info = await gang.reload_weights(None)
-        return {"job_id": None, "checkpoint": None, "weights_version": info.get("weights_version"), "gang": info}
-    target = await jobs.call("resolve_weights", job_id=req.job_id, checkpoint=req.checkpoint)
+        target = {"job_id": None, "path": None}
+    else:
+        target = await jobs.call("resolve_weights", job_id=req.job_id, checkpoint=req.checkpoint)
+    # One gang swaps and records the new version; every other gang of the app follows the
+    # record within a few seconds (each swap atomic); the reply reports where each one is.
     info = await gang.reload_weights(target["path"], target["job_id"])
-    return {"job_id": target["job_id"], "checkpoint": target["path"],
-            "weights_version": info.get("weights_version"), "gang": info}
+    version = int(info.get("weights_version") or 0)
+    rolled_out, gangs = await gang.wait_rollout(version, timeout_s=ROLLOUT_TIMEOUT_S)
+    return {"job_id": target["job_id"], "checkpoint": target["path"], "weights_version": version,
+            "rolled_out": rolled_out, "gangs": gangs, "gang": info}
