@@ -115,6 +115,7 @@ def test_a_weights_swap_reaches_every_gang_and_no_answer_mixes_versions(two_gang
 
 
 def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: str) -> None:
+    """A peer of one gang dies: that gang is rebuilt in place while the other answers."""
     info = _gangs(two_gangs)
     victim_gang = info["gangs"][0]
     victim = victim_gang["ranks"][1]["pid"]
@@ -163,3 +164,33 @@ def test_preflight_counts_every_gangs_bundles() -> None:
     assert not fits(gpus[:2] + [{"CPU": 4.0}], gang_request(spread))
     auto = AppConfig.model_validate({**local_yaml_args(), "autoscaling_config": {"min_replicas": 2, "max_replicas": 4}})
     assert gang_request(auto).gangs == 2
+
+
+def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swapped_weights(two_gangs: str) -> None:
+    """kill -9 of one gang's GangServer replica (its rank 0): Serve replaces the replica with a
+    new gang, which loads the recorded (swapped) version before it takes traffic."""
+    info = _gangs(two_gangs)
+    version = info["gangs"][0]["weights_version"]
+    victim = info["gangs"][0]["ranks"][0]["pid"]
+    old_ids = {g["replica_id"] for g in info["gangs"]}
+    current = _weights(1)  # swapped in by the rollout test
+    with RequestLoop(two_gangs + "/infer", current, threads=2) as loop:
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        deadline, now = killed_at + 180, {}
+        while time.monotonic() < deadline:
+            now = _gangs(two_gangs)
+            ids = {g["replica_id"] for g in now["gangs"] if g["state"] == "ready"}
+            if len(ids) == 2 and ids != old_ids:
+                break
+            time.sleep(0.5)
+        back_at = time.monotonic()
+        time.sleep(1.0)
+    summary = loop.summary()
+    ok = summary["statuses"].get(200, 0)
+    print(f"rank 0 of one gang killed: {summary}; replacement ready after {back_at - killed_at:.1f}s")
+    assert summary["wrong"] == 0, summary
+    assert ok >= 0.9 * sum(summary["statuses"].values()), summary
+    assert {g["replica_id"] for g in now["gangs"]} != old_ids, now
+    assert all(g["state"] == "ready" and g["weights_version"] == version for g in now["gangs"]), now["gangs"]

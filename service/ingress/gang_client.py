@@ -53,6 +53,7 @@ class GangClient:
         self._app = app_name
         self._registry = GangRegistry(state_dir()) if app_name else None
         self._desired_cache: tuple[float, int] | None = None
+        self._single_gang = config.autoscaling_config is None and config.num_replicas == 1
         self._request = gang_request(config)
         self._created = time.monotonic()
         self._last_ready: float | None = None
@@ -74,7 +75,12 @@ class GangClient:
     # -- public ---------------------------------------------------------------------------
     async def infer(self, x: np.ndarray) -> np.ndarray:
         status = await self.status(max_age_s=STATUS_MAX_AGE_S)
-        if status["state"] != "ready":
+        # The status is one gang's. With several gangs, one broken or rebuilding gang says
+        # nothing about the others (the router sends to ready ones; a broken one answers 503
+        # at once), so only app-wide conditions refuse here.
+        if status["state"] != "ready" and (
+            self._single_gang or status["state"] in ("scheduling", "unschedulable")
+        ):
             raise unavailable_error(status)
         return await self._batcher.submit(x)
 

@@ -27,11 +27,15 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "gang not ready: starting, rebuilding, broken or unschedulable"}},
 )
 async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
-    """Ready while at least one gang is (with several gangs, requests go to the ready ones)."""
-    info = await gang.describe()  # routed to a ready gang when there is one
+    """Ready while at least one gang is (with several gangs, requests go to the ready ones).
+
+    The gangs' own reports (the registry, updated on every state change) decide first; the
+    description of whichever gang the handle reaches decides when there are none."""
+    counts = await gang.gangs()
+    ready_rows = [g for g in counts["gangs"] if g.get("state") == "ready"]
+    info = ready_rows[0] if ready_rows else await gang.describe()
     if info["state"] != "ready":
         raise unavailable_error(redact_paths(info))
-    counts = await gang.gangs()
     return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"],
             "ready": max(1, counts["ready"]), "desired": counts["desired"],
             "missing": [redact_paths({"m": m})["m"] for m in counts["missing"]]}
