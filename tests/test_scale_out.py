@@ -194,3 +194,40 @@ def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swa
     assert ok >= 0.9 * sum(summary["statuses"].values()), summary
     assert {g["replica_id"] for g in now["gangs"]} != old_ids, now
     assert all(g["state"] == "ready" and g["weights_version"] == version for g in now["gangs"]), now["gangs"]
+
+
+def test_autoscaling_adds_a_gang_under_load_and_drains_it_without_failures(serve_url: str) -> None:
+    """1 -> 2 gangs while 8 clients keep the gang busy, back to 1 when one client remains;
+    the gang that goes away is drained: no request fails on the way down."""
+    from ray import serve
+
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                   "upscale_delay_s": 1, "downscale_delay_s": 4, "metrics_interval_s": 0.5,
+                   "look_back_period_s": 2}
+    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "autoscaling_config": autoscaling}
+    base = deploy(serve_url, "autoscale", "/autoscale", args)
+    try:
+        assert _gangs(base)["desired"] == 1
+        with RequestLoop(base + "/infer", SEED, threads=8) as busy:
+            deadline, peak = time.monotonic() + 120, {}
+            while time.monotonic() < deadline:
+                peak = _gangs(base)
+                if peak["ready"] == 2:
+                    break
+                time.sleep(0.5)
+        print("scaled up:", peak.get("desired"), peak.get("ready"), busy.summary())
+        assert peak["ready"] == 2 and peak["desired"] == 2, peak
+        with RequestLoop(base + "/infer", SEED, threads=1) as light:
+            deadline, now = time.monotonic() + 120, {}
+            while time.monotonic() < deadline:
+                now = _gangs(base)
+                if len(now["gangs"]) == 1 and now["desired"] == 1:
+                    break
+                time.sleep(0.5)
+            time.sleep(2.0)
+        print("scaled down:", now.get("desired"), len(now.get("gangs", [])), light.summary())
+        assert len(now["gangs"]) == 1 and now["desired"] == 1, now
+        assert set(busy.summary()["statuses"]) == {200} and busy.summary()["wrong"] == 0, busy.summary()
+        assert set(light.summary()["statuses"]) == {200} and light.summary()["wrong"] == 0, light.summary()
+    finally:
+        serve.delete("autoscale")
