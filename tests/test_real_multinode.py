@@ -43,15 +43,16 @@ def cluster():
         c.shutdown()
 
 
-def deploy(cluster: NetnsCluster, args: dict, timeout_s: float = 240) -> str:
+def deploy(cluster: NetnsCluster, args: dict, timeout_s: float = 240, name: str = "gangserve",
+           route_prefix: str = "/") -> str:
     cluster.python(
         "import ray; from ray import serve; from service.app import build_app\n"
         f"ray.init(address='{cluster.head.ip}:6379', log_to_driver=False)\n"
         f"serve.start(http_options={{'host': '0.0.0.0', 'port': 8000}})\n"
-        f"serve.run(build_app({args!r}), name='gangserve', route_prefix='/', blocking=False)\n",
+        f"serve.run(build_app({args!r}), name={name!r}, route_prefix={route_prefix!r}, blocking=False)\n",
         timeout_s=timeout_s,
     )
-    return wait_ready(cluster.url, timeout_s)
+    return wait_ready(cluster.url + (route_prefix if route_prefix != "/" else ""), timeout_s)
 
 
 def wait_ready(url: str, timeout_s: float) -> str:
@@ -276,3 +277,30 @@ def test_ddp_job_with_strict_spread_trains_across_both_nodes_and_is_served(clust
     assert swap.status_code == 200, swap.text
     info = httpx.get(app + "/gang", headers=auth, timeout=10).json()
     assert info["weights_source"] == "swap" and info["weights_description"] == f"job {job_id}", info
+
+
+def test_two_gangs_strict_spread_over_three_nodes(cluster: NetnsCluster, app: str) -> None:
+    """Data parallel x tensor parallel on real nodes: 2 gangs x world_size 2, each gang's ranks
+    on two distinct nodes (STRICT_SPREAD), three nodes in all."""
+    cluster.add_node(num_gpus=0)
+    args = {**APP_ARGS, "use_gpu": False, "cpus_per_rank": 0.25, "num_replicas": 2, "ingress_replicas": 1}
+    url = deploy(cluster, args, name="gangs2", route_prefix="/gangs2")
+    try:
+        deadline, info = time.monotonic() + 180, {}
+        while time.monotonic() < deadline:
+            info = httpx.get(url + "/gangs", timeout=10).json()
+            if info["ready"] == 2:
+                break
+            time.sleep(1.0)
+        assert info["ready"] == 2 and info["desired"] == 2, info
+        for gang in info["gangs"]:
+            ips = [r["node_ip"] for r in gang["ranks"]]
+            assert len(set(ips)) == 2 and all(r["iface"] == "eth0" for r in gang["ranks"]), gang["ranks"]
+        print("gangs over nodes:", [[r["node_ip"] for r in g["ranks"]] for g in info["gangs"]])
+        for seed in range(4):
+            check_answer(url, seed=seed)
+    finally:
+        cluster.python(
+            "import ray; from ray import serve\n"
+            f"ray.init(address='{cluster.head.ip}:6379', log_to_driver=False)\n"
+            "serve.delete('gangs2')\n", timeout_s=120, check=False)
