@@ -199,7 +199,7 @@ def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float
     }
 
 
-def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
+def bench_serving(x: np.ndarray, n: int, load_s: float, only_gangs: bool = False) -> dict[str, dict]:
     """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster;
     echo, naive and gangserve ws2 also through direct ingress (no proxy)."""
     import ray
@@ -222,6 +222,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
     base = f"http://127.0.0.1:{port}"
     results: dict[str, dict] = {"latency": {}, "small": {}, "memory": {}}
     try:
+        if only_gangs:
+            results["gangs"] = bench_gangs(httpx.Client(timeout=120), base, x, n, load_s)
+            return results
         serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
         serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
         serve.run(build_app(local_yaml_args()), name="gangserve", route_prefix="/")
@@ -275,10 +278,44 @@ def bench_serving(x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
             serve.run(build_app(args), name=f"ws{ws}", route_prefix=f"/ws{ws}")
             results["memory"][str(ws)] = client.get(f"{base}/ws{ws}/gang").json()["param_bytes_per_rank"]
             serve.delete(f"ws{ws}")
+        results["gangs"] = bench_gangs(client, base, x, n, load_s)
         return results
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def bench_gangs(client: httpx.Client, base: str, x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
+    """1 gang vs 2 gangs (num_replicas) of world size 2, one after the other on the same
+    cluster: notes'-shape latency, small-request throughput at 16 clients, and how the
+    handle calls split over the gangs."""
+    from ray import serve
+
+    from harness.local import local_yaml_args
+    from service.app import build_app
+
+    rows: dict[str, dict] = {}
+    small = np.random.default_rng(0).standard_normal((1, 8, 512), dtype=np.float32)
+    for gangs in (1, 2):
+        name = f"gangs{gangs}"
+        serve.run(build_app({**local_yaml_args(), "num_replicas": gangs, "cpus_per_rank": 0.25}),
+                  name=name, route_prefix=f"/{name}")
+        url = f"{base}/{name}"
+        deadline = time.monotonic() + 120
+        while client.get(url + "/gangs").json()["ready"] < gangs and time.monotonic() < deadline:
+            time.sleep(0.5)
+        before = {g["replica_id"]: g["batching"]["requests"] for g in client.get(url + "/gangs").json()["gangs"]}
+        lat = time_calls(poster(client, url + "/infer", npy(x), "application/x-npy"), n)
+        load = throughput(url + "/infer", npy(small), "application/x-npy", clients=16, seconds=load_s)
+        time.sleep(2.5)  # one registry publish interval
+        after = {g["replica_id"]: g["batching"]["requests"] for g in client.get(url + "/gangs").json()["gangs"]}
+        split = sorted((after[r] - before.get(r, 0) for r in after), reverse=True)
+        rows[f"{gangs} gang{'s' if gangs > 1 else ''} x ws2"] = {
+            "p50_ms": lat["p50_ms"], "req_per_s": load["req_per_s"], "per_gang_req_per_s": load["req_per_s"] / gangs,
+            "c16_p99_ms": load["p99_ms"], "handle_calls_per_gang": split,
+        }
+        serve.delete(name)
+    return rows
 
 
 def bench_codecs(x: np.ndarray, n: int = 50) -> dict[str, dict[str, float]]:
@@ -314,9 +351,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
+    parser.add_argument("--only", choices=["gangs"], default=None,
+                        help="run one section alone (gangs: 1 vs 2 gangs) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
+    if args.only == "gangs":
+        print_gangs(bench_serving(x.numpy(), args.requests, args.load_seconds, only_gangs=True)["gangs"], args.load_seconds)
+        return
     codec_rows = bench_codecs(x.numpy())
     dense = bench_in_process(x, args.requests)
     serving = bench_serving(x.numpy(), args.requests, args.load_seconds)
@@ -354,6 +396,7 @@ def main() -> None:
     print("|---|---:|")
     for name, value in serving["training"].items():
         print(f"| {name} | {value:.1f} |")
+    print_gangs(serving["gangs"], args.load_seconds)
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -368,9 +411,18 @@ def main() -> None:
     for name, value in goals.items():
         print(f"| {name} | {value:.2f} |")
     out = ROOT / "bench" / "results" / "latest.json"
-    out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "breakdown": serving["breakdown"], "training": serving["training"],
+    out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "gangs": serving["gangs"], "breakdown": serving["breakdown"], "training": serving["training"],
                                "direct_ingress": serving["direct_ingress"], "ratios": goals, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
+
+
+def print_gangs(rows: dict[str, dict], load_s: float) -> None:
+    print(f"\nseveral gangs (num_replicas), world size 2 each: notes' shape p50, small requests at 16 clients for {load_s:.0f}s\n")
+    print("| gangs | notes' shape p50 ms | 16 clients req/s | req/s per gang | 16 clients p99 ms | handle calls per gang |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['p50_ms']:.1f} | {r['req_per_s']:.0f} | {r['per_gang_req_per_s']:.0f} | "
+              f"{r['c16_p99_ms']:.1f} | {r['handle_calls_per_gang']} |")
 
 
 if __name__ == "__main__":
