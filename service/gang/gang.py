@@ -502,5 +502,25 @@ def _is_version_mismatch(exc: BaseException) -> bool:
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, GetTimeoutError) or "timed out" in text or "timeout" in text
+    """504 (a collective or a peer's ack ran out of time) vs 503 (a rank failed).
+
+    Decided by type wherever a type exists: Ray's GetTimeoutError (a bounded ray.get on
+    the peers' acks) and Python's TimeoutError mean out of time; RayActorError means a
+    peer process died. The collective's own failure has no distinguishing type: with
+    torch 2.13, gloo raises a plain RuntimeError both for its timeout ("Timed out waiting
+    2000ms for recv operation to complete", then "Application timeout caused pair
+    closure") and for a dead peer ("Connection closed by peer"), and NCCL raises
+    DistBackendError for both as well (checked with a 2-process gloo group). Only there
+    the first line of the error's own message decides, never a RayTaskError's rendered
+    traceback (its source lines can contain "timeout" whatever happened).
+    """
+    cause = _cause(exc)
+    for e in (exc, cause):
+        if isinstance(e, (GetTimeoutError, TimeoutError)):
+            return True
+        if isinstance(e, RayActorError):
+            return False
+    if not isinstance(cause, RuntimeError):  # torch.distributed.DistError subclasses RuntimeError
+        return False
+    text = _first_line(cause).lower()
+    return "timed out" in text or "timeout" in text
