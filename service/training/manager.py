@@ -71,6 +71,10 @@ SNAPSHOT_TIMEOUT_S = 10.0
 # Consecutive unanswered polls before a run actor is declared hung (~2 minutes).
 MAX_MISSED_POLLS = 12
 PENDING_REASON_INTERVAL_S = 2.0
+# Consecutive failed rounds of the poll loop (store or Ray errors) before check_health
+# fails and Serve restarts the replica (~10 s of rounds at POLL_INTERVAL_S; a fresh
+# replica adopts the jobs once this one's heartbeat is OWNER_STALE_S old).
+MAX_POLL_FAILURES = 20
 # After deleting a job whose run was still active, its files are removed again after these
 # pauses (5 s, then 20 s more): a run being killed may still write a checkpoint or result.json.
 LATE_SWEEP_S = (5.0, 20.0)
@@ -116,6 +120,8 @@ class JobManager:
         self._sweeps: set[asyncio.Task[None]] = set()
         self._last_heartbeat = 0.0
         self._last_adopt = 0.0
+        self._poll_failures = 0  # consecutive failed rounds of _poll_forever
+        self._last_poll_error = ""
         await self._io(self._store.heartbeat, self._id)
         await self._adopt()
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
@@ -172,7 +178,8 @@ class JobManager:
                                code="dataset_not_found") from None
         await self._manager_log(record.id, f"submitted by {self._id}: {spec.model_dump_json()}")
         try:
-            handle = _RemoteTrainRun.options(
+            # Creating a named actor registers the name with the GCS synchronously: off the loop.
+            handle = await asyncio.to_thread(_RemoteTrainRun.options(
                 name=run_actor_name(record.id),
                 namespace=RUN_NAMESPACE,
                 lifetime="detached",
@@ -182,7 +189,7 @@ class JobManager:
                 # The Ray Train controller is placed on its driver's node; keep both where
                 # the state dir is known to be mounted.
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
-            ).remote(record.id, spec.model_dump(), str(self._state_dir), dataset_path)
+            ).remote, record.id, spec.model_dump(), str(self._state_dir), dataset_path)
         except Exception as exc:  # noqa: BLE001 - recorded, then reported
             await self._fail(record.id, f"could not start the run actor: {type(exc).__name__}: {exc}")
             raise
@@ -358,9 +365,16 @@ class JobManager:
     # ---- Serve hooks --------------------------------------------------------------------
 
     async def check_health(self) -> None:
+        """Fails when the poll loop is dead or has failed MAX_POLL_FAILURES rounds in a row
+        (jobs would then go unwatched: no progress, no runtime limit, no failure detection)."""
         if self._poller.done():
             exc = self._poller.exception() if not self._poller.cancelled() else None
             raise RuntimeError(f"job poller stopped: {exc!r}")
+        if self._poll_failures >= MAX_POLL_FAILURES:
+            raise RuntimeError(
+                f"job poll loop failed {self._poll_failures} rounds in a row "
+                f"(limit {MAX_POLL_FAILURES}); last error: {self._last_poll_error}"
+            )
 
     # ---- polling ------------------------------------------------------------------------
 
@@ -375,8 +389,11 @@ class JobManager:
                     await self._adopt()
                 if self._runs:
                     await asyncio.gather(*(self._poll_run(j, r) for j, r in list(self._runs.items())))
-            except Exception:  # noqa: BLE001 - the loop must outlive one bad poll
-                log.exception("job poll failed")
+                self._poll_failures = 0
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad poll
+                self._poll_failures += 1
+                self._last_poll_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.exception("job poll failed (%d in a row)", self._poll_failures)
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def _poll_run(self, job_id: str, run: _Run) -> None:
@@ -470,7 +487,7 @@ class JobManager:
         adopted = await self._io(self._store.adopt_orphans, self._id, OWNER_STALE_S)
         for record in adopted:
             try:
-                handle = ray.get_actor(run_actor_name(record.id), namespace=RUN_NAMESPACE)
+                handle = await asyncio.to_thread(ray.get_actor, run_actor_name(record.id), namespace=RUN_NAMESPACE)
             except ValueError:
                 await self._run_gone(record, "service restarted")
                 continue
@@ -497,11 +514,11 @@ class JobManager:
         handle = run.handle if run else None
         if handle is None:
             try:
-                handle = ray.get_actor(run_actor_name(job_id), namespace=RUN_NAMESPACE)
+                handle = await asyncio.to_thread(ray.get_actor, run_actor_name(job_id), namespace=RUN_NAMESPACE)
             except ValueError:
                 return
         try:
-            ray.kill(handle, no_restart=True)
+            await asyncio.to_thread(ray.kill, handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone is fine
             pass
 
