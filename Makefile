@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test test-unit bench lint clean
 
 install: $(STAMP)
 
@@ -22,6 +22,9 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -v --durations=15
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests -m unit -q
 
 bench: $(STAMP)
 	$(PY) bench/run.py

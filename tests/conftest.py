@@ -6,16 +6,14 @@ main world_size-2 app uses deployments/local.yaml's arguments, as `make serve` d
 from __future__ import annotations
 
 import os
-import socket
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness.local import ROOT, free_port, local_yaml_args  # noqa: F401 - re-exported: tests import them from here
+
 # The test cluster: two raylets on this machine (ray.cluster_utils.Cluster), each
 # declaring one logical GPU, so multi-node placement (STRICT_SPREAD, one rank per node)
 # and GPU scheduling are exercised for real; ranks find no CUDA device and use gloo.
@@ -27,15 +25,21 @@ GPUS_PER_NODE = 1
 TEST_API_TOKEN = "test-token-0123456789"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Every test is marked `unit` (no Ray: `pytest -m unit`) or `ray`; a unit test must not
+# reach the session's Ray fixtures, which would start the cluster.
+RAY_FIXTURES = {"ray_cluster", "serve_url", "app_url"}
 
 
-def local_yaml_args() -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
-    return dict(doc["applications"][0]["args"])
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
+    for item in items:
+        unit, ray_ = item.get_closest_marker("unit"), item.get_closest_marker("ray")
+        if bool(unit) == bool(ray_):
+            wrong.append(f"{item.nodeid}: mark it exactly one of unit or ray")
+        elif unit and RAY_FIXTURES & set(item.fixturenames):
+            wrong.append(f"{item.nodeid}: marked unit but uses {sorted(RAY_FIXTURES & set(item.fixturenames))}")
+    if wrong:
+        raise pytest.UsageError("test markers:\n  " + "\n  ".join(wrong))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ import pytest
 
 from service.gang.batching import StepBatcher
 
+pytestmark = pytest.mark.unit
+
 
 class RecordingStep:
     """A stand-in *step function* (not the gang): doubles its input and records batch shapes."""

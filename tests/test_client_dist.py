@@ -74,6 +74,7 @@ def imported_modules(path: Path) -> set[str]:
 
 # ---- one place for each concern (no Ray) ----------------------------------------------------
 
+@pytest.mark.unit
 def test_the_client_imports_nothing_of_the_server() -> None:
     allowed = {"numpy", "httpx", "orjson", "stamina", "ml_dtypes", "gangserve_client", "__future__"}
     for path in sorted(CLIENT_PACKAGE.glob("*.py")):
@@ -81,6 +82,7 @@ def test_the_client_imports_nothing_of_the_server() -> None:
         assert third_party <= allowed, (path.name, sorted(third_party - allowed))
 
 
+@pytest.mark.unit
 def test_the_service_codecs_and_token_rule_are_the_clients() -> None:
     from service import auth, codecs
 
@@ -92,11 +94,13 @@ def test_the_service_codecs_and_token_rule_are_the_clients() -> None:
     assert auth.tokens is tokens and "os.environ" not in (ROOT / "service" / "auth.py").read_text()
 
 
+@pytest.mark.unit
 def test_bench_does_not_import_tests() -> None:
     for path in sorted((ROOT / "bench").glob("*.py")):
         assert "tests" not in imported_modules(path), path.name
 
 
+@pytest.mark.unit
 def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.auth import load_api_token
 
@@ -116,6 +120,7 @@ def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch:
     assert load_infer_token() == tokens.infer_token() == "infer"
 
 
+@pytest.mark.unit
 def test_codec_errors_are_typed_and_bounded_on_the_client_too() -> None:
     """The shared codecs raise WireFormatError (a ValueError) in the client; the service maps
     the same failures to its HTTP errors (tests/test_codecs.py, tests/test_hardening.py)."""
@@ -201,6 +206,7 @@ def npy_reply(array: np.ndarray) -> tuple[int, dict[str, str], bytes]:
     return 200, {"content-type": wire.NPY}, wire.encode_npy(array)
 
 
+@pytest.mark.unit
 def test_503_and_429_with_retry_after_are_retried_with_backoff_sync_and_async(script: Any) -> None:
     y = rand(1, 2, 4, seed=1)
     steps = [error(503, "gang_rebuilding", "0"), error(429, "overloaded", "0.2"), npy_reply(y)]
@@ -222,6 +228,7 @@ def test_503_and_429_with_retry_after_are_retried_with_backoff_sync_and_async(sc
     assert len(server.seen) == 6
 
 
+@pytest.mark.unit
 def test_retries_are_bounded_by_attempts_and_raise_the_typed_error(script: Any) -> None:
     server = script([error(503, "gang_starting", "0")] * 10)
     with GangServeClient(server.url, retries=2) as client, pytest.raises(UnavailableError) as info:
@@ -237,6 +244,7 @@ def test_retries_are_bounded_by_attempts_and_raise_the_typed_error(script: Any) 
     assert len(server.seen) == 2 and quota.value.status == 429
 
 
+@pytest.mark.unit
 def test_retries_are_bounded_by_time(script: Any) -> None:
     server = script([error(503, "gang_starting", "1")] * 100)
     start = time.monotonic()
@@ -245,6 +253,7 @@ def test_retries_are_bounded_by_time(script: Any) -> None:
     assert time.monotonic() - start < 6 and 2 <= len(server.seen) <= 5
 
 
+@pytest.mark.unit
 def test_connection_refused_is_retried_until_the_service_listens(script: Any) -> None:
     port = free_port()
     y = rand(2, 4, seed=2)
@@ -267,6 +276,7 @@ def test_connection_refused_is_retried_until_the_service_listens(script: Any) ->
     assert isinstance(info.value, ConnectionError) and info.value.__cause__ is not None
 
 
+@pytest.mark.unit
 def test_a_dropped_connection_is_retried_only_when_resending_is_safe(script: Any) -> None:
     job = {"id": "job-1", "status": "PENDING"}
     server = script(["drop", (200, {}, json.dumps(job).encode())])
@@ -280,6 +290,7 @@ def test_a_dropped_connection_is_retried_only_when_resending_is_safe(script: Any
 
 # ---- against the service (real Ray, Serve, HTTP) -------------------------------------------
 
+@pytest.mark.ray
 def test_training_calls_raise_typed_errors(app_url: str) -> None:
     with TrainingClient(app_url, token="not-the-token") as client, pytest.raises(AuthError) as auth:
         client.jobs()
@@ -292,6 +303,7 @@ def test_training_calls_raise_typed_errors(app_url: str) -> None:
         assert invalid.value.status == 422 and "epochs" in invalid.value.message
 
 
+@pytest.mark.ray
 def test_inference_sends_the_inference_token(app_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The client sends $GANGSERVE_INFER_TOKEN on inference (a service without one ignores it)."""
     monkeypatch.setenv("GANGSERVE_INFER_TOKEN", "some-inference-token")
@@ -307,6 +319,7 @@ def _fresh_env(venv: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.ray
 def test_pip_install_clients_alone_and_gangserve_infer(app_url: str, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)

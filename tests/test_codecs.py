@@ -24,6 +24,8 @@ from safetensors.torch import save as st_save_torch
 from service import codecs
 from service.errors import BadRequest, GangServeError, InvalidInput
 
+pytestmark = pytest.mark.unit
+
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ["float16", "bfloat16", "float32", "float64"]

@@ -8,6 +8,8 @@ from ray.serve.schema import ServeDeploySchema
 from service.app import InvalidAppArgs, compose_app, parse_args
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.unit
+
 
 def test_unknown_key_is_rejected_with_its_name() -> None:
     with pytest.raises(InvalidAppArgs, match="world_sise.*Extra inputs are not permitted"):

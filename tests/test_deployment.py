@@ -33,6 +33,8 @@ from packaging.utils import canonicalize_name
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.unit
+
 DOCKERFILE = ROOT / "Dockerfile"
 KUBERAY = ROOT / "deployments" / "kuberay.yaml"
 KUBERAY_CRD = ROOT / "tests" / "data" / "kuberay" / "ray.io_rayservices-v1.6.2.yaml.gz"

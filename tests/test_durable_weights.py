@@ -24,6 +24,8 @@ from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
 from tests.reference import dense_attention, relative_error
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
 APP = "durable"
 

@@ -18,6 +18,8 @@ from tests.conftest import deploy, local_yaml_args
 from tests.faults import RequestLoop, gang_info, pid_alive, wait_for_new_gang
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 WEIGHTS = notes_seed_weights(512)
 COLLECTIVE_TIMEOUT_S = 5.0
 ALLOWED = {200, 503, 504}

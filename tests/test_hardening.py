@@ -333,6 +333,7 @@ def prepare_oip(body: bytes, encoding: str, header_length: int | None, output_dt
 
 @deterministic(400)
 @given(npy_bodies())
+@pytest.mark.unit
 def test_fuzz_npy_headers(body: bytes) -> None:
     decoded_or_typed_error(lambda: codecs.decode(body, codecs.NPY, LIMITS))
     decoded_or_typed_error(lambda: codecs.decode_npy(body), limits=None)  # without limits too (the client uses it)
@@ -340,6 +341,7 @@ def test_fuzz_npy_headers(body: bytes) -> None:
 
 @deterministic(400)
 @given(safetensors_bodies())
+@pytest.mark.unit
 def test_fuzz_safetensors_headers(body: bytes) -> None:
     array = decoded_or_typed_error(lambda: codecs.decode(body, codecs.SAFETENSORS, LIMITS))
     if array is not None:  # whatever was accepted lies exactly inside the body
@@ -349,6 +351,7 @@ def test_fuzz_safetensors_headers(body: bytes) -> None:
 
 @deterministic(400)
 @given(json_bodies())
+@pytest.mark.unit
 def test_fuzz_json_bodies(body: bytes) -> None:
     decoded_or_typed_error(lambda: codecs.decode(body, codecs.JSON, LIMITS))
     decoded_or_typed_error(lambda: codecs.decode_json(body), limits=None)
@@ -356,6 +359,7 @@ def test_fuzz_json_bodies(body: bytes) -> None:
 
 @deterministic(400)
 @given(oip_requests())
+@pytest.mark.unit
 def test_fuzz_oip_requests(request: tuple[bytes, str, int | None, str | None]) -> None:
     prepare_oip(*request)
 
@@ -366,6 +370,7 @@ _VALID = {**valid_bodies(_X), "oip-json": oip_body(_X, False)[0], "oip-binary": 
 
 @deterministic(500)
 @given(st.sampled_from(sorted(_VALID)).flatmap(lambda kind: st.tuples(st.just(kind), mutated(_VALID[kind]))))
+@pytest.mark.unit
 def test_fuzz_mutated_valid_bodies(case: tuple[str, bytes]) -> None:
     kind, body = case
     if kind == "oip-json":
@@ -376,6 +381,7 @@ def test_fuzz_mutated_valid_bodies(case: tuple[str, bytes]) -> None:
         decoded_or_typed_error(lambda: codecs.decode(body, kind, LIMITS))
 
 
+@pytest.mark.unit
 def test_valid_bodies_still_decode_exactly() -> None:
     for media, body in valid_bodies(_X).items():
         assert np.array_equal(codecs.decode(body, media, LIMITS), _X), media
@@ -391,6 +397,7 @@ def test_valid_bodies_still_decode_exactly() -> None:
 @pytest.mark.parametrize("descr, name", [
     ("<f16", "float128"), ("<c8", "complex64"), ("<i8", "int64"), ("|b1", "bool"), ("|V2", "bfloat16"), ("<U4", "str"),
 ])
+@pytest.mark.unit
 def test_npy_dtypes_outside_the_four_are_refused_by_name(descr: str, name: str) -> None:
     body = npy_file(f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': (1, {E}), }}",
                     data=b"\0" * (E * np.dtype(descr).itemsize))
@@ -410,6 +417,7 @@ def test_npy_dtypes_outside_the_four_are_refused_by_name(descr: str, name: str) 
     "{'descr': '<f4', 'fortran_order': 'no', 'shape': (1, 8)}",
     "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 8), 'extra': 1}",
 ])
+@pytest.mark.unit
 def test_npy_header_crafts_that_gave_500s(header: str) -> None:
     with pytest.raises(GangServeError) as info:
         codecs.decode(npy_file(header), codecs.NPY, LIMITS)
@@ -424,12 +432,14 @@ def test_npy_header_crafts_that_gave_500s(header: str) -> None:
     b'{"hidden_states": [], "shape": [0, 1000000000000000000000]}',
     b'{"hidden_states": [], "shape": {"a": 1}}',
 ])
+@pytest.mark.unit
 def test_json_crafts_that_gave_500s(body: bytes) -> None:
     with pytest.raises(GangServeError) as info:
         codecs.decode(body, codecs.JSON, LIMITS)
     check_error(info.value)
 
 
+@pytest.mark.unit
 def test_safetensors_zero_size_tensor_with_a_huge_dim_is_refused() -> None:
     for shape in ([0, 2**40], [0, 2**62], [0] + [2**31 - 1] * 3):
         header = json.dumps({"hidden_states": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
@@ -449,6 +459,7 @@ def bomb(kind: str, size: int) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["empty lists", "objects", "keys", "strings", "zeros", "nested rows"])
+@pytest.mark.unit
 def test_json_bombs_are_refused_before_they_are_converted(kind: str) -> None:
     body = bomb(kind, SERVICE_LIMITS.max_json_bytes - 64)
     start = time.perf_counter()
@@ -462,6 +473,7 @@ def test_json_bombs_are_refused_before_they_are_converted(kind: str) -> None:
     assert info.value.status == 413 and "max_json_bytes" in info.value.message
 
 
+@pytest.mark.unit
 def test_gzip_bomb_inflates_only_up_to_the_json_cap() -> None:
     inflated = bomb("empty lists", 64 * 1024 * 1024)
     body = gzip.compress(inflated, 9)
@@ -473,6 +485,7 @@ def test_gzip_bomb_inflates_only_up_to_the_json_cap() -> None:
     assert time.perf_counter() - start < TIME_BOUND_S
 
 
+@pytest.mark.unit
 def test_error_messages_are_bounded() -> None:
     assert len(GangServeError("x" * 100_000).message) == MAX_MESSAGE_CHARS
     huge = json.dumps({"hidden_states": [["a" * 50_000]]}).encode()
@@ -483,6 +496,7 @@ def test_error_messages_are_bounded() -> None:
 
 # ---------------------------------------------------------------- the decoding pool
 
+@pytest.mark.unit
 def test_decode_pool_admission_is_bounded_by_work_really_running() -> None:
     async def main() -> None:
         pool = DecodePool(threads=1, max_pending=2)
@@ -511,6 +525,7 @@ def test_decode_pool_admission_is_bounded_by_work_really_running() -> None:
 
 # ---------------------------------------------------------------- state dir, token file, redaction
 
+@pytest.mark.unit
 def test_state_dir_is_created_private_and_an_exposed_one_is_warned_about(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -534,6 +549,7 @@ def test_state_dir_is_created_private_and_an_exposed_one_is_warned_about(
     assert any("chmod 600" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.unit
 def test_paths_and_protected_routes() -> None:
     info = {"weights_source": "checkpoint:/srv/state/weights/ab12.safetensors", "reason": "cannot read ~/w.st: gone",
             "ranks": [{"node_ip": "10.0.0.1", "iface": "eth0"}], "n": 3, "url": "http://host:8000/x"}
@@ -590,6 +606,7 @@ def http_fuzz_request(client: httpx.Client, kind: str, body: bytes) -> httpx.Res
 
 @deterministic(60)
 @given(st.sampled_from(sorted(_VALID512)).flatmap(lambda kind: st.tuples(st.just(kind), mutated(_VALID512[kind]))))
+@pytest.mark.ray
 def test_http_fuzz_mutated_bodies_never_5xx(http: httpx.Client, case: tuple[str, bytes]) -> None:
     start = time.perf_counter()
     assert_typed_reply(http_fuzz_request(http, *case))
@@ -600,10 +617,12 @@ def test_http_fuzz_mutated_bodies_never_5xx(http: httpx.Client, case: tuple[str,
 @given(st.one_of(npy_bodies().map(lambda b: (codecs.NPY, b)), safetensors_bodies().map(lambda b: (codecs.SAFETENSORS, b)),
                  json_bodies().map(lambda b: (codecs.JSON, b)),
                  oip_requests().map(lambda r: ("oip-json", r[0]) if r[1] == "identity" and r[2] is None else (codecs.JSON, r[0]))))
+@pytest.mark.ray
 def test_http_fuzz_generated_headers_never_5xx(http: httpx.Client, case: tuple[str, bytes]) -> None:
     assert_typed_reply(http_fuzz_request(http, *case))
 
 
+@pytest.mark.ray
 def test_service_answers_right_after_the_fuzzing(app_url: str) -> None:
     assert_serves_correctly(app_url)
 
@@ -618,12 +637,14 @@ def test_service_answers_right_after_the_fuzzing(app_url: str) -> None:
     (codecs.SAFETENSORS, (lambda h: struct.pack("<Q", len(h)) + h)(json.dumps(
         {"hidden_states": {"dtype": "F32", "shape": [0, 2**62], "data_offsets": [0, 0]}}).encode()), 422, "too large"),
 ], ids=["npy bool dim", "npy float128", "npy complex", "npy subarray", "json dtype {}", "json dtype []", "st huge dim"])
+@pytest.mark.ray
 def test_issue_crafts_are_4xx_over_http(http: httpx.Client, media: str, body: bytes, status: int, fragment: str) -> None:
     r = http.post("/infer", content=body, headers={"content-type": media})
     assert r.status_code == status and fragment in r.json()["error"], r.text
     assert_typed_reply(r)
 
 
+@pytest.mark.ray
 def test_json_over_max_json_bytes_is_refused_before_it_is_read(http: httpx.Client) -> None:
     limit = SERVICE_LIMITS.max_json_bytes
     r = http.post("/infer", content=b" " * (limit + 1), headers={"content-type": codecs.JSON})
@@ -635,6 +656,7 @@ def test_json_over_max_json_bytes_is_refused_before_it_is_read(http: httpx.Clien
     assert r.status_code == 413 and "max_json_bytes" in r.json()["error"], r.text
 
 
+@pytest.mark.ray
 def test_json_bombs_in_flight_leave_small_requests_served(app_url: str) -> None:
     """Bombs at the JSON limit, several at once, while small valid requests keep flowing:
     the bombs get 4xx (or 503 overloaded), every small request is answered right."""
@@ -685,6 +707,7 @@ PROTECTED = [
 
 
 @pytest.mark.parametrize("method, path", PROTECTED, ids=[f"{m} {p}" for m, p in PROTECTED])
+@pytest.mark.ray
 def test_protected_routes_need_the_api_token(http: httpx.Client, method: str, path: str) -> None:
     for headers, code in (({}, "missing_token"), ({"authorization": "Basic abc"}, "missing_token"),
                           ({"authorization": "Bearer wrong"}, "invalid_token")):
@@ -697,6 +720,7 @@ def test_protected_routes_need_the_api_token(http: httpx.Client, method: str, pa
     assert r.status_code != 401 and r.status_code < 500, r.text
 
 
+@pytest.mark.ray
 def test_reads_work_with_the_token(http: httpx.Client) -> None:
     assert http.get("/train", headers=AUTH).status_code == 200
     assert http.get("/datasets", headers=AUTH).status_code == 200
@@ -722,6 +746,7 @@ def _raw_post_headers_only(base: str, path: str, declared: int, headers: dict[st
 
 
 @pytest.mark.parametrize("path", ["/weights", "/datasets", "/train"])
+@pytest.mark.ray
 def test_auth_is_checked_before_the_body_is_read(app_url: str, path: str) -> None:
     status, seconds = _raw_post_headers_only(app_url, path, 300 * 1024 * 1024, {"content-type": codecs.JSON})
     assert status == 401 and seconds < 15
@@ -730,6 +755,7 @@ def test_auth_is_checked_before_the_body_is_read(app_url: str, path: str) -> Non
     assert status == 401 and seconds < 15
 
 
+@pytest.mark.ray
 def test_openapi_declares_the_bearer_schemes(http: httpx.Client) -> None:
     doc = http.get("/openapi.json").json()
     schemes = doc["components"]["securitySchemes"]
@@ -779,6 +805,7 @@ def hard_url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     serve.delete("hardened")
 
 
+@pytest.mark.ray
 def test_inference_token_when_set(hard_url: str) -> None:
     x = _X512
     oip_json, _ = oip_body(x, False)
@@ -798,6 +825,7 @@ def test_inference_token_when_set(hard_url: str) -> None:
     assert httpx.get(hard_url + "/v2/health/ready", timeout=30).status_code == 200
 
 
+@pytest.mark.ray
 def test_gang_shows_no_paths_without_the_api_token(hard_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     public = httpx.get(hard_url + "/gang", timeout=30)
     assert public.status_code == 200
@@ -809,6 +837,7 @@ def test_gang_shows_no_paths_without_the_api_token(hard_url: str, tmp_path_facto
     assert full.status_code == 200 and full.json()["world_size"] == public.json()["world_size"] == 1
 
 
+@pytest.mark.ray
 def test_one_slot_pool_answers_503_overloaded_with_retry_after(hard_url: str) -> None:
     """decode_threads=1, max_pending_decodes=1: concurrent large JSON bodies overflow the
     pool; the overflow is 503 `overloaded` + Retry-After, the rest is computed right."""

@@ -36,6 +36,8 @@ def _poll(url: str, until, timeout_s: float) -> httpx.Response:
     raise AssertionError(f"condition not met within {timeout_s}s; last: {last and last.text}")
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_strict_spread_puts_one_rank_per_node_and_answers(serve_url: str) -> None:
     args = {**GPU_ARGS, "world_size": 2, "placement_strategy": "STRICT_SPREAD"}
     base = deploy(serve_url, "spread", "/spread", args)
@@ -54,6 +56,8 @@ def test_strict_spread_puts_one_rank_per_node_and_answers(serve_url: str) -> Non
         serve.delete("spread")
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_notes_scenario_four_gpu_ranks_on_two_gpus_fails_fast(ray_cluster: object) -> None:
     args = {**GPU_ARGS, "world_size": 4, "placement_strategy": "STRICT_SPREAD"}
     t0 = time.monotonic()
@@ -66,12 +70,16 @@ def test_notes_scenario_four_gpu_ranks_on_two_gpus_fails_fast(ray_cluster: objec
     assert "2 GPU on 2 nodes" in info.value.message
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_single_node_strict_pack_too_big_fails_fast(ray_cluster: object) -> None:
     args = {**local_yaml_args(), "world_size": 2, "cpus_per_rank": 3, "placement_strategy": "STRICT_PACK"}
     with pytest.raises(GangUnschedulable, match=r"gang needs 2 x \{CPU: 3\} \(STRICT_PACK\); cluster has 6 CPU on 2 nodes"):
         build_app(args)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_running_app_with_unschedulable_gang_answers_503_with_the_reason(serve_url: str) -> None:
     """A gang that slipped past preflight (e.g. nodes left) is diagnosed by the ingress."""
     cfg = parse_args({**GPU_ARGS, "world_size": 4, "placement_strategy": "STRICT_SPREAD"})
@@ -91,6 +99,8 @@ def test_running_app_with_unschedulable_gang_answers_503_with_the_reason(serve_u
         serve.delete("infeasible", _blocking=False)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_busy_cluster_waits_schedule_timeout_then_reports_and_recovers(serve_url: str) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -137,6 +147,8 @@ def _app_config(args: dict) -> dict:
     }
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_launcher_exits_nonzero_fast_for_the_notes_scenario(ray_cluster, tmp_path) -> None:
     """`serve run CONFIG` never exits on an unplaceable gang (Ray 2.60); service.launch does."""
     args = {"world_size": 4, "use_gpu": True, "placement_strategy": "STRICT_SPREAD", "cpus_per_rank": 0.25}
@@ -148,6 +160,7 @@ def test_launcher_exits_nonzero_fast_for_the_notes_scenario(ray_cluster, tmp_pat
     assert elapsed < 30
 
 
+@pytest.mark.unit
 def test_launcher_rejects_invalid_args_before_touching_ray(tmp_path) -> None:
     code, stderr, _ = _launch(_app_config({"world_size": 3}), tmp_path, None)
     assert code == 2

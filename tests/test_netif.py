@@ -5,6 +5,8 @@ import pytest
 
 from service import netif
 
+pytestmark = pytest.mark.unit
+
 
 def test_loopback_address_maps_to_the_loopback_interface() -> None:
     interfaces = netif.ipv4_interfaces()

@@ -18,6 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
+pytestmark = pytest.mark.ray
+
 SEED_WEIGHTS = notes_seed_weights(512)
 INFER = "/v2/models/attention/infer"
 

@@ -10,6 +10,7 @@ import re
 import time
 
 import httpx
+import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -21,6 +22,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+pytestmark = pytest.mark.ray
 
 
 @schemathesis.serializer("application/x-safetensors", "application/x-npy")

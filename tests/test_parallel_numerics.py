@@ -12,6 +12,8 @@ from service.parallel.weights import random_weights, seed_weights
 from tests.reference import dense_attention, relative_error
 from tests.tp_worker import run_rank
 
+pytestmark = pytest.mark.unit
+
 NUM_HEADS = 8
 
 

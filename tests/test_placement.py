@@ -13,6 +13,8 @@ from service.gang.placement import (
     waiting_reason,
 )
 
+pytestmark = pytest.mark.unit
+
 TWO_GPU_NODES = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
 
 

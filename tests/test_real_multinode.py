@@ -22,7 +22,11 @@ from tests.netns_cluster import NetnsCluster
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 WHY_NOT = NetnsCluster.available()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces unavailable: {WHY_NOT}")
+pytestmark = [
+    pytest.mark.skipif(WHY_NOT is not None, reason=f"network namespaces unavailable: {WHY_NOT}"),
+    pytest.mark.ray,
+    pytest.mark.slow,
+]
 
 SEED = notes_seed_weights(512)
 COLLECTIVE_TIMEOUT_S = 5.0

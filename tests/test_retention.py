@@ -25,6 +25,7 @@ from tests.test_training import AUTH, assert_error, post, state_dir
 # ---- units: limits --------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_limits_name_themselves_and_split_alone_from_next_to_others() -> None:
     from service.errors import GangServeError
     from service.training.limits import (
@@ -78,6 +79,7 @@ def _job(i: int, **kw: Any) -> Any:
                      progress={"epoch": 0, "epochs": 1, "step": 0}, **kw)
 
 
+@pytest.mark.unit
 def test_admission_is_atomic_across_concurrent_submits(tmp_path: Path) -> None:
     """16 threads (two store connections, like two managers) race for 3 active slots."""
     from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
@@ -111,6 +113,7 @@ def test_admission_is_atomic_across_concurrent_submits(tmp_path: Path) -> None:
     assert {r.id for r in stores[0].list_jobs(50)[0]} == {f"job-{i}" for i in admitted} | {"job-100"}
 
 
+@pytest.mark.unit
 def test_a_job_on_a_deleted_dataset_is_refused_and_a_used_dataset_cannot_be_deleted(tmp_path: Path) -> None:
     from service.training.store import DatasetInUse, JobStore
 
@@ -137,6 +140,7 @@ def test_a_job_on_a_deleted_dataset_is_refused_and_a_used_dataset_cannot_be_dele
     assert store.dataset_usage() == (1, 20)
 
 
+@pytest.mark.unit
 def test_loss_history_is_stored_incrementally(tmp_path: Path) -> None:
     """Each poll stores only the epochs reported since the last one; earlier rows are never
     rewritten. A resumed attempt's re-report of epoch e replaces e and drops later epochs."""
@@ -210,6 +214,7 @@ sshfs#me@host: /mnt/sshfs fuse.sshfs rw 0 0
     ("/mnt/ceph/jobs.sqlite", "ceph", "delete"),
     ("/mnt/with space/jobs.sqlite", "xfs", "wal"),
 ])
+@pytest.mark.unit
 def test_journal_mode_is_wal_only_on_local_file_systems(
         path: str, fstype: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.training.store import filesystem_type, journal_mode_for
@@ -220,6 +225,7 @@ def test_journal_mode_is_wal_only_on_local_file_systems(
     assert got == mode and fstype in why
 
 
+@pytest.mark.unit
 def test_the_store_opens_in_the_detected_journal_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Real files and the real /proc/mounts: the mode SQLite reports is the one chosen, and
     the override switches an existing WAL database to the rollback journal."""
@@ -285,6 +291,7 @@ async def _refused(call: Any, status: int, code: str, needle: str) -> str:
     return info.value.message
 
 
+@pytest.mark.ray
 def test_quotas_refuse_with_the_limit_named_and_deletes_give_the_room_back(tight: Any) -> None:
     import ray
 
@@ -367,10 +374,12 @@ def test_quotas_refuse_with_the_limit_named_and_deletes_give_the_room_back(tight
     ({"world_size": 9, "use_gpu": True}, "max_training_gpus is 8"),
     ({"max_runtime_s": 10**6}, "the service's max_runtime_s is 21600"),
 ])
+@pytest.mark.ray
 def test_over_limit_jobs_are_422_naming_the_limit(app_url: str, body: dict[str, Any], needle: str) -> None:
     assert needle in assert_error(post(app_url, "/train", body), 422, "over_limit")["error"]
 
 
+@pytest.mark.ray
 def test_uploaded_sequences_are_bounded_by_max_seq_len(app_url: str) -> None:
     x = np.zeros((1, 4097, 8), np.float32)
     reply = httpx.post(app_url + "/datasets", content=st_save({"inputs": x, "targets": x}), timeout=60,
@@ -378,6 +387,7 @@ def test_uploaded_sequences_are_bounded_by_max_seq_len(app_url: str) -> None:
     assert "max_seq_len is 4096" in assert_error(reply, 422, "over_limit")["error"]
 
 
+@pytest.mark.ray
 def test_delete_routes_need_the_token_and_name_unknown_ids(app_url: str) -> None:
     bad = {"authorization": "Bearer not-the-token"}
     for path in ("/train/job-000000000000", "/datasets/ds-000000000000"):
@@ -389,6 +399,7 @@ def test_delete_routes_need_the_token_and_name_unknown_ids(app_url: str) -> None
     assert_error(httpx.delete(app_url + "/datasets/ds-NOT-AN-ID", headers=AUTH, timeout=30), 404, "dataset_not_found")
 
 
+@pytest.mark.ray
 def test_deleting_a_finished_job_removes_its_record_logs_run_and_checkpoint(app_url: str) -> None:
     reply = post(app_url, "/train", {"model": {"kind": "linear"}, "dataset": {"samples": 64}, "world_size": 1,
                                      "cpus_per_worker": 0.25, "epochs": 2})

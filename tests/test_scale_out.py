@@ -44,6 +44,8 @@ def _gangs(base: str) -> dict:
     return httpx.get(base + "/gangs", timeout=10).json()
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_two_gangs_are_listed_with_their_own_ranks(two_gangs: str) -> None:
     info = _gangs(two_gangs)
     assert (info["desired"], info["ready"], info["missing"]) == (2, 2, []), info
@@ -56,6 +58,8 @@ def test_two_gangs_are_listed_with_their_own_ranks(two_gangs: str) -> None:
     assert one["state"] == "ready" and one["replica_id"] in ids and len(one["ranks"]) == 2
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_requests_spread_over_both_gangs_and_are_all_correct(two_gangs: str) -> None:
     before = {g["replica_id"]: g["batching"]["requests"] for g in _gangs(two_gangs)["gangs"]}
     inputs = [np.random.default_rng(i).standard_normal((1, 6, 512), dtype=np.float32) for i in range(48)]
@@ -91,6 +95,8 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
             for p in ("q_proj", "k_proj", "v_proj", "out_proj") for k in ("weight", "bias")}
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_weights_swap_reaches_every_gang_and_no_answer_mixes_versions(two_gangs: str) -> None:
     from service.state import state_dir
 
@@ -114,6 +120,8 @@ def test_a_weights_swap_reaches_every_gang_and_no_answer_mixes_versions(two_gang
     assert versions == {body["weights_version"]}
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: str) -> None:
     """A peer of one gang dies: that gang is rebuilt in place while the other answers."""
     info = _gangs(two_gangs)
@@ -151,6 +159,7 @@ def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: 
     assert during and ok >= 0.8 * len(during), (ok, len(during))
 
 
+@pytest.mark.unit
 def test_preflight_counts_every_gangs_bundles() -> None:
     cfg = AppConfig.model_validate({**local_yaml_args(), "num_replicas": 3, "cpus_per_rank": 1.0})
     two_nodes = ClusterSnapshot(totals=[{"CPU": 2.0}, {"CPU": 2.0}])
@@ -166,6 +175,8 @@ def test_preflight_counts_every_gangs_bundles() -> None:
     assert gang_request(auto).gangs == 2
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swapped_weights(two_gangs: str) -> None:
     """kill -9 of one gang's GangServer replica (its rank 0): Serve replaces the replica with a
     new gang, which loads the recorded (swapped) version before it takes traffic."""
@@ -196,6 +207,8 @@ def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swa
     assert all(g["state"] == "ready" and g["weights_version"] == version for g in now["gangs"]), now["gangs"]
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_autoscaling_adds_a_gang_under_load_and_drains_it_without_failures(serve_url: str) -> None:
     """1 -> 2 gangs while 8 clients keep the gang busy, back to 1 when one client remains;
     the gang that goes away is drained: no request fails on the way down."""

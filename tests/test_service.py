@@ -23,6 +23,8 @@ from gangserve_client import GangServeClient
 from tests.conftest import ROOT, deploy, local_yaml_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
+pytestmark = pytest.mark.ray
+
 SEED_WEIGHTS = notes_seed_weights(512)
 
 

@@ -35,6 +35,7 @@ def reference(x: np.ndarray) -> torch.Tensor:
     return dense_attention(notes_seed_weights(512), 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
+@pytest.mark.unit
 def test_round_trip_reply_in_place_and_unlink() -> None:
     x = rand(2, 3, 8).astype(np.float64)  # any float dtype is copied in as float32
     ref, mine = shm.create(x, node_id="n1")
@@ -52,6 +53,7 @@ def test_round_trip_reply_in_place_and_unlink() -> None:
         shm.open_ref(ref, node_id="n1")
 
 
+@pytest.mark.unit
 def test_refuses_other_nodes_and_foreign_names() -> None:
     ref, _ = shm.create(np.zeros((1, 1, 4), np.float32), node_id="n1")
     try:
@@ -64,6 +66,7 @@ def test_refuses_other_nodes_and_foreign_names() -> None:
         shm.unlink(ref)
 
 
+@pytest.mark.unit
 def test_sweep_removes_only_files_of_dead_processes() -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
@@ -79,6 +82,7 @@ def test_sweep_removes_only_files_of_dead_processes() -> None:
         stale.unlink(missing_ok=True)
 
 
+@pytest.mark.ray
 def test_gang_server_reads_and_replies_through_shared_memory(app_url: str) -> None:
     from ray import serve
 
@@ -98,6 +102,7 @@ def test_gang_server_reads_and_replies_through_shared_memory(app_url: str) -> No
         shm.unlink(ref)
 
 
+@pytest.mark.ray
 def test_http_requests_use_shared_memory_on_one_node_and_leave_no_files(app_url: str) -> None:
     before_files = gangserve_files()
     before = httpx.get(app_url + "/gang", timeout=30).json()
@@ -139,6 +144,7 @@ def _driver_side_client(app_url: str) -> tuple[object, str]:
     return client, rank0_node
 
 
+@pytest.mark.ray
 def test_gang_client_hands_tensors_over_shared_memory(app_url: str) -> None:
     client, _ = _driver_side_client(app_url)
     big = rand(3, 32, 512, seed=14)  # 192 KiB
@@ -152,6 +158,7 @@ def test_gang_client_hands_tensors_over_shared_memory(app_url: str) -> None:
     assert not any(name.startswith(f"{shm.PREFIX}{os.getpid()}-") for name in gangserve_files())
 
 
+@pytest.mark.ray
 def test_gang_client_falls_back_to_the_object_store_when_shm_fails(app_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     client, _ = _driver_side_client(app_url)
     monkeypatch.setattr(shm, "SHM_DIR", Path("/nonexistent-shm-dir"))  # as if /dev/shm were gone or full
@@ -167,6 +174,7 @@ def test_gang_client_falls_back_to_the_object_store_when_shm_fails(app_url: str,
     assert client._transport == {"shared_memory": 0, "object_store": 2, "shared_memory_fallbacks": 1}
 
 
+@pytest.mark.ray
 def test_rank_death_during_shared_memory_requests_is_a_clean_error_and_leaves_no_files(app_url: str) -> None:
     """kill -9 of rank 1 while shm requests flow: every request either gets its exact rows or
     a GangServeError (503/504 at the edge), no /dev/shm file outlives its call, and the

@@ -116,6 +116,7 @@ def jobs(app_url: str) -> dict[str, str]:
 
 # ---- units (no Ray) ------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_empty_spec_is_a_small_valid_job() -> None:
     from service.training.spec import JobSpec
 
@@ -127,6 +128,7 @@ def test_empty_spec_is_a_small_valid_job() -> None:
     assert JobSpec.model_validate({"use_gpu": True}).worker_bundle() == {"CPU": 0.5, "GPU": 1.0}
 
 
+@pytest.mark.unit
 def test_store_pages_newest_first_and_terminal_states_stick(tmp_path: Path) -> None:
     from service.training.store import JobRecord, JobStore
 
@@ -156,6 +158,7 @@ def test_store_pages_newest_first_and_terminal_states_stick(tmp_path: Path) -> N
     assert reopened.adopt_orphans("mgr-c", stale_after_s=15) == []
 
 
+@pytest.mark.unit
 def test_token_file_is_created_once_with_mode_0600(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from service.auth import load_api_token, token_matches
 
@@ -169,6 +172,7 @@ def test_token_file_is_created_once_with_mode_0600(tmp_path: Path, monkeypatch: 
     assert load_api_token(tmp_path) == ("from-env", "environment variable GANGSERVE_API_TOKEN")
 
 
+@pytest.mark.unit
 def test_paths_must_resolve_inside_the_state_dir(tmp_path: Path) -> None:
     from service.state import resolve_inside
 
@@ -181,6 +185,7 @@ def test_paths_must_resolve_inside_the_state_dir(tmp_path: Path) -> None:
             resolve_inside(tmp_path, bad)
 
 
+@pytest.mark.unit
 def test_feasibility_counts_whole_bundles_per_node() -> None:
     from service.training.resources import infeasible_reason
 
@@ -195,6 +200,8 @@ def test_feasibility_counts_whole_bundles_per_node() -> None:
 
 # ---- admission: auth, schema, fail-fast ---------------------------------------------------
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_mutating_routes_need_the_token(app_url: str) -> None:
     bad = {"authorization": "Bearer not-the-token"}
     for path, body in (("/train", {}), ("/train/job-000000000000/cancel", None), ("/weights", {"job_id": "x"}),
@@ -220,16 +227,22 @@ def test_mutating_routes_need_the_token(app_url: str) -> None:
     ({"dataset": {"kind": "uploaded", "id": "../../etc"}}, "dataset"),
     ({"dataset": {"kind": "uploaded", "id": "ds-000000000000"}}, "does not exist"),
 ])
+@pytest.mark.ray
+@pytest.mark.slow
 def test_schema_rejections(app_url: str, body: dict[str, Any], where: str) -> None:
     doc = assert_error(post(app_url, "/train", body), 422)
     assert where in doc["error"], doc
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_malformed_bodies(app_url: str) -> None:
     assert_error(httpx.post(app_url + "/train", content=b"{not json", headers=AUTH, timeout=30), 400, "malformed")
     assert_error(httpx.post(app_url + "/train", content=b"[1, 2]", headers=AUTH, timeout=30), 400, "malformed")
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
     """8 GPU workers on a cluster with 2 (logical) GPUs: 422 at once, needed vs available."""
     t0 = time.monotonic()
@@ -246,6 +259,8 @@ def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
 
 # ---- jobs run to completion ---------------------------------------------------------------
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str, jobs: dict[str, str]) -> None:
     job_id = jobs["attention"]
     job = wait_done(app_url, job_id)
@@ -284,6 +299,8 @@ def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str
     assert loss_of(weights) < 0.8 * loss_of(untrained)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_linear_seed_example_trains(app_url: str, jobs: dict[str, str]) -> None:
     job = wait_done(app_url, jobs["linear"])
     assert job["status"] == "SUCCEEDED", job
@@ -298,6 +315,8 @@ def test_linear_seed_example_trains(app_url: str, jobs: dict[str, str]) -> None:
     assert_error(post(app_url, "/weights", {"job_id": job["id"]}), 409, "checkpoint_mismatch")
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[str, str]) -> None:
     job_id = jobs["kill"]
     job = wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 1
@@ -313,6 +332,8 @@ def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[
     assert any("attempt 2" in line and "resuming from the checkpoint after epoch" in line for line in logs), logs
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_cancel_stops_the_run_and_frees_its_workers(app_url: str) -> None:
     reply = post(app_url, "/train", {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 4000},
                                      "epochs": 10_000})
@@ -347,6 +368,8 @@ def _alive(pid: int) -> bool:
 
 # ---- datasets and the CLI ------------------------------------------------------------------
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_dataset_upload_validation(app_url: str) -> None:
     def upload(body: bytes) -> httpx.Response:
         return httpx.post(app_url + "/datasets", content=body, timeout=30,
@@ -368,6 +391,8 @@ def test_dataset_upload_validation(app_url: str) -> None:
     assert "[N, 1]" in doc["error"] and "[8, 2]" in doc["error"], doc
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_cli_trains_on_an_uploaded_dataset(app_url: str) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 10), dtype=np.float32)
@@ -401,6 +426,8 @@ def test_cli_trains_on_an_uploaded_dataset(app_url: str) -> None:
 
 # ---- train -> serve -----------------------------------------------------------------------
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_weights_hot_swap_under_traffic(app_url: str, jobs: dict[str, str]) -> None:
     job = wait_done(app_url, jobs["serve"])
     assert job["status"] == "SUCCEEDED", job
@@ -451,6 +478,8 @@ def test_weights_hot_swap_under_traffic(app_url: str, jobs: dict[str, str]) -> N
     assert relative_error(seed_out, dense_attention(notes_seed_weights(512), 8, torch.from_numpy(x))) < 1e-5
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_weights_refuses_paths_outside_the_state_dir(app_url: str, jobs: dict[str, str]) -> None:
     for path in ("../../../etc/passwd", "/etc/passwd", "checkpoints/../../outside.safetensors"):
         assert_error(post(app_url, "/weights", {"checkpoint": path}), 422, "path_outside_state_dir")
@@ -467,6 +496,8 @@ def test_weights_refuses_paths_outside_the_state_dir(app_url: str, jobs: dict[st
 
 # ---- records survive -----------------------------------------------------------------------
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_list_is_newest_first_and_paginated(app_url: str, jobs: dict[str, str]) -> None:
     seen: list[dict[str, Any]] = []
     cursor = None
@@ -492,6 +523,8 @@ def test_list_is_newest_first_and_paginated(app_url: str, jobs: dict[str, str]) 
     assert_error(httpx.get(app_url + "/train/job-doesnotexist", headers=AUTH, timeout=30), 404, "job_not_found")
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_restart_keeps_every_record_and_settles_orphans(app_url: str, jobs: dict[str, str]) -> None:
     """A second JobManager on the same state dir sees every job; a job left RUNNING by a
     manager that died becomes FAILED 'service restarted' (its run is gone)."""

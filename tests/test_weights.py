@@ -17,6 +17,8 @@ from service.parallel.weights import (
 )
 from tests.reference import notes_seed_weights
 
+pytestmark = pytest.mark.unit
+
 
 def test_seed_init_reproduces_the_notes_bit_for_bit() -> None:
     ours, theirs = seed_weights(64), notes_seed_weights(64)

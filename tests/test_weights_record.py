@@ -19,6 +19,8 @@ from service.served_weights import (
     verify_recorded_file,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _checkpoint(path: Path, seed: int, embed_dim: int = 16) -> Path:
     gen = torch.Generator().manual_seed(seed)

@@ -29,6 +29,8 @@ from gangserve_client import UnsupportedMediaTypeError
 from tests.conftest import ROOT
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
+pytestmark = pytest.mark.ray
+
 SEED_WEIGHTS = notes_seed_weights(512)
 
 
