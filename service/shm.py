@@ -33,7 +33,9 @@ import numpy as np
 SHM_DIR = Path("/dev/shm")
 PREFIX = "gangserve-"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[0-9a-f]{{16}}$")  # PREFIX, creator pid, 64 random bits
-# Ray sends objects under 100 KiB inline in the RPC itself: nothing to save below that.
+# Smaller tensors go by value in the handle call. Ray sends objects under 100 KiB
+# (max_direct_call_object_size) inline in the RPC, so little is saved below that; the
+# threshold is 64 KiB (the README's shm_transport row), so 64-100 KiB tensors use /dev/shm too.
 MIN_SHARED_BYTES = 64 * 1024
 
 
