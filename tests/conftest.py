@@ -74,7 +74,12 @@ def serve_url(ray_cluster: Any) -> str:
     from ray import serve
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # One proxy, on the head. With the default (a proxy on every node) the worker raylet's
+    # proxy binds the same 127.0.0.1 port with SO_REUSEPORT, the kernel splits connections
+    # between the two, and whenever the controller restarts the worker's proxy (it did, under
+    # the suite's CPU load) the connections it held were reset: the rare "Connection reset
+    # by peer" / "closed without a response" that polling tests used to see.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
 
 
