@@ -11,13 +11,12 @@ counted, and it is deleted when its replica shuts down gracefully.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from service.served_weights import STATE_DB_FILE
+from service.served_weights import connect_state_db
 
 PUBLISH_INTERVAL_S = 2.0
 STALE_AFTER_S = 10.0
@@ -37,11 +36,8 @@ class GangRegistry:
     """The `gangs` table; every method is one short statement (thread-safe)."""
 
     def __init__(self, state: Path) -> None:
-        self._db = sqlite3.connect(str(state / STATE_DB_FILE), timeout=30.0, isolation_level=None,
-                                   check_same_thread=False)
+        self._db = connect_state_db(state, _SCHEMA)
         self._lock = threading.Lock()
-        with self._lock:
-            self._db.executescript(_SCHEMA)
 
     def publish(self, app: str, replica_id: str, info: dict[str, Any]) -> None:
         with self._lock:

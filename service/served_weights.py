@@ -63,6 +63,14 @@ CREATE TABLE IF NOT EXISTS served_weights (
 Source = Literal["config", "swap"]
 
 
+def connect_state_db(state: Path, schema: str) -> sqlite3.Connection:
+    """A connection to the state dir's SQLite file (autocommit, 30 s busy wait) with `schema`
+    applied. The journal mode is the JobManager's choice for the file (service.training.store)."""
+    db = sqlite3.connect(str(state / STATE_DB_FILE), timeout=30.0, isolation_level=None, check_same_thread=False)
+    db.executescript(schema)
+    return db
+
+
 class WeightsRecordError(RuntimeError):
     """The recorded weights cannot be served as recorded (file missing or altered)."""
 
@@ -207,13 +215,9 @@ class WeightsRecord:
 
     def __init__(self, state: Path) -> None:
         self.state = state
-        self._db = sqlite3.connect(
-            str(state / STATE_DB_FILE), timeout=30.0, isolation_level=None, check_same_thread=False
-        )
+        self._db = connect_state_db(state, _SCHEMA)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
-        with self._lock:
-            self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
         with self._lock:

@@ -128,7 +128,8 @@ class GangServer:
             else:
                 current = self._model
                 try:
-                    check_checkpoint(checkpoint, current.embed_dim, current.num_heads)
+                    # Header check, then the hashed copy: file I/O, off the event loop.
+                    await asyncio.to_thread(check_checkpoint, checkpoint, current.embed_dim, current.num_heads)
                     stored, sha = await asyncio.to_thread(store_immutable_copy, checkpoint, self._state)
                 except (ValueError, OSError) as exc:
                     raise Conflict(str(exc), code="checkpoint_mismatch") from None

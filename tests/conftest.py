@@ -90,8 +90,12 @@ def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -
     from service.app import build_app
 
     serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
-    base = serve_url + (route_prefix if route_prefix != "/" else "")
-    deadline = time.monotonic() + 180
+    return wait_ready(serve_url + (route_prefix if route_prefix != "/" else ""), 180, f"app {name}")
+
+
+def wait_ready(base: str, timeout_s: float, what: str = "the app") -> str:
+    """Poll `base`/readyz until 200 (returns `base`); TimeoutError with the last answer after timeout_s."""
+    deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         try:
@@ -102,7 +106,7 @@ def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -
         except httpx.HTTPError as exc:
             last = repr(exc)
         time.sleep(0.5)
-    raise TimeoutError(f"app {name} not ready after 180s; last /readyz: {last}")
+    raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s; last /readyz: {last}")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import wait_ready
 from tests.netns_cluster import NetnsCluster
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
@@ -57,20 +58,6 @@ def deploy(cluster: NetnsCluster, args: dict, timeout_s: float = 240, name: str 
         timeout_s=timeout_s,
     )
     return wait_ready(cluster.url + (route_prefix if route_prefix != "/" else ""), timeout_s)
-
-
-def wait_ready(url: str, timeout_s: float) -> str:
-    deadline, last = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(url + "/readyz", timeout=5)
-            if r.status_code == 200:
-                return url
-            last = r.text
-        except httpx.HTTPError as exc:
-            last = repr(exc)
-        time.sleep(0.5)
-    raise AssertionError(f"not ready within {timeout_s:.0f}s; last /readyz: {last}")
 
 
 def npy(x: np.ndarray) -> bytes:

@@ -329,7 +329,8 @@ class Gang:
             if out.size and np.isnan(out.flat[0]):
                 # Maybe a rank refused the step (see RankWorker._forward): its ack says so.
                 self._collect_acks(refs)
-            self._reap_acks(refs)
+            else:
+                self._reap_acks(refs)
         except (RayError, RuntimeError) as exc:
             if _is_version_mismatch(exc):
                 self._mark_broken(f"weights versions disagree: {_first_line(_cause(exc))}")
@@ -355,7 +356,6 @@ class Gang:
     def _collect_acks(self, refs: list) -> None:
         """Wait (bounded) for every outstanding peer ack, raising the first peer error."""
         pending, self._unacked = [*self._unacked, *refs], []
-        refs.clear()
         ray.get(pending, timeout=self.cfg.collective_timeout_s)
 
     def _reap_acks(self, refs: list) -> None:

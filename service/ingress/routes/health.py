@@ -38,7 +38,7 @@ async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
         raise unavailable_error(redact_paths(info))
     return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"],
             "ready": max(1, counts["ready"]), "desired": counts["desired"],
-            "missing": [redact_paths({"m": m})["m"] for m in counts["missing"]]}
+            "missing": redact_paths(counts["missing"])}
 
 
 @router.get(
