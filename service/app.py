@@ -12,12 +12,13 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from service.config import AppConfig
-from service.gang.placement import check_feasible, cluster_snapshot, gang_request
+from service.errors import describe_validation_errors
+from service.placement import check_feasible, cluster_snapshot, gang_request
 from service.gang.router import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S, ReadyGangRouter
-from service.ingress.deployment import Ingress
-from service.server import GangServer
+from service.deployments.ingress import Ingress
+from service.deployments.gang_server import GangServer
 from service.training.limits import TrainingLimits
-from service.training.manager import JobManager
+from service.deployments.job_manager import JobManager
 
 
 class InvalidAppArgs(ValueError):
@@ -28,9 +29,7 @@ def parse_args(args: dict[str, Any]) -> AppConfig:
     try:
         return AppConfig.model_validate(dict(args))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = describe_validation_errors(exc.errors(), "args", limit=20)
         raise InvalidAppArgs(
             f"invalid gangserve arguments: {problems}. Valid keys: {', '.join(sorted(AppConfig.model_fields))}"
         ) from None

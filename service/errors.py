@@ -7,7 +7,23 @@ Messages are capped at MAX_MESSAGE_CHARS (an error reply stays small whatever th
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 MAX_MESSAGE_CHARS = 1000
+
+
+def describe_validation_errors(errors: Sequence[Any], where: str = "body", limit: int = 5) -> str:
+    """pydantic/FastAPI validation errors as 'loc: msg; ...' for an error reply.
+
+    At most `limit` problems, each location and message cut short, and never the input
+    itself (it may be huge or secret); `where` names an error with an empty location.
+    """
+    problems = []
+    for error in list(errors)[:limit]:
+        loc = ".".join(str(part) for part in error.get("loc", ()))[:80] or where
+        problems.append(f"{loc}: {str(error.get('msg', 'invalid'))[:120]}")
+    more = len(errors) - len(problems)
+    return "; ".join(problems) + (f" (and {more} more)" if more > 0 else "")
 
 
 def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:

@@ -24,7 +24,7 @@ import httpx
 import yaml
 
 from service.app import InvalidAppArgs, parse_args
-from service.gang.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
+from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
 
 
 def _say(message: str) -> None:

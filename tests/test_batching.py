@@ -6,7 +6,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from service.gang.batching import StepBatcher
+from service.batching import StepBatcher
 
 pytestmark = pytest.mark.unit
 

@@ -1,9 +1,9 @@
-"""Feasibility rules of service.gang.placement (pure functions, no Ray)."""
+"""Feasibility rules of service.placement (pure functions, no Ray)."""
 from __future__ import annotations
 
 import pytest
 
-from service.gang.placement import (
+from service.placement import (
     ClusterSnapshot,
     GangRequest,
     GangUnschedulable,

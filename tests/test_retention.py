@@ -263,7 +263,7 @@ def tight(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from ray import serve
 
     from service.ingress.jobs_client import JobsClient
-    from service.training.manager import JobManager
+    from service.deployments.job_manager import JobManager
 
     state = tmp_path_factory.mktemp("tight-state")
     handle = serve.run(

@@ -533,7 +533,7 @@ def test_restart_keeps_every_record_and_settles_orphans(app_url: str, jobs: dict
     manager that died becomes FAILED 'service restarted' (its run is gone)."""
     from ray import serve
 
-    from service.training.manager import JobManager
+    from service.deployments.job_manager import JobManager
     from service.training.store import JobRecord, JobStore
 
     for job_id in jobs.values():

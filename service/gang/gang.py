@@ -43,8 +43,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
 from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
-from service.gang.batching import StepBatcher
-from service.gang.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
+from service.batching import StepBatcher
+from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
 from service.served_weights import ServedWeights
 

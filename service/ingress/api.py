@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.config import AppConfig
-from service.errors import GangServeError, bounded
+from service.errors import GangServeError, bounded, describe_validation_errors
 from service.ingress.deps import DecodePool
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
@@ -31,16 +31,6 @@ log = logging.getLogger("gangserve.ingress")
 def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> JSONResponse:
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
     return JSONResponse({"error": bounded(message), "code": code}, status_code=status, headers=headers)
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    """Where and what, for the first few problems; never the (possibly huge) input itself."""
-    problems = []
-    for error in exc.errors()[:5]:
-        where = ".".join(str(part) for part in error.get("loc", ()))[:80] or "request"
-        problems.append(f"{where}: {str(error.get('msg', 'invalid'))[:120]}")
-    more = len(exc.errors()) - len(problems)
-    return "invalid request: " + "; ".join(problems) + (f" (and {more} more)" if more > 0 else "")
 
 
 def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = None) -> FastAPI:
@@ -76,7 +66,7 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, _validation_message(exc), "invalid_request")
+        return error_response(422, "invalid request: " + describe_validation_errors(exc.errors(), "request"), "invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

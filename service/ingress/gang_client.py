@@ -3,7 +3,7 @@ readiness picture that stays truthful while the gang server itself cannot answer
 
 When the GangServer replica is not answering (Serve still placing its bundles, the
 replica restarting after rank 0 died, or a gang the cluster can never hold), the ingress
-diagnoses why from the cluster's resources (service.gang.placement) and answers 503 at
+diagnoses why from the cluster's resources (service.placement) and answers 503 at
 once with needed vs available, instead of letting requests queue in Serve's router.
 """
 from __future__ import annotations
@@ -15,16 +15,15 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
-from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.exceptions import RayError, RayTaskError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from service import shm
 from service.config import AppConfig
 from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
-from service.gang.batching import StepBatcher
-from service.gang.placement import (
+from service.batching import StepBatcher
+from service.placement import (
     GangRequest,
     GangUnschedulable,
     check_feasible,
@@ -33,6 +32,7 @@ from service.gang.placement import (
     waiting_reason,
 )
 from service.gang_registry import GangRegistry
+from service.ingress.handle_errors import map_handle_error
 from service.state import state_dir
 
 log = logging.getLogger("gangserve.ingress")
@@ -244,37 +244,24 @@ class GangClient:
                     status = await self.status(max_age_s=STATUS_MAX_AGE_S)
                     if status["state"] in ("scheduling", "unschedulable"):
                         raise unavailable_error(status)
-        except RayTaskError as exc:
-            # Before `except GangServeError`: a task error is also an instance of its cause's
-            # type (Ray's dual class) but without the cause's code/retry_after_s.
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, (GangServeError, shm.SharedMemoryUnavailable)):
-                raise cause from None
-            log.error("gang server call %s failed: %s", method, exc)  # the traceback stays in the log
-            raise GangUnavailable(
-                f"the gang server failed ({type(cause or exc).__name__}); see the service log", code="gang_error"
-            ) from None
-        except GangServeError:
-            if not task.done():
-                task.cancel()
-                response.cancel()
-            raise
-        except BackPressureError as exc:
-            raise GangUnavailable(f"the gang is overloaded: {exc}", code="overloaded", retry_after_s=1.0) from None
-        except RayActorError as exc:
-            self._status_at = 0.0  # force a fresh status next time
-            raise GangUnavailable(
-                f"the gang server replica is gone ({type(exc).__name__}); Serve is restarting it",
-                code="gang_restarting",
-            ) from None
-        except (RayError, RayServeException) as exc:
-            # Anything else between here and the gang (a lost node's objects, an unavailable
-            # replica, a cancelled call) is the gang being unavailable, never a 500.
-            self._status_at = 0.0
-            log.warning("gang server call %s failed: %s: %s", method, type(exc).__name__, exc)
-            raise GangUnavailable(
-                f"the gang server could not be reached ({type(exc).__name__})", code="gang_unreachable"
-            ) from None
+        except Exception as exc:
+            if isinstance(exc, GangServeError) and not isinstance(exc, RayTaskError):
+                # Ours (deadline, or the gang seen unable to answer): stop waiting for it.
+                if not task.done():
+                    task.cancel()
+                    response.cancel()
+                raise
+            mapped = map_handle_error(exc, what="gang server", method=method, unavailable=_gang_unavailable,
+                                      passthrough=(shm.SharedMemoryUnavailable,))
+            if mapped is None:
+                raise
+            if isinstance(exc, RayError) and not isinstance(exc, RayTaskError):
+                self._status_at = 0.0  # the replica may be gone: force a fresh status next time
+            raise mapped from None
+
+
+def _gang_unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
+    return GangUnavailable(message, code=code, retry_after_s=retry_after_s)
 
 
 def unavailable_error(status: dict[str, Any]) -> GangServeError:

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from fastapi import Request
-from ray.exceptions import RayActorError, RayError, RayTaskError
-from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from service.errors import GangServeError, GangUnavailable
+from service.ingress.handle_errors import map_handle_error
 
 CALL_TIMEOUT_S = 30.0
-log = logging.getLogger("gangserve.ingress")
 
 
 class JobsUnavailable(GangUnavailable):
@@ -36,25 +33,15 @@ class JobsClient:
         except asyncio.TimeoutError:
             response.cancel()
             raise JobsUnavailable(f"the job manager did not answer {method} within {self._timeout_s:.0f}s") from None
-        except RayTaskError as exc:
-            # Checked first: Ray's RayTaskError(InvalidInput) subclass does not carry the
-            # instance's code; the original exception (`cause`) does.
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, GangServeError):
-                raise cause from None
-            log.error("job manager call %s failed: %s", method, exc)  # the traceback stays in the log
-            raise JobsUnavailable(
-                f"the job manager failed ({type(cause or exc).__name__}); see the service log"
-            ) from None
-        except GangServeError:
-            raise
-        except BackPressureError as exc:
-            raise JobsUnavailable(f"the job manager is overloaded: {exc}", retry_after_s=1.0) from None
-        except RayActorError as exc:
-            raise JobsUnavailable(f"the job manager replica is gone ({type(exc).__name__}); Serve is restarting it") from None
-        except (RayError, RayServeException) as exc:  # anything else on the way: unavailable, never a 500
-            log.warning("job manager call %s failed: %s: %s", method, type(exc).__name__, exc)
-            raise JobsUnavailable(f"the job manager could not be reached ({type(exc).__name__})") from None
+        except Exception as exc:
+            mapped = map_handle_error(exc, what="job manager", method=method, unavailable=_jobs_unavailable)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+
+def _jobs_unavailable(message: str, _code: str, retry_after_s: float | None) -> GangServeError:
+    return JobsUnavailable(message, retry_after_s=retry_after_s)  # one code for every jobs outage
 
 
 def get_jobs(request: Request) -> JobsClient:

@@ -13,6 +13,25 @@ class ErrorBody(BaseModel):
     code: str = Field(description="Stable machine code, e.g. malformed, invalid_input, gang_scheduling.")
 
 
+def inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its local `#/$defs/X` references replaced by their
+    definitions (the OpenAPI document has no `$defs` at its root, so such a reference
+    would dangle there). The models are not recursive, so this terminates."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
 def _err(description: str) -> dict[str, Any]:
     return {"model": ErrorBody, "description": description}
 

@@ -1,7 +1,15 @@
 """The one object that carries a rank's process-group state.
 
-Every layer and every collective receives a `ParallelGroup` explicitly; there are no
-module-level globals, so a gang can be torn down and rebuilt in the same process.
+Every layer and every collective receives a `ParallelGroup` explicitly; this package has
+no module-level state of its own.
+
+One global remains, and it is torch's: a rank's group is torch.distributed's default
+(WORLD) group, because torch can only create other groups after `init_process_group`.
+That is safe here because a process holds at most one rank of one gang (the GangServer
+replica is rank 0 of its gang; every peer rank is its own actor process), and it is why
+`RankWorker.close` must `destroy_process_group()` before a rebuild in the same process
+calls `init_process_group` again. `group` below is that WORLD group, passed explicitly
+so no layer reaches for the global itself.
 """
 from __future__ import annotations
 

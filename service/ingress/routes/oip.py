@@ -30,13 +30,21 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, W
 from service import codecs
 from service.auth import inference_auth, redact_paths
 from service.config import AppConfig
-from service.errors import BadRequest, GangUnavailable, InvalidInput, NotFound, PayloadTooLarge, UnsupportedMediaType
+from service.errors import (
+    BadRequest,
+    GangUnavailable,
+    InvalidInput,
+    NotFound,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    describe_validation_errors,
+)
 from service.ingress.deps import (
     INLINE_DECODE_BYTES, INLINE_ENCODE_VALUES, DecodePool, check_declared_length, get_config, get_decode_pool,
     get_gang, read_body_capped,
 )
 from service.ingress.gang_client import GangClient
-from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY, ErrorBody
+from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY, ErrorBody, inline_defs
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol v2"])
 
@@ -135,29 +143,12 @@ _BINARY_BODY = {
 }
 
 
-def _inline(schema: dict[str, Any]) -> dict[str, Any]:
-    """A pydantic JSON schema with its $defs inlined (the models are not recursive)."""
-    defs = schema.pop("$defs", {})
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return walk(defs[ref.removeprefix("#/$defs/")])
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    return walk(schema)
-
-
 _INFER_DOC: dict[str, Any] = {
     **OPTIONAL_INFER_SECURITY,
     "requestBody": {
         "required": True,
         "content": {
-            codecs.JSON: {"schema": _inline(InferenceRequest.model_json_schema())},
+            codecs.JSON: {"schema": inline_defs(InferenceRequest.model_json_schema())},
             BINARY_MEDIA: {"schema": _BINARY_BODY},
         },
     }
@@ -167,7 +158,7 @@ _INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": f"the output tensor; with binary outputs the body is the JSON header ({HEADER_LENGTH} "
         "bytes) followed by the raw output bytes",
         "content": {
-            codecs.JSON: {"schema": _inline(InferenceResponse.model_json_schema())},
+            codecs.JSON: {"schema": inline_defs(InferenceResponse.model_json_schema())},
             BINARY_MEDIA: {"schema": {"type": "string", "format": "binary"}},
         },
     },
@@ -322,10 +313,7 @@ def _parse_request(header: memoryview, limits: codecs.Limits) -> InferenceReques
     try:
         return InferenceRequest.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc']))[:60] or 'body'}: {str(e['msg'])[:120]}" for e in exc.errors()[:5]
-        )
-        raise BadRequest(f"invalid inference request: {problems}") from None
+        raise BadRequest(f"invalid inference request: {describe_validation_errors(exc.errors())}") from None
 
 
 def _check_sizes(doc: Any) -> None:

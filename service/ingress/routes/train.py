@@ -17,7 +17,7 @@ from service.auth import require_token
 from service.errors import BadRequest, NotFound
 from service.ingress.deps import read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
-from service.ingress.schemas import AUTH_RESPONSES
+from service.ingress.schemas import AUTH_RESPONSES, inline_defs
 from service.training.spec import JobSpec
 
 router = APIRouter(tags=["training"], dependencies=[Depends(require_token)], responses=AUTH_RESPONSES)
@@ -27,22 +27,8 @@ MAX_SPEC_BYTES = 64 * 1024
 JOB_ID = re.compile(r"^job-[0-9a-z]{1,64}$")
 
 
-def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
-    """Replace pydantic's local `#/$defs/X` references by their definitions (the OpenAPI
-    document has no `$defs` at its root, so such a reference would dangle there)."""
-    if isinstance(node, dict):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#/$defs/"):
-            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
-        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
-    if isinstance(node, list):
-        return [_inline_refs(v, defs) for v in node]
-    return node
-
-
 def _spec_schema() -> dict[str, Any]:
-    schema = JobSpec.model_json_schema()
-    return _inline_refs(schema, schema.get("$defs", {}))
+    return inline_defs(JobSpec.model_json_schema())
 
 
 def job_id_param(job_id: str) -> str:

@@ -36,9 +36,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from safetensors.numpy import save_file
 
 from service.config import ServingConfig
-from service.errors import BadRequest, Conflict, InvalidInput, NotFound
+from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
 from service.state import resolve_inside, state_dir
-from service.gang.placement import cluster_snapshot
+from service.placement import cluster_snapshot
 from service.training import resources
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
 from service.training.limits import (
@@ -81,10 +81,6 @@ LATE_SWEEP_S = (5.0, 20.0)
 
 _RemoteTrainRun = ray.remote(TrainRun)
 T = TypeVar("T")
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
 
 
 @dataclass
@@ -134,7 +130,7 @@ class JobManager:
         try:
             spec = JobSpec.model_validate(spec_doc)
         except ValidationError as exc:
-            raise InvalidInput(f"invalid job spec: {format_validation_error(exc)}", code="invalid_spec") from None
+            raise InvalidInput(f"invalid job spec: {describe_validation_errors(exc.errors())}", code="invalid_spec") from None
         check_job_alone(self._limits, spec.world_size, spec.use_gpu, spec.max_runtime_s)
         if spec.max_runtime_s is None:  # recorded with the job, so a restart keeps enforcing it
             spec = spec.model_copy(update={"max_runtime_s": self._limits.max_runtime_s})

@@ -1,0 +1,10 @@
+"""The three Ray Serve deployments of a gangserve app, in one place.
+
+    Ingress      (ingress.py)      HTTP only: parses, validates, forwards; 0 CPUs, spread over nodes
+    GangServer   (gang_server.py)  one gang per replica: rank 0 + the peer rank actors, supervised
+    JobManager   (job_manager.py)  training jobs: the SQLite job store, Ray Train run actors
+
+`service.app.compose_app` binds them together. Everything they use lives below them
+(service.ingress, service.gang, service.training, service.placement, service.batching);
+nothing below imports from here.
+"""

@@ -1,0 +1,66 @@
+"""One mapping from what a Serve handle call can raise to a GangServeError.
+
+Both of the ingress's handle clients (GangClient -> GangServer, JobsClient -> JobManager)
+use it, so a deployment's failure reads the same way whichever deployment it was:
+
+    RayTaskError whose cause is a GangServeError  -> that error, code and Retry-After intact
+    RayTaskError (anything else)                  -> 503 "<what> failed (<type>)", traceback logged
+    BackPressureError                             -> 503 overloaded, Retry-After 1 s
+    RayActorError                                 -> 503 "<what> replica is gone"
+    any other RayError / RayServeException        -> 503 "<what> could not be reached"
+
+Never a 500: whatever happens between the ingress and a deployment, the deployment is
+unavailable right now, and the client may retry.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RayServeException
+
+from service.errors import GangServeError
+
+log = logging.getLogger("gangserve.ingress")
+
+# (message, code, retry_after_s) -> the error to raise
+Unavailable = Callable[[str, str, "float | None"], GangServeError]
+
+
+def map_handle_error(
+    exc: BaseException, *, what: str, method: str, unavailable: Unavailable,
+    passthrough: tuple[type[BaseException], ...] = (),
+) -> BaseException | None:
+    """The error to raise for `exc` raised by `what`.`method`, or None if `exc` is not a
+    handle-call failure (the caller re-raises it as is).
+
+    `passthrough` lists further exception types that a deployment raises on purpose and
+    the caller handles itself (they come back out of a RayTaskError's `cause` unchanged).
+    """
+    if isinstance(exc, RayTaskError):
+        # Before GangServeError: Ray re-raises a task's exception as a dual class that is
+        # also an instance of the cause's type, but without the cause's code/retry_after_s.
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, (GangServeError, *passthrough)):
+            return cause
+        log.error("%s call %s failed: %s", what, method, exc)  # the traceback stays in the log
+        return unavailable(f"the {what} failed ({type(cause or exc).__name__}); see the service log",
+                           f"{_slug(what)}_error", None)
+    if isinstance(exc, GangServeError):
+        return exc
+    if isinstance(exc, BackPressureError):
+        return unavailable(f"the {what} is overloaded: {exc}", "overloaded", 1.0)
+    if isinstance(exc, RayActorError):
+        return unavailable(f"the {what} replica is gone ({type(exc).__name__}); Serve is restarting it",
+                           f"{_slug(what)}_restarting", None)
+    if isinstance(exc, (RayError, RayServeException)):
+        log.warning("%s call %s failed: %s: %s", what, method, type(exc).__name__, exc)
+        return unavailable(f"the {what} could not be reached ({type(exc).__name__})",
+                           f"{_slug(what)}_unreachable", None)
+    return None
+
+
+def _slug(what: str) -> str:
+    """'gang server' -> 'gang' (the codes clients already know: gang_error, ...)."""
+    return what.split()[0]

@@ -1,0 +1,111 @@
+"""The import structure of `service/` (read with ast; nothing is imported or run).
+
+The house rules, each a test:
+- no import cycles between modules;
+- the Serve deployments (service.deployments) sit on top: only the app builder imports them;
+- the three subsystems below them do not import each other sideways: the gang (rank
+  processes), the ingress (HTTP) and training share code only through modules below all
+  three (service.placement, service.batching, service.config, ...). The one exception is
+  the training job spec, a plain pydantic model the ingress validates bodies against;
+- service.parallel (the tensor-parallel math) depends on torch only.
+"""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBSYSTEMS = ("service.gang", "service.ingress", "service.training")
+ALLOWED_SIDEWAYS = {("service.ingress.routes.train", "service.training.spec")}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in (ROOT / "service").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = path
+    return mods
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the service modules it imports (any depth: function-level imports count)."""
+    mods = _modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for target in (node.module, *(f"{node.module}.{a.name}" for a in node.names)):
+                    if target in mods and target != name:
+                        edges[name].add(target)
+            elif isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names if a.name in mods and a.name != name)
+    return edges
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_import_cycles() -> None:
+    edges = _imports()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for module in sorted(_modules()):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_only_the_app_builder_imports_the_deployments() -> None:
+    offenders = sorted(
+        f"{src} -> {dst}" for src, dsts in _imports().items() for dst in dsts
+        if _inside(dst, "service.deployments") and not _inside(src, "service.deployments")
+        and src != "service.app"
+    )
+    assert not offenders, f"modules below the deployments import them: {offenders}"
+
+
+def test_subsystems_do_not_import_each_other() -> None:
+    offenders = []
+    for src, dsts in _imports().items():
+        home = next((p for p in SUBSYSTEMS if _inside(src, p)), None)
+        if home is None:
+            continue
+        for dst in dsts:
+            other = next((p for p in SUBSYSTEMS if _inside(dst, p)), None)
+            if other not in (None, home) and (src, dst) not in ALLOWED_SIDEWAYS:
+                offenders.append(f"{src} -> {dst}")
+            if _inside(dst, "service.deployments") or dst == "service.app":
+                offenders.append(f"{src} -> {dst} (upward)")
+    assert not offenders, f"sideways or upward imports: {sorted(offenders)}"
+
+
+def test_parallel_math_depends_on_nothing_else_in_service() -> None:
+    offenders = sorted(
+        f"{src} -> {dst}" for src, dsts in _imports().items() if _inside(src, "service.parallel")
+        for dst in dsts if not _inside(dst, "service.parallel")
+    )
+    assert not offenders, f"service.parallel must stay torch-only: {offenders}"
+
+
+def test_the_rules_see_the_tree() -> None:
+    """Guard against a vacuous pass: the walk finds the modules and edges the rules are about."""
+    edges = _imports()
+    assert "service.deployments.gang_server" in _modules()
+    assert "service.gang.gang" in edges["service.deployments.gang_server"]
+    assert "service.placement" in edges["service.gang.gang"]
