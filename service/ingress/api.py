@@ -24,6 +24,7 @@ from service.ingress.routes import health, infer
 from service.ingress.routes import oip
 from service.ingress.routes import datasets, train, weights
 from service.ingress.routes import retention
+from service.ingress.routes.ui import mount_ui
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -59,6 +60,7 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     app.include_router(datasets.router)
     app.include_router(weights.router)
     app.include_router(retention.router)
+    mount_ui(app)  # /ui/: the status page, static files only (no token, no data)
 
     @app.exception_handler(GangServeError)
     async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:
