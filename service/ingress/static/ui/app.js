@@ -189,6 +189,7 @@ async function refreshJobs() {
   const t = token();
   if (!t) { showTokenForm($("token-error").textContent); return; }
   const reply = await getJSON("train?limit=20", t);
+  if (token() !== t) return; // forgotten or replaced while the request was in flight
   if (reply.status === 401) {
     window.sessionStorage.removeItem(TOKEN_KEY);
     showTokenForm("token rejected: " + describeError(reply));
