@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: install serve test test-unit bench lint clean
+.PHONY: install serve test test-unit bench lint clean chromium
 
-install: $(STAMP)
+install: $(STAMP) chromium
 
 # Re-install whenever the pins or the project metadata change. The client distribution
 # (./clients, gangserve-client) is a dependency of the project found on no index: it is
@@ -17,10 +17,21 @@ $(STAMP): constraints.txt pyproject.toml clients/pyproject.toml
 	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e ./clients -e '.[test]'
 	touch $(STAMP)
 
+# The status page's browser test (tests/test_ui.py) drives Debian's chromium through Playwright
+# (never a browser download of its own). Installed here when missing and we can (root, apt-get);
+# otherwise that test says why it is skipped.
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium (apt-get) for tests/test_ui.py"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+	    || echo "could not install chromium: tests/test_ui.py will be skipped"; \
+	fi
+
 serve: $(STAMP)
 	$(VENV)/bin/serve run deployments/local.yaml
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest tests -v --durations=15
 
 test-unit: $(STAMP)

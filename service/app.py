@@ -66,8 +66,10 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         {"num_replicas": cfg.num_replicas} if cfg.autoscaling_config is None
         else {"autoscaling_config": dict(cfg.autoscaling_config)}
     )
+    # Structured logs: Serve's logging_config on every deployment (service.logs).
+    logs: dict[str, Any] = {"logging_config": {"encoding": cfg.log_encoding}} if cfg.log_encoding else {}
     server = GangServer.options(
-        **scale,
+        **scale, **logs,
         # Requests go to ready gangs only (replicas report their gang's state).
         request_router_config=RequestRouterConfig(
             request_router_class=ReadyGangRouter,
@@ -82,7 +84,7 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         max_queued_requests=cfg.max_queued_requests,
     ).bind(cfg.model_dump())
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
-    jobs = JobManager.bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len)
+    jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len)
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
     # Several replicas are spread over the nodes (Serve alone packs 0-CPU replicas): at most
     # ceil(replicas / nodes) per node, so one lost node never takes every ingress with it.
@@ -92,5 +94,5 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
-        **spread,
+        **spread, **logs,
     ).bind(server, cfg.model_dump(), jobs)

@@ -30,6 +30,8 @@ from typing import Awaitable, Callable
 import numpy as np
 
 StepFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
+# (rows, seconds, error or None) after each step: the metrics' hook (service.metrics).
+StepObserver = Callable[[int, float, "BaseException | None"], None]
 
 
 @dataclass
@@ -41,8 +43,10 @@ class _Pending:
 class StepBatcher:
     """Coalesces concurrent `submit` calls into steps of at most `max_batch_size` rows."""
 
-    def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1) -> None:
+    def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1,
+                 on_step: StepObserver | None = None) -> None:
         self._run_step = run_step
+        self._on_step = on_step
         self._max_rows = max_batch_size
         self._wait_s = wait_s
         self._slots = asyncio.Semaphore(max_in_flight)
@@ -108,11 +112,15 @@ class StepBatcher:
             try:
                 out = await self._run_step(x)  # [sum b_i, seq, E]
             except Exception as exc:
+                if self._on_step:
+                    self._on_step(x.shape[0], time.perf_counter() - started, exc)
                 for p in group:
                     if not p.future.done():
                         p.future.set_exception(exc)
                 return
             self._step_ms.append((time.perf_counter() - started) * 1000)
+            if self._on_step:
+                self._on_step(x.shape[0], self._step_ms[-1] / 1000, None)
             self.steps += 1
             self.requests += len(group)
             start = 0

@@ -166,6 +166,12 @@ class ServingConfig(BaseModel):
     request_timeout_s: float = Field(
         120.0, gt=0, description="Ingress wait for the gang's answer before 504."
     )
+    log_encoding: Literal["TEXT", "JSON"] | None = Field(
+        None,
+        description="Encoding of the Serve replicas' logs (the service's and Serve's own lines): TEXT, or "
+        "JSON (one object per line, with request_id, route and application on request lines). None: "
+        "Serve's default ($RAY_SERVE_LOG_ENCODING, else TEXT) or the config file's logging_config.",
+    )
     shm_transport: bool = Field(
         True,
         description="Hand request/reply tensors of 64 KiB or more between the ingress and the "

@@ -35,6 +35,8 @@ from service.errors import Conflict, GangStartupError
 from service.gang.gang import Gang, GangState
 from service.gang.router import routing_stats
 from service.gang_registry import PUBLISH_INTERVAL_S, GangRegistry
+from service.logs import route_logs_to_serve
+from service.metrics import GangServerMetrics, MetricsStore, enable_ray_metrics
 from service.parallel.weights import check_checkpoint
 from service.served_weights import (
     ConfigWeights,
@@ -59,12 +61,16 @@ class GangServer:
     """Owns one Gang; answers inference and status calls from the ingress."""
 
     async def __init__(self, config: dict) -> None:
+        route_logs_to_serve()
         cfg = AppConfig.model_validate(config)
         self._model = cfg.part(ModelConfig)
         self._state = state_dir()
         context = serve.get_replica_context()
         self._app, self._replica_id = context.app_name, context.replica_id.unique_id
-        self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state)
+        enable_ray_metrics()
+        self._metrics = GangServerMetrics(self._replica_id)  # here, not in the Gang: survives rebuilds
+        self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state,
+                          on_step=self._metrics.on_step)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
@@ -77,6 +83,7 @@ class GangServer:
         try:
             self._record = WeightsRecord(self._state)
             self._registry = GangRegistry(self._state)
+            self._metrics_store = MetricsStore(self._state)
             self._config_weights, weights = await asyncio.to_thread(self._weights_at_start)
             await self._gang.start(weights)
             if self._channel_wanted:
@@ -106,7 +113,8 @@ class GangServer:
 
     async def infer(self, x: np.ndarray) -> np.ndarray:
         """x: [batch, seq, E] float32 (validated by the ingress) -> [batch, seq, E] float32."""
-        return await self._gang.infer(x)
+        with self._metrics.queued():
+            return await self._gang.infer(x)
 
     async def infer_shared(self, ref: shm.SharedTensorRef) -> tuple[int, ...]:
         """Same as `infer`, but the tensor travels through /dev/shm (see service.shm).
@@ -117,7 +125,8 @@ class GangServer:
         lives on another node or is gone.
         """
         view = shm.open_ref(ref, self._node_id)  # [batch, seq, E] float32
-        out = await self._gang.infer(view)
+        with self._metrics.queued():
+            out = await self._gang.infer(view)
         view[...] = out  # the ingress reads the reply from the same pages
         return tuple(int(d) for d in out.shape)
 
@@ -207,7 +216,10 @@ class GangServer:
     async def _publish(self) -> None:
         """This gang's description into the registry (GET /gangs, rollouts); best effort."""
         try:
-            await asyncio.to_thread(self._registry.publish, self._app, self._replica_id, await self.describe())
+            info = await self.describe()
+            await asyncio.to_thread(self._registry.publish, self._app, self._replica_id, info)
+            await asyncio.to_thread(self._metrics_store.publish, self._app, f"gang:{self._replica_id}",
+                                    self._metrics.snapshot(info))
         except Exception as exc:
             log.warning("could not publish the gang's status: %s", exc)
 
@@ -254,6 +266,7 @@ class GangServer:
         self._gang.reason = f"rebuilding after: {cause}"
         try:
             await self._gang.rebuild(await self._recorded_weights())
+            self._metrics.rebuilt()
             self._failed_rebuilds = 0
             await self._publish()
         except Exception as exc:

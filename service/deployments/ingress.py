@@ -9,6 +9,8 @@ from service.config import AppConfig
 from service.ingress.api import create_api
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
+from service.logs import route_logs_to_serve
+from service.metrics import enable_ray_metrics
 
 
 @serve.deployment(name="Ingress")
@@ -17,6 +19,8 @@ class Ingress:
     """HTTP only: parses, validates and forwards to the GangServer; owns no actors."""
 
     def __init__(self, gang: DeploymentHandle, config: dict, jobs: DeploymentHandle | None = None) -> None:
+        route_logs_to_serve()
+        enable_ray_metrics()
         self._config = AppConfig.model_validate(config)
         self._gang = GangClient(gang, self._config, app_name=serve.get_replica_context().app_name)
         self._jobs = JobsClient(jobs)  # training routes -> the JobManager deployment

@@ -37,6 +37,8 @@ from safetensors.numpy import save_file
 
 from service.config import ServingConfig
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
+from service.logs import route_logs_to_serve
+from service.metrics import EpochClock, enable_ray_metrics, process_metrics, training_snapshot
 from service.state import resolve_inside, state_dir
 from service.placement import cluster_snapshot
 from service.training import resources
@@ -57,7 +59,7 @@ from service.training.run import (
     run_actor_name,
     run_dir,
 )
-from service.training.spec import TERMINAL_STATUSES, AttentionModel, JobSpec, UploadedDataset
+from service.training.spec import ACTIVE_STATUSES, TERMINAL_STATUSES, AttentionModel, JobSpec, UploadedDataset
 from service.training.store import DatasetInUse, JobRecord, JobStore, iso
 
 log = logging.getLogger("gangserve.training")
@@ -104,6 +106,7 @@ class JobManager:
     async def __init__(self, limits: dict[str, Any] | None = None, max_seq_len: int | None = None) -> None:
         """`limits`: TrainingLimits fields (builder arguments; defaults otherwise).
         `max_seq_len`: the serving limit, applied to uploaded attention datasets too."""
+        route_logs_to_serve()
         self._limits = TrainingLimits.model_validate(limits or {})
         self._max_seq_len = int(max_seq_len or ServingConfig.model_fields["max_seq_len"].default)
         self._state_dir = state_dir()
@@ -118,6 +121,8 @@ class JobManager:
         self._last_adopt = 0.0
         self._poll_failures = 0  # consecutive failed rounds of _poll_forever
         self._last_poll_error = ""
+        enable_ray_metrics()
+        self._epochs = EpochClock(process_metrics())  # gangserve_training_epoch_seconds
         await self._io(self._store.heartbeat, self._id)
         await self._adopt()
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
@@ -358,6 +363,19 @@ class JobManager:
     async def list_datasets(self) -> dict[str, Any]:
         return {"datasets": await self._io(self._store.list_datasets)}
 
+    # ---- metrics ------------------------------------------------------------------------
+
+    async def metrics(self) -> dict[str, Any]:
+        """For the ingress's /metrics: jobs per status, the last epoch loss of every active
+        job this manager runs, the epoch-time histogram (a service.metrics snapshot)."""
+        counts = await self._io(self._store.status_counts)
+        losses: dict[str, float] = {}
+        for job_id in list(self._runs):
+            record = await self._io(self._store.get_job, job_id, True)
+            if record is not None and record.active and record.history and record.history[-1].get("loss") is not None:
+                losses[job_id] = float(record.history[-1]["loss"])
+        return training_snapshot((*ACTIVE_STATUSES, *TERMINAL_STATUSES), counts, losses, process_metrics())
+
     # ---- Serve hooks --------------------------------------------------------------------
 
     async def check_health(self) -> None:
@@ -443,6 +461,7 @@ class JobManager:
                 run.log_seq = max(run.log_seq, max(e[0] for e in logs))
         if snap.get("history"):
             await self._io(self._store.put_history, record.id, snap["history"])
+            self._epochs.observe(record.id, snap.get("started_at") or record.started_at, snap["history"])
         if run is not None and "history_seq" in snap:
             run.history_seq = max(run.history_seq, int(snap["history_seq"]))
         if fields:
@@ -507,6 +526,7 @@ class JobManager:
     async def _kill_run(self, job_id: str) -> None:
         """Stop polling the run and kill its actor (with it, the Ray Train controller and workers)."""
         run = self._runs.pop(job_id, None)
+        self._epochs.forget(job_id)
         handle = run.handle if run else None
         if handle is None:
             try:

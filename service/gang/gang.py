@@ -43,7 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
 from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
-from service.batching import StepBatcher
+from service.batching import StepBatcher, StepObserver
 from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
 from service.served_weights import ServedWeights
@@ -68,7 +68,8 @@ class Gang:
     """Owns the rank actors and the process group of one tensor-parallel model."""
 
     def __init__(
-        self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None, state_dir: Path
+        self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None, state_dir: Path,
+        on_step: StepObserver | None = None,  # told of every step (the GangServer's metrics)
     ) -> None:
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
         self.cfg = gang
@@ -87,7 +88,8 @@ class Gang:
         # One thread = one global order of collectives.
         self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
         self._batcher = StepBatcher(
-            self._batched_step, max_batch_size=gang.max_batch_size, wait_s=gang.batch_wait_timeout_s
+            self._batched_step, max_batch_size=gang.max_batch_size, wait_s=gang.batch_wait_timeout_s,
+            on_step=on_step,
         )
 
     # -- public, async -------------------------------------------------------------------

@@ -24,6 +24,9 @@ from service.ingress.routes import health, infer
 from service.ingress.routes import oip
 from service.ingress.routes import datasets, train, weights
 from service.ingress.routes import retention
+from service.ingress.routes import metrics
+from service.ingress.observe import RequestMetrics, make_publisher
+from service.ingress.routes.ui import mount_ui
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -49,9 +52,12 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     log.info("/train*, /datasets*, /weights* need 'Authorization: Bearer <token>'; token from %s", token_source)
     if app.state.infer_token:
         log.info("inference routes need the inference token ($GANGSERVE_INFER_TOKEN)")
-    # Outermost of the app's own layers: a request without the right token is answered
-    # here, before routing, dependencies or body parsing.
+    # Before routing: a request without the right token is answered here, before
+    # dependencies or body parsing (only the metrics middleware is outside it).
     app.add_middleware(AuthMiddleware, api_token=app.state.api_token, infer_token=app.state.infer_token)
+    # Outside auth: refused requests are counted too (service.ingress.observe).
+    app.state.metrics_publisher = make_publisher()
+    app.add_middleware(RequestMetrics, publisher=app.state.metrics_publisher)
     app.include_router(health.router)
     app.include_router(infer.router)
     app.include_router(oip.router)
@@ -59,6 +65,8 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     app.include_router(datasets.router)
     app.include_router(weights.router)
     app.include_router(retention.router)
+    app.include_router(metrics.router)
+    mount_ui(app)  # /ui/: the status page, static files only (no token, no data)
 
     @app.exception_handler(GangServeError)
     async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:

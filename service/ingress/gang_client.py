@@ -33,6 +33,7 @@ from service.placement import (
     waiting_reason,
 )
 from service.gang_registry import GangRegistry
+from service.metrics import process_metrics
 from service.ingress.handle_errors import map_handle_error
 from service.state import state_dir
 
@@ -190,6 +191,7 @@ class GangClient:
 
     def _shm_failed(self, exc: Exception) -> None:
         self._transport["shared_memory_fallbacks"] += 1
+        process_metrics().inc("gangserve_shm_fallbacks")
         self._shm_retry_at = time.monotonic() + SHM_RETRY_AFTER_S
         log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs", exc, SHM_RETRY_AFTER_S)
 

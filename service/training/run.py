@@ -37,6 +37,9 @@ from service.training.spec import AttentionModel, JobSpec
 RUN_NAMESPACE = "gangserve"
 RESULT_FILE = "result.json"
 MAX_LOG_LINES = 1000
+# One worker_output call carries at most this many lines (the worker's ring is smaller).
+MAX_OUTPUT_LINES_PER_CALL = 500
+MAX_OUTPUT_LINE_CHARS = 1000
 # A finished run whose manager never collects it (manager gone) exits after this long;
 # its outcome stays in result.json.
 FINISHED_LINGER_S = 600.0
@@ -211,6 +214,15 @@ class TrainRun:
         where = f"resuming from the checkpoint after epoch {resumed_epoch}" if resumed_epoch is not None else "from scratch"
         self._log(f"attempt {attempt}: rank {rank}/{world_size} started (pid {pid}, node {node_id[:12]}), {where}")
 
+    def worker_output(self, rank: int, lines: list[tuple[str, str]]) -> None:
+        """A worker's captured stdout/stderr lines (service.training.worker_output), oldest
+        first, as (stream, line): logged as "[rank R] line" (stderr: "[rank R stderr] line")."""
+        tagged = []
+        for stream, line in list(lines)[-MAX_OUTPUT_LINES_PER_CALL:]:
+            tag = f"[rank {int(rank)}]" if stream in ("stdout", "note") else f"[rank {int(rank)} {str(stream)[:10]}]"
+            tagged.append(f"{tag} {str(line)[:MAX_OUTPUT_LINE_CHARS]}")
+        self._log(*tagged)
+
     def step(self, epoch: int, step: int, loss: float) -> None:
         with self._lock:
             self._step = step
@@ -251,7 +263,9 @@ class TrainRun:
                 "logs": [entry for entry in self._logs if entry[0] > since_log_seq],
             }
 
-    def _log(self, line: str) -> None:
+    def _log(self, *lines: str) -> None:
         with self._lock:
-            self._log_seq += 1
-            self._logs.append((self._log_seq, time.time(), line))
+            now = time.time()
+            for line in lines:
+                self._log_seq += 1
+                self._logs.append((self._log_seq, now, line))

@@ -16,10 +16,16 @@ sample of every rank (all-reduced), so it is the same on all ranks.
 Progress goes to the job's run actor (`reporter`): every rank announces itself (pid, node)
 and rank 0 reports each finished epoch, both acknowledged within ACK_TIMEOUT_S; step
 progress is fire-and-forget, at most every PROGRESS_INTERVAL_S.
+
+The worker's own stdout/stderr (each rank prints one line per epoch; anything else the loop,
+torch or Ray print in this process too) is captured by `worker_output.OutputCapture` and
+sent to the run actor after every epoch, at most every OUTPUT_INTERVAL_S within one, and
+when the loop ends: the job's logs show it tagged by rank ("[rank 1] ...").
 """
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +42,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from service.training.datasets import load_uploaded, synthetic
 from service.training.models import MODEL_FILE, build_model, load_model, save_model
 from service.training.spec import JobSpec, SyntheticDataset
+from service.training.worker_output import OutputCapture
 
 TRAIN_STATE_FILE = "train_state.pt"
 PROGRESS_INTERVAL_S = 0.5
 ACK_TIMEOUT_S = 30.0
+# Captured output lines are sent after each epoch, and within a long epoch at most this often.
+OUTPUT_INTERVAL_S = 5.0
+OUTPUT_ACK_TIMEOUT_S = 10.0
 
 
 def vector_sq_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -47,7 +57,29 @@ def vector_sq_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).sum(dim=-1).mean()
 
 
+def send_output(reporter: Any, rank: int, capture: OutputCapture, final: bool = False) -> None:
+    """Send the captured lines to the run actor, acknowledged (so they arrive in order, and
+    the last ones before fit() returns); never fails the training for its logs."""
+    lines = capture.drain(final)
+    if not lines:
+        return
+    try:
+        ray.get(reporter.worker_output.remote(rank, lines), timeout=OUTPUT_ACK_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001
+        print(f"could not send {len(lines)} output line(s) to the run actor: {type(exc).__name__}", file=sys.stderr)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
+    rank = ray.train.get_context().get_world_rank()
+    capture = OutputCapture()
+    with capture.installed():
+        try:
+            _train(config, capture)
+        finally:
+            send_output(config["reporter"], rank, capture, final=True)
+
+
+def _train(config: dict[str, Any], capture: OutputCapture) -> None:
     spec = JobSpec.model_validate(config["spec"])
     reporter = config["reporter"]
     ctx = ray.train.get_context()
@@ -90,12 +122,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     bare: nn.Module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     sampler = getattr(loader, "sampler", None)
 
-    last_progress = 0.0
+    last_progress, last_output = 0.0, time.monotonic()
     for epoch in range(start_epoch, spec.epochs):
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
         model.train()
         t0 = time.monotonic()
+        epoch_steps = 0
         # [sum of loss * vectors, vectors], on the model's device: NCCL reduces CUDA tensors only.
         loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for xb, yb in loader:
@@ -105,24 +138,36 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             loss.backward()
             optimizer.step()
             step += 1
+            epoch_steps += 1
             n = xb.shape[0]
             loss_sum[0] += loss.detach().double() * n  # stays on the device: no sync per step
             loss_sum[1] += n
             if rank == 0 and time.monotonic() - last_progress > PROGRESS_INTERVAL_S:
                 last_progress = time.monotonic()
                 reporter.step.remote(epoch=epoch, step=step, loss=float(loss.detach()))
+            if time.monotonic() - last_output > OUTPUT_INTERVAL_S and capture.pending():
+                send_output(reporter, rank, capture)
+                last_output = time.monotonic()
+        local_sum, local_n = loss_sum[0].item(), int(loss_sum[1].item())
         if world > 1 and dist.is_initialized():
             dist.all_reduce(loss_sum)  # every rank's samples count once
         epoch_loss = float(loss_sum[0].item() / max(loss_sum[1].item(), 1.0))
         metrics = {"epoch": epoch + 1, "loss": epoch_loss, "step": step, "epoch_s": time.monotonic() - t0}
+        # This rank's own view of the epoch, on its stdout (captured for the job's logs).
+        print(f"epoch {epoch + 1}/{spec.epochs}: local loss {local_sum / max(local_n, 1):.6g} over {local_n} "
+              f"samples in {epoch_steps} steps, {metrics['epoch_s']:.2f}s; all ranks {epoch_loss:.6g}", flush=True)
         if rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 save_model(bare, spec.model, Path(tmp) / MODEL_FILE)
                 torch.save({"epoch": epoch + 1, "step": step, "optimizer": optimizer.state_dict()},
                            Path(tmp) / TRAIN_STATE_FILE)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            send_output(reporter, rank, capture)
+            last_output = time.monotonic()
             # After report returns the checkpoint is persisted: history and checkpoint agree.
             # Acknowledged (bounded), so the run has the epoch before fit() can return.
             ray.get(reporter.epoch_done.remote(**metrics), timeout=ACK_TIMEOUT_S)
         else:
             ray.train.report(metrics, checkpoint=None)
+            send_output(reporter, rank, capture)
+            last_output = time.monotonic()

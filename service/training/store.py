@@ -253,6 +253,12 @@ class JobStore:
         with self._lock:
             return self._active_usage()
 
+    def status_counts(self) -> dict[str, int]:
+        """Jobs per status (the /metrics gauge gangserve_training_jobs)."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
+
     def _active_usage(self) -> ActiveUsage:
         row = self._db.execute(
             "SELECT COUNT(*), "

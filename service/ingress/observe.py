@@ -1,0 +1,197 @@
+"""The ingress's side of observability: one ASGI middleware measures every request, and
+`GET /metrics` gathers the whole service's figures at scrape time.
+
+`RequestMetrics` (outermost layer of the app, so 401s, 404s and 413s count too) records
+per request: `gangserve_requests_total{route, format, code}`, `gangserve_request_seconds
+{route}` and `gangserve_request_bytes{route}`. `route` is the matched route's template
+(`/train/{job_id}`), never the raw path (bounded cardinality, no ids or paths in labels);
+`unmatched` for anything no route took. `format` comes from the request's Content-Type
+(json, npy, safetensors, binary, form, other; none without a body type).
+
+Request ids: Ray Serve (2.60) itself takes the client's `X-Request-Id` or assigns one, in
+its HTTP server (the proxy, and direct ingress alike), makes it the Serve request id that
+its log lines carry, and echoes it as the `X-Request-ID` response header. The service
+adds no second header; see service.logs for how the service's own log lines get it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.metrics import (
+    PUBLISH_INTERVAL_S,
+    MetricSet,
+    MetricsStore,
+    merge,
+    process_metrics,
+)
+
+log = logging.getLogger("gangserve.ingress")
+
+JOBS_METRICS_TIMEOUT_S = 5.0  # a scrape must not wait long for the JobManager
+
+_FORMATS = {
+    "application/json": "json",
+    "application/x-npy": "npy",
+    "application/x-safetensors": "safetensors",
+    "application/octet-stream": "binary",
+    "application/x-www-form-urlencoded": "form",
+    "multipart/form-data": "form",
+}
+
+
+def body_format(content_type: str | None) -> str:
+    if not content_type:
+        return "none"
+    return _FORMATS.get(content_type.split(";", 1)[0].strip().lower(), "other")
+
+
+class RequestMetrics:
+    """Pure ASGI middleware: counts and times every HTTP request into this process's metrics."""
+
+    def __init__(self, app: ASGIApp, metrics: MetricSet | None = None, publisher: "Publisher | None" = None) -> None:
+        self.app = app
+        self.metrics = metrics or process_metrics()
+        self.metrics.declare("gangserve_shm_fallbacks")
+        self.publisher = publisher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.publisher is not None:
+            self.publisher.ensure_started()
+        started = time.perf_counter()
+        read = 0
+        status = 500  # if the app fails before answering
+
+        async def counting_receive() -> Message:
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+            return message
+
+        async def status_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, status_send)
+        finally:
+            route = route_template(scope)
+            content_type = None
+            for key, value in scope.get("headers") or ():
+                if key == b"content-type":
+                    content_type = value.decode("latin-1")
+                    break
+            m = self.metrics
+            m.inc("gangserve_requests", (route, body_format(content_type), str(status)))
+            m.observe("gangserve_request_seconds", time.perf_counter() - started, (route,))
+            m.observe("gangserve_request_bytes", read, (route,))
+
+
+def route_template(scope: Scope) -> str:
+    """The template of the route that took the request; for a request answered before
+    routing (a 401 from auth), the documented route its path fits; `unmatched` if none."""
+    path = getattr(scope.get("route"), "path", None)
+    if path:
+        return path
+    from starlette.routing import get_route_path
+
+    wanted = get_route_path(scope)
+    for pattern, template in _templates(scope.get("app")):
+        if pattern.match(wanted):
+            return template
+    return "unmatched"
+
+
+_TEMPLATES: dict[int, list[tuple[re.Pattern[str], str]]] = {}
+
+
+def _templates(app: Any) -> list[tuple[re.Pattern[str], str]]:
+    """(regex, template) of every route in the app's OpenAPI description (built once per app)."""
+    if app is None or not hasattr(app, "openapi"):
+        return []
+    key = id(app)
+    if key not in _TEMPLATES:
+        try:
+            paths = list(app.openapi().get("paths", {}))
+        except Exception:  # noqa: BLE001
+            paths = []
+        _TEMPLATES[key] = [(re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(p)) + "$"), p)
+                           for p in paths]
+    return _TEMPLATES[key]
+
+
+class Publisher:
+    """Publishes this ingress replica's metrics every PUBLISH_INTERVAL_S (started by the first
+    request), so a scrape of any other ingress replica of the app counts them too."""
+
+    def __init__(self, store: MetricsStore | None, app: str | None, source: str | None) -> None:
+        self.store, self.app, self.source = store, app, source
+        self._task: asyncio.Task[None] | None = None
+
+    def ensure_started(self) -> None:
+        if self.store is None or (self._task is not None and not self._task.done()):
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.store.publish, self.app, self.source,  # type: ignore[union-attr]
+                                        process_metrics().snapshot())
+            except Exception as exc:  # noqa: BLE001 - best effort; the next round retries
+                log.warning("could not publish this ingress replica's metrics: %s", exc)
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+
+
+def replica_identity() -> tuple[str, str] | None:
+    """(app, replica id) inside a Serve replica, else None (tests building the app alone)."""
+    try:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        return context.app_name, context.replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a replica
+        return None
+
+
+def make_publisher() -> Publisher:
+    identity = replica_identity()
+    if identity is None:
+        return Publisher(None, None, None)
+    from service.state import state_dir
+
+    try:
+        store = MetricsStore(state_dir())
+    except Exception as exc:  # noqa: BLE001 - metrics must never stop the ingress from starting
+        log.warning("metrics store unavailable (%s); /metrics shows this replica only", exc)
+        store = None
+    return Publisher(store, identity[0], f"ingress:{identity[1]}")
+
+
+async def gather(publisher: Publisher, jobs: Any) -> dict[str, dict[tuple[str, ...], Any]]:
+    """The whole service's figures: this replica's live values, every other replica's
+    published ones (plus those of replicas that are gone), and the JobManager's."""
+    snapshots: list[dict[str, list]] = [process_metrics().snapshot()]
+    if publisher.store is not None:
+        try:
+            fresh, retired = await asyncio.to_thread(publisher.store.read, publisher.app, publisher.source)
+            snapshots += [*fresh, retired]
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not read the other replicas' metrics: %s", exc)
+    if jobs is not None:
+        try:
+            snapshots.append(await asyncio.wait_for(jobs.call("metrics"), JOBS_METRICS_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - no JobManager, or it is busy: no training figures
+            log.debug("no training metrics this scrape: %s", exc)
+    return merge(snapshots)
