@@ -16,11 +16,18 @@ Wire format, both directions, one frame per message:
     request  {"op": "infer", "shape": [b, s, E], "shm": null | "<name in /dev/shm>"}
              payload: the float32 tensor, C order (empty when it travels through shm)
     reply    {"ok": true, "shape": [b, s, E]}     payload: float32 output (empty with shm:
-             the output was written into the request's shared pages, as service.shm says)
+             the output was written into the same shared pages)
              {"ok": false, "error": {type, message, code, status, retry_after_s}}
+             {"ok": false, "shm_unavailable": "<why>"}  (the client resends inline)
 
 One request at a time per connection (the client keeps a few connections, one per call
 in flight). A connection that fails in any way is closed, never reused.
+
+Tensors of MIN_SHARED_BYTES or more travel through a shared region the connection keeps
+(service.shm.Arena): the ingress copies the request into it, the gang server maps it on
+first use and keeps the mapping, computes on it in place and writes the reply into it,
+the ingress copies the reply out. Up to MAX_SHARED_REGION_BYTES; larger (rare) requests
+go inline, so a connection never pins more than that.
 
 Who may connect: the socket file is created 0600 by the replica's user, and the client
 refuses a socket owned by anyone else (a squatter on the predictable path). Sizes are
@@ -34,6 +41,7 @@ import logging
 import os
 import re
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -48,11 +56,11 @@ log = logging.getLogger("gangserve.channel")
 FRAME = struct.Struct("<IQ")
 MAX_HEADER_BYTES = 16 * 1024
 SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and pod)
+MAX_SHARED_REGION_BYTES = 64 * 1024 * 1024
 STALE_AFTER_S = 60.0  # a socket file nobody listens on, older than this, is a dead replica's
 
-# rank 0's side: x [b, s, E] float32 (inline) or the name of shared pages -> reply
+# rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages) -> the output
 InferFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
-InferSharedFn = Callable[[shm.SharedTensorRef], Awaitable[tuple[int, ...]]]
 
 
 class ChannelUnavailable(RuntimeError):
@@ -94,10 +102,8 @@ def socket_path(replica_id: str) -> Path:
 class ChannelServer:
     """Rank 0's listener, inside the GangServer replica's event loop."""
 
-    def __init__(self, infer: InferFn, infer_shared: InferSharedFn, node_id: str, max_in_flight: int) -> None:
+    def __init__(self, infer: InferFn, max_in_flight: int) -> None:
         self._infer = infer
-        self._infer_shared = infer_shared
-        self._node_id = node_id
         self._max_in_flight = max_in_flight
         self._in_flight = 0
         self._server: asyncio.AbstractServer | None = None
@@ -111,18 +117,22 @@ class ChannelServer:
         try:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a replica never reuses an id; a leftover is ours to replace
-            old = os.umask(0o177)  # the socket is born 0600: nobody else may connect
-            try:
-                self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=MAX_HEADER_BYTES)
-            finally:
-                os.umask(old)
+            # Connecting needs write permission on the socket: with the usual umask (022)
+            # nobody else has it from the start; 0600 makes that explicit.
+            self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=MAX_HEADER_BYTES)
+            os.chmod(path, 0o600)
         except OSError as exc:
             log.warning("data channel not available (%s); requests use the Serve handle", exc)
+            self.close_now()
             return False
         self.path = path
         return True
 
     async def close(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Stop listening and remove the socket file (safe to call twice, also from __del__)."""
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -131,127 +141,150 @@ class ChannelServer:
                 self.path.unlink()
             self.path = None
 
-    def close_now(self) -> None:
-        """Synchronous best effort for __del__: stop listening, remove the socket file."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
-
     def stats(self) -> dict[str, int]:
         return {"requests": self.requests, "refused_overloaded": self.refused}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        region: tuple[str, Any] | None = None  # this connection's shared region (name, mapping)
         try:
             while True:
                 try:
                     header, payload = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the client closed the connection
-                reply, out = await self._answer(header, payload)
+                reply, out, region = await self._answer(header, payload, region)
                 await write_frame(writer, reply, out)
         except (ConnectionError, ValueError) as exc:
             log.debug("data channel connection dropped: %s", exc)
         finally:
             writer.close()
 
-    async def _answer(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], memoryview | bytes]:
+    async def _answer(self, header: dict[str, Any], payload: bytes, region: tuple[str, Any] | None
+                      ) -> tuple[dict[str, Any], memoryview | bytes, tuple[str, Any] | None]:
         try:  # a malformed frame: only a buggy client sends one; nothing reaches the gang
             if header.get("op") != "infer":
                 raise ValueError(f"unknown op {header.get('op')!r}")
             shape = _shape(header.get("shape"))
             name = header.get("shm")
-            ref = shm.SharedTensorRef(name=str(name), shape=shape, node_id=self._node_id) if name is not None else None
-            x = _tensor(payload, shape) if ref is None else None
+            x = _tensor(payload, shape) if name is None else None
         except ValueError as exc:
-            return _error(GangUnavailable(f"bad data-channel request: {exc}", code="channel_error")), b""
+            return _error(GangUnavailable(f"bad data-channel request: {exc}", code="channel_error")), b"", region
         if self._in_flight >= self._max_in_flight:
             self.refused += 1
             return _error(Overloaded(f"the gang server has {self._in_flight} requests in flight "
-                                     f"(max_ongoing_requests + max_queued_requests = {self._max_in_flight})")), b""
+                                     f"(max_ongoing_requests + max_queued_requests = {self._max_in_flight})")), b"", region
         self._in_flight += 1
         self.requests += 1
         try:
-            if ref is not None:
-                out_shape = await self._infer_shared(ref)
-                return {"ok": True, "shape": list(out_shape)}, b""
-            assert x is not None
-            out = np.ascontiguousarray(await self._infer(x), dtype=np.float32)
-            return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B")
+            if x is not None:
+                out = np.ascontiguousarray(await self._infer(x), dtype=np.float32)
+                return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
+            nbytes = int(np.prod(shape, dtype=np.int64)) * 4
+            if region is None or region[0] != name or len(region[1]) < nbytes:
+                region = (str(name), shm.map_named(str(name), nbytes))  # kept for the next request
+            view = np.frombuffer(region[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
+            out = await self._infer(view)
+            view[...] = out  # the reply goes back in the same pages
+            return {"ok": True, "shape": list(out.shape)}, b"", region
         except GangServeError as exc:
-            return _error(exc), b""
+            return _error(exc), b"", region
         except shm.SharedMemoryUnavailable as exc:
-            return {"ok": False, "shm_unavailable": str(exc)}, b""
+            return {"ok": False, "shm_unavailable": str(exc)}, b"", None
         except Exception as exc:  # noqa: BLE001 - the reply must say something; the log has the rest
             log.exception("data channel request failed")
             return _error(GangUnavailable(f"the gang server failed ({type(exc).__name__}); see the service log",
-                                          code="gang_error")), b""
+                                          code="gang_error")), b"", region
         finally:
             self._in_flight -= 1
 
 
+@dataclass
+class _Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    region: shm.Arena = field(default_factory=shm.Arena)
+
+
 class ChannelClient:
-    """The ingress's side: a few pooled connections to one gang server's socket."""
+    """The ingress's side: a few pooled connections to one gang server's socket, each with
+    its own reusable shared region for tensors that travel through /dev/shm."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._idle: list[_Connection] = []
 
-    async def infer(self, x: np.ndarray, shared: shm.SharedTensorRef | None = None) -> np.ndarray | tuple[int, ...]:
-        """Send x (inline) or the shared pages `shared` names; the output array (inline)
-        or its shape (written into the shared pages).
+    async def infer(self, x: np.ndarray, share: bool = False) -> np.ndarray:
+        """x [b, s, E] -> the gang's output, x itself in the request (inline), or with `share`
+        through the connection's shared region (the output comes back in the same pages
+        and is copied out before the connection is reused).
 
         Raises ChannelUnavailable before a reply (the caller falls back to the handle),
-        shm.SharedMemoryUnavailable if the server cannot map `shared`, and the gang's own
-        GangServeError as the server raised it. Unbounded here: the caller bounds the wait
-        (and cancelling it closes the connection).
+        shm.SharedMemoryUnavailable when the region cannot be made or mapped (the caller
+        sends the tensor inline instead), and the gang's own GangServeError as the server
+        raised it. Unbounded here: the caller bounds the wait; cancelling it closes the
+        connection.
         """
-        reader, writer = await self._connection()
+        conn = await self._connection()
         done = False
+        shape = tuple(int(d) for d in x.shape)
+        share = share and x.size * 4 <= MAX_SHARED_REGION_BYTES
         try:
-            shape = [int(d) for d in x.shape]
-            if shared is not None:
-                await write_frame(writer, {"op": "infer", "shape": shape, "shm": shared.name}, b"")
+            if share:
+                try:
+                    view = conn.region.view(shape)
+                except shm.SharedMemoryUnavailable:
+                    done = True  # nothing was sent: the connection stays usable
+                    raise
+                view[...] = x
+                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": conn.region.name}, b"")
             else:
                 data = np.ascontiguousarray(x, dtype=np.float32)
-                await write_frame(writer, {"op": "infer", "shape": shape, "shm": None}, memoryview(data).cast("B"))
+                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None},
+                                  memoryview(data).cast("B"))
             try:
-                reply, payload = await read_frame(reader)
+                reply, payload = await read_frame(conn.reader)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 raise ChannelUnavailable(f"the gang server closed the data channel ({type(exc).__name__})") from None
             except ValueError as exc:
                 raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
             done = True
+            if not reply.get("ok"):
+                if "shm_unavailable" in reply:
+                    conn.region.release()  # the server could not map it: a new region next time
+                    raise shm.SharedMemoryUnavailable(str(reply["shm_unavailable"]))
+                raise error_from_wire(reply.get("error") or {})
+            try:
+                out_shape = _shape(reply.get("shape"))
+                if not share:
+                    return _tensor(payload, out_shape)
+                if out_shape != shape:
+                    raise ValueError(f"reply shape {list(out_shape)} for a {list(shape)} request")
+            except ValueError as exc:
+                raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
+            return view.copy()  # the region is reused by this connection's next request
         except (ConnectionError, OSError) as exc:
             raise ChannelUnavailable(f"data channel write failed: {exc}") from None
         finally:
             if done:
-                self._idle.append((reader, writer))
+                self._idle.append(conn)
             else:  # cancelled or failed mid-call: the stream is in an unknown state
-                writer.close()
-        if not reply.get("ok"):
-            if "shm_unavailable" in reply:
-                raise shm.SharedMemoryUnavailable(str(reply["shm_unavailable"]))
-            raise error_from_wire(reply.get("error") or {})
-        try:
-            out_shape = _shape(reply.get("shape"))
-            return out_shape if shared is not None else _tensor(payload, out_shape)
-        except ValueError as exc:
-            raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+                conn.writer.close()
+                conn.region.release()
 
     def close(self) -> None:
-        for _, writer in self._idle:
-            writer.close()
+        for conn in self._idle:
+            conn.writer.close()
+            conn.region.release()
         self._idle = []
 
-    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connection(self) -> _Connection:
         while self._idle:
-            reader, writer = self._idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
-            writer.close()
+            conn = self._idle.pop()
+            if not conn.writer.is_closing() and not conn.reader.at_eof():
+                return conn
+            conn.writer.close()
+            conn.region.release()
         try:
             owner = self.path.stat().st_uid
         except OSError as exc:
@@ -259,9 +292,10 @@ class ChannelClient:
         if owner != os.getuid():
             raise ChannelUnavailable(f"{self.path.name} belongs to uid {owner}, not to this service's user")
         try:
-            return await asyncio.open_unix_connection(str(self.path), limit=MAX_HEADER_BYTES)
+            reader, writer = await asyncio.open_unix_connection(str(self.path), limit=MAX_HEADER_BYTES)
         except OSError as exc:
             raise ChannelUnavailable(f"cannot connect to {self.path.name}: {exc.strerror or exc}") from None
+        return _Connection(reader, writer)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:

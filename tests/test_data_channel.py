@@ -38,13 +38,6 @@ def _affine(x: np.ndarray) -> np.ndarray:
     return 2.0 * x + 1.0
 
 
-async def _shared(ref: shm.SharedTensorRef) -> tuple[int, ...]:
-    """The GangServer's infer_shared contract: read the pages, write the reply into them."""
-    view = shm.open_ref(ref, "node-a")
-    view[...] = _affine(view)
-    return ref.shape
-
-
 def _run_with_server(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: Callable[[ChannelServer, ChannelClient], Awaitable[Any]],
     infer: Callable[[np.ndarray], Awaitable[np.ndarray]] | None = None, max_in_flight: int = 8,
@@ -55,7 +48,7 @@ def _run_with_server(
         return _affine(x)
 
     async def main() -> Any:
-        server = ChannelServer(infer or default_infer, _shared, "node-a", max_in_flight=max_in_flight)
+        server = ChannelServer(infer or default_infer, max_in_flight=max_in_flight)
         assert await server.start("replica1")
         client = ChannelClient(channel.socket_path("replica1"))
         try:
@@ -86,21 +79,40 @@ def test_inline_round_trip_concurrent_calls_and_socket_mode(tmp_path: Path, monk
 
 
 @pytest.mark.unit
-def test_shared_memory_round_trip_writes_reply_into_the_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shared_region_is_reused_and_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large tensors go through the connection's shared region: the server computes on the
+    mapped pages and answers in them; the region's name is gone from /dev/shm once the
+    server holds it, and the next request on the connection reuses the same pages."""
     if not shm.available():
         pytest.skip("needs a writable /dev/shm")
-    x = rand(2, 16, 512, seed=3)
+    seen: list[np.ndarray] = []
+
+    async def infer(x: np.ndarray) -> np.ndarray:
+        seen.append(x)
+        return _affine(x)
+
+    def ours() -> set[str]:
+        return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*")}
 
     async def body(_: ChannelServer, client: ChannelClient) -> None:
-        ref, view = shm.create(x, "node-a")
-        try:
-            shape = await client.infer(x, ref)
-        finally:
-            shm.unlink(ref)
-        assert shape == (2, 16, 512)
-        assert np.array_equal(view, _affine(x))
+        first, second = rand(2, 16, 512, seed=3), rand(1, 8, 512, seed=4)  # 64 KiB and 16 KiB
+        out = await client.infer(first, share=True)
+        assert np.array_equal(out, _affine(first))
+        assert not ours()  # the name was removed as soon as the server had the pages
+        region = client._idle[0].region
+        name, capacity = region.name, region.capacity
+        out2 = await client.infer(second, share=True)
+        assert np.array_equal(out2, _affine(second))
+        assert (region.name, region.capacity) == (name, capacity)  # same pages, no new file
+        assert np.array_equal(out, _affine(first))  # replies are copies: reuse cannot touch them
+        assert not seen[0].flags.owndata  # the server computed on the mapped pages themselves
+        big = rand(8, 64, 512, seed=5)  # 1 MiB: still fits the first region (1 MiB minimum)
+        bigger = rand(16, 64, 512, seed=6)  # 2 MiB: a larger region replaces it
+        assert np.array_equal(await client.infer(big, share=True), _affine(big))
+        assert np.array_equal(await client.infer(bigger, share=True), _affine(bigger))
+        assert region.name != name and region.capacity >= bigger.nbytes and not ours()
 
-    _run_with_server(tmp_path, monkeypatch, body)
+    _run_with_server(tmp_path, monkeypatch, body, infer=infer)
 
 
 @pytest.mark.unit
@@ -161,7 +173,7 @@ def test_no_socket_a_foreign_owner_or_a_server_that_dies_is_channel_unavailable(
             # The connection's handler ends without a reply, as when the replica dies.
             raise asyncio.CancelledError()
 
-        server = ChannelServer(dies, _shared, "node-a", max_in_flight=4)
+        server = ChannelServer(dies, max_in_flight=4)
         assert await server.start("replica2")
         client = ChannelClient(channel.socket_path("replica2"))
         with pytest.raises(ChannelUnavailable, match="closed the data channel"):

@@ -76,8 +76,7 @@ class GangServer:
         self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
         # Same-node requests from the ingress may skip the handle call (service.channel).
         self._channel = ChannelServer(
-            self.infer, self.infer_shared, self._node_id,
-            max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
+            self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
         )
         self._channel_wanted = cfg.data_channel and cfg.autoscaling_config is None and cfg.num_replicas == 1
         try:

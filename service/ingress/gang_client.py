@@ -214,31 +214,18 @@ class GangClient:
         return self._channel
 
     async def _infer_channel(self, channel: ChannelClient, x: np.ndarray, share: bool) -> np.ndarray:
-        """x to rank 0 over the data channel: the tensor inline, or (large ones) the name
-        of its /dev/shm pages, the reply written into the same pages."""
+        """x to rank 0 over the data channel: inline, or (tensors worth it) through the
+        connection's shared region in /dev/shm."""
         timeout_s, what = self._cfg.request_timeout_s, "infer (data channel)"
-        if share:
-            try:
-                ref, view = shm.create(x, self._node_id)
-            except shm.SharedMemoryUnavailable as exc:
-                self._shm_failed(exc)
-                share = False
         self._transport["data_channel"] += 1
         if share:
-            self._transport["shared_memory"] += 1
             try:
-                shape = await self._bounded(channel.infer(x, ref), what, timeout_s, watch=True)
-                if tuple(shape) != ref.shape:
-                    raise GangUnavailable(f"gang replied with shape {tuple(shape)} to a {ref.shape} request",
-                                          code="gang_error")
-                return view  # [batch, seq, E] float32, written by the gang
+                out = await self._bounded(channel.infer(x, share=True), what, timeout_s, watch=True)
+                self._transport["shared_memory"] += 1
+                return out
             except shm.SharedMemoryUnavailable as exc:
-                self._shm_failed(exc)  # the gang server could not map the pages: send the tensor itself
-            finally:
-                shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
-        out = await self._bounded(channel.infer(x), what, timeout_s, watch=True)
-        assert isinstance(out, np.ndarray)
-        return out
+                self._shm_failed(exc)  # /dev/shm full or unmappable: send the tensor itself
+        return await self._bounded(channel.infer(x), what, timeout_s, watch=True)
 
     def _can_share(self, x: np.ndarray, status: dict[str, Any]) -> bool:
         """Shared memory pays only for tensors Ray would not inline, and needs rank 0
