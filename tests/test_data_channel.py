@@ -330,3 +330,16 @@ def test_rank_death_during_channel_requests_is_a_clean_error_then_channel_again(
     fresh = _driver_side_client(app_url)
     assert relative_error(torch.from_numpy(np.array(asyncio.run(fresh.infer(x)))), want) < 1e-5
     assert fresh._transport["data_channel"] == 1 and fresh._transport["data_channel_fallbacks"] == 0
+
+
+@pytest.mark.ray
+def test_request_path_replicas_run_on_their_main_event_loop(app_url: str) -> None:
+    """same_event_loop (default): the GangServer replica (rank 0's process) starts with Serve's
+    switches that run our code and the handle router on the replica's main loop."""
+    from service.app import SAME_EVENT_LOOP_ENV
+
+    pid = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["pid"]
+    environ = dict(
+        item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+    )
+    assert {k: environ.get(k) for k in SAME_EVENT_LOOP_ENV} == SAME_EVENT_LOOP_ENV
