@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 from ray import serve
@@ -33,10 +34,19 @@ class NaivePeer:
         self._mha = dense_reference(seed_weights(512), 8)
 
     async def __call__(self, request: Request) -> Response:
-        x = np.load(io.BytesIO(await request.body()), allow_pickle=False)
+        t0 = time.perf_counter()
+        body = await request.body()
+        t1 = time.perf_counter()
+        x = np.load(io.BytesIO(body), allow_pickle=False)
+        t2 = time.perf_counter()
         with self._torch.inference_mode():
             xt = self._torch.from_numpy(x)
             out, _ = self._mha(xt, xt, xt, need_weights=False)
+        t3 = time.perf_counter()
         buf = io.BytesIO()
         np.save(buf, out.numpy())
-        return Response(buf.getvalue(), media_type="application/x-npy")
+        t4 = time.perf_counter()
+        # The same phases as gangserve's Server-Timing (its "gang" is our "compute").
+        timing = ", ".join(f"{name};dur={(b - a) * 1000:.2f}" for name, a, b in
+                           (("read", t0, t1), ("decode", t1, t2), ("compute", t2, t3), ("encode", t3, t4)))
+        return Response(buf.getvalue(), media_type="application/x-npy", headers={"Server-Timing": timing})

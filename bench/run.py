@@ -151,6 +151,137 @@ def time_breakdown(client: httpx.Client, base: str, body: bytes, n: int = 20) ->
     }
 
 
+def server_timing(headers: httpx.Headers) -> dict[str, float]:
+    out = {}
+    for part in headers.get("server-timing", "").split(","):
+        if ";dur=" in part:
+            name, dur = part.strip().split(";dur=")
+            out[name] = float(dur)
+    return out
+
+
+def interleaved(calls: dict[str, Callable[[], httpx.Response]], n: int, warmup: int = 5) -> dict[str, dict]:
+    """n rounds over `calls` (so load and noise hit every row alike), each round in a new
+    shuffled order: a request right after another deployment's pays for that one's
+    after-work (measured: a fixed order favoured whichever row came third by ~2 ms on
+    small requests). Each row's p50/p99 and the medians of its Server-Timing phases."""
+    import random
+
+    order = random.Random(16)
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    phases: dict[str, dict[str, list[float]]] = {name: {} for name in calls}
+    for _ in range(n):
+        names = list(calls)
+        order.shuffle(names)
+        for name in names:
+            call = calls[name]
+            t0 = time.perf_counter()
+            r = call()
+            samples[name].append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text[:300]
+            for phase, ms in server_timing(r.headers).items():
+                phases[name].setdefault(phase, []).append(ms)
+    return {name: {**percentiles(samples[name]),
+                   "server_timing": {p: statistics.median(v) for p, v in phases[name].items()}}
+            for name in calls}
+
+
+def bench_equal_compute(base: str, n: int, load_s: float) -> dict[str, dict]:
+    """Issue 16: gangserve at world size 1 with 2 torch threads next to the naive one-replica
+    peer with 2 threads (equal compute, no tensor parallelism), both shapes, interleaved;
+    the same gang with same_event_loop off, and with both it and the data channel off (the Serve
+    requests at 16 clients; and at world size 2 how far we are from Serve echo + the bare
+    2-process TP step."""
+    from ray import serve
+
+    from bench.bare_tp import bare_step_ms
+    from bench.peers import EchoPeer, NaivePeer
+    from harness.local import local_yaml_args
+    from service.app import build_app
+
+    ws1 = {**local_yaml_args(), "world_size": 1, "cpus_per_rank": 2}
+    serve.run(NaivePeer.options(ray_actor_options={"num_cpus": 2}).bind(2), name="naive2", route_prefix="/naive2")
+    serve.run(build_app(ws1), name="eq_ws1", route_prefix="/eq_ws1")
+    serve.run(build_app({**ws1, "same_event_loop": False}), name="eq_ws1t", route_prefix="/eq_ws1t")
+    serve.run(build_app({**ws1, "data_channel": False, "same_event_loop": False}), name="eq_ws1h", route_prefix="/eq_ws1h")
+    client = httpx.Client(timeout=120)
+    rows: dict[str, dict] = {}
+    big = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
+    small = big[:1].copy()
+    for label, x in (("notes' shape [128, 8, 512]", big), ("small [1, 8, 512]", small)):
+        body = npy(x)
+        post = lambda url: (lambda: client.post(url, content=body, headers={"content-type": "application/x-npy"}))  # noqa: E731
+        rows[label] = interleaved({
+            "naive peer (2 threads)": post(base + "/naive2"),
+            "gangserve ws1 (2 threads)": post(base + "/eq_ws1/infer"),
+            "gangserve ws1, same_event_loop off": post(base + "/eq_ws1t/infer"),
+            "gangserve ws1, same_event_loop and data channel off (handle call)": post(base + "/eq_ws1h/infer"),
+        }, n)
+    load = {name: throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
+            for name, url in (("naive peer (2 threads)", base + "/naive2"),
+                              ("gangserve ws1 (2 threads)", base + "/eq_ws1/infer"),
+                              ("gangserve ws1, same_event_loop and data channel off (handle call)", base + "/eq_ws1h/infer"))}
+    steps = {name: client.get(f"{base}/{app}/gang").json()["batching"] for name, app in
+             (("gangserve ws1 (2 threads)", "eq_ws1"), ("gangserve ws1, same_event_loop off", "eq_ws1t"),
+              ("gangserve ws1, same_event_loop and data channel off (handle call)", "eq_ws1h"))}
+    for app in ("naive2", "eq_ws1", "eq_ws1t", "eq_ws1h"):
+        serve.delete(app)
+    # World size 2 on the notes' shape: ours vs Serve echo + the bare TP step (no service).
+    serve.run(EchoPeer.bind(), name="eq_echo", route_prefix="/eq_echo")
+    serve.run(build_app(local_yaml_args()), name="eq_ws2", route_prefix="/eq_ws2")
+    body = npy(big)
+    ws2 = interleaved({
+        "Serve echo (2 MiB npy)": lambda: client.post(base + "/eq_echo", content=body, headers={"content-type": "application/x-npy"}),
+        "gangserve ws2": lambda: client.post(base + "/eq_ws2/infer", content=body, headers={"content-type": "application/x-npy"}),
+    }, n)
+    serve.delete("eq_echo")
+    serve.delete("eq_ws2")
+    ws2["bare 2-process gloo TP step"] = {"p50_ms": bare_step_ms(SHAPE)}
+    return {"latency": rows, "small_c16": load, "batching": steps, "ws2": ws2}
+
+
+def print_equal_compute(eq: dict[str, dict], load_s: float) -> dict[str, float]:
+    print("\nequal compute (issue 16): gangserve world_size 1, cpus_per_rank 2 (2 torch threads) vs the "
+          "naive one-replica peer with 2 threads, npy, interleaved\n")
+    print("| request | row | p50 ms | p99 ms | Server-Timing medians (ms) | p50 / naive |")
+    print("|---|---|---:|---:|---|---:|")
+    ratios: dict[str, float] = {}
+    for label, rows in eq["latency"].items():
+        naive = rows["naive peer (2 threads)"]["p50_ms"]
+        for name, r in rows.items():
+            timing = ", ".join(f"{k} {v:.1f}" for k, v in r["server_timing"].items()) or "-"
+            print(f"| {label} | {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {timing} | {r['p50_ms'] / naive:.2f} |")
+        ratios[f"ws1 / naive p50, {label} (goal <= 1.05)"] = rows["gangserve ws1 (2 threads)"]["p50_ms"] / naive
+        ratios[f"ws1, same_event_loop off / naive p50, {label}"] = (
+            rows["gangserve ws1, same_event_loop off"]["p50_ms"] / naive)
+        ratios[f"ws1, both off (the handle call) / naive p50, {label}"] = (
+            rows["gangserve ws1, same_event_loop and data channel off (handle call)"]["p50_ms"] / naive)
+    print(f"\nsmall requests [1, 8, 512], 16 clients for {load_s:.0f}s\n")
+    print("| row | req/s | p50 ms | p99 ms |")
+    print("|---|---:|---:|---:|")
+    for name, r in eq["small_c16"].items():
+        print(f"| {name} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+    c16 = eq["small_c16"]
+    ratios["small req/s at 16 clients, ws1 / naive (goal >= 1)"] = (
+        c16["gangserve ws1 (2 threads)"]["req_per_s"] / c16["naive peer (2 threads)"]["req_per_s"])
+    ws2 = eq["ws2"]
+    gap = ws2["gangserve ws2"]["p50_ms"] - (ws2["Serve echo (2 MiB npy)"]["p50_ms"] + ws2["bare 2-process gloo TP step"]["p50_ms"])
+    print("\nworld size 2, notes' shape: ours vs Serve echo + the bare TP step\n")
+    print("| row | p50 ms |")
+    print("|---|---:|")
+    for name, r in ws2.items():
+        print(f"| {name} | {r['p50_ms']:.1f} |")
+    ratios["ws2: ours - (echo + bare TP step), ms (goal <= 2)"] = gap
+    print("\n| goal | value |")
+    print("|---|---:|")
+    for name, value in ratios.items():
+        print(f"| {name} | {value:.2f} |")
+    return ratios
+
+
 def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float = 600) -> dict[str, float]:
     """The default DDP job (`POST /train {}`: world_size 2) next to a plain single-process
     loop on the same data; plus the time from POST to the first reported epoch."""
@@ -199,7 +330,7 @@ def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float
     }
 
 
-def bench_serving(x: np.ndarray, n: int, load_s: float, only_gangs: bool = False) -> dict[str, dict]:
+def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None) -> dict[str, dict]:
     """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster;
     echo, naive and gangserve ws2 also through direct ingress (no proxy)."""
     import ray
@@ -216,14 +347,19 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only_gangs: bool = False
     # Bench only: every ingress replica also serves HTTP on its own port (30000+), so one run
     # measures both paths. The controller and replicas read it, hence before ray.init.
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
-    ray.init(num_cpus=max(4, cores), include_dashboard=False, log_to_driver=False)
+    # Logical CPUs (threads are set per deployment): room for the equal-compute section's
+    # apps side by side. address="local": never attach to another Ray cluster on the machine.
+    ray.init(address="local", num_cpus=max(8, cores), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
     results: dict[str, dict] = {"latency": {}, "small": {}, "memory": {}}
     try:
-        if only_gangs:
+        if only == "gangs":
             results["gangs"] = bench_gangs(httpx.Client(timeout=120), base, x, n, load_s)
+            return results
+        results["equal"] = bench_equal_compute(base, n, load_s)
+        if only == "equal":
             return results
         serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
         serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
@@ -351,13 +487,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs"], default=None,
-                        help="run one section alone (gangs: 1 vs 2 gangs) and print its table")
+    parser.add_argument("--only", choices=["gangs", "equal"], default=None,
+                        help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
+                        "at equal compute) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
     if args.only == "gangs":
-        print_gangs(bench_serving(x.numpy(), args.requests, args.load_seconds, only_gangs=True)["gangs"], args.load_seconds)
+        print_gangs(bench_serving(x.numpy(), args.requests, args.load_seconds, only="gangs")["gangs"], args.load_seconds)
+        return
+    if args.only == "equal":
+        eq = bench_serving(x.numpy(), args.requests, args.load_seconds, only="equal")["equal"]
+        ratios = print_equal_compute(eq, args.load_seconds)
+        out = ROOT / "bench" / "results" / "equal.json"
+        out.write_text(json.dumps({"equal": eq, "ratios": ratios, "time": time.time()}, indent=2))
+        print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     codec_rows = bench_codecs(x.numpy())
     dense = bench_in_process(x, args.requests)
@@ -397,6 +541,7 @@ def main() -> None:
     for name, value in serving["training"].items():
         print(f"| {name} | {value:.1f} |")
     print_gangs(serving["gangs"], args.load_seconds)
+    equal_ratios = print_equal_compute(serving["equal"], args.load_seconds)
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -412,7 +557,8 @@ def main() -> None:
         print(f"| {name} | {value:.2f} |")
     out = ROOT / "bench" / "results" / "latest.json"
     out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "gangs": serving["gangs"], "breakdown": serving["breakdown"], "training": serving["training"],
-                               "direct_ingress": serving["direct_ingress"], "ratios": goals, "codecs": codec_rows, "time": time.time()}, indent=2))
+                               "direct_ingress": serving["direct_ingress"], "ratios": goals,
+                               "equal": serving["equal"], "equal_ratios": equal_ratios, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 

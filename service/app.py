@@ -57,6 +57,23 @@ def build_app(args: dict[str, Any]) -> Application:
     return compose_app(cfg, nodes)
 
 
+# Serve's switches for where a replica runs user code and its handles' router (read by
+# the replica process at start, so they travel as the deployment's environment). Ray 2.60
+# defaults both to "1" (a separate thread / loop); Ray's own throughput-optimized profile
+# and its planned defaults are "0" (ray-project/ray#61226).
+SAME_EVENT_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def event_loop_options(cfg: AppConfig) -> dict[str, Any]:
+    """ray_actor_options for the request-path deployments (Ingress, GangServer): with
+    `same_event_loop`, our code and Serve's share the replica's main loop, saving a
+    cross-thread hand-off per request in each of them. The JobManager keeps Serve's
+    default (isolation matters more than latency there)."""
+    if not cfg.same_event_loop:
+        return {}
+    return {"runtime_env": {"env_vars": dict(SAME_EVENT_LOOP_ENV)}}
+
+
 def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve."""
     request = gang_request(cfg)
@@ -79,7 +96,7 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         # One bundle per rank, reserved all-or-nothing; the replica is rank 0 in bundle 0.
         placement_group_bundles=[dict(bundle) for _ in range(cfg.world_size)],
         placement_group_strategy=cfg.placement_strategy,
-        ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},
+        ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), **event_loop_options(cfg)},
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
     ).bind(cfg.model_dump())
@@ -93,6 +110,6 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         spread["max_replicas_per_node"] = -(-cfg.ingress_replicas // nodes)
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
+        ray_actor_options={"num_cpus": 0, **event_loop_options(cfg)}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
         **spread, **logs,
     ).bind(server, cfg.model_dump(), jobs)

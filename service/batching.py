@@ -9,7 +9,9 @@ Attention mixes positions only within a sequence, never across batch rows, so ea
 request's rows are exactly what it would get alone (up to float rounding of a larger
 matmul). At most `max_in_flight` steps run at once (1 in front of the gang's sequencer);
 requests that arrive while they run form the next batch, so under load batches grow by
-themselves and an idle gang adds no wait (unless `wait_s` > 0 asks to linger for company).
+themselves and an idle gang adds no wait (unless `wait_s` > 0 asks to linger for company):
+a request that finds the batcher idle runs its step in its own task, at no cost over
+calling the step directly.
 
 The same class batches twice: in the GangServer (one gang step per batch) and in each
 ingress replica (one handle call per batch, `max_in_flight=2` so one batch crosses the
@@ -53,6 +55,7 @@ class StepBatcher:
         self._drainer: asyncio.Task | None = None
         self.steps = 0  # counters for /gang and the benchmark
         self.requests = 0
+        self.inline_steps = 0  # steps run in the submitting task (the batcher was idle)
         self._step_ms: deque[float] = deque(maxlen=256)
 
     def stats(self) -> dict[str, float]:
@@ -61,6 +64,7 @@ class StepBatcher:
         return {
             "steps": self.steps,
             "requests": self.requests,
+            "inline_steps": self.inline_steps,
             "recent_step_ms_p50": round(statistics.median(recent), 3) if recent else 0.0,
         }
 
@@ -68,6 +72,14 @@ class StepBatcher:
         """x [batch, seq, E] -> this request's rows of the batched step's output."""
         loop = asyncio.get_running_loop()
         item = _Pending(x, loop.create_future())
+        if not self._pending and self._wait_s <= 0 and not self._slots.locked():
+            # Idle: nobody to batch with and a slot free. Run the step in the caller's own
+            # task (no drainer or group task, no extra loop iterations); requests that
+            # arrive meanwhile queue as usual and form the next batch.
+            await self._slots.acquire()  # free, so this does not yield
+            self.inline_steps += 1
+            await self._run_group([item])
+            return item.future.result()
         self._pending.append(item)
         if self._drainer is None or self._drainer.done():
             self._drainer = loop.create_task(self._drain())

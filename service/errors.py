@@ -121,3 +121,29 @@ class GangStartupError(GangServeError):
 
     status, code = 503, "gang_startup_failed"
     retry_after_s = 10.0
+
+
+def error_to_wire(exc: GangServeError) -> dict[str, object]:
+    """A GangServeError as a JSON-able dict (for the gang's data channel, service.channel)."""
+    return {"type": type(exc).__name__, "message": exc.message, "code": exc.code,
+            "status": exc.status, "retry_after_s": exc.retry_after_s}
+
+
+def error_from_wire(doc: dict[str, object]) -> GangServeError:
+    """The inverse of error_to_wire: the same class when it is one of ours (found by name
+    among GangServeError's subclasses), else a GangServeError carrying the same status."""
+    classes = {cls.__name__: cls for cls in _subclasses(GangServeError)}
+    cls = classes.get(str(doc.get("type")), GangServeError)
+    retry = doc.get("retry_after_s")
+    exc = cls(str(doc.get("message", "")), code=str(doc.get("code") or cls.code),
+              retry_after_s=float(retry) if isinstance(retry, (int, float)) else None)
+    if cls is GangServeError and isinstance(doc.get("status"), int):
+        exc.status = int(doc["status"])  # type: ignore[arg-type]
+    return exc
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out

@@ -19,11 +19,18 @@ Where values live:
 
 With `enable_ray_metrics()` (called by each Serve deployment) every observation is also
 recorded through `ray.serve.metrics`, so the same figures appear, per replica, on Ray's
-metrics export port as `ray_<name>` next to Serve's own `ray_serve_*` metrics.
+metrics export port as `ray_<name>` next to Serve's own `ray_serve_*` metrics. Those
+records happen off the request path: a Ray metric record costs far more than our own
+(profiled in the ingress: ~0.5 ms of CPU per request for three records, bench/NOTES.md),
+so observations are queued and a background thread hands them to Ray every
+RAY_FLUSH_INTERVAL_S, counter increments summed per series, gauges as their last value,
+histogram observations one by one (Ray's histogram takes no bucket counts). Ray exports
+its metrics every few seconds anyway, so the delay is not visible there.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import logging
 import threading
@@ -43,6 +50,8 @@ STALE_AFTER_S = 10.0  # a row this old belongs to a replica that is gone (as in 
 # that long has been replaced and will never publish under its id again.
 FOLD_AFTER_S = 60.0
 RETIRED = "retired"  # the source holding the folded counters of gone replicas
+RAY_FLUSH_INTERVAL_S = 1.0
+RAY_QUEUE_MAX = 100_000  # observations waiting for the flusher; beyond this they are dropped (counted)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 BYTES_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
@@ -114,6 +123,8 @@ class MetricSet:
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple[str, ...], Any]] = {}
         self._ray: dict[str, Any] | None = None
+        self._ray_queue: collections.deque[tuple[str, tuple[str, ...], str, float]] = collections.deque()
+        self._ray_dropped = 0
 
     def inc(self, name: str, labels: tuple[str, ...] = (), value: float = 1.0) -> None:
         with self._lock:
@@ -163,11 +174,49 @@ class MetricSet:
     def enable_ray(self) -> None:
         """Also record through ray.serve.metrics from now on (inside a Serve replica)."""
         with self._lock:
-            if self._ray is None:
-                self._ray = {}
+            if self._ray is not None:
+                return
+            self._ray = {}
+        threading.Thread(target=self._flush_forever, name="gangserve-ray-metrics", daemon=True).start()
 
     def _record_ray(self, name: str, labels: tuple[str, ...], how: str, value: float) -> None:
-        """Best effort: Ray's metrics must never fail a request."""
+        """Queue one observation for Ray (the flusher records it); O(1) on the request path."""
+        if len(self._ray_queue) >= RAY_QUEUE_MAX:
+            self._ray_dropped += 1
+            return
+        self._ray_queue.append((name, labels, how, value))  # deque.append is thread-safe
+
+    def flush_ray(self) -> int:
+        """Hand every queued observation to Ray: increments summed per series, gauges' last
+        value, histogram observations one by one. Returns how many Ray records were made."""
+        incs: dict[tuple[str, tuple[str, ...]], float] = {}
+        sets: dict[tuple[str, tuple[str, ...]], float] = {}
+        observations: list[tuple[str, tuple[str, ...], float]] = []
+        while self._ray_queue:
+            name, labels, how, value = self._ray_queue.popleft()
+            if how == "inc":
+                incs[(name, labels)] = incs.get((name, labels), 0.0) + value
+            elif how == "set":
+                sets[(name, labels)] = value
+            else:
+                observations.append((name, labels, value))
+        records = [(n, l, "inc", v) for (n, l), v in incs.items()]
+        records += [(n, l, "set", v) for (n, l), v in sets.items()]
+        records += [(n, l, "observe", v) for n, l, v in observations]
+        for name, labels, how, value in records:
+            self._record_ray_now(name, labels, how, value)
+        return len(records)
+
+    def _flush_forever(self) -> None:
+        while True:
+            time.sleep(RAY_FLUSH_INTERVAL_S)
+            try:
+                self.flush_ray()
+            except Exception as exc:  # noqa: BLE001 - the flusher must outlive any one failure
+                log.debug("ray metrics flush failed: %s", exc)
+
+    def _record_ray_now(self, name: str, labels: tuple[str, ...], how: str, value: float) -> None:
+        """Best effort: Ray's metrics must never fail anything."""
         try:
             spec = SPECS[name]
             metric = self._ray.get(name) if self._ray is not None else None

@@ -97,6 +97,86 @@ def create(x: np.ndarray, node_id: str) -> tuple[SharedTensorRef, np.ndarray]:
     return ref, view
 
 
+class Arena:
+    """A reusable /dev/shm region for one data-channel connection (service.channel).
+
+    Creating, reserving, mapping and first-touching a fresh file costs ~1.5 ms for 2 MiB
+    here, against ~0.05 ms to copy into pages that are already mapped. A connection
+    carries one request at a time, so it can keep one region and reuse it: the first
+    request names the file, the gang server maps it and keeps the mapping for the
+    connection's life, and the name is unlinked as soon as the server has it (nothing is
+    left in /dev/shm whatever happens later; the pages go when both sides unmap). The
+    region grows (a new file) when a request does not fit.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._mapping: mmap.mmap | None = None
+        self._linked = False
+
+    @property
+    def capacity(self) -> int:
+        return len(self._mapping) if self._mapping is not None else 0
+
+    def view(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable float32 view of the region's first bytes, shaped `shape` (a new,
+        larger file if it does not fit). Raises SharedMemoryUnavailable."""
+        numel = int(np.prod(shape, dtype=np.int64))
+        nbytes = max(numel * 4, 1)
+        if nbytes > self.capacity:
+            self.release()
+            size = max(nbytes, 2 * self.capacity, 1 << 20)
+            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+            path = SHM_DIR / name
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except OSError as exc:
+                raise SharedMemoryUnavailable(f"cannot create {path}: {exc}") from None
+            try:
+                os.posix_fallocate(fd, 0, size)
+                self._mapping = mmap.mmap(fd, size)
+            except OSError as exc:
+                _unlink_quietly(path)
+                raise SharedMemoryUnavailable(f"cannot reserve {size} bytes in {SHM_DIR}: {exc}") from None
+            finally:
+                os.close(fd)
+            self.name, self._linked = name, True
+        assert self._mapping is not None
+        return np.frombuffer(self._mapping, dtype=np.float32, count=numel).reshape(shape)
+
+    def mapped_by_peer(self) -> None:
+        """The gang server holds the region now: remove its name."""
+        if self._linked and self.name is not None:
+            _unlink_quietly(SHM_DIR / self.name)
+            self._linked = False
+
+    def release(self) -> None:
+        """Drop the region (its name, if still there; the mapping goes with its last view)."""
+        self.mapped_by_peer()
+        self.name, self._mapping = None, None
+
+
+def map_named(name: str, nbytes: int) -> mmap.mmap:
+    """The gang server's side of an Arena: map the whole file `name` (at least `nbytes`).
+
+    Raises SharedMemoryUnavailable for a foreign name, a missing file or one too small.
+    """
+    if not _NAME.match(name):
+        raise SharedMemoryUnavailable(f"not a gangserve shared tensor name: {name!r}")
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(f"cannot open {path}: {exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < max(nbytes, 1):
+            raise SharedMemoryUnavailable(f"{path} holds {size} bytes, the tensor needs {nbytes}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 def open_ref(ref: SharedTensorRef, node_id: str) -> np.ndarray:
     """The GangServer side: a writable float32 view of the tensor `ref` names.
 

@@ -222,7 +222,8 @@ def test_other_world_sizes_serve_the_same_function(serve_url: str, tmp_path: Pat
         path = tmp_path / "w.safetensors"
         save_checkpoint(path, weights, num_heads=8)
         args["checkpoint"] = str(path)
-        args["shm_transport"] = False  # the by-value path, side by side with the shm default
+        # The by-value handle path, side by side with the defaults (shm, data channel).
+        args.update(shm_transport=False, data_channel=False)
     else:
         args.update(init="random", seed=3)
     name = f"ws{world_size}"

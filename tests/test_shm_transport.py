@@ -117,15 +117,19 @@ def test_http_requests_use_shared_memory_on_one_node_and_leave_no_files(app_url:
     after = httpx.get(app_url + "/gang", timeout=30).json()["ingress_transport"]
     assert after["shm_enabled"] is True
     # The small request always goes by value; the big one through /dev/shm iff the ingress
-    # and the GangServer (rank 0) share a node.
+    # and the GangServer (rank 0) share a node, and then both over the data channel
+    # (service.channel) instead of a handle call.
     assert after["shared_memory"] - transport["shared_memory"] == (1 if same_node else 0), (transport, after)
-    assert after["object_store"] - transport["object_store"] == (1 if same_node else 2), (transport, after)
+    assert after["data_channel"] - transport["data_channel"] == (2 if same_node else 0), (transport, after)
+    assert after["object_store"] - transport["object_store"] == (0 if same_node else 2), (transport, after)
     assert after["shared_memory_fallbacks"] == transport["shared_memory_fallbacks"]
     assert gangserve_files() <= before_files
 
 
 def _driver_side_client(app_url: str) -> tuple[object, str]:
-    """A real GangClient (the ingress's code) in this test process, on a real handle.
+    """A real GangClient (the ingress's code) in this test process, on a real handle, with
+    the data channel off (tests/test_data_channel.py covers it): the tensor crosses the
+    handle call, by value or through /dev/shm.
 
     Every raylet of the test cluster runs on this machine and shares /dev/shm, so the
     client may claim rank 0's node id: that makes the shared-memory branch deterministic
@@ -138,10 +142,15 @@ def _driver_side_client(app_url: str) -> tuple[object, str]:
     from tests.conftest import local_yaml_args
 
     handle = serve.get_deployment_handle("GangServer", app_name="gangserve")
-    client = GangClient(handle, AppConfig.model_validate(local_yaml_args()))
+    client = GangClient(handle, AppConfig.model_validate({**local_yaml_args(), "data_channel": False}))
     rank0_node = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
     client._node_id = rank0_node
     return client, rank0_node
+
+
+def _paths(client: object) -> dict[str, int]:
+    """The handle-call counters of a GangClient's transport stats."""
+    return {k: client._transport[k] for k in ("shared_memory", "object_store", "shared_memory_fallbacks")}
 
 
 @pytest.mark.ray
@@ -154,7 +163,7 @@ def test_gang_client_hands_tensors_over_shared_memory(app_url: str) -> None:
 
     out = asyncio.run(run())
     assert relative_error(torch.from_numpy(np.array(out)), reference(big)) < 1e-5
-    assert client._transport == {"shared_memory": 1, "object_store": 0, "shared_memory_fallbacks": 0}
+    assert _paths(client) == {"shared_memory": 1, "object_store": 0, "shared_memory_fallbacks": 0}
     assert not any(name.startswith(f"{shm.PREFIX}{os.getpid()}-") for name in gangserve_files())
 
 
@@ -171,7 +180,7 @@ def test_gang_client_falls_back_to_the_object_store_when_shm_fails(app_url: str,
     for out in (first, second):
         assert relative_error(torch.from_numpy(np.array(out)), reference(big)) < 1e-5
     # One failed attempt, then by value without retrying shared memory for a while.
-    assert client._transport == {"shared_memory": 0, "object_store": 2, "shared_memory_fallbacks": 1}
+    assert _paths(client) == {"shared_memory": 0, "object_store": 2, "shared_memory_fallbacks": 1}
 
 
 @pytest.mark.ray

@@ -29,6 +29,7 @@ from ray import serve
 from ray.util import get_current_placement_group
 
 from service import shm
+from service.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.errors import Conflict, GangStartupError
 from service.gang.gang import Gang, GangState
@@ -73,13 +74,22 @@ class GangServer:
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
+        # Same-node requests from the ingress may skip the handle call (service.channel).
+        self._channel = ChannelServer(
+            self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
+        )
+        self._channel_wanted = cfg.data_channel and cfg.autoscaling_config is None and cfg.num_replicas == 1
         try:
             self._record = WeightsRecord(self._state)
             self._registry = GangRegistry(self._state)
             self._metrics_store = MetricsStore(self._state)
             self._config_weights, weights = await asyncio.to_thread(self._weights_at_start)
             await self._gang.start(weights)
+            if self._channel_wanted:
+                await asyncio.to_thread(sweep_stale_sockets)
+                await self._channel.start(self._replica_id)
         except Exception:
+            self._channel.close_now()
             self._gang.shutdown()
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
@@ -165,6 +175,8 @@ class GangServer:
         info = self._gang.describe()
         info["failed_rebuilds"] = self._failed_rebuilds
         info["replica_id"] = self._replica_id
+        # The ingress connects to channel.socket_path(replica_id) when this is true.
+        info["data_channel"] = {"listening": self._channel.path is not None, **self._channel.stats()}
         return info
 
     def record_routing_stats(self) -> dict[str, object]:
@@ -262,6 +274,9 @@ class GangServer:
 
     def __del__(self) -> None:
         # Serve calls __del__ on graceful shutdown: leave the group, kill the peers.
+        channel = getattr(self, "_channel", None)
+        if channel is not None:
+            channel.close_now()
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.shutdown()

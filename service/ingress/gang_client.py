@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import numpy as np
 import ray
@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from service import shm
+from service.channel import ChannelClient, ChannelUnavailable, socket_path
 from service.config import AppConfig
 from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
 from service.batching import StepBatcher
@@ -37,11 +38,13 @@ from service.ingress.handle_errors import map_handle_error
 from service.state import state_dir
 
 log = logging.getLogger("gangserve.ingress")
+T = TypeVar("T")
 
 STATUS_MAX_AGE_S = 1.0  # how stale the cached gang status may be on the request path
 DESCRIBE_TIMEOUT_S = 2.0
 INGRESS_CALLS_IN_FLIGHT = 2  # one batch crossing the hop while the gang computes another
 SHM_RETRY_AFTER_S = 30.0  # after a shared-memory failure, send by value for this long
+CHANNEL_RETRY_AFTER_S = 5.0  # after a data-channel failure, use the handle for this long (same replica)
 
 
 class GangClient:
@@ -64,7 +67,13 @@ class GangClient:
         self._node_id = ray.get_runtime_context().get_node_id()
         self._shm_enabled = config.shm_transport and shm.available()
         self._shm_retry_at = 0.0
-        self._transport = {"shared_memory": 0, "object_store": 0, "shared_memory_fallbacks": 0}
+        self._transport = {"shared_memory": 0, "object_store": 0, "shared_memory_fallbacks": 0,
+                           "data_channel": 0, "data_channel_fallbacks": 0}
+        # The data channel (service.channel): one gang only, so the router has nothing to choose.
+        self._channel_enabled = config.data_channel and self._single_gang
+        self._channel: ChannelClient | None = None
+        self._channel_replica: str | None = None
+        self._channel_retry_at = 0.0
         # Concurrent requests of equal seq len share one handle call (see StepBatcher).
         self._batcher = StepBatcher(
             self._send, max_batch_size=config.max_batch_size, wait_s=config.batch_wait_timeout_s,
@@ -143,7 +152,8 @@ class GangClient:
         plus how this ingress replica has been handing tensors to the gang."""
         status = await self.status(max_age_s=0.0)
         return {**status, "ingress_transport": {
-            "node_id": self._node_id, "shm_enabled": self._shm_enabled, **self._transport,
+            "node_id": self._node_id, "shm_enabled": self._shm_enabled,
+            "data_channel_enabled": self._channel_enabled, **self._transport,
             "batching": self._batcher.stats()}}
 
     async def status(self, max_age_s: float) -> dict[str, Any]:
@@ -159,18 +169,63 @@ class GangClient:
 
     # -- internals ------------------------------------------------------------------------
     async def _send(self, x: np.ndarray) -> np.ndarray:
-        """One handle call carrying x [batch, seq, E] (one request or a batch of them)."""
-        if self._can_share(x, self._status or {}):
+        """One request to the gang carrying x [batch, seq, E] (one request or a batch of
+        them): over the data channel when rank 0 is on this node, else a handle call."""
+        status = self._status or {}
+        channel = self._channel_for(status)
+        if channel is not None:
+            try:
+                return await self._infer_channel(channel, x, self._can_share(x, status))
+            except ChannelUnavailable as exc:
+                self._transport["data_channel_fallbacks"] += 1
+                self._channel_retry_at = time.monotonic() + CHANNEL_RETRY_AFTER_S
+                self._status_at = 0.0  # the replica may have changed: look again
+                log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc, CHANNEL_RETRY_AFTER_S)
+        if self._can_share(x, status):
             try:
                 return await self._infer_shared(x)
             except shm.SharedMemoryUnavailable as exc:
-                self._transport["shared_memory_fallbacks"] += 1
-                process_metrics().inc("gangserve_shm_fallbacks")
-                self._shm_retry_at = time.monotonic() + SHM_RETRY_AFTER_S
-                log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs",
-                            exc, SHM_RETRY_AFTER_S)
+                self._shm_failed(exc)
         self._transport["object_store"] += 1
         return await self._call("infer", x, timeout_s=self._cfg.request_timeout_s, watch=True)
+
+    def _shm_failed(self, exc: Exception) -> None:
+        self._transport["shared_memory_fallbacks"] += 1
+        process_metrics().inc("gangserve_shm_fallbacks")
+        self._shm_retry_at = time.monotonic() + SHM_RETRY_AFTER_S
+        log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs", exc, SHM_RETRY_AFTER_S)
+
+    def _channel_for(self, status: dict[str, Any]) -> ChannelClient | None:
+        """The gang server's data channel, if this request may use it: one gang, ready,
+        rank 0 on this node, listening, and no recent failure of this replica's socket."""
+        if not self._channel_enabled or status.get("state") != "ready":
+            return None
+        replica = status.get("replica_id")
+        ranks = status.get("ranks") or []
+        if not (replica and ranks and ranks[0].get("node_id") == self._node_id
+                and (status.get("data_channel") or {}).get("listening")):
+            return None
+        if replica != self._channel_replica:  # a new gang server: new socket, fresh start
+            if self._channel is not None:
+                self._channel.close()
+            self._channel, self._channel_replica, self._channel_retry_at = ChannelClient(socket_path(replica)), replica, 0.0
+        if time.monotonic() < self._channel_retry_at:
+            return None
+        return self._channel
+
+    async def _infer_channel(self, channel: ChannelClient, x: np.ndarray, share: bool) -> np.ndarray:
+        """x to rank 0 over the data channel: inline, or (tensors worth it) through the
+        connection's shared region in /dev/shm."""
+        timeout_s, what = self._cfg.request_timeout_s, "infer (data channel)"
+        self._transport["data_channel"] += 1
+        if share:
+            try:
+                out = await self._bounded(channel.infer(x, share=True), what, timeout_s, watch=True)
+                self._transport["shared_memory"] += 1
+                return out
+            except shm.SharedMemoryUnavailable as exc:
+                self._shm_failed(exc)  # /dev/shm full or unmappable: send the tensor itself
+        return await self._bounded(channel.infer(x), what, timeout_s, watch=True)
 
     def _can_share(self, x: np.ndarray, status: dict[str, Any]) -> bool:
         """Shared memory pays only for tensors Ray would not inline, and needs rank 0
@@ -227,17 +282,34 @@ class GangClient:
         }
 
     async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False) -> Any:
-        """One handle call bounded by timeout_s. With `watch`, also give up as soon as the
-        gang server is seen unable to answer (so requests never sit in Serve's queue)."""
+        """One handle call bounded by timeout_s (see _bounded); Ray's errors mapped."""
         response = getattr(self._handle, method).remote(*args)
-        task = asyncio.ensure_future(_await(response))
+        try:
+            return await self._bounded(_await(response), method, timeout_s, watch, on_cancel=response.cancel)
+        except Exception as exc:
+            if isinstance(exc, GangServeError) and not isinstance(exc, RayTaskError):
+                raise  # ours: the deadline, or the gang seen unable to answer
+            error = map_handle_error(exc, what="gang server", method=method, unavailable=_gang_unavailable,
+                                     passthrough=(shm.SharedMemoryUnavailable,))
+            if error is None:
+                raise
+            if isinstance(exc, RayError) and not isinstance(exc, RayTaskError):
+                self._status_at = 0.0  # the replica may be gone: force a fresh status next time
+            raise error from None
+
+    async def _bounded(self, call: Awaitable[T], what: str, timeout_s: float, watch: bool = False,
+                       on_cancel: Callable[[], object] | None = None) -> T:
+        """Await `call` for at most timeout_s (504 gang_timeout). With `watch`, also give up
+        (503) as soon as the gang server is seen unable to answer, so a request never sits
+        behind a gang that is not there. Giving up (or being cancelled) cancels the call."""
+        task = asyncio.ensure_future(call)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CollectiveTimeout(
-                        f"the gang did not answer {method} within {timeout_s:.1f}s", code="gang_timeout"
+                        f"the gang did not answer {what} within {timeout_s:.1f}s", code="gang_timeout"
                     )
                 done, _ = await asyncio.wait({task}, timeout=min(remaining, STATUS_MAX_AGE_S if watch else remaining))
                 if done:
@@ -246,20 +318,11 @@ class GangClient:
                     status = await self.status(max_age_s=STATUS_MAX_AGE_S)
                     if status["state"] in ("scheduling", "unschedulable"):
                         raise unavailable_error(status)
-        except Exception as exc:
-            if isinstance(exc, GangServeError) and not isinstance(exc, RayTaskError):
-                # Ours (deadline, or the gang seen unable to answer): stop waiting for it.
-                if not task.done():
-                    task.cancel()
-                    response.cancel()
-                raise
-            mapped = map_handle_error(exc, what="gang server", method=method, unavailable=_gang_unavailable,
-                                      passthrough=(shm.SharedMemoryUnavailable,))
-            if mapped is None:
-                raise
-            if isinstance(exc, RayError) and not isinstance(exc, RayTaskError):
-                self._status_at = 0.0  # the replica may be gone: force a fresh status next time
-            raise mapped from None
+        finally:
+            if not task.done():
+                task.cancel()
+                if on_cancel is not None:
+                    on_cancel()
 
 
 def _gang_unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:

@@ -44,7 +44,7 @@ def _jobs_unavailable(message: str, _code: str, retry_after_s: float | None) -> 
     return JobsUnavailable(message, retry_after_s=retry_after_s)  # one code for every jobs outage
 
 
-def get_jobs(request: Request) -> JobsClient:
+async def get_jobs(request: Request) -> JobsClient:
     return request.app.state.jobs
 
 

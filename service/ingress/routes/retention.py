@@ -22,7 +22,7 @@ router = APIRouter(tags=["training"], dependencies=[Depends(require_token)])
 DATASET_ID = re.compile(r"^ds-[0-9a-f]{12}$")
 
 
-def dataset_id_param(dataset_id: str) -> str:
+async def dataset_id_param(dataset_id: str) -> str:
     """A well-formed dataset id, else 404 without asking the JobManager."""
     if not DATASET_ID.match(dataset_id):
         raise NotFound(f"no dataset {dataset_id!r} (dataset ids look like ds-0123abcd4567)", code="dataset_not_found")

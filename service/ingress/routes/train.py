@@ -31,7 +31,7 @@ def _spec_schema() -> dict[str, Any]:
     return inline_defs(JobSpec.model_json_schema())
 
 
-def job_id_param(job_id: str) -> str:
+async def job_id_param(job_id: str) -> str:
     """A well-formed job id, else 404 without asking the JobManager."""
     if not JOB_ID.match(job_id):
         raise NotFound(f"no training job {job_id!r} (job ids look like job-0123abcd4567)", code="job_not_found")

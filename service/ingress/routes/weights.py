@@ -37,7 +37,7 @@ MAX_WEIGHTS_BODY_BYTES = 64 * 1024  # a job id or a path: never more
 ROLLOUT_TIMEOUT_S = 120.0  # the other gangs follow the record within a probe interval or two
 
 
-def _small_body(request: Request) -> None:
+async def _small_body(request: Request) -> None:
     """413 before FastAPI parses the body, when Content-Length says it is not a small JSON object."""
     check_declared_length(request, MAX_WEIGHTS_BODY_BYTES, "the /weights body limit")
 

@@ -1,0 +1,335 @@
+"""The gang's data channel: request tensors from the ingress to rank 0 over a Unix socket.
+
+Why: on the request path, a Serve handle call (ingress -> GangServer replica) costs
+several milliseconds before any work (router, replica queue, Ray task submission and
+its reply), which at world size 1 is most of what separates us from a plain one-replica
+deployment (bench/NOTES.md, issue 16). When the ingress and rank 0 share a node, the
+GangServer replica also listens on a Unix socket and the ingress sends the tensor there
+directly. Everything else stays on Serve handles: status, weights, failpoints, and every
+request whenever the channel cannot be used (another node, several gangs, autoscaling,
+the socket missing or refused); the ingress then falls back to the handle call.
+
+Wire format, both directions, one frame per message:
+
+    u32 header_len | u64 payload_len | header (JSON, UTF-8) | payload (raw bytes)
+
+    request  {"op": "infer", "shape": [b, s, E], "shm": null | "<name in /dev/shm>"}
+             payload: the float32 tensor, C order (empty when it travels through shm)
+    reply    {"ok": true, "shape": [b, s, E]}     payload: float32 output (empty with shm:
+             the output was written into the same shared pages)
+             {"ok": false, "error": {type, message, code, status, retry_after_s}}
+             {"ok": false, "shm_unavailable": "<why>"}  (the client resends inline)
+
+One request at a time per connection (the client keeps a few connections, one per call
+in flight). A connection that fails in any way is closed, never reused.
+
+Tensors of MIN_SHARED_BYTES or more travel through a shared region the connection keeps
+(service.shm.Arena): the ingress copies the request into it, the gang server maps it on
+first use and keeps the mapping, computes on it in place and writes the reply into it,
+the ingress copies the reply out. Up to MAX_SHARED_REGION_BYTES; larger (rare) requests
+go inline, so a connection never pins more than that.
+
+Who may connect: the socket file is created 0600 by the replica's user, and the client
+refuses a socket owned by anyone else (a squatter on the predictable path). Sizes are
+bounded on both sides (MAX_HEADER_BYTES; the payload must match the shape exactly).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+import orjson
+
+from service import shm
+from service.errors import GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
+
+log = logging.getLogger("gangserve.channel")
+
+FRAME = struct.Struct("<IQ")
+MAX_HEADER_BYTES = 16 * 1024
+SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and pod)
+MAX_SHARED_REGION_BYTES = 64 * 1024 * 1024
+STALE_AFTER_S = 60.0  # a socket file nobody listens on, older than this, is a dead replica's
+
+# rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages) -> the output
+InferFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
+
+
+class ChannelUnavailable(RuntimeError):
+    """The channel cannot carry this call (no socket, refused, closed before a reply):
+    the caller sends the request through the Serve handle instead."""
+
+
+def sweep_stale_sockets() -> int:
+    """Remove socket files of replicas that are gone (killed before they could clean up):
+    nobody accepts on them, and they are older than STALE_AFTER_S (so a replica that is
+    just starting is never touched). Returns how many were removed."""
+    import socket
+    import time
+
+    removed = 0
+    for path in SOCKET_DIR.glob("gangserve-ch-*.sock"):
+        try:
+            if time.time() - path.stat().st_mtime < STALE_AFTER_S:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(0.2)
+                probe.connect(str(path))
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue  # not ours to judge (permissions, gone meanwhile, a slow listener)
+    return removed
+
+
+def socket_path(replica_id: str) -> Path:
+    """Where the GangServer replica `replica_id` listens (both sides compute it)."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", replica_id):
+        raise ValueError(f"replica id {replica_id!r} is not usable in a socket name")
+    return SOCKET_DIR / f"gangserve-ch-{replica_id}.sock"
+
+
+class ChannelServer:
+    """Rank 0's listener, inside the GangServer replica's event loop."""
+
+    def __init__(self, infer: InferFn, max_in_flight: int) -> None:
+        self._infer = infer
+        self._max_in_flight = max_in_flight
+        self._in_flight = 0
+        self._server: asyncio.AbstractServer | None = None
+        self.path: Path | None = None
+        self.requests = 0
+        self.refused = 0
+
+    async def start(self, replica_id: str) -> bool:
+        """Listen at socket_path(replica_id); False (logged) when that is not possible."""
+        path = socket_path(replica_id)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a replica never reuses an id; a leftover is ours to replace
+            # Connecting needs write permission on the socket: with the usual umask (022)
+            # nobody else has it from the start; 0600 makes that explicit.
+            self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=MAX_HEADER_BYTES)
+            os.chmod(path, 0o600)
+        except OSError as exc:
+            log.warning("data channel not available (%s); requests use the Serve handle", exc)
+            self.close_now()
+            return False
+        self.path = path
+        return True
+
+    async def close(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Stop listening and remove the socket file (safe to call twice, also from __del__)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            self.path = None
+
+    def stats(self) -> dict[str, int]:
+        return {"requests": self.requests, "refused_overloaded": self.refused}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        region: tuple[str, Any] | None = None  # this connection's shared region (name, mapping)
+        try:
+            while True:
+                try:
+                    header, payload = await read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the client closed the connection
+                reply, out, region = await self._answer(header, payload, region)
+                await write_frame(writer, reply, out)
+        except (ConnectionError, ValueError) as exc:
+            log.debug("data channel connection dropped: %s", exc)
+        finally:
+            writer.close()
+
+    async def _answer(self, header: dict[str, Any], payload: bytes, region: tuple[str, Any] | None
+                      ) -> tuple[dict[str, Any], memoryview | bytes, tuple[str, Any] | None]:
+        try:  # a malformed frame: only a buggy client sends one; nothing reaches the gang
+            if header.get("op") != "infer":
+                raise ValueError(f"unknown op {header.get('op')!r}")
+            shape = _shape(header.get("shape"))
+            name = header.get("shm")
+            x = _tensor(payload, shape) if name is None else None
+        except ValueError as exc:
+            return _error(GangUnavailable(f"bad data-channel request: {exc}", code="channel_error")), b"", region
+        if self._in_flight >= self._max_in_flight:
+            self.refused += 1
+            return _error(Overloaded(f"the gang server has {self._in_flight} requests in flight "
+                                     f"(max_ongoing_requests + max_queued_requests = {self._max_in_flight})")), b"", region
+        self._in_flight += 1
+        self.requests += 1
+        try:
+            if x is not None:
+                out = np.ascontiguousarray(await self._infer(x), dtype=np.float32)
+                return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
+            nbytes = int(np.prod(shape, dtype=np.int64)) * 4
+            if region is None or region[0] != name or len(region[1]) < nbytes:
+                region = (str(name), shm.map_named(str(name), nbytes))  # kept for the next request
+            view = np.frombuffer(region[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
+            out = await self._infer(view)
+            view[...] = out  # the reply goes back in the same pages
+            return {"ok": True, "shape": list(out.shape)}, b"", region
+        except GangServeError as exc:
+            return _error(exc), b"", region
+        except shm.SharedMemoryUnavailable as exc:
+            return {"ok": False, "shm_unavailable": str(exc)}, b"", None
+        except Exception as exc:  # noqa: BLE001 - the reply must say something; the log has the rest
+            log.exception("data channel request failed")
+            return _error(GangUnavailable(f"the gang server failed ({type(exc).__name__}); see the service log",
+                                          code="gang_error")), b"", region
+        finally:
+            self._in_flight -= 1
+
+
+@dataclass
+class _Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    region: shm.Arena = field(default_factory=shm.Arena)
+
+
+class ChannelClient:
+    """The ingress's side: a few pooled connections to one gang server's socket, each with
+    its own reusable shared region for tensors that travel through /dev/shm."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._idle: list[_Connection] = []
+
+    async def infer(self, x: np.ndarray, share: bool = False) -> np.ndarray:
+        """x [b, s, E] -> the gang's output, x itself in the request (inline), or with `share`
+        through the connection's shared region (the output comes back in the same pages
+        and is copied out before the connection is reused).
+
+        Raises ChannelUnavailable before a reply (the caller falls back to the handle),
+        shm.SharedMemoryUnavailable when the region cannot be made or mapped (the caller
+        sends the tensor inline instead), and the gang's own GangServeError as the server
+        raised it. Unbounded here: the caller bounds the wait; cancelling it closes the
+        connection.
+        """
+        conn = await self._connection()
+        done = False
+        shape = tuple(int(d) for d in x.shape)
+        share = share and x.size * 4 <= MAX_SHARED_REGION_BYTES
+        try:
+            if share:
+                try:
+                    view = conn.region.view(shape)
+                except shm.SharedMemoryUnavailable:
+                    done = True  # nothing was sent: the connection stays usable
+                    raise
+                view[...] = x
+                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": conn.region.name}, b"")
+            else:
+                data = np.ascontiguousarray(x, dtype=np.float32)
+                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None},
+                                  memoryview(data).cast("B"))
+            try:
+                reply, payload = await read_frame(conn.reader)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                raise ChannelUnavailable(f"the gang server closed the data channel ({type(exc).__name__})") from None
+            except ValueError as exc:
+                raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            done = True
+            if not reply.get("ok"):
+                if "shm_unavailable" in reply:
+                    conn.region.release()  # the server could not map it: a new region next time
+                    raise shm.SharedMemoryUnavailable(str(reply["shm_unavailable"]))
+                raise error_from_wire(reply.get("error") or {})
+            try:
+                out_shape = _shape(reply.get("shape"))
+                if not share:
+                    return _tensor(payload, out_shape)
+                if out_shape != shape:
+                    raise ValueError(f"reply shape {list(out_shape)} for a {list(shape)} request")
+            except ValueError as exc:
+                raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
+            return view.copy()  # the region is reused by this connection's next request
+        except (ConnectionError, OSError) as exc:
+            raise ChannelUnavailable(f"data channel write failed: {exc}") from None
+        finally:
+            if done:
+                self._idle.append(conn)
+            else:  # cancelled or failed mid-call: the stream is in an unknown state
+                conn.writer.close()
+                conn.region.release()
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.writer.close()
+            conn.region.release()
+        self._idle = []
+
+    async def _connection(self) -> _Connection:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.writer.is_closing() and not conn.reader.at_eof():
+                return conn
+            conn.writer.close()
+            conn.region.release()
+        try:
+            owner = self.path.stat().st_uid
+        except OSError as exc:
+            raise ChannelUnavailable(f"no data channel at {self.path.name}: {exc.strerror}") from None
+        if owner != os.getuid():
+            raise ChannelUnavailable(f"{self.path.name} belongs to uid {owner}, not to this service's user")
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(self.path), limit=MAX_HEADER_BYTES)
+        except OSError as exc:
+            raise ChannelUnavailable(f"cannot connect to {self.path.name}: {exc.strerror or exc}") from None
+        return _Connection(reader, writer)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
+    head = await reader.readexactly(FRAME.size)
+    header_len, payload_len = FRAME.unpack(head)
+    if header_len > MAX_HEADER_BYTES:
+        raise ValueError(f"data-channel header of {header_len} bytes (max {MAX_HEADER_BYTES})")
+    header = orjson.loads(await reader.readexactly(header_len))
+    if not isinstance(header, dict):
+        raise ValueError("data-channel header is not an object")
+    payload = await reader.readexactly(payload_len) if payload_len else b""
+    return header, payload
+
+
+async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload: memoryview | bytes) -> None:
+    head = orjson.dumps(header)
+    writer.write(FRAME.pack(len(head), len(payload)) + head)
+    if len(payload):
+        writer.write(payload)
+    await writer.drain()
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if not (isinstance(value, list) and len(value) == 3 and all(isinstance(d, int) and 0 <= d < 2**31 for d in value)):
+        raise ValueError(f"shape must be [batch, seq, E] of non-negative ints, got {value!r}")
+    return tuple(value)
+
+
+def _tensor(payload: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    expected = int(np.prod(shape, dtype=np.int64)) * 4
+    if len(payload) != expected:
+        raise ValueError(f"payload of {len(payload)} bytes for a float32 tensor of shape {list(shape)} ({expected})")
+    return np.frombuffer(payload, dtype=np.float32).reshape(shape)
+
+
+def _error(exc: GangServeError) -> dict[str, Any]:
+    return {"ok": False, "error": error_to_wire(exc)}

@@ -1,0 +1,345 @@
+"""The data channel: ingress -> rank 0 over a Unix socket (service.channel).
+
+Unit tests run a real ChannelServer and ChannelClient over a real socket in a temporary
+directory, with a real computation behind the server (numpy arithmetic, and the real
+service.shm hand-off); Ray tests drive the ingress's GangClient against the deployed
+gang, whose results are checked against the independent dense reference.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from service import channel, shm
+from service.channel import ChannelClient, ChannelServer, ChannelUnavailable
+from service.errors import CollectiveTimeout, GangServeError, GangUnavailable, Overloaded
+from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.test_service import rand
+
+
+def reference(x: np.ndarray) -> torch.Tensor:
+    return dense_attention(notes_seed_weights(512), 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
+
+
+# -- unit: a real server and client over a real socket ---------------------------------
+
+def _affine(x: np.ndarray) -> np.ndarray:
+    """What the test server computes: y = 2x + 1 (any exact, checkable function will do)."""
+    return 2.0 * x + 1.0
+
+
+def _run_with_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: Callable[[ChannelServer, ChannelClient], Awaitable[Any]],
+    infer: Callable[[np.ndarray], Awaitable[np.ndarray]] | None = None, max_in_flight: int = 8,
+) -> Any:
+    monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)
+
+    async def default_infer(x: np.ndarray) -> np.ndarray:
+        return _affine(x)
+
+    async def main() -> Any:
+        server = ChannelServer(infer or default_infer, max_in_flight=max_in_flight)
+        assert await server.start("replica1")
+        client = ChannelClient(channel.socket_path("replica1"))
+        try:
+            return await body(server, client)
+        finally:
+            client.close()
+            await server.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_inline_round_trip_concurrent_calls_and_socket_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    xs = [rand(b, 3, 8, seed=b) for b in (1, 2, 5)]
+
+    async def body(server: ChannelServer, client: ChannelClient) -> None:
+        path = channel.socket_path("replica1")
+        assert path.stat().st_mode & 0o777 == 0o600  # nobody else may connect
+        outs = await asyncio.gather(*(client.infer(x) for x in xs))  # three connections at once
+        for x, out in zip(xs, outs):
+            assert isinstance(out, np.ndarray) and np.array_equal(out, _affine(x))
+        again = await client.infer(xs[0])  # a pooled connection is reused
+        assert np.array_equal(again, _affine(xs[0]))
+        assert server.stats()["requests"] == 4
+
+    _run_with_server(tmp_path, monkeypatch, body)
+    assert not channel.socket_path("replica1").exists()  # close() removes the socket file
+
+
+@pytest.mark.unit
+def test_shared_region_is_reused_and_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large tensors go through the connection's shared region: the server computes on the
+    mapped pages and answers in them; the region's name is gone from /dev/shm once the
+    server holds it, and the next request on the connection reuses the same pages."""
+    if not shm.available():
+        pytest.skip("needs a writable /dev/shm")
+    seen: list[np.ndarray] = []
+
+    async def infer(x: np.ndarray) -> np.ndarray:
+        seen.append(x)
+        return _affine(x)
+
+    def ours() -> set[str]:
+        return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*")}
+
+    async def body(_: ChannelServer, client: ChannelClient) -> None:
+        first, second = rand(2, 16, 512, seed=3), rand(1, 8, 512, seed=4)  # 64 KiB and 16 KiB
+        out = await client.infer(first, share=True)
+        assert np.array_equal(out, _affine(first))
+        assert not ours()  # the name was removed as soon as the server had the pages
+        region = client._idle[0].region
+        name, capacity = region.name, region.capacity
+        out2 = await client.infer(second, share=True)
+        assert np.array_equal(out2, _affine(second))
+        assert (region.name, region.capacity) == (name, capacity)  # same pages, no new file
+        assert np.array_equal(out, _affine(first))  # replies are copies: reuse cannot touch them
+        assert not seen[0].flags.owndata  # the server computed on the mapped pages themselves
+        big = rand(8, 64, 512, seed=5)  # 1 MiB: still fits the first region (1 MiB minimum)
+        bigger = rand(16, 64, 512, seed=6)  # 2 MiB: a larger region replaces it
+        assert np.array_equal(await client.infer(big, share=True), _affine(big))
+        assert np.array_equal(await client.infer(bigger, share=True), _affine(bigger))
+        assert region.name != name and region.capacity >= bigger.nbytes and not ours()
+
+    _run_with_server(tmp_path, monkeypatch, body, infer=infer)
+
+
+@pytest.mark.unit
+def test_gang_errors_cross_with_type_code_and_retry_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    errors = iter([
+        GangUnavailable("gang is rebuilding: a rank died", code="gang_rebuilding", retry_after_s=7.0),
+        CollectiveTimeout("a collective timed out"),
+    ])
+
+    async def failing(_: np.ndarray) -> np.ndarray:
+        raise next(errors)
+
+    async def body(_: ChannelServer, client: ChannelClient) -> None:
+        with pytest.raises(GangUnavailable) as first:
+            await client.infer(rand(1, 2, 8))
+        assert (first.value.status, first.value.code, first.value.retry_after_s) == (503, "gang_rebuilding", 7.0)
+        assert "a rank died" in first.value.message
+        with pytest.raises(CollectiveTimeout) as second:
+            await client.infer(rand(1, 2, 8))
+        assert second.value.status == 504
+
+    _run_with_server(tmp_path, monkeypatch, body, infer=failing)
+
+
+@pytest.mark.unit
+def test_more_calls_than_max_in_flight_are_refused_as_overloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = asyncio.Event()
+
+    async def slow(x: np.ndarray) -> np.ndarray:
+        await release.wait()
+        return _affine(x)
+
+    async def body(server: ChannelServer, client: ChannelClient) -> None:
+        first = asyncio.ensure_future(client.infer(rand(1, 2, 8)))
+        while server._in_flight < 1:  # the first call holds the only slot
+            await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded) as refused:
+            await client.infer(rand(1, 2, 8))
+        assert refused.value.status == 503 and refused.value.retry_after_s
+        release.set()
+        assert np.array_equal(await first, _affine(rand(1, 2, 8)))
+        assert server.stats()["refused_overloaded"] == 1
+
+    _run_with_server(tmp_path, monkeypatch, body, infer=slow, max_in_flight=1)
+
+
+@pytest.mark.unit
+def test_no_socket_a_foreign_owner_or_a_server_that_dies_is_channel_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)
+
+    async def main() -> None:
+        with pytest.raises(ChannelUnavailable, match="no data channel"):
+            await ChannelClient(channel.socket_path("nobody")).infer(rand(1, 2, 8))
+
+        async def dies(_: np.ndarray) -> np.ndarray:
+            # The connection's handler ends without a reply, as when the replica dies.
+            raise asyncio.CancelledError()
+
+        server = ChannelServer(dies, max_in_flight=4)
+        assert await server.start("replica2")
+        client = ChannelClient(channel.socket_path("replica2"))
+        with pytest.raises(ChannelUnavailable, match="closed the data channel"):
+            await asyncio.wait_for(client.infer(rand(1, 2, 8)), timeout=30)
+        client.close()
+
+    asyncio.run(main())
+    if os.getuid() != 0:
+        return  # only root can give a file away
+    squatter = channel.socket_path("replica3")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(squatter))
+        os.chown(squatter, 65534, -1)
+        with pytest.raises(ChannelUnavailable, match="belongs to uid 65534"):
+            asyncio.run(ChannelClient(squatter).infer(rand(1, 2, 8)))
+
+
+@pytest.mark.unit
+def test_malformed_requests_get_an_error_reply_or_a_closed_connection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(server: ChannelServer, _: ChannelClient) -> None:
+        path = str(channel.socket_path("replica1"))
+        reader, writer = await asyncio.open_unix_connection(path)
+        # The payload does not match the declared shape: an error reply, connection kept.
+        await channel.write_frame(writer, {"op": "infer", "shape": [1, 2, 8], "shm": None}, b"\0" * 12)
+        reply, _ = await channel.read_frame(reader)
+        assert reply["ok"] is False and reply["error"]["code"] == "channel_error"
+        assert "payload of 12 bytes" in reply["error"]["message"]
+        await channel.write_frame(writer, {"op": "infer", "shape": [1, -2, 8], "shm": None}, b"")
+        reply, _ = await channel.read_frame(reader)
+        assert reply["ok"] is False and "shape must be" in reply["error"]["message"]
+        # A header over the limit: the server hangs up without reading it.
+        writer.write(channel.FRAME.pack(channel.MAX_HEADER_BYTES + 1, 0))
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), timeout=10) == b""
+        writer.close()
+        assert server.stats()["requests"] == 0  # nothing reached the gang
+
+    _run_with_server(tmp_path, monkeypatch, body)
+
+
+@pytest.mark.unit
+def test_sweep_removes_only_old_sockets_nobody_listens_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)
+    old = time.time() - 2 * channel.STALE_AFTER_S
+    dead, young, live = (channel.socket_path(n) for n in ("dead", "young", "live"))
+    listener = socket.socket(socket.AF_UNIX)
+    for path in (dead, young):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(path))  # bound, never listening, closed: nobody accepts there
+    listener.bind(str(live))
+    listener.listen()
+    try:
+        os.utime(dead, (old, old))
+        os.utime(live, (old, old))
+        assert channel.sweep_stale_sockets() == 1
+        assert not dead.exists() and young.exists() and live.exists()
+    finally:
+        listener.close()
+
+
+# -- ray: the ingress's GangClient against the deployed gang -----------------------------
+
+def _driver_side_client(app_url: str, **overrides: Any) -> Any:
+    """A real GangClient (the ingress's code) in this test process, on a real handle, that
+    claims rank 0's node id: every raylet of the test cluster runs on this machine and
+    shares /dev/shm (where the gang server's socket lives), so the channel is reachable."""
+    from ray import serve
+
+    from service.config import AppConfig
+    from service.ingress.gang_client import GangClient
+    from tests.conftest import local_yaml_args
+
+    handle = serve.get_deployment_handle("GangServer", app_name="gangserve")
+    client = GangClient(handle, AppConfig.model_validate({**local_yaml_args(), **overrides}))
+    client._node_id = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
+    return client
+
+
+@pytest.mark.ray
+def test_requests_take_the_data_channel_and_match_the_reference(app_url: str) -> None:
+    client = _driver_side_client(app_url)
+    big, small = rand(3, 32, 512, seed=21), rand(1, 4, 512, seed=22)  # 192 KiB (shm), 8 KiB (inline)
+
+    async def run() -> list[np.ndarray]:
+        return [np.array(await client.infer(big)), np.array(await client.infer(small))]
+
+    out_big, out_small = asyncio.run(run())
+    assert relative_error(torch.from_numpy(out_big), reference(big)) < 1e-5
+    assert relative_error(torch.from_numpy(out_small), reference(small)) < 1e-5
+    t = client._transport
+    assert (t["data_channel"], t["shared_memory"], t["object_store"], t["data_channel_fallbacks"]) == (2, 1, 0, 0), t
+    gang = httpx.get(app_url + "/gang", timeout=30).json()
+    assert gang["data_channel"]["listening"] is True and gang["data_channel"]["requests"] >= 2
+
+
+@pytest.mark.ray
+def test_an_unusable_channel_falls_back_to_the_handle(app_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = _driver_side_client(app_url)
+    monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)  # as if the socket were gone
+    x = rand(1, 4, 512, seed=23)
+
+    async def run() -> list[np.ndarray]:
+        return [np.array(await client.infer(x)), np.array(await client.infer(x))]
+
+    for out in asyncio.run(run()):
+        assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
+    # One failed attempt, then the handle without retrying the channel for a while.
+    t = client._transport
+    assert (t["data_channel"], t["data_channel_fallbacks"], t["object_store"]) == (1, 1, 2), t
+
+
+@pytest.mark.ray
+def test_data_channel_off_uses_the_handle(app_url: str) -> None:
+    client = _driver_side_client(app_url, data_channel=False)
+    x = rand(1, 4, 512, seed=24)
+    out = np.array(asyncio.run(client.infer(x)))
+    assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
+    assert (client._transport["data_channel"], client._transport["object_store"]) == (0, 1)
+
+
+@pytest.mark.ray
+def test_rank_death_during_channel_requests_is_a_clean_error_then_channel_again(app_url: str) -> None:
+    """kill -9 of rank 1 while channel requests flow: each request gets its exact rows or a
+    GangServeError (503/504 at the edge), and the rebuilt gang is served over the channel."""
+    from tests.faults import wait_for_new_gang
+
+    client = _driver_side_client(app_url)
+    victim = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][1]["pid"]
+    x = rand(1, 8, 512, seed=25)
+    want = reference(x)
+    outcomes: list[str] = []
+
+    async def loop(seconds: float) -> None:
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop:
+            try:
+                out = await client.infer(x)
+                assert relative_error(torch.from_numpy(np.array(out)), want) < 1e-5
+                outcomes.append("ok")
+            except GangServeError as exc:
+                outcomes.append(exc.code)
+                await asyncio.sleep(0.1)
+
+    async def scenario() -> None:
+        requests = asyncio.ensure_future(loop(4.0))
+        await asyncio.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        await requests
+
+    asyncio.run(scenario())
+    print("channel requests around kill -9 of rank 1:", {c: outcomes.count(c) for c in set(outcomes)})
+    assert "ok" in outcomes and len(set(outcomes)) > 1, outcomes
+    wait_for_new_gang(app_url, {victim}, timeout_s=60)
+    fresh = _driver_side_client(app_url)
+    assert relative_error(torch.from_numpy(np.array(asyncio.run(fresh.infer(x)))), want) < 1e-5
+    assert fresh._transport["data_channel"] == 1 and fresh._transport["data_channel_fallbacks"] == 0
+
+
+@pytest.mark.ray
+def test_request_path_replicas_run_on_their_main_event_loop(app_url: str) -> None:
+    """same_event_loop (default): the GangServer replica (rank 0's process) starts with Serve's
+    switches that run our code and the handle router on the replica's main loop."""
+    from service.app import SAME_EVENT_LOOP_ENV
+
+    pid = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["pid"]
+    environ = dict(
+        item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+    )
+    assert {k: environ.get(k) for k in SAME_EVENT_LOOP_ENV} == SAME_EVENT_LOOP_ENV
