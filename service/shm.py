@@ -77,21 +77,9 @@ def create(x: np.ndarray, node_id: str) -> tuple[SharedTensorRef, np.ndarray]:
     reply will appear). Raises SharedMemoryUnavailable when /dev/shm is missing or full.
     """
     shape = tuple(int(d) for d in x.shape)
-    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    size = max(int(np.prod(shape, dtype=np.int64)) * 4, 1)
+    name, mapping = _new_file(size)
     ref = SharedTensorRef(name=name, shape=shape, node_id=node_id)
-    path = SHM_DIR / name
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        raise SharedMemoryUnavailable(f"cannot create {path}: {exc}") from None
-    try:
-        os.posix_fallocate(fd, 0, ref.map_size)
-        mapping = mmap.mmap(fd, ref.map_size)
-    except OSError as exc:
-        os.close(fd)
-        _unlink_quietly(path)
-        raise SharedMemoryUnavailable(f"cannot reserve {ref.nbytes} bytes in {SHM_DIR}: {exc}") from None
-    os.close(fd)  # the mapping holds its own reference to the file
     view = _view(mapping, ref)
     view[...] = x
     return ref, view
@@ -125,22 +113,8 @@ class Arena:
         nbytes = max(numel * 4, 1)
         if nbytes > self.capacity:
             self.release()
-            size = max(nbytes, 2 * self.capacity, 1 << 20)
-            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-            path = SHM_DIR / name
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            except OSError as exc:
-                raise SharedMemoryUnavailable(f"cannot create {path}: {exc}") from None
-            try:
-                os.posix_fallocate(fd, 0, size)
-                self._mapping = mmap.mmap(fd, size)
-            except OSError as exc:
-                _unlink_quietly(path)
-                raise SharedMemoryUnavailable(f"cannot reserve {size} bytes in {SHM_DIR}: {exc}") from None
-            finally:
-                os.close(fd)
-            self.name, self._linked = name, True
+            self.name, self._mapping = _new_file(max(nbytes, 2 * self.capacity, 1 << 20))
+            self._linked = True
         assert self._mapping is not None
         return np.frombuffer(self._mapping, dtype=np.float32, count=numel).reshape(shape)
 
@@ -184,21 +158,7 @@ def open_ref(ref: SharedTensorRef, node_id: str) -> np.ndarray:
     """
     if ref.node_id != node_id:
         raise SharedMemoryUnavailable(f"tensor is in shared memory on node {ref.node_id}, this is node {node_id}")
-    if not _NAME.match(ref.name):
-        raise SharedMemoryUnavailable(f"not a gangserve shared tensor name: {ref.name!r}")
-    path = SHM_DIR / ref.name
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise SharedMemoryUnavailable(f"cannot open {path}: {exc}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < ref.nbytes:
-            raise SharedMemoryUnavailable(f"{path} holds {size} bytes, the tensor needs {ref.nbytes}")
-        mapping = mmap.mmap(fd, ref.map_size)
-    finally:
-        os.close(fd)
-    return _view(mapping, ref)
+    return _view(map_named(ref.name, ref.nbytes), ref)
 
 
 def unlink(ref: SharedTensorRef) -> None:
@@ -217,6 +177,26 @@ def sweep_stale() -> int:
             _unlink_quietly(path)
             removed += 1
     return removed
+
+
+def _new_file(size: int) -> tuple[str, mmap.mmap]:
+    """A new /dev/shm file of `size` bytes, reserved up front (a full /dev/shm fails here
+    with ENOSPC, never later with SIGBUS) and mapped; its name carries this process's pid
+    (see sweep_stale). Raises SharedMemoryUnavailable."""
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(f"cannot create {path}: {exc}") from None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return name, mmap.mmap(fd, size)
+    except OSError as exc:
+        _unlink_quietly(path)
+        raise SharedMemoryUnavailable(f"cannot reserve {size} bytes in {SHM_DIR}: {exc}") from None
+    finally:
+        os.close(fd)  # the mapping holds its own reference to the file
 
 
 def _view(mapping: mmap.mmap, ref: SharedTensorRef) -> np.ndarray:

@@ -1,8 +1,10 @@
 """Helpers for fault-injection tests: a request loop and process probes."""
 from __future__ import annotations
 
+import asyncio
 import io
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -117,3 +119,33 @@ class RequestLoop:
             "max_latency_s": round(max((o.latency_s for o in self.outcomes), default=0.0), 3),
             "wrong": sum(1 for o in self.outcomes if o.correct is False),
         }
+
+
+def gang_client_around_kill(client: object, x: np.ndarray, want: torch.Tensor, victim: int,
+                            seconds: float = 4.0, kill_after_s: float = 1.0) -> list[str]:
+    """Drive a GangClient (the ingress's code) with requests for `seconds`, kill -9 `victim`
+    after `kill_after_s`; every answer must equal `want`. Returns each request's outcome:
+    "ok" or the GangServeError's code."""
+    from service.errors import GangServeError
+
+    outcomes: list[str] = []
+
+    async def loop() -> None:
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop:
+            try:
+                out = await client.infer(x)  # type: ignore[attr-defined]
+                assert relative_error(torch.from_numpy(np.array(out)), want) < 1e-5
+                outcomes.append("ok")
+            except GangServeError as exc:
+                outcomes.append(exc.code)
+                await asyncio.sleep(0.1)
+
+    async def scenario() -> None:
+        requests = asyncio.ensure_future(loop())
+        await asyncio.sleep(kill_after_s)
+        os.kill(victim, signal.SIGKILL)
+        await requests
+
+    asyncio.run(scenario())
+    return outcomes

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from service import channel, shm
 from service.channel import ChannelClient, ChannelServer, ChannelUnavailable
-from service.errors import CollectiveTimeout, GangServeError, GangUnavailable, Overloaded
+from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 from tests.test_service import rand
 
@@ -298,32 +297,13 @@ def test_data_channel_off_uses_the_handle(app_url: str) -> None:
 def test_rank_death_during_channel_requests_is_a_clean_error_then_channel_again(app_url: str) -> None:
     """kill -9 of rank 1 while channel requests flow: each request gets its exact rows or a
     GangServeError (503/504 at the edge), and the rebuilt gang is served over the channel."""
-    from tests.faults import wait_for_new_gang
+    from tests.faults import gang_client_around_kill, wait_for_new_gang
 
     client = _driver_side_client(app_url)
     victim = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][1]["pid"]
     x = rand(1, 8, 512, seed=25)
     want = reference(x)
-    outcomes: list[str] = []
-
-    async def loop(seconds: float) -> None:
-        stop = time.monotonic() + seconds
-        while time.monotonic() < stop:
-            try:
-                out = await client.infer(x)
-                assert relative_error(torch.from_numpy(np.array(out)), want) < 1e-5
-                outcomes.append("ok")
-            except GangServeError as exc:
-                outcomes.append(exc.code)
-                await asyncio.sleep(0.1)
-
-    async def scenario() -> None:
-        requests = asyncio.ensure_future(loop(4.0))
-        await asyncio.sleep(1.0)
-        os.kill(victim, signal.SIGKILL)
-        await requests
-
-    asyncio.run(scenario())
+    outcomes = gang_client_around_kill(client, x, want, victim)
     print("channel requests around kill -9 of rank 1:", {c: outcomes.count(c) for c in set(outcomes)})
     assert "ok" in outcomes and len(set(outcomes)) > 1, outcomes
     wait_for_new_gang(app_url, {victim}, timeout_s=60)

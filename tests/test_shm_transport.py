@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -188,33 +186,13 @@ def test_rank_death_during_shared_memory_requests_is_a_clean_error_and_leaves_no
     """kill -9 of rank 1 while shm requests flow: every request either gets its exact rows or
     a GangServeError (503/504 at the edge), no /dev/shm file outlives its call, and the
     rebuilt gang serves through shared memory again."""
-    from service.errors import GangServeError
-    from tests.faults import wait_for_new_gang
+    from tests.faults import gang_client_around_kill, wait_for_new_gang
 
     client, _ = _driver_side_client(app_url)
     victim = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][1]["pid"]
     x = rand(2, 64, 512, seed=16)  # 256 KiB
     want = reference(x)
-    outcomes: list[str] = []
-
-    async def loop(seconds: float) -> None:
-        stop = time.monotonic() + seconds
-        while time.monotonic() < stop:
-            try:
-                out = await client.infer(x)
-                assert relative_error(torch.from_numpy(np.array(out)), want) < 1e-5
-                outcomes.append("ok")
-            except GangServeError as exc:
-                outcomes.append(exc.code)
-                await asyncio.sleep(0.1)
-
-    async def scenario() -> None:
-        requests = asyncio.ensure_future(loop(4.0))
-        await asyncio.sleep(1.0)
-        os.kill(victim, signal.SIGKILL)
-        await requests
-
-    asyncio.run(scenario())
+    outcomes = gang_client_around_kill(client, x, want, victim)
     print("shm requests around kill -9 of rank 1:", {c: outcomes.count(c) for c in set(outcomes)})
     assert "ok" in outcomes and len(set(outcomes)) > 1, outcomes  # served before, failed after the kill
     assert not [n for n in gangserve_files() if n.startswith(f"{shm.PREFIX}{os.getpid()}-")]
