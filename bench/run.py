@@ -145,7 +145,7 @@ def time_breakdown(client: httpx.Client, base: str, body: bytes, n: int = 20) ->
         "HTTP proxy path + client (total - ingress)": total - sum(med.values()),
         "ingress: read body": med["read"],
         "ingress: decode + validate": med["decode"],
-        "ingress -> GangServer handle hop (gang - step)": med["gang"] - step,
+        "ingress -> rank 0 hop (gang - step)": med["gang"] - step,
         "gang step: broadcast + TP attention + all_reduce": step,
         "ingress: encode reply": med["encode"],
     }
@@ -363,7 +363,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             return results
         serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
         serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
-        serve.run(build_app(local_yaml_args()), name="gangserve", route_prefix="/")
+        # The JSON row sends the notes' shape as JSON text (10.8 MB), over the default
+        # max_json_bytes (8 MiB): this app allows 16 MiB so that row can be measured.
+        serve.run(build_app({**local_yaml_args(), "max_json_bytes": 16 * 2**20}), name="gangserve", route_prefix="/")
         # Lever A/Bs in the same run: the same gang with dynamic batching off (in the
         # ingress and in the gang server), and with the /dev/shm tensor hand-off off.
         serve.run(build_app({**local_yaml_args(), "max_batch_size": 1, "cpus_per_rank": 0.25}),
@@ -384,7 +386,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         lat["gangserve ws2 safetensors"] = time_calls(
             poster(client, base + "/infer", st_save({"hidden_states": x}), "application/x-safetensors"), n)
         body_json = json.dumps({"hidden_states": x.tolist()}).encode()
-        lat["gangserve ws2 json"] = time_calls(poster(client, base + "/infer", body_json, "application/json"), max(5, n // 4))
+        lat["gangserve ws2 json (max_json_bytes 16 MiB)"] = time_calls(poster(client, base + "/infer", body_json, "application/json"), max(5, n // 4))
         # The route prefix stays part of the path on the direct port.
         lat["Serve echo floor (2 MiB npy body), direct ingress"] = time_calls(
             poster(client, echo_d + "/echo", npy(x), "application/x-npy"), n)
