@@ -40,7 +40,9 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -72,9 +74,6 @@ def sweep_stale_sockets() -> int:
     """Remove socket files of replicas that are gone (killed before they could clean up):
     nobody accepts on them, and they are older than STALE_AFTER_S (so a replica that is
     just starting is never touched). Returns how many were removed."""
-    import socket
-    import time
-
     removed = 0
     for path in SOCKET_DIR.glob("gangserve-ch-*.sock"):
         try:
@@ -123,15 +122,12 @@ class ChannelServer:
             os.chmod(path, 0o600)
         except OSError as exc:
             log.warning("data channel not available (%s); requests use the Serve handle", exc)
-            self.close_now()
+            self.close()
             return False
         self.path = path
         return True
 
-    async def close(self) -> None:
-        self.close_now()
-
-    def close_now(self) -> None:
+    def close(self) -> None:
         """Stop listening and remove the socket file (safe to call twice, also from __del__)."""
         if self._server is not None:
             self._server.close()

@@ -119,6 +119,11 @@ class GangConfig(BaseModel):
         return max(1, int(self.autoscaling_config.get("min_replicas", 1)))
 
     @property
+    def single_gang(self) -> bool:
+        """Exactly one gang, always (no autoscaling): nothing for a router to choose."""
+        return self.autoscaling_config is None and self.num_replicas == 1
+
+    @property
     def threads_per_rank(self) -> int:
         return self.torch_threads_per_rank or max(1, int(self.cpus_per_rank))
 
@@ -223,6 +228,12 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
         if self.checkpoint is not None and not os.path.isabs(self.checkpoint):
             raise ValueError(f"checkpoint must be an absolute path, got {self.checkpoint!r}")
         return self
+
+    @property
+    def uses_data_channel(self) -> bool:
+        """Requests may reach rank 0 over the data channel (service.channel): asked for, and
+        one gang only (with several, Serve's router picks the gang)."""
+        return self.data_channel and self.single_gang
 
     def part(self, cls: type[_Part]) -> _Part:
         """The sub-config of one concern, e.g. `cfg.part(GangConfig)`."""

@@ -54,7 +54,7 @@ def _run_with_server(
             return await body(server, client)
         finally:
             client.close()
-            await server.close()
+            server.close()
 
     return asyncio.run(main())
 

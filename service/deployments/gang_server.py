@@ -78,18 +78,17 @@ class GangServer:
         self._channel = ChannelServer(
             self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
         )
-        self._channel_wanted = cfg.data_channel and cfg.autoscaling_config is None and cfg.num_replicas == 1
         try:
             self._record = WeightsRecord(self._state)
             self._registry = GangRegistry(self._state)
             self._metrics_store = MetricsStore(self._state)
             self._config_weights, weights = await asyncio.to_thread(self._weights_at_start)
             await self._gang.start(weights)
-            if self._channel_wanted:
+            if cfg.uses_data_channel:
                 await asyncio.to_thread(sweep_stale_sockets)
                 await self._channel.start(self._replica_id)
         except Exception:
-            self._channel.close_now()
+            self._channel.close()
             self._gang.shutdown()
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
@@ -276,7 +275,7 @@ class GangServer:
         # Serve calls __del__ on graceful shutdown: leave the group, kill the peers.
         channel = getattr(self, "_channel", None)
         if channel is not None:
-            channel.close_now()
+            channel.close()
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.shutdown()

@@ -57,7 +57,7 @@ class GangClient:
         self._app = app_name
         self._registry = GangRegistry(state_dir()) if app_name else None
         self._desired_cache: tuple[float, int] | None = None
-        self._single_gang = config.autoscaling_config is None and config.num_replicas == 1
+        self._single_gang = config.single_gang
         self._request = gang_request(config)
         self._created = time.monotonic()
         self._last_ready: float | None = None
@@ -69,8 +69,7 @@ class GangClient:
         self._shm_retry_at = 0.0
         self._transport = {"shared_memory": 0, "object_store": 0, "shared_memory_fallbacks": 0,
                            "data_channel": 0, "data_channel_fallbacks": 0}
-        # The data channel (service.channel): one gang only, so the router has nothing to choose.
-        self._channel_enabled = config.data_channel and self._single_gang
+        self._channel_enabled = config.uses_data_channel  # service.channel
         self._channel: ChannelClient | None = None
         self._channel_replica: str | None = None
         self._channel_retry_at = 0.0
@@ -201,9 +200,7 @@ class GangClient:
         if not self._channel_enabled or status.get("state") != "ready":
             return None
         replica = status.get("replica_id")
-        ranks = status.get("ranks") or []
-        if not (replica and ranks and ranks[0].get("node_id") == self._node_id
-                and (status.get("data_channel") or {}).get("listening")):
+        if not (replica and self._rank0_here(status) and (status.get("data_channel") or {}).get("listening")):
             return None
         if replica != self._channel_replica:  # a new gang server: new socket, fresh start
             if self._channel is not None:
@@ -234,6 +231,10 @@ class GangClient:
             return False
         if time.monotonic() < self._shm_retry_at:
             return False
+        return self._rank0_here(status)
+
+    def _rank0_here(self, status: dict[str, Any]) -> bool:
+        """Rank 0 (the GangServer replica) runs on this ingress replica's node."""
         ranks = status.get("ranks") or []
         return bool(ranks) and ranks[0].get("node_id") == self._node_id
 
