@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gangserve_client import tokens
 from service.errors import Unauthorized
-from service.state import state_dir
+from service.state.paths import state_dir
 
 # Where the tokens come from is one rule, shared with the client: gangserve_client.tokens.
 TOKEN_ENV = tokens.API_TOKEN_ENV

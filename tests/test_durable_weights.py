@@ -39,7 +39,7 @@ def _weights(seed: int, embed_dim: int = 512) -> dict[str, torch.Tensor]:
 
 def _write(name: str, weights: dict[str, torch.Tensor]) -> tuple[str, str]:
     """Save a dense checkpoint inside the state dir; returns (relative path, sha256)."""
-    from service.state import state_dir
+    from service.state.paths import state_dir
 
     path = state_dir() / "checkpoints" / name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def test_swap_survives_the_loss_of_rank_0(durable_url: str) -> None:
     assert (info["weights_version"], info["weights_source"], info["weights_sha256"]) == (version, "swap", sha)
     _assert_serves(base, weights)
     # The record points at its own immutable copy: the file it came from may go.
-    from service.state import state_dir
+    from service.state.paths import state_dir
 
     (state_dir() / rel).unlink()
 
@@ -126,7 +126,7 @@ def test_unreadable_checkpoint_leaves_the_old_weights_everywhere(durable_url: st
 
     # A file whose data is cut short: refused, nothing changes.
     rel, _ = _write("durable-truncated.safetensors", _weights(2))
-    from service.state import state_dir
+    from service.state.paths import state_dir
 
     path = state_dir() / rel
     path.write_bytes(path.read_bytes()[:-4096])
@@ -240,7 +240,7 @@ def test_swap_survives_an_app_restart_and_a_changed_config_wins(serve_url: str) 
 
     from service.parallel.weights import random_weights
     from service.served_weights import WeightsRecord
-    from service.state import state_dir
+    from service.state.paths import state_dir
 
     app, prefix = "restart", "/restart"
     weights = _weights(8)

@@ -44,7 +44,7 @@ from service.auth import load_api_token, redact_paths, required_token
 from service.errors import MAX_MESSAGE_CHARS, GangServeError, Overloaded
 from service.ingress.deps import DecodePool
 from service.ingress.routes import oip
-from service.state import state_dir
+from service.state.paths import state_dir
 from tests.conftest import TEST_API_TOKEN, local_yaml_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 

@@ -98,7 +98,7 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_weights_swap_reaches_every_gang_and_no_answer_mixes_versions(two_gangs: str) -> None:
-    from service.state import state_dir
+    from service.state.paths import state_dir
 
     new = _weights(1)
     path = state_dir() / "checkpoints" / "scaleout-a.safetensors"

@@ -174,7 +174,7 @@ def test_token_file_is_created_once_with_mode_0600(tmp_path: Path, monkeypatch: 
 
 @pytest.mark.unit
 def test_paths_must_resolve_inside_the_state_dir(tmp_path: Path) -> None:
-    from service.state import resolve_inside
+    from service.state.paths import resolve_inside
 
     (tmp_path / "checkpoints").mkdir()
     assert resolve_inside(tmp_path, "checkpoints/a.safetensors") == tmp_path / "checkpoints" / "a.safetensors"

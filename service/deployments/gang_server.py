@@ -47,7 +47,7 @@ from service.served_weights import (
     store_immutable_copy,
     verify_recorded_file,
 )
-from service.state import state_dir
+from service.state.paths import state_dir
 
 log = logging.getLogger("gangserve.server")
 

@@ -39,7 +39,7 @@ from service.config import ServingConfig
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
 from service.logs import route_logs_to_serve
 from service.metrics import EpochClock, enable_ray_metrics, process_metrics, training_snapshot
-from service.state import resolve_inside, state_dir
+from service.state.paths import resolve_inside, state_dir
 from service.placement import cluster_snapshot
 from service.training import resources
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload

@@ -35,7 +35,7 @@ from service.placement import (
 from service.gang_registry import GangRegistry
 from service.metrics import process_metrics
 from service.ingress.handle_errors import map_handle_error
-from service.state import state_dir
+from service.state.paths import state_dir
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")

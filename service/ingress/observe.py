@@ -169,7 +169,7 @@ def make_publisher() -> Publisher:
     identity = replica_identity()
     if identity is None:
         return Publisher(None, None, None)
-    from service.state import state_dir
+    from service.state.paths import state_dir
 
     try:
         store = MetricsStore(state_dir())
