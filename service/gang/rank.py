@@ -20,6 +20,7 @@ from service.failpoints import Failpoints
 from service.netif import bind_collectives_to
 from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.weights import load_checkpoint_shard, random_weights, seed_weights, shard_dense
+from service.state import artifacts
 
 log = logging.getLogger("gangserve.rank")
 
@@ -47,9 +48,15 @@ class RankInfo:
 
 
 def load_rank_shard(model: ModelConfig, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """This rank's slice of the configured weights (checkpoint, seed or random init)."""
+    """This rank's slice of the configured weights (checkpoint, seed or random init).
+
+    A checkpoint is an absolute local path (the `checkpoint=` builder argument) or a key in
+    the artifact store (a recorded `weights/<sha256>.safetensors` copy): the store gives a
+    verified local file for it (on S3: this node's cache, downloaded once per node), and
+    the rank maps only its own slice of that file."""
     if model.checkpoint:
-        return load_checkpoint_shard(model.checkpoint, rank, world_size)
+        local = artifacts.store().materialize(model.checkpoint)
+        return load_checkpoint_shard(local, rank, world_size)
     dense = seed_weights(model.embed_dim) if model.init == "seed" else random_weights(model.embed_dim, model.seed)
     return shard_dense(dense, rank, world_size)
 

@@ -346,7 +346,7 @@ class ArtifactStore:
         if os.path.isabs(ref) or self.local:
             path = Path(ref) if os.path.isabs(ref) else Path(self.path(ref))
             if not path.is_file():
-                raise FileNotFoundError(f"no artifact {ref!r} in {self.url}")
+                raise FileNotFoundError(f"no file {ref}" if os.path.isabs(ref) else f"no artifact {ref!r} in {self.url}")
             if sha is not None:
                 actual = file_sha256(path)
                 if actual != sha:
