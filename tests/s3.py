@@ -1,5 +1,6 @@
-"""A real S3-compatible server on loopback for the artifact store's tests: moto's server
-(`moto.server.ThreadedMotoServer`, the same HTTP API as S3) on 127.0.0.1 and a free port.
+"""A real S3-compatible server for the artifact store's tests: moto's server
+(`moto.server.ThreadedMotoServer`, the same HTTP API as S3) on 127.0.0.1 (or a given
+address) and a free port.
 
 The service talks to it through the production code path (pyarrow's S3 client, endpoint
 from GANGSERVE_S3_ENDPOINT_URL); the tests check the bucket independently with boto3.
@@ -24,9 +25,11 @@ SDK_ENV = {"AWS_REQUEST_CHECKSUM_CALCULATION": "when_required", "AWS_RESPONSE_CH
 class MotoS3:
     """One moto S3 server; `start()` it, `bucket(name)` creates a bucket, `stop()` it."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        """`host`: the address to listen on (a multi-node test gives its bridge's gateway)."""
+        self.host = host
         self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{host}:{self.port}"
         self._server: Any = None
 
     def start(self) -> "MotoS3":
@@ -37,7 +40,7 @@ class MotoS3:
         os.environ.update(SDK_ENV)  # this process's S3 clients (read by the SDK itself)
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
         self._server.start()
         return self
 
