@@ -153,6 +153,44 @@ def test_readiness_turns_off_within_2s_of_losing_the_only_gang_and_on_once_a_new
     assert httpx.get(fault_url + "/v2/health/ready", timeout=10).status_code == 200
 
 
+def _controller_pid(app: str) -> int:
+    import ray
+
+    alive = [a for a in ray._private.state.state.actor_table(None).values()
+             if a["State"] == "ALIVE" and a["ActorClassName"] == f"ServeReplica:{app}:Controller"]
+    assert len(alive) == 1, [a["ActorClassName"] for a in alive]
+    return int(alive[0]["Pid"])
+
+
+def test_losing_the_controller_changes_nothing_a_client_sees(fault_url: str) -> None:
+    """kill -9 of the app's Controller (fleet view, weights record): readiness falls back to
+    asking the gang and stays 200, requests keep being served, and once Serve has replaced it
+    the gangs report to the new one within seconds."""
+    victim = _controller_pid("faults")
+    with RequestLoop(fault_url + "/infer", WEIGHTS) as loop:
+        time.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        answers = []
+        while time.monotonic() - killed_at < 8:
+            answers.append(httpx.get(fault_url + "/readyz", timeout=10).status_code)
+            time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            gangs = httpx.get(fault_url + "/gangs", timeout=10)
+            if gangs.status_code == 200 and gangs.json()["ready"] == 1:
+                break
+            time.sleep(0.25)
+        back_s = time.monotonic() - killed_at
+    summary = loop.summary()
+    print(f"controller killed: /readyz answers {sorted(set(answers))} ({len(answers)} polls), "
+          f"/gangs back after {back_s:.1f}s, load {summary}")
+    assert set(answers) == {200}, answers
+    assert gangs.status_code == 200 and gangs.json()["ready"] == 1, gangs.text
+    assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, summary
+    assert _controller_pid("faults") != victim
+
+
 def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp_path) -> None:
     """A rebuild that cannot reload the weights (checkpoint gone) is reported in /readyz and
     retried with backoff; once the file is back the gang recovers on its own."""

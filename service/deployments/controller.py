@@ -47,6 +47,7 @@ class Controller:
         route_logs_to_serve()
         self._app = serve.get_replica_context().app_name
         self._fleet = Fleet()
+        self._started = time.time()
         self._actors: dict[str, ActorHandle] = {}
         self._pings: dict[str, asyncio.Task[None]] = {}
         self._record = WeightsRecord(state_dir())
@@ -67,8 +68,9 @@ class Controller:
         self._forget_actor(replica_id)
 
     async def fleet(self) -> dict[str, Any]:
-        """{"gangs": [...], "ready": n, "lost": [...]} (service.state.fleet.Fleet.view)."""
-        return self._fleet.view(time.time())
+        """{"gangs": [...], "ready": n, "lost": [...], "controller_up_s"} (Fleet.view)."""
+        now = time.time()
+        return {**self._fleet.view(now), "controller_up_s": round(now - self._started, 1)}
 
     async def report_metrics(self, source: str, snapshot: dict[str, list]) -> None:
         self._fleet.report_metrics(source, snapshot, time.time())

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
+from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from service.errors import GangServeError, GangUnavailable
@@ -18,7 +20,10 @@ from service.ingress.handle_errors import map_handle_error
 
 log = logging.getLogger("gangserve.ingress")
 
-FLEET_TIMEOUT_S = 2.0
+FLEET_TIMEOUT_S = 1.0  # the controller answers from memory in milliseconds
+# After a failed call, skip the controller this long (answer at once from the fallback):
+# Serve's router may keep sending to a dead controller replica until it notices.
+SKIP_AFTER_FAILURE_S = 2.0
 
 
 class FleetClient:
@@ -27,6 +32,7 @@ class FleetClient:
 
     def __init__(self, handle: DeploymentHandle | None) -> None:
         self._handle = handle
+        self._skip_until = 0.0
 
     @property
     def connected(self) -> bool:
@@ -50,17 +56,23 @@ class FleetClient:
 
     async def _call(self, method: str, *args: Any) -> Any:
         assert self._handle is not None
+        if time.monotonic() < self._skip_until:
+            raise GangUnavailable(f"the controller failed a call less than {SKIP_AFTER_FAILURE_S:g}s ago",
+                                  code="controller_unreachable", retry_after_s=1.0)
         response = getattr(self._handle, method).remote(*args)
         try:
             return await asyncio.wait_for(_await(response), FLEET_TIMEOUT_S)
         except asyncio.TimeoutError:
             response.cancel()
+            self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
             raise GangUnavailable(f"the controller did not answer {method} within {FLEET_TIMEOUT_S:g}s",
                                   code="controller_unreachable", retry_after_s=1.0) from None
         except Exception as exc:
             error = map_handle_error(exc, what="controller", method=method, unavailable=_unavailable)
             if error is None:
                 raise
+            if not isinstance(exc, RayTaskError):  # the controller itself is gone or unreachable
+                self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
             raise error from None
 
 

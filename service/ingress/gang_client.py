@@ -121,7 +121,8 @@ class GangClient:
                        for i in range(len(rows), desired)]
         missing += [f"gang {g['replica_id']}: {g.get('state')}: {g.get('reason')}" for g in rows
                     if g.get("state") != "ready"]
-        return {"desired": desired, "ready": ready, "gangs": rows, "missing": missing, "lost": lost}
+        return {"desired": desired, "ready": ready, "gangs": rows, "missing": missing, "lost": lost,
+                "controller_up_s": view.get("controller_up_s")}
 
     async def wait_rollout(self, version: int, timeout_s: float) -> tuple[bool, list[dict[str, Any]]]:
         """Wait (bounded) until every live gang serves weights `version` or newer; returns

@@ -18,6 +18,10 @@ from typing import Any
 from service.auth import redact_paths
 from service.errors import GangServeError, GangUnavailable
 from service.ingress.gang_client import GangClient, unavailable_error
+from service.state.fleet import REPORT_INTERVAL_S
+
+# A controller up for less than this may not have heard from every gang yet.
+WARM_UP_S = 3 * REPORT_INTERVAL_S
 
 
 async def readiness(gang: GangClient) -> dict[str, Any]:
@@ -27,6 +31,9 @@ async def readiness(gang: GangClient) -> dict[str, Any]:
         fleet = await gang.gangs()
     except GangServeError:
         fleet = None  # the controller is restarting: ask whichever gang the handle reaches
+    up_s = fleet.get("controller_up_s") if fleet is not None else None
+    if fleet is not None and not fleet["gangs"] and not fleet["lost"] and up_s is not None and up_s < WARM_UP_S:
+        fleet = None  # a controller that just (re)started has not heard from the gangs yet
     if fleet is None:
         info = await gang.describe()
         if info["state"] != "ready":
