@@ -171,7 +171,6 @@ class NetnsCluster:
         `wipe_state`, every node's own state dir is emptied first (fresh pods)."""
         for node in reversed(self.nodes):
             self.kill_node(node)
-        shutil.rmtree(self.work / "ray-n1", ignore_errors=True)
         for node in self.nodes:
             if wipe_state:
                 self.wipe_state(node)
