@@ -310,7 +310,7 @@ def test_network_policy_keeps_rays_ports_to_the_ray_pods() -> None:
 def test_the_job_store_has_a_single_writer_and_no_wal_on_the_shared_volume(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state dir is one ReadWriteMany volume on every pod; the job store in it is written
     by the JobManager alone (one replica), in rollback-journal mode on a network file system."""
-    from service.training.store import journal_mode_for
+    from service.state.db import journal_mode_for
 
     service = manifest()["RayService"]
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])

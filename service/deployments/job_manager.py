@@ -39,6 +39,7 @@ from service.config import ServingConfig
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
 from service.logs import route_logs_to_serve
 from service.metrics import EpochClock, enable_ray_metrics, process_metrics, training_snapshot
+from service.state.db import StateUnavailable, database_url
 from service.state.paths import resolve_inside, state_dir
 from service.placement import cluster_snapshot
 from service.training import resources
@@ -112,7 +113,7 @@ class JobManager:
         self._state_dir = state_dir()
         for sub in ("runs", "checkpoints", "datasets"):
             (self._state_dir / sub).mkdir(parents=True, exist_ok=True)
-        self._store = JobStore(self._state_dir / "jobs.sqlite")
+        self._store = JobStore(database_url(self._state_dir))  # StateUnavailable: unreachable
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
         self._node_id = ray.get_runtime_context().get_node_id()
         self._runs: dict[str, _Run] = {}
