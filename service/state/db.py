@@ -60,7 +60,11 @@ JOURNAL_ENV = "GANGSERVE_SQLITE_JOURNAL"
 # timeout of its own.
 SQLITE_BUSY_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0        # one connection attempt (libpq connect_timeout; whole seconds)
-POOL_TIMEOUT_S = 10.0          # waiting for a pooled connection (the server may be gone)
+POOL_TIMEOUT_S = 5.0           # waiting for a pooled connection (the server may be gone)
+# How long the pool retries one failed connection attempt (with doubling back-off) before it
+# gives up; the next request starts a fresh attempt at once. Short, so that the pool's back-off
+# never grows past a few seconds: a server that comes back is used again within seconds.
+POOL_RECONNECT_S = 10.0
 PG_LOCK_TIMEOUT_MS = 10_000    # waiting for the advisory lock / a row lock
 PG_STATEMENT_TIMEOUT_MS = 20_000
 PG_IDLE_IN_TRANSACTION_MS = 60_000  # a writer that died mid-transaction frees its lock
@@ -150,6 +154,8 @@ def redact(url: str) -> str:
     if query:
         query = urlencode([(k, "***" if k.lower() in _SECRET_PARAMS else v)
                            for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url  # nothing secret (urlunsplit would also drop sqlite:///'s empty host)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -336,6 +342,7 @@ class Database:
     def __init__(self, raw_url: str) -> None:
         self.dialect = dialect_of(raw_url)
         self.url = redact(raw_url)
+        self._raw_url = raw_url  # never printed: `url` is the redacted one
         self._secrets = _secrets_of(raw_url)
         self.trace: Trace | None = None  # tests: called with (sql, params) of every statement
         self._closed = False
@@ -463,10 +470,24 @@ class Database:
         except Exception as exc:
             if not _is_unavailable(exc):
                 raise
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise StateUnavailable(
-                f"the state database {self.url} is unavailable: {type(exc).__name__}: {self._scrub(first)}"
-            ) from exc
+            raise StateUnavailable(f"the state database {self.url} is unavailable: {self._reason(exc)}") from exc
+
+    def _reason(self, exc: BaseException) -> str:
+        """What went wrong, in one line. The pool's timeout says only that no connection came:
+        then one direct attempt tells a server that is gone from a pool that is busy."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = f"{type(exc).__name__}: {self._scrub(first)}"
+        if type(exc).__name__ != "PoolTimeout":
+            return reason
+        import psycopg
+
+        try:
+            psycopg.connect(_conninfo(self._raw_url), connect_timeout=2).close()
+        except psycopg.Error as probe:
+            lines = str(probe).strip().splitlines()
+            return f"cannot connect: {self._scrub(lines[0] if lines else type(probe).__name__)}"
+        return (f"no pooled connection came free within {POOL_TIMEOUT_S:g}s (all {POOL_MAX_SIZE} busy, "
+                "or the server just came back)")
 
 
 def _is_unavailable(exc: BaseException) -> bool:
@@ -486,6 +507,10 @@ def lock_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"gangserve:{name}".encode()).digest()[:8], "big", signed=True)
 
 
+def _conninfo(raw_url: str) -> str:
+    return "postgresql://" + raw_url.split("://", 1)[1]  # libpq takes both schemes; be explicit
+
+
 def _open_pool(raw_url: str, scrub: Callable[[str], str]) -> Any:
     """A psycopg_pool.ConnectionPool of autocommit, dict-row connections with bounded
     timeouts, opened only after one direct connection proved the server reachable (so the
@@ -495,7 +520,7 @@ def _open_pool(raw_url: str, scrub: Callable[[str], str]) -> Any:
     from psycopg_pool import ConnectionPool
 
     url = redact(raw_url)
-    conninfo = "postgresql://" + raw_url.split("://", 1)[1]  # libpq takes both schemes; be explicit
+    conninfo = _conninfo(raw_url)
     options = (f"-c lock_timeout={PG_LOCK_TIMEOUT_MS} -c statement_timeout={PG_STATEMENT_TIMEOUT_MS} "
                f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_MS}")
     kwargs = {"autocommit": True, "row_factory": dict_row, "connect_timeout": int(CONNECT_TIMEOUT_S),
@@ -512,8 +537,8 @@ def _open_pool(raw_url: str, scrub: Callable[[str], str]) -> Any:
         timeout=POOL_TIMEOUT_S, name="gangserve-state",
         # A connection the server dropped (restart, failover) is found before it is used.
         check=ConnectionPool.check_connection,
-        # Keep trying to reconnect for as long as the server may be down.
-        reconnect_timeout=24 * 3600.0,
+        reconnect_timeout=POOL_RECONNECT_S,
+        reconnect_failed=lambda _pool: log.warning("state database %s: still unreachable", url),
     )
     try:
         pool.open(wait=True, timeout=POOL_TIMEOUT_S)
