@@ -287,3 +287,22 @@ def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_b
     store.close()
     record.close()
     postgres_server.drop_database(url)
+
+
+def test_the_launcher_exits_non_zero_naming_the_redacted_url(tmp_path: Path) -> None:
+    """`python -m service.launch` refuses to start (exit 4, before Ray starts) when the state
+    database cannot be reached."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.local import ROOT
+
+    env = {**os.environ, "GANGSERVE_DATABASE_URL": f"postgresql://gs:launch-secret@127.0.0.1:{free_port()}/state",
+           "GANGSERVE_STATE_DIR": str(tmp_path / "state")}
+    done = subprocess.run([sys.executable, "-m", "service.launch", str(ROOT / "deployments" / "local.yaml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, (done.returncode, done.stderr[-2000:])
+    assert "the state database cannot be used: cannot reach the state database postgresql://gs:***@127.0.0.1" \
+        in done.stderr, done.stderr[-2000:]
+    assert "launch-secret" not in done.stderr + done.stdout
