@@ -4,6 +4,7 @@ rows), and a PostgreSQL server lost mid-run (the typed error, then everything wo
 and nothing is lost). Real SQLite files and a real PostgreSQL server (tests/postgres.py)."""
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -306,3 +307,44 @@ def test_the_launcher_exits_non_zero_naming_the_redacted_url(tmp_path: Path) -> 
     assert "the state database cannot be used: cannot reach the state database postgresql://gs:***@127.0.0.1" \
         in done.stderr, done.stderr[-2000:]
     assert "launch-secret" not in done.stderr + done.stdout
+
+
+def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server: Any) -> None:
+    """A job FAILED by the poller after its run was stopped (nobody polls it again) is not
+    dropped while PostgreSQL is gone: it is kept, in order with its log line, and written by
+    the next round once the database is back. The manager's own code, on a real server; no
+    Ray cluster (the deployment class is used without Serve)."""
+    from service.deployments.job_manager import JobManager
+    from service.training.store import JobStore
+
+    url = postgres_server.create_database()
+    store = JobStore(url)
+    store.create_job(_job(1, status="RUNNING", owner="mgr-test"))
+    manager = object.__new__(JobManager.func_or_class)  # only the state it uses here
+    manager._store, manager._deferred = store, []
+
+    async def scenario() -> None:
+        postgres_server.stop()
+        try:
+            await manager._fail("job-1", "exceeded max_runtime_s=1")  # must not raise
+            await manager._manager_log("job-1", "another line")
+            assert [what for what, _ in manager._deferred] == ["FAILED of job job-1", "a log line of job job-1"]
+            with pytest.raises(Exception):
+                await manager._flush_deferred()  # still down: everything stays queued
+            assert len(manager._deferred) == 2
+        finally:
+            postgres_server.start()
+        deadline = time.monotonic() + 30
+        while manager._deferred:
+            try:
+                await manager._flush_deferred()
+            except Exception:  # noqa: BLE001 - the pool reconnects within seconds
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.5)
+
+    asyncio.run(scenario())
+    job = store.get_job("job-1")
+    assert job is not None and job.status == "FAILED" and job.error == "exceeded max_runtime_s=1"
+    assert [line for _, line in store.tail_logs("job-1", 10)] == ["FAILED: exceeded max_runtime_s=1", "another line"]
+    store.close()
+    postgres_server.drop_database(url)

@@ -553,10 +553,17 @@ class JobManager:
         """FAIL an active job (a job that already ended, e.g. CANCELLED, keeps its status).
         Its run is stopped or gone, so the write is kept until it succeeds."""
         finished_at = time.time()
+        failed = False  # the update is done; only its log line is left (a retry must not redo it)
 
         async def write() -> None:
-            if await self._io(self._store.update_job, job_id, status="FAILED", error=error, finished_at=finished_at):
-                await self._manager_log(job_id, f"FAILED: {error}")
+            nonlocal failed
+            if not failed:
+                failed = await self._io(self._store.update_job, job_id, status="FAILED", error=error,
+                                        finished_at=finished_at)
+                if not failed:
+                    return  # it had ended already (e.g. CANCELLED): nothing to log
+            # In this same kept write, so the line keeps its place among the job's lines.
+            await self._io(self._store.append_logs, job_id, [(None, finished_at, f"FAILED: {error}")])
 
         await self._write_or_defer(f"FAILED of job {job_id}", write)
 
