@@ -1,7 +1,7 @@
 """JobManager: the Serve deployment (num_cpus=0) that owns training jobs.
 
 It validates and admits jobs (fail-fast placement check), launches each run as a detached
-`TrainRun` actor, polls the runs and is the only writer of their SQLite records, and
+`TrainRun` actor, polls the runs and is the only writer of their records, and
 answers the ingress's job, dataset and checkpoint questions. The ingress never creates
 actors; it only calls this deployment.
 
