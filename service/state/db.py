@@ -283,7 +283,10 @@ class Session:
             self._run(sql, params)
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        return self._run(sql, params).fetchone()
+        """The first row (None if there is none). Reads the result to its end, so no
+        statement stays in progress (an INSERT ... RETURNING is complete when this returns)."""
+        rows = self._run(sql, params).fetchall()
+        return rows[0] if rows else None
 
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return list(self._run(sql, params).fetchall())
