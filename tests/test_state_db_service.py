@@ -13,6 +13,8 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
+TINY = {"world_size": 1, "cpus_per_worker": 0.25, "epochs": 1}
+
 
 def _record(job_id: str, status: str) -> Any:
     from service.training.store import JobRecord
@@ -49,7 +51,14 @@ def test_a_job_manager_on_postgres_answers_503_while_the_database_is_gone(
         assert listed["jobs"][0]["history"] == [{"epoch": 1, "loss": 0.25}]
         postgres_server.stop()
         try:
-            for method, args in (("list_jobs", (20,)), ("get_job", ("job-pg0000000001",)), ("list_datasets", ())):
+            calls = [
+                ("list_jobs", (20,)),                                   # GET /train
+                ("get_job", ("job-pg0000000001",)),                     # GET /train/{id}
+                ("submit", ({"model": {"kind": "linear"}, **TINY},)),   # POST /train
+                ("resolve_weights", ("job-pg0000000001",)),             # POST /weights {"job_id"}
+                ("list_datasets", ()),                                  # GET /datasets
+            ]
+            for method, args in calls:
                 started = time.monotonic()
                 with pytest.raises(GangServeError) as info:
                     await jobs.call(method, *args)
@@ -68,7 +77,8 @@ def test_a_job_manager_on_postgres_answers_503_while_the_database_is_gone(
             except GangServeError as exc:
                 assert exc.code == "state_unavailable" and time.monotonic() < deadline, exc.message
                 await asyncio.sleep(0.5)
-        assert [j["id"] for j in listed["jobs"]] == ["job-pg0000000001"]  # nothing lost
+        # Nothing lost, and the refused submit left no record (nor a run actor).
+        assert [j["id"] for j in listed["jobs"]] == ["job-pg0000000001"]
         assert (await jobs.call("get_job", "job-pg0000000001"))["status"] == "SUCCEEDED"
         assert (await jobs.call("list_datasets")) == {"datasets": []}
 
