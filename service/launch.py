@@ -7,6 +7,8 @@ does what `serve run` does (start or join Ray, start Serve with the config's HTT
 options, deploy every application) and then *watches*:
 
 - exit 2 at once if an application's arguments are invalid;
+- exit 4 at once if the state database (`GANGSERVE_DATABASE_URL`, default the SQLite file in
+  the state dir) cannot be reached or opened; the message names the URL, password redacted;
 - exit 3 within seconds if a gang can never be placed, or gave up after
   `schedule_timeout_s` (the message names needed vs available);
 - exit 1 if Serve reports DEPLOY_FAILED;
@@ -25,6 +27,7 @@ import yaml
 
 from service.app import InvalidAppArgs, parse_args
 from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
+from service.state.db import StateUnavailable, connect
 
 
 def _say(message: str) -> None:
@@ -54,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidAppArgs as exc:
             _say(f"application {app.name!r}: {exc}")
             return 2
+    code = _check_state_database()
+    if code:
+        return code
 
     ray.init(address=args.address, namespace="serve", log_to_driver=True)
     snapshot = cluster_snapshot()
@@ -88,6 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         _say("shutting down")
         serve.shutdown()
         return 0
+
+
+def _check_state_database() -> int:
+    """0 if the state database answers (this process sees the same GANGSERVE_DATABASE_URL and
+    state dir as the replicas it starts), else 4 with the reason."""
+    try:
+        connect().close()
+    except (StateUnavailable, ValueError) as exc:
+        _say(f"the state database cannot be used: {exc}")
+        return 4
+    return 0
 
 
 def _watch(config, timeout_s: float) -> int:
