@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -54,6 +55,7 @@ class NetnsCluster:
     # artifacts must then live in a database and a bucket, given through `extra_env`).
     shared_state: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    servers: dict[str, object] = field(default_factory=dict)  # what the test runs for the cluster
     tag: str = field(default_factory=lambda: f"{os.getpid() % 10000:04d}")
     nodes: list[Node] = field(default_factory=list)
 
@@ -126,11 +128,15 @@ class NetnsCluster:
             env.pop(var, None)
         return env
 
-    def start(self, gpus_per_node: list[int]) -> "NetnsCluster":
+    def start(self, gpus_per_node: list[int], before_nodes: Callable[[], None] | None = None) -> "NetnsCluster":
+        """Bridge, then `before_nodes()` (servers binding the gateway address, which exists
+        from now on), then one node per entry of `gpus_per_node`."""
         _ip("link", "add", self.bridge, "type", "bridge")
         self._bridge_up = True
-        _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        if before_nodes is not None:
+            before_nodes()
         for gpus in gpus_per_node:
             self.add_node(num_gpus=gpus)
         return self

@@ -42,7 +42,11 @@ class PostgresServer:
     """One postgres process on 127.0.0.1:`port` with its data in `base`; stop/start it at will
     (the lost-database tests do)."""
 
-    def __init__(self) -> None:
+    def __init__(self, listen: str = "127.0.0.1", allow_cidr: str | None = None) -> None:
+        """`listen`: the address(es) postgres binds (comma-separated, e.g. loopback plus a
+        test network's gateway); `allow_cidr`: a network whose clients may log in with the
+        password (besides loopback)."""
+        self.listen = listen
         bin_dir = _bin_dir()
         if bin_dir is None:
             pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/postgres); "
@@ -67,6 +71,9 @@ class PostgresServer:
             os.chown(pwfile, owner.pw_uid, owner.pw_gid)
         self._run("initdb", "-D", str(self.data), "-U", PG_USER, f"--pwfile={pwfile}", "--auth-host=scram-sha-256",
                   "--auth-local=trust", "-E", "UTF8", "--no-sync")
+        if allow_cidr is not None:
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {allow_cidr} scram-sha-256\n")
         self.port = free_port()
         self.start()
 
@@ -79,7 +86,7 @@ class PostgresServer:
         return done.stdout
 
     def start(self) -> None:
-        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.base} "
+        options = (f"-p {self.port} -c listen_addresses={self.listen} -c unix_socket_directories={self.base} "
                    "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=60")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.base / "log"), "-o", options,
                   "-w", "-t", str(START_TIMEOUT_S), "start")
@@ -88,17 +95,17 @@ class PostgresServer:
         """Fast shutdown: open connections are cut, as when a database server goes away."""
         self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", str(START_TIMEOUT_S), "stop")
 
-    def url(self, database: str = "postgres", password: str = PG_PASSWORD) -> str:
-        return f"postgresql://{PG_USER}:{password}@127.0.0.1:{self.port}/{database}"
+    def url(self, database: str = "postgres", password: str = PG_PASSWORD, host: str = "127.0.0.1") -> str:
+        return f"postgresql://{PG_USER}:{password}@{host}:{self.port}/{database}"
 
-    def create_database(self) -> str:
-        """A new empty database; its URL."""
+    def create_database(self, host: str = "127.0.0.1") -> str:
+        """A new empty database; its URL (through `host`, one of the listen addresses)."""
         import psycopg
 
         name = f"t_{uuid.uuid4().hex[:12]}"
         with psycopg.connect(self.url(), autocommit=True, connect_timeout=10) as conn:
             conn.execute(f"CREATE DATABASE {name}")
-        return self.url(name)
+        return self.url(name, host=host)
 
     def drop_database(self, url: str) -> None:
         import psycopg
