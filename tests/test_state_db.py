@@ -66,6 +66,7 @@ def test_redact_never_shows_a_password(url: str, shown: str) -> None:
 # ---- start-up errors -------------------------------------------------------------------------
 
 def test_an_unreachable_postgres_is_a_clear_error_naming_the_redacted_url() -> None:
+    from service.served_weights import WeightsRecord
     from service.state.db import StateUnavailable, connect
     from service.training.store import JobStore
 
@@ -80,6 +81,9 @@ def test_an_unreachable_postgres_is_a_clear_error_naming_the_redacted_url() -> N
     assert "topsecret-pw" not in message and "refused" in message.lower(), message
     with pytest.raises(StateUnavailable):
         connect(url)
+    # The GangServer's record (its replica's start-up) fails the same way.
+    with pytest.raises(StateUnavailable, match=r"postgresql://gs:\*\*\*@127\.0\.0\.1"):
+        WeightsRecord(Path("/nonexistent-state-dir"), url)
 
 
 def test_a_sqlite_file_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:

@@ -357,6 +357,10 @@ class Database:
         else:
             self.path = None
             self._pool = _open_pool(raw_url, self._scrub)
+        # Set when a call found PostgreSQL unavailable: until a direct connection succeeds
+        # again, calls fail at once with the server's reason instead of each waiting
+        # POOL_TIMEOUT_S for a pooled connection that cannot come.
+        self._pg_down = False
 
     # -- public ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -367,6 +371,7 @@ class Database:
                 with self._lock:
                     yield Session(self._sqlite, "sqlite", self.trace)
             else:
+                self._check_back()
                 with self._pool.connection(timeout=POOL_TIMEOUT_S) as conn:
                     yield Session(conn, "postgresql", self.trace)
 
@@ -391,6 +396,7 @@ class Database:
                                 self._sqlite.execute("ROLLBACK")
                         raise
             else:
+                self._check_back()
                 with self._pool.connection(timeout=POOL_TIMEOUT_S) as conn, conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(lock),))
                     yield Session(conn, "postgresql", self.trace)
@@ -473,6 +479,8 @@ class Database:
         except Exception as exc:
             if not _is_unavailable(exc):
                 raise
+            if self.dialect == "postgresql":
+                self._pg_down = True
             raise StateUnavailable(f"the state database {self.url} is unavailable: {self._reason(exc)}") from exc
 
     def _reason(self, exc: BaseException) -> str:
@@ -482,15 +490,32 @@ class Database:
         reason = f"{type(exc).__name__}: {self._scrub(first)}"
         if type(exc).__name__ != "PoolTimeout":
             return reason
+        failed = self._probe()
+        if failed is not None:
+            return f"cannot connect: {failed}"
+        return (f"no pooled connection came free within {POOL_TIMEOUT_S:g}s (all {POOL_MAX_SIZE} busy, "
+                "or the server just came back)")
+
+    def _probe(self) -> str | None:
+        """None if a direct connection to PostgreSQL succeeds now, else why not (one line)."""
         import psycopg
 
         try:
             psycopg.connect(_conninfo(self._raw_url), connect_timeout=2).close()
-        except psycopg.Error as probe:
-            lines = str(probe).strip().splitlines()
-            return f"cannot connect: {self._scrub(lines[0] if lines else type(probe).__name__)}"
-        return (f"no pooled connection came free within {POOL_TIMEOUT_S:g}s (all {POOL_MAX_SIZE} busy, "
-                "or the server just came back)")
+        except psycopg.Error as exc:
+            lines = str(exc).strip().splitlines()
+            return self._scrub(lines[0] if lines else type(exc).__name__)
+        return None
+
+    def _check_back(self) -> None:
+        """After a failure: fail fast (StateUnavailable with the server's reason) while the
+        server still refuses a direct connection; once it accepts one, use the pool again."""
+        if not self._pg_down:
+            return
+        failed = self._probe()
+        if failed is not None:
+            raise StateUnavailable(f"the state database {self.url} is unavailable: cannot connect: {failed}")
+        self._pg_down = False
 
 
 def _is_unavailable(exc: BaseException) -> bool:
