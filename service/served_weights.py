@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -40,10 +39,8 @@ import torch
 
 from service.config import ModelConfig
 from service.parallel.weights import DENSE_KEYS, random_weights, seed_weights
-from service.state.db import DEFAULT_DB_FILE, Database, Migration, Row, Session, connect, database_url, open_sqlite
+from service.state.db import Database, Migration, Row, Session, connect, database_url
 
-# Kept for the modules that still open the state dir's SQLite file themselves.
-STATE_DB_FILE = DEFAULT_DB_FILE
 WEIGHTS_SUBDIR = "weights"
 _CHUNK = 4 * 1024 * 1024
 
@@ -70,16 +67,6 @@ STORE = "served_weights"
 LOCK = "served_weights"  # the transaction lock every version allocation takes
 
 Source = Literal["config", "swap"]
-
-
-def connect_state_db(state: Path, schema: str) -> sqlite3.Connection:
-    """A raw connection to the state dir's SQLite file with `schema` applied (autocommit,
-    service.state.db's pragmas and busy timeout). Only for the gang registry and the metrics
-    table, which stay in that file until they are removed; the served-weights record uses
-    service.state.db (`WeightsRecord`)."""
-    db, _ = open_sqlite(state / STATE_DB_FILE)
-    db.executescript(schema)
-    return db
 
 
 class WeightsRecordError(RuntimeError):
