@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: install serve test test-unit bench lint clean chromium
+.PHONY: install serve test test-unit bench lint clean chromium postgresql
 
-install: $(STAMP) chromium
+install: $(STAMP) chromium postgresql
 
 # Re-install whenever the pins or the project metadata change. The client distribution
 # (./clients, gangserve-client) is a dependency of the project found on no index: it is
@@ -28,10 +28,21 @@ chromium:
 	    || echo "could not install chromium: tests/test_ui.py will be skipped"; \
 	fi
 
+# The state-database tests (tests/postgres.py) run a real PostgreSQL server (initdb + postgres
+# from /usr/lib/postgresql/*/bin, on a loopback port). Debian's postgresql is installed here when
+# missing and we can (root, apt-get); otherwise those tests say why they are skipped.
+postgresql:
+	@if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing postgresql (apt-get) for the state-database tests"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q postgresql >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q postgresql >/dev/null; } \
+	    || echo "could not install postgresql: the PostgreSQL state-database tests will be skipped"; \
+	fi
+
 serve: $(STAMP)
 	$(VENV)/bin/serve run deployments/local.yaml
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium postgresql
 	$(PY) -m pytest tests -v --durations=15
 
 test-unit: $(STAMP)

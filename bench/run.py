@@ -445,7 +445,7 @@ def bench_gangs(client: httpx.Client, base: str, x: np.ndarray, n: int, load_s: 
         before = {g["replica_id"]: g["batching"]["requests"] for g in client.get(url + "/gangs").json()["gangs"]}
         lat = time_calls(poster(client, url + "/infer", npy(x), "application/x-npy"), n)
         load = throughput(url + "/infer", npy(small), "application/x-npy", clients=16, seconds=load_s)
-        time.sleep(2.5)  # one registry publish interval
+        time.sleep(2.5)  # a gang report interval (1 s) and then some: /gangs has the final counts
         after = {g["replica_id"]: g["batching"]["requests"] for g in client.get(url + "/gangs").json()["gangs"]}
         split = sorted((after[r] - before.get(r, 0) for r in after), reverse=True)
         rows[f"{gangs} gang{'s' if gangs > 1 else ''} x ws2"] = {

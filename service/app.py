@@ -15,6 +15,7 @@ from service.config import AppConfig
 from service.errors import describe_validation_errors
 from service.placement import check_feasible, cluster_snapshot, gang_request
 from service.gang.router import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S, ReadyGangRouter
+from service.deployments.controller import Controller
 from service.deployments.ingress import Ingress
 from service.deployments.gang_server import GangServer
 from service.training.limits import TrainingLimits
@@ -75,7 +76,8 @@ def event_loop_options(cfg: AppConfig) -> dict[str, Any]:
 
 
 def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
-    """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve."""
+    """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve;
+    the Controller owns the fleet view and the weights record, the JobManager the jobs."""
     request = gang_request(cfg)
     bundle = dict(request.bundle)
     # One gang per replica: a fixed count, or Serve's autoscaling.
@@ -85,6 +87,8 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     )
     # Structured logs: Serve's logging_config on every deployment (service.logs).
     logs: dict[str, Any] = {"logging_config": {"encoding": cfg.log_encoding}} if cfg.log_encoding else {}
+    # One replica, no CPU: the app's shared state has one owner (service.deployments.controller).
+    controller = Controller.options(**logs).bind()
     server = GangServer.options(
         **scale, **logs,
         # Requests go to ready gangs only (replicas report their gang's state).
@@ -99,7 +103,7 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), **event_loop_options(cfg)},
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
-    ).bind(cfg.model_dump())
+    ).bind(cfg.model_dump(), controller)
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
     jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len)
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
@@ -112,4 +116,4 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": 0, **event_loop_options(cfg)}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
         **spread, **logs,
-    ).bind(server, cfg.model_dump(), jobs)
+    ).bind(server, cfg.model_dump(), jobs, controller)

@@ -7,7 +7,9 @@ does what `serve run` does (start or join Ray, start Serve with the config's HTT
 options, deploy every application) and then *watches*:
 
 - exit 2 at once if an application's arguments are invalid;
-- exit 4 at once if the artifact store (GANGSERVE_STORAGE_URL, from this environment or
+- exit 4 at once if the state database (`GANGSERVE_DATABASE_URL`, default the SQLite file in
+  the state dir) cannot be reached or opened; the message names the URL, password redacted;
+  likewise if the artifact store (GANGSERVE_STORAGE_URL, from this environment or
   an application's runtime_env env_vars) cannot be used: the message names the URL with
   credentials redacted and why (service.state.artifacts);
 - exit 3 within seconds if a gang can never be placed, or gave up after
@@ -27,8 +29,9 @@ import httpx
 import yaml
 
 from service.app import InvalidAppArgs, parse_args
-from service.state import artifacts
 from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
+from service.state import artifacts
+from service.state.db import StateUnavailable, connect
 
 
 def _say(message: str) -> None:
@@ -58,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidAppArgs as exc:
             _say(f"application {app.name!r}: {exc}")
             return 2
+    code = _check_state_database()
+    if code:
+        return code
 
     for name, why in _storage_problems(config):
         _say(f"application {name!r} cannot use its artifact store: {why}")
@@ -121,6 +127,17 @@ def _storage_problems(config) -> list[tuple[str, str]]:
         if checked[setting]:
             problems.append((app.name, checked[setting]))
     return problems
+
+
+def _check_state_database() -> int:
+    """0 if the state database answers (this process sees the same GANGSERVE_DATABASE_URL and
+    state dir as the replicas it starts), else 4 with the reason."""
+    try:
+        connect().close()
+    except (StateUnavailable, ValueError) as exc:
+        _say(f"the state database cannot be used: {exc}")
+        return 4
+    return 0
 
 
 def _watch(config, timeout_s: float) -> int:

@@ -9,12 +9,12 @@ Where values live:
   the ingress its requests and shared-memory fallbacks, each GangServer its gang steps,
   batch sizes, rebuilds and collective timeouts (in the GangServer process, not in the
   Gang: an in-place rebuild keeps them), the JobManager its epoch durations;
-- ingress and gang server replicas publish a snapshot into the state dir's SQLite file
-  (`MetricsStore`, table `metrics`, every `PUBLISH_INTERVAL_S`); an ingress answering
-  `/metrics` merges its own live values, every other fresh row of its app, and the
-  "retired" row: the counters and histograms of replicas that are gone are folded into it,
-  so a service-wide counter never goes backwards when a replica dies or is replaced;
-- gauges (gang readiness, weights version, queue depth) come only from fresh rows, one
+- ingress and gang server replicas report a snapshot to the app's Controller, which keeps
+  them in memory (service.state.fleet); an ingress answering `/metrics` merges its own live
+  values, every other replica's latest snapshot, and the "retired" counters and histograms
+  of replicas that are gone, so a service-wide counter never goes backwards when a replica
+  dies or is replaced;
+- gauges (gang readiness, weights version, queue depth) come only from fresh snapshots, one
   series per gang (`replica`); the JobManager's figures are asked for at scrape time.
 
 With `enable_ray_metrics()` (called by each Serve deployment) every observation is also
@@ -36,20 +36,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Literal
 
 log = logging.getLogger("gangserve.metrics")
 
 Kind = Literal["counter", "histogram", "gauge"]
 
-PUBLISH_INTERVAL_S = 2.0
-STALE_AFTER_S = 10.0  # a row this old belongs to a replica that is gone (as in the gang registry)
-# A gone replica's counters still count from its own row this long, then are folded into
-# the retired row: longer than Serve's health-check timeouts (30 s), so a replica silent
-# that long has been replaced and will never publish under its id again.
-FOLD_AFTER_S = 60.0
-RETIRED = "retired"  # the source holding the folded counters of gone replicas
 RAY_FLUSH_INTERVAL_S = 1.0
 RAY_QUEUE_MAX = 100_000  # observations waiting for the flusher; beyond this they are dropped (counted)
 
@@ -328,80 +320,6 @@ def exposition(merged: dict[str, dict[tuple[str, ...], Any]]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(merged))  # type: ignore[arg-type]
     return generate_latest(registry)
-
-
-# ---------------------------------------------------------------- the shared table
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS metrics (
-    app        TEXT NOT NULL,
-    source     TEXT NOT NULL,   -- 'ingress:<replica id>', 'gang:<replica id>' or 'retired'
-    updated_at REAL NOT NULL,
-    data       TEXT NOT NULL,   -- a MetricSet snapshot (JSON)
-    PRIMARY KEY (app, source)
-);
-"""
-
-
-class MetricsStore:
-    """Per-process metric snapshots of every replica of an app, in the state dir's SQLite file."""
-
-    def __init__(self, state: Path) -> None:
-        from service.served_weights import connect_state_db
-
-        self._db = connect_state_db(state, _SCHEMA)
-        self._lock = threading.Lock()
-
-    def publish(self, app: str, source: str, snapshot: dict[str, list]) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO metrics (app, source, updated_at, data) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(app, source) DO UPDATE SET updated_at = excluded.updated_at, data = excluded.data",
-                (app, source, time.time(), json.dumps(snapshot)),
-            )
-
-    def read(self, app: str, exclude: str | None = None) -> tuple[list[dict[str, list]], dict[str, list]]:
-        """(fresh snapshots of `app` except `exclude`'s, the counters and histograms of gone replicas).
-
-        Gauges come from fresh rows only (STALE_AFTER_S); the counters and histograms of
-        a row keep counting, and once it is FOLD_AFTER_S old they are folded into the
-        retired row, in one transaction (two ingress replicas scraping at once cannot fold
-        a row twice)."""
-        now = time.time()
-        cutoff, fold_cutoff = now - STALE_AFTER_S, now - FOLD_AFTER_S
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                stale = self._db.execute(
-                    "SELECT source, data FROM metrics WHERE app = ? AND source != ? AND updated_at < ?",
-                    (app, RETIRED, fold_cutoff),
-                ).fetchall()
-                retired_row = self._db.execute(
-                    "SELECT data FROM metrics WHERE app = ? AND source = ?", (app, RETIRED)).fetchone()
-                retired = json.loads(retired_row[0]) if retired_row else {}
-                if stale:
-                    retired = to_snapshot(merge([retired, *(json.loads(d) for _, d in stale)],
-                                                kinds=("counter", "histogram")))
-                    self._db.execute(
-                        "INSERT INTO metrics (app, source, updated_at, data) VALUES (?, ?, ?, ?) "
-                        "ON CONFLICT(app, source) DO UPDATE SET updated_at = excluded.updated_at, data = excluded.data",
-                        (app, RETIRED, time.time(), json.dumps(retired)),
-                    )
-                    self._db.executemany("DELETE FROM metrics WHERE app = ? AND source = ?",
-                                         [(app, s) for s, _ in stale])
-                rows = self._db.execute(
-                    "SELECT source, updated_at, data FROM metrics WHERE app = ? AND source != ?", (app, RETIRED),
-                ).fetchall()
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        fresh, gone = [], [retired]
-        for source, updated_at, data in rows:
-            if source == exclude:
-                continue
-            (fresh if updated_at >= cutoff else gone).append(json.loads(data))
-        return fresh, to_snapshot(merge(gone, kinds=("counter", "histogram")))
 
 
 # ---------------------------------------------------------------- training

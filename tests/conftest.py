@@ -123,3 +123,7 @@ def wait_ready(base: str, timeout_s: float, what: str = "the app") -> str:
 def app_url(serve_url: str) -> str:
     """The `make serve` app (deployments/local.yaml arguments) at route prefix /."""
     return deploy(serve_url, "gangserve", "/", local_yaml_args())
+
+
+# A real PostgreSQL server (session) and a fresh state database of each dialect (tests/postgres.py).
+from tests.postgres import postgres_server, store_url  # noqa: E402,F401

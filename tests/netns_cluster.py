@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -50,6 +51,11 @@ class NetnsCluster:
     """Build with `start()`, always `shutdown()` (the fixture does)."""
 
     num_cpus_per_node: float = 2
+    # False: every node its own GANGSERVE_STATE_DIR (no shared directory; records and
+    # artifacts must then live in a database and a bucket, given through `extra_env`).
+    shared_state: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+    servers: dict[str, object] = field(default_factory=dict)  # what the test runs for the cluster
     tag: str = field(default_factory=lambda: f"{os.getpid() % 10000:04d}")
     nodes: list[Node] = field(default_factory=list)
 
@@ -87,25 +93,50 @@ class NetnsCluster:
     def url(self) -> str:
         return f"http://{self.head.ip}:{SERVE_PORT}"
 
-    def env(self) -> dict[str, str]:
-        """The environment of every process of this cluster (Ray token auth on)."""
+    @property
+    def gateway(self) -> str:
+        """The host's address on the cluster's bridge: where servers the test runs for the
+        cluster (a database, an object store) listen so every node can reach them."""
+        return f"{self.subnet}.1"
+
+    def node_state_dir(self, node: Node) -> Path:
+        """`node`'s GANGSERVE_STATE_DIR: the shared one, or its own (`shared_state=False`)."""
+        return self.state_dir if self.shared_state else self.work / f"state-{node.name}"
+
+    def wipe_state(self, node: Node) -> None:
+        """Empty `node`'s own state dir (a pod restarted with a fresh emptyDir)."""
+        path = self.node_state_dir(node)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(mode=0o700)
+
+    def env(self, node: Node | None = None) -> dict[str, str]:
+        """The environment of every process of this cluster (Ray token auth on), on `node`
+        (default the head)."""
+        node = node or (self.nodes[0] if self.nodes else None)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GANGSERVE_"))}
+        state = self.node_state_dir(node) if node is not None else self.state_dir
+        state.mkdir(mode=0o700, exist_ok=True)
         env.update(
             RAY_AUTH_MODE="token",
             RAY_AUTH_TOKEN=self.token,
-            GANGSERVE_STATE_DIR=str(self.state_dir),
+            GANGSERVE_STATE_DIR=str(state),
             GANGSERVE_API_TOKEN=self.api_token,
             PYTHONPATH=str(ROOT),
+            **self.extra_env,
         )
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the service must choose by itself
             env.pop(var, None)
         return env
 
-    def start(self, gpus_per_node: list[int]) -> "NetnsCluster":
+    def start(self, gpus_per_node: list[int], before_nodes: Callable[[], None] | None = None) -> "NetnsCluster":
+        """Bridge, then `before_nodes()` (servers binding the gateway address, which exists
+        from now on), then one node per entry of `gpus_per_node`."""
         _ip("link", "add", self.bridge, "type", "bridge")
         self._bridge_up = True
-        _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        if before_nodes is not None:
+            before_nodes()
         for gpus in gpus_per_node:
             self.add_node(num_gpus=gpus)
         return self
@@ -125,6 +156,10 @@ class NetnsCluster:
         _ip("-n", node.name, "addr", "add", f"{node.ip}/24", "dev", "eth0")
         _ip("-n", node.name, "link", "set", "eth0", "up")
         _ip("-n", node.name, "link", "set", "lo", "up")
+        self._ray_start(node)
+        return node
+
+    def _ray_start(self, node: Node) -> None:
         cmd = [RAY, "start", f"--node-ip-address={node.ip}", f"--temp-dir={node.temp_dir}",
                f"--num-cpus={node.num_cpus}", f"--num-gpus={node.num_gpus}", "--disable-usage-stats"]
         if node.head:
@@ -134,11 +169,22 @@ class NetnsCluster:
         else:
             cmd += [f"--address={self.head.ip}:{HEAD_PORT}"]
         self.run_in(node, cmd, timeout_s=120)
-        return node
+        node.alive = True
+
+    def restart_all(self, wipe_state: bool) -> None:
+        """A full restart: every process of every node killed, then Ray started again on the
+        same nodes (a new cluster: new GCS, nothing of the old one survives); with
+        `wipe_state`, every node's own state dir is emptied first (fresh pods)."""
+        for node in reversed(self.nodes):
+            self.kill_node(node)
+        for node in self.nodes:
+            if wipe_state:
+                self.wipe_state(node)
+            self._ray_start(node)
 
     def run_in(self, node: Node, cmd: list[str], timeout_s: float, check: bool = True) -> subprocess.CompletedProcess:
         """Run a command inside `node`'s namespace with the cluster's environment."""
-        done = subprocess.run(["ip", "netns", "exec", node.name, *cmd], env=self.env(), capture_output=True,
+        done = subprocess.run(["ip", "netns", "exec", node.name, *cmd], env=self.env(node), capture_output=True,
                               text=True, timeout=timeout_s, cwd=str(ROOT))
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd[:3])} in {node.name} exited {done.returncode}:\n"

@@ -8,7 +8,7 @@ deployments/kuberay.yaml: the RayService validates against KubeRay's own CRD sch
 (tests/data/kuberay, v1.6.2), with no field that the API server would silently prune, and
 it is safe by default: Ray token auth and the API token on every Ray pod from a Secret,
 a NetworkPolicy that keeps Ray's ports to the Ray pods, non-root pods with an fsGroup, and
-a job store with a single writer.
+no shared volume: records in PostgreSQL and artifacts in a bucket, from the Secret.
 """
 from __future__ import annotations
 
@@ -307,26 +307,26 @@ def test_network_policy_keeps_rays_ports_to_the_ray_pods() -> None:
     assert any(opens(rule, 8000) and not rule.get("from") for rule in spec["ingress"]), "Serve's port is closed"
 
 
-def test_the_job_store_has_a_single_writer_and_no_wal_on_the_shared_volume(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The state dir is one ReadWriteMany volume on every pod; the job store in it is written
-    by the JobManager alone (one replica), in rollback-journal mode on a network file system."""
-    from service.training.store import journal_mode_for
-
+def test_no_shared_volume_records_in_postgresql_artifacts_in_the_bucket() -> None:
+    """No ReadWriteMany volume: every Ray pod gets the database and bucket settings from the
+    Secret (any pod may host the JobManager, the Controller, a gang or a training worker),
+    its state dir is a local emptyDir (a cache), and the two deployments that write records
+    (JobManager: jobs and datasets; Controller: served weights) stay at one replica."""
     service = manifest()["RayService"]
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     for app in serve_config["applications"]:
         for deployment in app.get("deployments", []):
-            if deployment["name"] == "JobManager":
+            if deployment["name"] in ("JobManager", "Controller"):
                 assert deployment.get("num_replicas", 1) == 1 and "autoscaling_config" not in deployment
-    mounts = set()
     for group, template in ray_pods(service):
-        state = ray_env(template)["GANGSERVE_STATE_DIR"]["value"]
+        env = ray_env(template)
+        for name, key in (("GANGSERVE_DATABASE_URL", "database_url"), ("GANGSERVE_STORAGE_URL", "storage_url")):
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == ("gangserve-secrets", key) and not ref.get("optional"), (group, name)
+            assert "value" not in env[name], f"{name} of the {group} pods must come from the Secret only"
+        assert env["GANGSERVE_DATABASE_URL"]["valueFrom"]["secretKeyRef"]  # it carries a password
+        state = env["GANGSERVE_STATE_DIR"]["value"]
         (mount,) = [m for m in template["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == state]
         (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
-        mounts.add((state, volume["persistentVolumeClaim"]["claimName"]))
-    assert len(mounts) == 1, mounts
-    ((state, _),) = mounts
-    monkeypatch.delenv("GANGSERVE_SQLITE_JOURNAL", raising=False)
-    nfs = f"/dev/root / ext4 rw 0 0\n10.0.0.5:/export {state} nfs4 rw,vers=4.1 0 0\n"
-    assert journal_mode_for(f"{state}/jobs.sqlite", nfs)[0] == "delete"
-    assert "single writer" in KUBERAY.read_text()
+        assert "emptyDir" in volume and "persistentVolumeClaim" not in volume, (group, volume)
+        assert not any("persistentVolumeClaim" in v for v in template["spec"]["volumes"]), group

@@ -114,6 +114,83 @@ def test_kill_rank0_replica_under_load_recovers(fault_url: str) -> None:
     _check_one_request(fault_url)
 
 
+def test_readiness_turns_off_within_2s_of_losing_the_only_gang_and_on_once_a_new_one_serves(fault_url: str) -> None:
+    """kill -9 of the only gang's rank 0 (its GangServer replica): /readyz and
+    /v2/health/ready answer 503 with the reason within 2 s, /gangs never lists the dead
+    replica as ready, and readiness comes back only when the replacement really serves."""
+    info = gang_info(fault_url)
+    assert httpx.get(fault_url + "/readyz", timeout=10).status_code == 200
+    dead, rank0 = info["replica_id"], info["ranks"][0]["pid"]
+    os.kill(rank0, signal.SIGKILL)
+    killed_at = time.monotonic()
+    off = None
+    while off is None and time.monotonic() - killed_at < 10:
+        r = httpx.get(fault_url + "/readyz", timeout=10)
+        if r.status_code == 503:
+            off = time.monotonic() - killed_at, r.json()
+        time.sleep(0.05)
+    assert off is not None, "/readyz still 200 10 s after the only gang's rank 0 was killed"
+    off_after, body = off
+    print(f"/readyz 503 {off_after:.2f}s after the kill: {body}")
+    assert off_after <= 2.0, f"/readyz took {off_after:.2f}s to notice the loss (goal: 2 s)"
+    assert body["code"] and dead in body["error"], body
+    oip = httpx.get(fault_url + "/v2/health/ready", timeout=10)
+    assert oip.status_code == 503 and oip.json()["code"] == body["code"], oip.text
+    # Until the replacement serves: 503, and the dead replica never listed as ready.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        gangs = httpx.get(fault_url + "/gangs", timeout=10).json()
+        assert dead not in {g["replica_id"] for g in gangs["gangs"] if g["state"] == "ready"}, gangs
+        r = httpx.get(fault_url + "/readyz", timeout=10)
+        if r.status_code == 200:
+            break
+        assert r.json()["code"], r.text
+        time.sleep(0.25)
+    else:
+        raise AssertionError(f"no replacement gang within 120 s; last /readyz: {r.text}")
+    print(f"/readyz 200 again {time.monotonic() - killed_at:.1f}s after the kill")
+    _check_one_request(fault_url)  # ready means it serves: the very next request succeeds
+    assert httpx.get(fault_url + "/v2/health/ready", timeout=10).status_code == 200
+
+
+def _controller_pid(app: str) -> int:
+    import ray
+
+    alive = [a for a in ray._private.state.state.actor_table(None).values()
+             if a["State"] == "ALIVE" and a["ActorClassName"] == f"ServeReplica:{app}:Controller"]
+    assert len(alive) == 1, [a["ActorClassName"] for a in alive]
+    return int(alive[0]["Pid"])
+
+
+def test_losing_the_controller_changes_nothing_a_client_sees(fault_url: str) -> None:
+    """kill -9 of the app's Controller (fleet view, weights record): readiness falls back to
+    asking the gang and stays 200, requests keep being served, and once Serve has replaced it
+    the gangs report to the new one within seconds."""
+    victim = _controller_pid("faults")
+    with RequestLoop(fault_url + "/infer", WEIGHTS) as loop:
+        time.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        answers = []
+        while time.monotonic() - killed_at < 8:
+            answers.append(httpx.get(fault_url + "/readyz", timeout=10).status_code)
+            time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            gangs = httpx.get(fault_url + "/gangs", timeout=10)
+            if gangs.status_code == 200 and gangs.json()["ready"] == 1:
+                break
+            time.sleep(0.25)
+        back_s = time.monotonic() - killed_at
+    summary = loop.summary()
+    print(f"controller killed: /readyz answers {sorted(set(answers))} ({len(answers)} polls), "
+          f"/gangs back after {back_s:.1f}s, load {summary}")
+    assert set(answers) == {200}, answers
+    assert gangs.status_code == 200 and gangs.json()["ready"] == 1, gangs.text
+    assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, summary
+    assert _controller_pid("faults") != victim
+
+
 def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp_path) -> None:
     """A rebuild that cannot reload the weights (checkpoint gone) is reported in /readyz and
     retried with backoff; once the file is back the gang recovers on its own."""

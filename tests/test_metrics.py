@@ -101,38 +101,44 @@ def test_dashboard_references_only_exported_metrics() -> None:
 
 
 @pytest.mark.unit
-def test_counters_survive_replicas_that_go_away(tmp_path: Path) -> None:
-    """A gone replica's counters keep counting (folded into the retired row); its gauges do not."""
+def test_counters_survive_replicas_that_go_away() -> None:
+    """A gone replica's counters keep counting (folded into the retired snapshot); its gauges do not."""
     from service import metrics as m
+    from service.state import fleet as f
 
-    store = m.MetricsStore(tmp_path)
-    a, b = m.MetricSet(), m.MetricSet()
+    fleet = f.Fleet()
+    a, b, c = m.MetricSet(), m.MetricSet(), m.MetricSet()
     for _ in range(3):
         a.inc("gangserve_gang_rebuilds")
     b.inc("gangserve_gang_rebuilds")
+    c.inc("gangserve_gang_rebuilds", value=2)
     a.observe("gangserve_gang_step_seconds", 0.02)
     a.set("gangserve_gang_ready", 1.0, ("A",))
-    store.publish("app", "gang:A", a.snapshot())
-    store.publish("app", "gang:B", b.snapshot())
+    c.set("gangserve_gang_ready", 1.0, ("C",))
+    t0 = 1000.0
+    fleet.report_metrics("gang:A", a.snapshot(), t0)
+    fleet.report_metrics("gang:B", b.snapshot(), t0)
+    fleet.report("C", {"state": "ready"}, t0, metrics=c.snapshot())
 
-    def service_wide() -> dict:
-        fresh, retired = store.read("app")
-        return m.merge([*fresh, retired])
+    def service_wide(now: float) -> dict:
+        return m.merge(fleet.metrics(now))
 
-    before = service_wide()
-    assert before["gangserve_gang_rebuilds"][()] == 4
+    before = service_wide(t0)
+    assert before["gangserve_gang_rebuilds"][()] == 6
     assert before["gangserve_gang_ready"][("A",)] == 1.0
-    # A is gone: its row ages past staleness (gauges drop), then past folding (counters stay).
-    for age in (m.STALE_AFTER_S + 1, m.FOLD_AFTER_S + 1):
-        store._db.execute("UPDATE metrics SET updated_at = ? WHERE source = 'gang:A'", (time.time() - age,))
-        now = service_wide()
-        assert now["gangserve_gang_rebuilds"][()] == 4
+    # A goes silent: past staleness its gauges drop, past folding its counters still count.
+    # C's process dies (the controller sees it): folded at once, counted once.
+    fleet.mark_lost("C", "died", t0 + 1)
+    for age in (f.STALE_AFTER_S + 1, f.FOLD_AFTER_S + 1):
+        fleet.report_metrics("gang:B", b.snapshot(), t0 + age)  # B keeps reporting
+        now = service_wide(t0 + age)
+        assert now["gangserve_gang_rebuilds"][()] == 6
         assert now["gangserve_gang_step_seconds"][()]["c"] == 1
         assert ("A",) not in now.get("gangserve_gang_ready", {})
-    assert [r[0] for r in store._db.execute("SELECT source FROM metrics ORDER BY source")] == ["gang:B", m.RETIRED]
-    text = m.exposition(service_wide()).decode()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    assert families["gangserve_gang_rebuilds"].samples[0].value == 4
+        assert ("C",) not in now.get("gangserve_gang_ready", {})
+    text = m.exposition(service_wide(t0 + f.FOLD_AFTER_S + 2)).decode()
+    families = {fam.name: fam for fam in text_string_to_metric_families(text)}
+    assert families["gangserve_gang_rebuilds"].samples[0].value == 6
 
 
 @pytest.mark.unit

@@ -8,6 +8,15 @@ from service import netif
 pytestmark = pytest.mark.unit
 
 
+def _unset_ifname_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset the interface variables for this test only. bind_collectives_to sets them in
+    os.environ itself, so monkeypatch must know them first (a plain delenv of an unset
+    variable records nothing, and the test's choice would leak into the session)."""
+    for var in netif.SOCKET_IFNAME_VARS:
+        monkeypatch.setenv(var, "unset-by-the-test")
+        monkeypatch.delenv(var)
+
+
 def test_loopback_address_maps_to_the_loopback_interface() -> None:
     interfaces = netif.ipv4_interfaces()
     assert interfaces.get("lo") == "127.0.0.1", interfaces
@@ -16,8 +25,7 @@ def test_loopback_address_maps_to_the_loopback_interface() -> None:
 
 
 def test_collectives_bind_to_the_node_ip_interface_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in netif.SOCKET_IFNAME_VARS:
-        monkeypatch.delenv(var, raising=False)
+    _unset_ifname_vars(monkeypatch)
     choice = netif.bind_collectives_to("127.0.0.1")
     assert (choice.iface, choice.how) == ("lo", "node_ip")
     import os
@@ -33,7 +41,6 @@ def test_collectives_bind_to_the_node_ip_interface_unless_the_user_chose(monkeyp
 
 
 def test_an_address_no_interface_holds_leaves_the_choice_to_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in netif.SOCKET_IFNAME_VARS:
-        monkeypatch.delenv(var, raising=False)
+    _unset_ifname_vars(monkeypatch)
     choice = netif.bind_collectives_to("198.19.255.254")
     assert choice.iface is None and choice.how.startswith("unknown: no interface holds")

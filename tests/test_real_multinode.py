@@ -40,12 +40,32 @@ APP_ARGS = {
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = NetnsCluster()
+    """Two real nodes with NO shared directory: each node its own state dir, the records in a
+    real PostgreSQL and the artifacts in a real S3-compatible bucket (moto), both served from
+    the host's address on the cluster's bridge, as a cluster would use a database service and
+    a bucket (README: multi-node)."""
+    from tests.postgres import PostgresServer
+    from tests.s3 import MotoS3
+
+    c = NetnsCluster(shared_state=False)
+    servers: list = []
+
+    def start_servers() -> None:
+        pg = PostgresServer(listen=f"127.0.0.1,{c.gateway}", allow_cidr=f"{c.subnet}.0/24")
+        servers.append(pg)
+        s3 = MotoS3(host=c.gateway).start()
+        servers.append(s3)
+        c.extra_env.update(GANGSERVE_DATABASE_URL=pg.create_database(host=c.gateway),
+                           **s3.env(f"s3://{s3.bucket('gangserve-netns')}/cluster"))
+        c.servers = {"postgres": pg, "s3": s3}
+
     try:
-        c.start(gpus_per_node=[1, 1])
+        c.start(gpus_per_node=[1, 1], before_nodes=start_servers)
         yield c
     finally:
         c.shutdown()
+        for server in reversed(servers):
+            (server.close if hasattr(server, "close") else server.stop)()
 
 
 def deploy(cluster: NetnsCluster, args: dict, timeout_s: float = 240, name: str = "gangserve",
@@ -242,9 +262,16 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     check_answer(app, seed=3)
 
 
-def test_ddp_job_with_strict_spread_trains_across_both_nodes_and_is_served(cluster: NetnsCluster, app: str) -> None:
-    """The notes' training half, on real nodes: 2 DDP workers, one per node (STRICT_SPREAD),
-    each binding gloo to its own node's interface; the checkpoint is then served."""
+def test_ddp_job_across_both_nodes_is_served_and_survives_a_full_restart_with_empty_state_dirs(
+        cluster: NetnsCluster, app: str) -> None:
+    """The notes' training half, on real nodes without a shared directory: 2 DDP workers, one
+    per node (STRICT_SPREAD), each binding gloo to its own node's interface, their run and
+    checkpoint in the bucket and their record in PostgreSQL; the checkpoint is served; then
+    every node's processes are killed and its state dir emptied (fresh pods), Ray and the app
+    start again, and the app serves the swapped weights (record from PostgreSQL, file from
+    the bucket), checked against a dense reference of the checkpoint read from the bucket."""
+    import safetensors.torch
+
     auth = {"authorization": f"Bearer {cluster.api_token}"}
     spec = {"placement_strategy": "STRICT_SPREAD", "world_size": 2, "epochs": 3,
             "dataset": {"samples": 256, "seq_len": 4}}
@@ -268,6 +295,32 @@ def test_ddp_job_with_strict_spread_trains_across_both_nodes_and_is_served(clust
     assert swap.status_code == 200, swap.text
     info = httpx.get(app + "/gang", headers=auth, timeout=10).json()
     assert info["weights_source"] == "swap" and info["weights_description"] == f"job {job_id}", info
+
+    # The served copy, read from the bucket independently (boto3): the reference's weights.
+    s3 = cluster.servers["s3"]
+    key = f"cluster/weights/{info['weights_sha256']}.safetensors"
+    blob = s3.client().get_object(Bucket="gangserve-netns", Key=key)["Body"].read()
+    dense = {k: v.to(torch.float32) for k, v in safetensors.torch.load(blob).items()}
+    x = np.random.default_rng(5).standard_normal((2, 4, 512), dtype=np.float32)
+
+    def served_matches() -> None:
+        reply = httpx.post(app + "/infer", content=npy(x), headers={"content-type": "application/x-npy"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        got = torch.from_numpy(np.load(io.BytesIO(reply.content)))
+        assert relative_error(got, dense_attention(dense, 8, torch.from_numpy(x))) < 1e-5
+
+    served_matches()
+
+    cluster.restart_all(wipe_state=True)
+    assert all(not any(cluster.node_state_dir(n).iterdir()) for n in cluster.nodes)
+    restarted = deploy(cluster, APP_ARGS)
+    assert restarted == app
+    after = httpx.get(app + "/gang", headers=auth, timeout=10).json()
+    assert (after["weights_version"], after["weights_source"], after["weights_sha256"]) == (
+        info["weights_version"], "swap", info["weights_sha256"]), after
+    served_matches()
+    job_after = httpx.get(f"{app}/train/{job_id}", headers=auth, timeout=30).json()
+    assert job_after["status"] == "SUCCEEDED" and job_after["history"] == job["history"], job_after
 
 
 def test_two_gangs_strict_spread_over_three_nodes(cluster: NetnsCluster, app: str) -> None:

@@ -80,13 +80,14 @@ def _job(i: int, **kw: Any) -> Any:
 
 
 @pytest.mark.unit
-def test_admission_is_atomic_across_concurrent_submits(tmp_path: Path) -> None:
-    """16 threads (two store connections, like two managers) race for 3 active slots."""
+def test_admission_is_atomic_across_concurrent_submits(store_url: str) -> None:
+    """16 threads (two stores = two writers, like two managers) race for 3 active slots, on
+    SQLite and on PostgreSQL."""
     from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
     from service.training.store import JobStore
 
     limits = TrainingLimits(max_active_jobs=3)
-    stores = [JobStore(tmp_path / "jobs.sqlite"), JobStore(tmp_path / "jobs.sqlite")]
+    stores = [JobStore(store_url), JobStore(store_url)]
     stores[0].create_job(_job(100, status="SUCCEEDED", spec={"world_size": 8}))  # ended: holds nothing
     admitted, refused = [], []
     start = threading.Barrier(16)
@@ -111,13 +112,16 @@ def test_admission_is_atomic_across_concurrent_submits(tmp_path: Path) -> None:
     assert (usage.jobs, usage.workers) == (3, 6)
     assert usage.gpus == 2 * sum(1 for i in admitted if i % 4 == 0)
     assert {r.id for r in stores[0].list_jobs(50)[0]} == {f"job-{i}" for i in admitted} | {"job-100"}
+    for store in stores:
+        store.close()
 
 
 @pytest.mark.unit
-def test_a_job_on_a_deleted_dataset_is_refused_and_a_used_dataset_cannot_be_deleted(tmp_path: Path) -> None:
+def test_a_job_on_a_deleted_dataset_is_refused_and_a_used_dataset_cannot_be_deleted(
+        tmp_path: Path, store_url: str) -> None:
     from service.training.store import DatasetInUse, JobStore
 
-    store = JobStore(tmp_path / "jobs.sqlite")
+    store = JobStore(store_url)
     store.add_dataset("ds-a", {"kind": "linear"}, str(tmp_path / "a"), 10)
     store.add_dataset("ds-b", {"kind": "linear"}, str(tmp_path / "b"), 20)
     assert store.dataset_usage() == (2, 30)
@@ -138,33 +142,38 @@ def test_a_job_on_a_deleted_dataset_is_refused_and_a_used_dataset_cannot_be_dele
     with pytest.raises(RuntimeError):
         store.add_dataset("ds-c", {}, "c", 5, admit=lambda count, total: (_ for _ in ()).throw(RuntimeError("no")))
     assert store.dataset_usage() == (1, 20)
+    store.close()
 
 
 @pytest.mark.unit
-def test_loss_history_is_stored_incrementally(tmp_path: Path) -> None:
+def test_loss_history_is_stored_incrementally(store_url: str) -> None:
     """Each poll stores only the epochs reported since the last one; earlier rows are never
-    rewritten. A resumed attempt's re-report of epoch e replaces e and drops later epochs."""
+    rewritten. A resumed attempt's re-report of epoch e replaces e and drops later epochs.
+    On SQLite and PostgreSQL."""
+    from service.state.db import connect
     from service.training.store import JobStore
 
-    store = JobStore(tmp_path / "jobs.sqlite")
+    store = JobStore(store_url)
     store.create_job(_job(1))
-    statements: list[str] = []
-    store._db.set_trace_callback(statements.append)  # what SQLite actually executes
+    statements: list[tuple[str, tuple[Any, ...]]] = []
+    store.database.trace = lambda sql, params: statements.append((sql, params))  # every statement sent
+    other = connect(store_url)  # another connection, to look at the rows as stored
+    # The row's physical identity: rewritten rows get a new one.
+    identity = "rowid" if other.dialect == "sqlite" else "ctid::text"
 
-    def rowids() -> dict[int, int]:
-        db = sqlite3.connect(tmp_path / "jobs.sqlite")
-        try:
-            return dict(db.execute("SELECT epoch, rowid FROM job_history WHERE job_id = 'job-1'").fetchall())
-        finally:
-            db.close()
+    def rowids() -> dict[int, Any]:
+        with other.session() as s:
+            rows = s.all(f"SELECT epoch, {identity} AS rid FROM job_history WHERE job_id = 'job-1'")
+        return {r["epoch"]: r["rid"] for r in rows}
 
     store.put_history("job-1", [{"epoch": 1, "loss": 4.0, "at": 1.0}, {"epoch": 2, "loss": 3.0, "at": 2.0}])
     first = rowids()
     statements.clear()
     store.put_history("job-1", [{"epoch": 3, "loss": 2.0, "at": 3.0}])  # one new epoch
-    writes = [s for s in statements if s.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
-    assert writes == ["DELETE FROM job_history WHERE job_id = 'job-1' AND epoch >= 3",
-                      "INSERT INTO job_history (job_id, epoch, loss, at) VALUES ('job-1', 3, 2.0, 3.0)"], writes
+    writes = [s for s in statements if s[0].lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
+    assert writes == [("DELETE FROM job_history WHERE job_id = ? AND epoch >= ?", ("job-1", 3)),
+                      ("INSERT INTO job_history (job_id, epoch, loss, at) VALUES (?, ?, ?, ?)",
+                       ("job-1", 3, 2.0, 3.0))], writes
     assert {e: r for e, r in rowids().items() if e < 3} == first  # epochs 1-2 untouched
     assert [h["loss"] for h in store.get_job("job-1").history] == [4.0, 3.0, 2.0]
     store.put_history("job-1", [])  # nothing new: nothing written
@@ -174,7 +183,7 @@ def test_loss_history_is_stored_incrementally(tmp_path: Path) -> None:
                                               {"epoch": 2, "loss": 2.5, "at": 4.0}]
     assert store.list_jobs(10)[0][0].history == store.get_job("job-1").history
     assert store.get_job("job-1", with_history=False).history == []
-    store._db.set_trace_callback(None)
+    store.database.trace = None
     # The store no longer takes whole histories as a job update.
     with pytest.raises(ValueError, match="history"):
         store.update_job("job-1", history=[])
@@ -182,10 +191,11 @@ def test_loss_history_is_stored_incrementally(tmp_path: Path) -> None:
     assert store.delete_job("job-1") and not store.delete_job("job-1")
     store.put_history("job-1", [{"epoch": 9, "loss": 1.0}])
     store.append_logs("job-1", [(1, 1.0, "late line")])
-    db = sqlite3.connect(tmp_path / "jobs.sqlite")
-    assert db.execute("SELECT COUNT(*) FROM job_history").fetchone()[0] == 0
-    assert db.execute("SELECT COUNT(*) FROM job_logs").fetchone()[0] == 0
-    db.close()
+    with other.session() as s:
+        assert s.value("SELECT COUNT(*) AS n FROM job_history") == 0
+        assert s.value("SELECT COUNT(*) AS n FROM job_logs") == 0
+    other.close()
+    store.close()
 
 
 # ---- units: journal mode --------------------------------------------------------------------
@@ -217,7 +227,7 @@ sshfs#me@host: /mnt/sshfs fuse.sshfs rw 0 0
 @pytest.mark.unit
 def test_journal_mode_is_wal_only_on_local_file_systems(
         path: str, fstype: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.training.store import filesystem_type, journal_mode_for
+    from service.state.db import filesystem_type, journal_mode_for
 
     monkeypatch.delenv("GANGSERVE_SQLITE_JOURNAL", raising=False)
     assert filesystem_type(Path(path).parent, MOUNTS) == fstype
@@ -229,7 +239,8 @@ def test_journal_mode_is_wal_only_on_local_file_systems(
 def test_the_store_opens_in_the_detected_journal_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Real files and the real /proc/mounts: the mode SQLite reports is the one chosen, and
     the override switches an existing WAL database to the rollback journal."""
-    from service.training.store import JobStore, journal_mode_for
+    from service.state.db import journal_mode_for
+    from service.training.store import JobStore
 
     monkeypatch.delenv("GANGSERVE_SQLITE_JOURNAL", raising=False)
     db = tmp_path / "jobs.sqlite"

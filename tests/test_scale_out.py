@@ -183,12 +183,26 @@ def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swa
     info = _gangs(two_gangs)
     version = info["gangs"][0]["weights_version"]
     victim = info["gangs"][0]["ranks"][0]["pid"]
+    victim_id = info["gangs"][0]["replica_id"]
     old_ids = {g["replica_id"] for g in info["gangs"]}
     current = _weights(1)  # swapped in by the rollout test
     with RequestLoop(two_gangs + "/infer", current, threads=2) as loop:
         time.sleep(1.0)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
+        # Within 2 s the dead gang is no longer counted; the app stays ready on the other.
+        while True:
+            seen = _gangs(two_gangs)
+            ready_ids = {g["replica_id"] for g in seen["gangs"] if g["state"] == "ready"}
+            if victim_id not in ready_ids:
+                uncounted_after = time.monotonic() - killed_at
+                break
+            assert time.monotonic() - killed_at < 10, f"the dead gang still listed ready after 10 s: {seen}"
+            time.sleep(0.05)
+        assert uncounted_after <= 2.0, f"the dead gang was counted ready for {uncounted_after:.2f}s"
+        assert seen["ready"] == len(ready_ids) == 1, seen
+        ready = httpx.get(two_gangs + "/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json()["ready"] == 1, ready.text
         deadline, now = killed_at + 180, {}
         while time.monotonic() < deadline:
             now = _gangs(two_gangs)
@@ -200,7 +214,8 @@ def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swa
         time.sleep(1.0)
     summary = loop.summary()
     ok = summary["statuses"].get(200, 0)
-    print(f"rank 0 of one gang killed: {summary}; replacement ready after {back_at - killed_at:.1f}s")
+    print(f"rank 0 of one gang killed: {summary}; uncounted after {uncounted_after:.2f}s, "
+          f"replacement ready after {back_at - killed_at:.1f}s")
     assert summary["wrong"] == 0, summary
     assert ok >= 0.9 * sum(summary["statuses"].values()), summary
     assert {g["replica_id"] for g in now["gangs"]} != old_ids, now

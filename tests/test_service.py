@@ -102,7 +102,8 @@ def test_notes_example_through_the_service(app_url: str) -> None:
 def test_gang_shows_world_size_distinct_live_rank_processes(app_url: str) -> None:
     info = httpx.get(app_url + "/gang", timeout=30).json()
     assert info["world_size"] == 2 and info["backend"] == "gloo" and info["state"] == "ready"
-    assert info["weights_version"] == 1
+    # The shared app's version depends on which tests swapped it before (any file order).
+    assert info["weights_version"] >= 1 and info["weights_source"] in ("config", "swap")
     ranks = info["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     pids = {r["pid"] for r in ranks}

@@ -129,10 +129,11 @@ def test_empty_spec_is_a_small_valid_job() -> None:
 
 
 @pytest.mark.unit
-def test_store_pages_newest_first_and_terminal_states_stick(tmp_path: Path) -> None:
+def test_store_pages_newest_first_and_terminal_states_stick(store_url: str) -> None:
+    """On SQLite and PostgreSQL (store_url): the store's contract."""
     from service.training.store import JobRecord, JobStore
 
-    store = JobStore(tmp_path / "jobs.sqlite")
+    store = JobStore(store_url)
     for i in range(5):
         store.create_job(JobRecord(id=f"job-{i}", status="PENDING", spec={}, created_at=i, updated_at=i,
                                    progress={"epoch": 0, "epochs": 1, "step": 0}, owner="mgr-a"))
@@ -150,12 +151,13 @@ def test_store_pages_newest_first_and_terminal_states_stick(tmp_path: Path) -> N
     assert [line for _, line in store.tail_logs("job-1", 10)] == ["a", "b", "manager line", "c"]
     assert store.last_run_log_seq("job-1") == 3
     store.close()
-    reopened = JobStore(tmp_path / "jobs.sqlite")  # a restart keeps everything
+    reopened = JobStore(store_url)  # a restart keeps everything
     assert [r.id for r in reopened.list_jobs(10)[0]] == ["job-4", "job-3", "job-2", "job-1", "job-0"]
     # Only jobs whose owner stopped heartbeating are adopted, and only once.
     reopened.heartbeat("mgr-b")
     assert {r.id for r in reopened.adopt_orphans("mgr-b", stale_after_s=15)} == {"job-1", "job-2", "job-3", "job-4"}
     assert reopened.adopt_orphans("mgr-c", stale_after_s=15) == []
+    reopened.close()
 
 
 @pytest.mark.unit

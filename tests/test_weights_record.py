@@ -34,8 +34,8 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_first_start_records_the_config_and_a_restart_keeps_a_swap(tmp_path: Path) -> None:
-    record = WeightsRecord(tmp_path)
+def test_first_start_records_the_config_and_a_restart_keeps_a_swap(tmp_path: Path, store_url: str) -> None:
+    record = WeightsRecord(tmp_path, store_url)
     config = describe_config_weights(ModelConfig(embed_dim=16, num_heads=4, init="random", seed=1))
     first = record.reconcile("app", config)
     assert (first.version, first.source, first.description) == (1, "config", "init=random seed=1")
@@ -46,14 +46,16 @@ def test_first_start_records_the_config_and_a_restart_keeps_a_swap(tmp_path: Pat
                          fingerprint=config.fingerprint, checkpoint=stored)
     assert swap.version == 2
     # A restart (a new connection, as a new replica would open) with the same config serves the swap.
-    again = WeightsRecord(tmp_path).reconcile("app", config)
-    assert again == swap
+    reopened = WeightsRecord(tmp_path, store_url)
+    assert reopened.reconcile("app", config) == swap
+    reopened.close()
     # Another app on the same state dir has its own versions.
     assert record.reconcile("other", config).version == 1
+    record.close()
 
 
-def test_a_changed_config_wins_and_supersedes_older_versions(tmp_path: Path) -> None:
-    record = WeightsRecord(tmp_path)
+def test_a_changed_config_wins_and_supersedes_older_versions(tmp_path: Path, store_url: str) -> None:
+    record = WeightsRecord(tmp_path, store_url)
     old = describe_config_weights(ModelConfig(embed_dim=16, num_heads=4, init="random", seed=1))
     record.reconcile("app", old)
     record.record("app", "swap", "x", sha256="0" * 64, fingerprint=old.fingerprint, checkpoint=None)
@@ -65,6 +67,7 @@ def test_a_changed_config_wins_and_supersedes_older_versions(tmp_path: Path) -> 
     assert [w.superseded_at is not None for w in history] == [True, True, False]
     # Going back to the old config is a change too: versions still only grow.
     assert record.reconcile("app", old).version == 4
+    record.close()
 
 
 def test_a_configured_checkpoint_rewritten_in_place_counts_as_a_changed_config(tmp_path: Path) -> None:
@@ -77,7 +80,7 @@ def test_a_configured_checkpoint_rewritten_in_place_counts_as_a_changed_config(t
     assert after.sha256 == _sha(path) != before.sha256 and after.fingerprint != before.fingerprint
 
 
-def test_immutable_copy_is_content_addressed_read_only_and_verified(tmp_path: Path) -> None:
+def test_immutable_copy_is_content_addressed_read_only_and_verified(tmp_path: Path, store_url: str) -> None:
     src = _checkpoint(tmp_path / "a.safetensors", 3)
     stored, sha = store_immutable_copy(src, tmp_path)
     copy = tmp_path / stored
@@ -85,7 +88,7 @@ def test_immutable_copy_is_content_addressed_read_only_and_verified(tmp_path: Pa
     assert oct(copy.stat().st_mode & 0o777) == "0o444"
     assert store_immutable_copy(src, tmp_path) == (stored, sha)  # same content: same file
     src.unlink()  # the job or file it came from may go away
-    record = WeightsRecord(tmp_path)
+    record = WeightsRecord(tmp_path, store_url)
     weights = record.record("app", "swap", "a", sha256=sha, fingerprint="f", checkpoint=stored)
     verify_recorded_file(weights, tmp_path)
     os.chmod(copy, 0o644)
@@ -96,20 +99,23 @@ def test_immutable_copy_is_content_addressed_read_only_and_verified(tmp_path: Pa
     with pytest.raises(WeightsRecordError, match="cannot be read"):
         verify_recorded_file(weights, tmp_path)
     assert not [p for p in (tmp_path / "weights").iterdir() if p.name.startswith(".incoming")]
+    record.close()
 
 
-def test_concurrent_writers_never_reuse_a_version(tmp_path: Path) -> None:
-    """Several replicas (one connection each) recording at once get distinct, gap-free versions."""
-    WeightsRecord(tmp_path)  # schema
+def test_concurrent_writers_never_reuse_a_version(tmp_path: Path, store_url: str) -> None:
+    """Several replicas (one store each = one writer each) recording at once get distinct,
+    consecutive versions, on SQLite and PostgreSQL."""
+    WeightsRecord(tmp_path, store_url).close()  # schema
     versions: list[int] = []
     lock = threading.Lock()
 
     def writer(i: int) -> None:
-        record = WeightsRecord(tmp_path)
+        record = WeightsRecord(tmp_path, store_url)
         for j in range(10):
             v = record.record("app", "swap", f"{i}-{j}", sha256="0" * 64, fingerprint="f", checkpoint=None).version
             with lock:
                 versions.append(v)
+        record.close()
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
     for t in threads:

@@ -13,41 +13,48 @@ Recovery, in two tiers:
    replaces the whole replica (new placement group). If rank 0 itself (this process)
    dies, Serve does the same on its own.
 
-Served weights are durable (service.served_weights): every bring-up, at either tier and
-on every restart of the app, loads the app's recorded version; `reload_weights` records
-a new version before any rank serves it; the supervisor also moves the gang to a newer
-recorded version written by another replica of the app.
+Served weights are durable (service.served_weights), recorded by the app's Controller
+(the record's one writer): every bring-up, at either tier and on every restart of the app,
+loads the app's recorded version; `reload_weights` has the Controller record a new version
+before any rank serves it; the supervisor also moves the gang to a newer recorded version
+another replica of the app had recorded.
+
+The gang reports its status (and its metric snapshot) to the Controller at once on every
+state change and every `REPORT_INTERVAL_S` (service.state.fleet): that is what `/gangs`,
+`/readyz` and weights rollouts read.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import numpy as np
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.util import get_current_placement_group
 
 from service import shm
 from service.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
-from service.errors import Conflict, GangStartupError
+from service.errors import Conflict, GangServeError, GangStartupError, GangUnavailable
+from service.ingress.handle_errors import map_handle_error
 from service.gang.gang import Gang, GangState
 from service.gang.router import routing_stats
-from service.gang_registry import PUBLISH_INTERVAL_S, GangRegistry
 from service.logs import route_logs_to_serve
-from service.metrics import GangServerMetrics, MetricsStore, enable_ray_metrics
+from service.metrics import GangServerMetrics, enable_ray_metrics
 from service.parallel.weights import check_checkpoint
 from service.served_weights import (
     ConfigWeights,
     ServedWeights,
-    WeightsRecord,
     WeightsRecordError,
     describe_config_weights,
     store_immutable_copy,
     verify_recorded_file,
 )
 from service.state import artifacts
+from service.state.fleet import REPORT_INTERVAL_S
 from service.state.paths import state_dir
 
 log = logging.getLogger("gangserve.server")
@@ -55,13 +62,15 @@ log = logging.getLogger("gangserve.server")
 PROBE_INTERVAL_S = 2.0
 MAX_REBUILD_ATTEMPTS = 5
 MAX_BACKOFF_S = 30.0
+# The Controller starts with the app; a first bring-up may wait this long for it.
+CONTROLLER_TIMEOUT_S = 60.0
 
 
 @serve.deployment(name="GangServer", health_check_period_s=5, health_check_timeout_s=30)
 class GangServer:
     """Owns one Gang; answers inference and status calls from the ingress."""
 
-    async def __init__(self, config: dict) -> None:
+    async def __init__(self, config: dict, controller: DeploymentHandle) -> None:
         route_logs_to_serve()
         cfg = AppConfig.model_validate(config)
         self._model = cfg.part(ModelConfig)
@@ -75,6 +84,8 @@ class GangServer:
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
+        self._controller = controller  # the weights record's writer and the fleet view's owner
+        self._actor = ray.get_runtime_context().current_actor  # the Controller pings it
         # Same-node requests from the ingress may skip the handle call (service.channel).
         self._channel = ChannelServer(
             self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
@@ -83,10 +94,7 @@ class GangServer:
             # Datasets, checkpoints and the served-weights copies: fail the start (with the
             # redacted URL and why) while the artifact store cannot be used.
             self._artifacts = await asyncio.to_thread(artifacts.check_reachable)
-            self._record = WeightsRecord(self._state)
-            self._registry = GangRegistry(self._state)
-            self._metrics_store = MetricsStore(self._state)
-            self._config_weights, weights = await asyncio.to_thread(self._weights_at_start)
+            self._config_weights, weights = await self._weights_at_start()
             await self._gang.start(weights)
             if cfg.uses_data_channel:
                 await asyncio.to_thread(sweep_stale_sockets)
@@ -97,12 +105,12 @@ class GangServer:
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
 
-    def _weights_at_start(self) -> tuple[ConfigWeights, ServedWeights]:
+    async def _weights_at_start(self) -> tuple[ConfigWeights, ServedWeights]:
         """The version this replica must serve: the app's record, unless its config changed."""
-        config = describe_config_weights(self._model)
-        weights = self._record.reconcile(self._app, config)
+        config = await asyncio.to_thread(describe_config_weights, self._model)
+        weights: ServedWeights = await self._ask("reconcile_weights", config, timeout_s=CONTROLLER_TIMEOUT_S)
         try:
-            verify_recorded_file(weights, self._artifacts)
+            await asyncio.to_thread(verify_recorded_file, weights, self._artifacts)
         except WeightsRecordError as exc:
             raise GangStartupError(
                 f"{exc}. Restore the file, or start the app with a different weights config "
@@ -162,14 +170,18 @@ class GangServer:
                 description = f"job {job_id}" if job_id else f"checkpoint {checkpoint.rsplit('/', 1)[-1]}"
                 model = current.model_copy(update={"checkpoint": stored})
 
+            loop = asyncio.get_running_loop()
+
             def record() -> ServedWeights:
-                return self._record.record(
-                    self._app, source, description, sha256=sha, fingerprint=self._config_weights.fingerprint,
-                    checkpoint=stored, job_id=job_id,
-                )
+                # Runs on the gang's sequencer thread, after staging succeeded on every rank:
+                # the Controller (the record's one writer) assigns the version, through this
+                # replica's event loop (where its handles live).
+                asking = self._ask("record_weights", source, description, sha, self._config_weights.fingerprint,
+                                   stored, job_id, timeout_s=CONTROLLER_TIMEOUT_S)
+                return asyncio.run_coroutine_threadsafe(asking, loop).result(timeout=CONTROLLER_TIMEOUT_S + 5)
 
             await self._gang.swap_weights(model, record)
-        await self._publish()  # the rollout's progress is read from the registry
+        await self._publish()  # the rollout's progress is read from the fleet view
         return await self.describe()
 
     async def arm_failpoint(self, rank: int, name: str) -> None:
@@ -200,14 +212,14 @@ class GangServer:
 
     async def _supervise(self) -> None:
         """Probe the peers; rebuild a broken gang with exponential backoff."""
-        since_probe = since_publish = PUBLISH_INTERVAL_S
+        since_probe, since_publish = PROBE_INTERVAL_S, REPORT_INTERVAL_S
         published: GangState | None = None
         while self._gang.state is not GangState.STOPPED:
             await asyncio.sleep(0.25)
             since_probe += 0.25
             since_publish += 0.25
             state = self._gang.state
-            if since_publish >= PUBLISH_INTERVAL_S or state is not published:
+            if since_publish >= REPORT_INTERVAL_S or state is not published:
                 # Periodically, and at once on a state change (so /gangs, /readyz see it).
                 since_publish, published = 0.0, state
                 await self._publish()
@@ -219,21 +231,37 @@ class GangServer:
                 await self._rebuild_once()
 
     async def _publish(self) -> None:
-        """This gang's description into the registry (GET /gangs, rollouts); best effort."""
+        """This gang's description and metrics to the Controller (GET /gangs, /readyz,
+        rollouts, /metrics); best effort: the next round retries."""
         try:
             info = await self.describe()
-            await asyncio.to_thread(self._registry.publish, self._app, self._replica_id, info)
-            await asyncio.to_thread(self._metrics_store.publish, self._app, f"gang:{self._replica_id}",
-                                    self._metrics.snapshot(info))
+            await self._ask("report_gang", self._replica_id, info, self._metrics.snapshot(info), self._actor,
+                            timeout_s=REPORT_INTERVAL_S * 2)
         except Exception as exc:
-            log.warning("could not publish the gang's status: %s", exc)
+            log.warning("could not report the gang's status to the controller: %s", exc)
+
+    async def _ask(self, method: str, *args: Any, timeout_s: float) -> Any:
+        """One call to the Controller, bounded by timeout_s; every failure is a GangServeError
+        (503: the controller's own, e.g. `state_unavailable`, or `controller_*`)."""
+        response = getattr(self._controller, method).remote(*args)
+        try:
+            return await asyncio.wait_for(_await(response), timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise GangUnavailable(f"the controller did not answer {method} within {timeout_s:.0f}s",
+                                  code="controller_unreachable") from None
+        except Exception as exc:
+            error = map_handle_error(exc, what="controller", method=method, unavailable=_controller_unavailable)
+            if error is None:
+                raise
+            raise error from None
 
     async def _recorded_weights(self) -> ServedWeights:
         """The app's newest recorded version (what a bring-up loads); falls back to the
         version the gang last held if the record cannot be read right now."""
         try:
-            recorded = await asyncio.to_thread(self._record.current, self._app)
-        except Exception as exc:  # e.g. the state dir's volume hiccups: keep serving what we had
+            recorded = await self._ask("current_weights", timeout_s=PROBE_INTERVAL_S * 2)
+        except Exception as exc:  # the controller restarts, the database hiccups: keep serving what we had
             log.error("cannot read the weights record (%s); using version %d", exc, self._gang.weights_version)
             recorded = None
         if recorded is None or recorded.fingerprint != self._config_weights.fingerprint:
@@ -286,9 +314,17 @@ class GangServer:
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.shutdown()
-        registry = getattr(self, "_registry", None)
-        if registry is not None:
-            try:
-                registry.remove(self._app, self._replica_id)
-            except Exception:  # the state dir may be gone already; the row goes stale
+        controller = getattr(self, "_controller", None)
+        if controller is not None:
+            try:  # fire and forget: a gang that cannot say goodbye is found dead by the watcher
+                controller.withdraw_gang.remote(self._replica_id)
+            except Exception:
                 pass
+
+
+async def _await(response: Any) -> Any:
+    return await response
+
+
+def _controller_unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
+    return GangUnavailable(message, code=code, retry_after_s=retry_after_s)

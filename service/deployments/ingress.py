@@ -7,6 +7,7 @@ from ray.serve.handle import DeploymentHandle
 
 from service.config import AppConfig
 from service.ingress.api import create_api
+from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
 from service.logs import route_logs_to_serve
@@ -18,12 +19,14 @@ from service.metrics import enable_ray_metrics
 class Ingress:
     """HTTP only: parses, validates and forwards to the GangServer; owns no actors."""
 
-    def __init__(self, gang: DeploymentHandle, config: dict, jobs: DeploymentHandle | None = None) -> None:
+    def __init__(self, gang: DeploymentHandle, config: dict, jobs: DeploymentHandle | None = None,
+                 controller: DeploymentHandle | None = None) -> None:
         route_logs_to_serve()
         enable_ray_metrics()
         self._config = AppConfig.model_validate(config)
-        self._gang = GangClient(gang, self._config, app_name=serve.get_replica_context().app_name)
+        self._fleet = FleetClient(controller)  # /gangs, /readyz, rollouts, /metrics -> the Controller
+        self._gang = GangClient(gang, self._config, self._fleet, app_name=serve.get_replica_context().app_name)
         self._jobs = JobsClient(jobs)  # training routes -> the JobManager deployment
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_api(self._config, self._gang, self._jobs)
+        return create_api(self._config, self._gang, self._jobs, self._fleet)

@@ -1,7 +1,7 @@
 """JobManager: the Serve deployment (num_cpus=0) that owns training jobs.
 
 It validates and admits jobs (fail-fast placement check), launches each run as a detached
-`TrainRun` actor, polls the runs and is the only writer of their SQLite records, and
+`TrainRun` actor, polls the runs and is the only writer of their records, and
 answers the ingress's job, dataset and checkpoint questions. The ingress never creates
 actors; it only calls this deployment.
 
@@ -12,9 +12,18 @@ the cluster can no longer ever hold (a node left), is stopped and FAILED with th
 so is any job past its `max_runtime_s` (wall clock since submission).
 
 Quotas (`TrainingLimits`): admission counts the active jobs, their workers and GPUs in the
-same SQLite transaction that inserts the job, and dataset uploads count the stored datasets
-the same way, so concurrent requests cannot overshoot a limit. `delete_job` and
+same transaction that inserts the job, and dataset uploads count the stored datasets the
+same way, so concurrent requests cannot overshoot a limit. `delete_job` and
 `delete_dataset` give the space back.
+
+The state database (service.state.db, `GANGSERVE_DATABASE_URL`) may be unreachable: at
+start-up the replica fails with StateUnavailable naming the redacted URL; mid-run, requests
+that need it answer 503 `state_unavailable`, and the poll loop keeps going. A write the
+poller must not lose (a job FAILED after its run was stopped, the outcome of a run that is
+gone, a manager log line) is kept in order and retried every round until the database is
+back (`_write_or_defer`); progress, history and log lines of live runs are re-read from the
+run and written again by the next poll anyway. Restarting the replica cannot bring a
+database back, so those failures do not count towards `check_health`.
 
 Files (datasets, run dirs, final checkpoints) live in the artifact store
 (service.state.artifacts: the state dir, or object storage); records hold their keys.
@@ -40,6 +49,7 @@ from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describ
 from service.logs import route_logs_to_serve
 from service.metrics import EpochClock, enable_ray_metrics, process_metrics, training_snapshot
 from service.state import artifacts
+from service.state.db import StateUnavailable, database_url
 from service.state.paths import state_dir
 from service.placement import cluster_snapshot
 from service.training import resources
@@ -113,15 +123,18 @@ class JobManager:
         self._state_dir = state_dir()
         # Fails the start (redacted URL and why) while the artifact store cannot be used.
         self._artifacts = await asyncio.to_thread(artifacts.check_reachable)
-        self._store = JobStore(self._state_dir / "jobs.sqlite")
+        self._store = JobStore(database_url(self._state_dir))  # StateUnavailable: unreachable
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
         self._node_id = ray.get_runtime_context().get_node_id()
         self._runs: dict[str, _Run] = {}
         self._sweeps: set[asyncio.Task[None]] = set()
         self._last_heartbeat = 0.0
         self._last_adopt = 0.0
-        self._poll_failures = 0  # consecutive failed rounds of _poll_forever
+        self._poll_failures = 0  # consecutive failed rounds of _poll_forever (not the database's)
         self._last_poll_error = ""
+        # Writes that found the database unavailable: (what, write), retried in order.
+        self._deferred: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+        self._state_down_since: float | None = None
         enable_ray_metrics()
         self._epochs = EpochClock(process_metrics())  # gangserve_training_epoch_seconds
         await self._io(self._store.heartbeat, self._id)
@@ -393,6 +406,7 @@ class JobManager:
     async def _poll_forever(self) -> None:
         while True:
             try:
+                await self._flush_deferred()
                 now = time.monotonic()
                 if now - self._last_heartbeat > HEARTBEAT_INTERVAL_S:
                     await self._io(self._store.heartbeat, self._id)
@@ -402,6 +416,16 @@ class JobManager:
                 if self._runs:
                     await asyncio.gather(*(self._poll_run(j, r) for j, r in list(self._runs.items())))
                 self._poll_failures = 0
+                if self._state_down_since is not None:
+                    log.warning("state database back after %.0fs", time.monotonic() - self._state_down_since)
+                    self._state_down_since = None
+            except (StateUnavailable, artifacts.StorageUnavailable) as exc:
+                # Not this replica's fault, and a restart would not fix it: not a poll failure
+                # (the artifact store too: a run's result.json is read through it).
+                if self._state_down_since is None:
+                    self._state_down_since = time.monotonic()
+                    log.error("job poll: %s; retrying every %.1fs (%d write(s) kept)", exc.message,
+                              POLL_INTERVAL_S, len(self._deferred))
             except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad poll
                 self._poll_failures += 1
                 self._last_poll_error = f"{type(exc).__name__}: {exc}"[:500]
@@ -504,22 +528,64 @@ class JobManager:
             except ValueError:
                 await self._run_gone(record, "service restarted")
                 continue
-            seq = await self._io(self._store.last_run_log_seq, record.id)
+            try:
+                seq = await self._io(self._store.last_run_log_seq, record.id)
+            except StateUnavailable:
+                seq = 0  # the job is ours now: poll it; re-stored lines are ignored (same run_seq)
             self._runs[record.id] = _Run(handle, log_seq=seq)
             await self._manager_log(record.id, f"re-attached to the running run by {self._id}")
 
     async def _run_gone(self, record: JobRecord, why: str) -> None:
-        """The run actor is gone: take its outcome from result.json, else FAIL the job."""
-        result = await asyncio.to_thread(read_result, self._artifacts, record.id)
-        if result is not None:
-            await self._apply(record, result, None)
-            return
-        await self._fail(record.id, f"{why} while the job was {record.status}; its run is gone")
+        """The run actor is gone: take its outcome from result.json, else FAIL the job.
+        Nobody polls the job any more, so the write is kept until it succeeds."""
+
+        async def write() -> None:
+            result = await asyncio.to_thread(read_result, self._artifacts, record.id)
+            if result is not None:
+                await self._apply(record, result, None)  # idempotent: safe to run again
+                return
+            await self._fail(record.id, f"{why} while the job was {record.status}; its run is gone")
+
+        await self._write_or_defer(f"the outcome of job {record.id}", write)
 
     async def _fail(self, job_id: str, error: str) -> None:
-        """FAIL an active job (a job that already ended, e.g. CANCELLED, keeps its status)."""
-        if await self._io(self._store.update_job, job_id, status="FAILED", error=error, finished_at=time.time()):
-            await self._manager_log(job_id, f"FAILED: {error}")
+        """FAIL an active job (a job that already ended, e.g. CANCELLED, keeps its status).
+        Its run is stopped or gone, so the write is kept until it succeeds."""
+        finished_at = time.time()
+        failed = False  # the update is done; only its log line is left (a retry must not redo it)
+
+        async def write() -> None:
+            nonlocal failed
+            if not failed:
+                failed = await self._io(self._store.update_job, job_id, status="FAILED", error=error,
+                                        finished_at=finished_at)
+                if not failed:
+                    return  # it had ended already (e.g. CANCELLED): nothing to log
+            # In this same kept write, so the line keeps its place among the job's lines.
+            await self._io(self._store.append_logs, job_id, [(None, finished_at, f"FAILED: {error}")])
+
+        await self._write_or_defer(f"FAILED of job {job_id}", write)
+
+    async def _write_or_defer(self, what: str, write: Callable[[], Awaitable[None]]) -> None:
+        """Run a state write that must not be lost. While the database is unavailable (or
+        earlier such writes still wait) it is queued, in order, and the poll loop retries
+        the queue every round (`_flush_deferred`)."""
+        if self._deferred:
+            self._deferred.append((what, write))  # behind the earlier ones: keep their order
+            return
+        try:
+            await write()
+        except (StateUnavailable, artifacts.StorageUnavailable) as exc:  # e.g. result.json unreadable
+            log.warning("kept %s for later: %s", what, exc.message)
+            self._deferred.append((what, write))
+
+    async def _flush_deferred(self) -> None:
+        """Retry the kept writes in order; StateUnavailable leaves the rest queued."""
+        while self._deferred:
+            what, write = self._deferred[0]
+            await write()
+            self._deferred.pop(0)
+            log.info("wrote %s (kept while the state database was unavailable)", what)
 
     async def _kill_run(self, job_id: str) -> None:
         """Stop polling the run and kill its actor (with it, the Ray Train controller and workers)."""
@@ -571,7 +637,14 @@ class JobManager:
             log.warning("could not remove %s from %s: %s", key, self._artifacts.url, exc)
 
     async def _manager_log(self, job_id: str, line: str) -> None:
-        await self._io(self._store.append_logs, job_id, [(None, time.time(), line)])
+        """One of the manager's own log lines for a job; kept and retried if the database is
+        unavailable (so a request that already changed a job never fails on its log line)."""
+        entry = (None, time.time(), line)
+
+        async def write() -> None:
+            await self._io(self._store.append_logs, job_id, [entry])
+
+        await self._write_or_defer(f"a log line of job {job_id}", write)
 
     @staticmethod
     async def _io(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -18,6 +18,7 @@ from service.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.config import AppConfig
 from service.errors import GangServeError, bounded, describe_validation_errors
 from service.ingress.deps import DecodePool
+from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
 from service.ingress.routes import health, infer
@@ -36,7 +37,8 @@ def error_response(status: int, message: str, code: str, retry_after_s: float | 
     return JSONResponse({"error": bounded(message), "code": code}, status_code=status, headers=headers)
 
 
-def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = None) -> FastAPI:
+def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = None,
+               fleet: FleetClient | None = None) -> FastAPI:
     # FastAPIOffline: /docs and /redoc served from the package's static files (no CDN).
     app = FastAPIOffline(
         title="gangserve",
@@ -56,7 +58,7 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     # dependencies or body parsing (only the metrics middleware is outside it).
     app.add_middleware(AuthMiddleware, api_token=app.state.api_token, infer_token=app.state.infer_token)
     # Outside auth: refused requests are counted too (service.ingress.observe).
-    app.state.metrics_publisher = make_publisher()
+    app.state.metrics_publisher = make_publisher(fleet or FleetClient(None))
     app.add_middleware(RequestMetrics, publisher=app.state.metrics_publisher)
     app.include_router(health.router)
     app.include_router(infer.router)

@@ -32,10 +32,9 @@ from service.placement import (
     gang_request,
     waiting_reason,
 )
-from service.gang_registry import GangRegistry
 from service.metrics import process_metrics
+from service.ingress.fleet_client import FleetClient
 from service.ingress.handle_errors import map_handle_error
-from service.state.paths import state_dir
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
@@ -50,12 +49,13 @@ CHANNEL_RETRY_AFTER_S = 5.0  # after a data-channel failure, use the handle for 
 class GangClient:
     """Calls GangServer methods; every wait is bounded and every failure is a GangServeError."""
 
-    def __init__(self, handle: DeploymentHandle, config: AppConfig, app_name: str | None = None) -> None:
+    def __init__(self, handle: DeploymentHandle, config: AppConfig, fleet: FleetClient | None = None,
+                 app_name: str | None = None) -> None:
         self._handle = handle
         self._cfg = config
-        # Every gang of the app publishes its status here (several gangs: num_replicas).
+        # Every gang of the app reports its status to the Controller (several gangs: num_replicas).
         self._app = app_name
-        self._registry = GangRegistry(state_dir()) if app_name else None
+        self._fleet = fleet or FleetClient(None)
         self._desired_cache: tuple[float, int] | None = None
         self._single_gang = config.single_gang
         self._request = gang_request(config)
@@ -101,29 +101,38 @@ class GangClient:
         return await self._call("reload_weights", checkpoint, job_id, timeout_s=timeout_s)
 
     async def gangs(self) -> dict[str, Any]:
-        """Every live gang of the app: {"desired", "ready", "gangs": [/gang + replica_id], "missing"}.
+        """Every live gang of the app: {"desired", "ready", "gangs": [/gang + replica_id],
+        "missing", "lost"}, from the Controller's fleet view (503 if it cannot answer).
 
-        `missing` names, for each desired gang that is not serving, what it waits for.
+        `missing` names, for each desired gang that is not serving, what it waits for;
+        `lost` the gangs whose replica process died recently (never counted as ready).
         """
-        rows = await asyncio.to_thread(self._registry.fresh, self._app) if self._registry else []
+        view = await self._fleet.view()
+        rows, lost = view["gangs"], view["lost"]
         desired = await self._desired()
         ready = sum(1 for g in rows if g.get("state") == "ready")
         missing: list[str] = []
         if len(rows) < desired:
             snapshot = await asyncio.to_thread(cluster_snapshot)
             one = GangRequest(self._request.world_size, self._request.bundle, self._request.strategy)
-            missing = [f"gang {i + 1} of {desired}: not started; {waiting_reason(snapshot, one)}"
+            recently = f" (gang {lost[0]['replica_id']} was lost {lost[0]['s_ago']:g}s ago: {lost[0]['reason']})" \
+                if lost else ""
+            missing = [f"gang {i + 1} of {desired}: not started{recently}; {waiting_reason(snapshot, one)}"
                        for i in range(len(rows), desired)]
         missing += [f"gang {g['replica_id']}: {g.get('state')}: {g.get('reason')}" for g in rows
                     if g.get("state") != "ready"]
-        return {"desired": desired, "ready": ready, "gangs": rows, "missing": missing}
+        return {"desired": desired, "ready": ready, "gangs": rows, "missing": missing, "lost": lost,
+                "controller_up_s": view.get("controller_up_s")}
 
     async def wait_rollout(self, version: int, timeout_s: float) -> tuple[bool, list[dict[str, Any]]]:
         """Wait (bounded) until every live gang serves weights `version` or newer; returns
         (all there, each gang's {replica_id, state, weights_version})."""
         deadline = time.monotonic() + timeout_s
         while True:
-            rows = await asyncio.to_thread(self._registry.fresh, self._app) if self._registry else []
+            try:
+                rows = (await self._fleet.view())["gangs"]
+            except GangServeError:
+                rows = []  # the controller restarts: the gangs report again within a second
             outcome = [{k: g.get(k) for k in ("replica_id", "state", "weights_version")} for g in rows]
             done = all((g.get("weights_version") or 0) >= version for g in rows)
             if done or time.monotonic() >= deadline:
@@ -255,12 +264,17 @@ class GangClient:
             if status.get("state") == "ready":
                 self._last_ready = time.monotonic()
         except GangServeError as exc:
-            status = await self._diagnose(exc)
+            status = await self.diagnose(f"gang server not answering ({exc.message})")
         self._status, self._status_at = status, time.monotonic()
         return status
 
-    async def _diagnose(self, exc: GangServeError) -> dict[str, Any]:
-        """Why the GangServer is not answering, in needed-vs-available terms."""
+    def saw_ready(self) -> None:
+        """A gang was seen serving (by the fleet view): the schedule timeout counts from now."""
+        self._last_ready = time.monotonic()
+
+    async def diagnose(self, what: str) -> dict[str, Any]:
+        """A status for a gang that is not there (`what` says how we know), in
+        needed-vs-available terms: unschedulable, past `schedule_timeout_s`, or scheduling."""
         snapshot = await asyncio.to_thread(cluster_snapshot)
         since = self._last_ready if self._last_ready is not None else self._created
         waited = time.monotonic() - since
@@ -278,8 +292,7 @@ class GangClient:
         return {
             "state": "scheduling",
             "code": "gang_scheduling",
-            "reason": f"gang server not answering for {waited:.0f}s ({exc.message}); "
-            f"{waiting_reason(snapshot, self._request)}",
+            "reason": f"{what}, {waited:.0f}s without a ready gang; {waiting_reason(snapshot, self._request)}",
         }
 
     async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False) -> Any:

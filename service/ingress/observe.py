@@ -23,13 +23,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.metrics import (
-    PUBLISH_INTERVAL_S,
-    MetricSet,
-    MetricsStore,
-    merge,
-    process_metrics,
-)
+from service.ingress.fleet_client import FleetClient
+from service.metrics import MetricSet, merge, process_metrics
+from service.state.fleet import METRICS_REPORT_INTERVAL_S
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -132,26 +128,30 @@ def _templates(app: Any) -> list[tuple[re.Pattern[str], str]]:
 
 
 class Publisher:
-    """Publishes this ingress replica's metrics every PUBLISH_INTERVAL_S (started by the first
-    request), so a scrape of any other ingress replica of the app counts them too."""
+    """Reports this ingress replica's metrics to the app's Controller every
+    METRICS_REPORT_INTERVAL_S (started by the first request), so a scrape of any other ingress
+    replica of the app counts them too."""
 
-    def __init__(self, store: MetricsStore | None, app: str | None, source: str | None) -> None:
-        self.store, self.app, self.source = store, app, source
+    def __init__(self, fleet: FleetClient, source: str | None) -> None:
+        self.fleet, self.source = fleet, source
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def active(self) -> bool:
+        return self.fleet.connected and self.source is not None
+
     def ensure_started(self) -> None:
-        if self.store is None or (self._task is not None and not self._task.done()):
+        if not self.active or (self._task is not None and not self._task.done()):
             return
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             try:
-                await asyncio.to_thread(self.store.publish, self.app, self.source,  # type: ignore[union-attr]
-                                        process_metrics().snapshot())
+                await self.fleet.report_metrics(self.source, process_metrics().snapshot())  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - best effort; the next round retries
-                log.warning("could not publish this ingress replica's metrics: %s", exc)
-            await asyncio.sleep(PUBLISH_INTERVAL_S)
+                log.warning("could not report this ingress replica's metrics: %s", exc)
+            await asyncio.sleep(METRICS_REPORT_INTERVAL_S)
 
 
 def replica_identity() -> tuple[str, str] | None:
@@ -165,28 +165,18 @@ def replica_identity() -> tuple[str, str] | None:
         return None
 
 
-def make_publisher() -> Publisher:
+def make_publisher(fleet: FleetClient) -> Publisher:
     identity = replica_identity()
-    if identity is None:
-        return Publisher(None, None, None)
-    from service.state.paths import state_dir
-
-    try:
-        store = MetricsStore(state_dir())
-    except Exception as exc:  # noqa: BLE001 - metrics must never stop the ingress from starting
-        log.warning("metrics store unavailable (%s); /metrics shows this replica only", exc)
-        store = None
-    return Publisher(store, identity[0], f"ingress:{identity[1]}")
+    return Publisher(fleet, f"ingress:{identity[1]}" if identity else None)
 
 
 async def gather(publisher: Publisher, jobs: Any) -> dict[str, dict[tuple[str, ...], Any]]:
     """The whole service's figures: this replica's live values, every other replica's
-    published ones (plus those of replicas that are gone), and the JobManager's."""
+    reported ones (plus those of replicas that are gone), and the JobManager's."""
     snapshots: list[dict[str, list]] = [process_metrics().snapshot()]
-    if publisher.store is not None:
+    if publisher.active:
         try:
-            fresh, retired = await asyncio.to_thread(publisher.store.read, publisher.app, publisher.source)
-            snapshots += [*fresh, retired]
+            snapshots += await publisher.fleet.metrics(exclude=publisher.source)
         except Exception as exc:  # noqa: BLE001
             log.warning("could not read the other replicas' metrics: %s", exc)
     if jobs is not None:

@@ -11,7 +11,8 @@ from fastapi import APIRouter, Depends, Request
 
 from service.auth import has_api_token, optional_api_auth, redact_paths
 from service.ingress.deps import get_gang
-from service.ingress.gang_client import GangClient, unavailable_error
+from service.ingress.gang_client import GangClient
+from service.ingress.readiness import readiness
 
 router = APIRouter(tags=["health"])
 
@@ -27,23 +28,14 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "gang not ready: starting, rebuilding, broken or unschedulable"}},
 )
 async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
-    """Ready while at least one gang is (with several gangs, requests go to the ready ones).
-
-    The gangs' own reports (the registry, updated on every state change) decide first; the
-    description of whichever gang the handle reaches decides when there are none."""
-    counts = await gang.gangs()
-    ready_rows = [g for g in counts["gangs"] if g.get("state") == "ready"]
-    info = ready_rows[0] if ready_rows else await gang.describe()
-    if info["state"] != "ready":
-        raise unavailable_error(redact_paths(info))
-    return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"],
-            "ready": max(1, counts["ready"]), "desired": counts["desired"],
-            "missing": redact_paths(counts["missing"])}
+    """Ready while at least one gang serves now (service.ingress.readiness, which
+    /v2/health/ready shares)."""
+    return await readiness(gang)
 
 
 @router.get(
     "/gangs",
-    summary="Every gang of the app: {desired, ready, gangs: [/gang + replica_id], missing}",
+    summary="Every gang of the app: {desired, ready, gangs: [/gang + replica_id], missing, lost}",
     description="One gang per GangServer replica (`num_replicas`, or autoscaling). `missing` says, for "
     "each desired gang that is not serving, what it waits for. Paths only with the API token.",
     dependencies=[Depends(optional_api_auth)],

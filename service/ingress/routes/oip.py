@@ -28,11 +28,10 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WithJsonSchema
 
 from service import codecs
-from service.auth import inference_auth, redact_paths
+from service.auth import inference_auth
 from service.config import AppConfig
 from service.errors import (
     BadRequest,
-    GangUnavailable,
     InvalidInput,
     NotFound,
     PayloadTooLarge,
@@ -44,6 +43,7 @@ from service.ingress.deps import (
     get_gang, read_body_capped,
 )
 from service.ingress.gang_client import GangClient
+from service.ingress.readiness import readiness
 from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY, ErrorBody, inline_defs
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol v2"])
@@ -426,10 +426,8 @@ def _check_version(version: str) -> None:
 
 
 async def _require_ready(gang: GangClient) -> None:
-    info = await gang.describe()
-    if info["state"] != "ready":
-        info = redact_paths(info)
-        raise GangUnavailable(f"gang is {info['state']}: {info['reason']}", code=f"gang_{info['state']}")
+    """The same readiness as /readyz (one function, one answer)."""
+    await readiness(gang)
 
 
 def _content_encoding(header: str | None) -> str:

@@ -1,0 +1,128 @@
+"""Controller: the one owner of an app's shared state (one replica, no CPU reserved).
+
+It holds two things, and is the only writer of each:
+- the live fleet view (service.state.fleet), in memory: every GangServer replica reports
+  its status to it and every ingress replica reads `/gangs`, `/readyz`, weights rollouts
+  and the other replicas' metrics from it;
+- the durable served-weights record (service.served_weights, table `served_weights`):
+  every GangServer asks it what to load at bring-up and to record a swapped version.
+
+It also watches every gang it has heard from: a ping (`__ray_ready__`, Ray's built-in
+no-op method) to the gang's replica actor every `WATCH_INTERVAL_S`. A replica whose
+process died fails that ping at once (Ray reports a dead actor's calls in milliseconds),
+so the gang stops counting as ready within a ping period, not after Serve's health
+check or a stale report. A ping that fails because the actor's node cannot be reached
+marks the gang unreachable until a ping succeeds again.
+
+Nothing here is on the request path: an inference request never calls the controller.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray import serve
+from ray.actor import ActorHandle
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from service.logs import route_logs_to_serve
+from service.served_weights import ConfigWeights, ServedWeights, Source, WeightsRecord
+from service.state.fleet import Fleet
+from service.state.paths import state_dir
+
+log = logging.getLogger("gangserve.controller")
+
+WATCH_INTERVAL_S = 0.5
+PING_TIMEOUT_S = 5.0  # a ping this slow is left to the staleness rule (the gang may be busy)
+
+
+@serve.deployment(name="Controller", num_replicas=1, max_ongoing_requests=1000,
+                  ray_actor_options={"num_cpus": 0})
+class Controller:
+    """The app's fleet view and weights record (see the module docstring)."""
+
+    def __init__(self) -> None:
+        route_logs_to_serve()
+        self._app = serve.get_replica_context().app_name
+        self._fleet = Fleet()
+        self._started = time.time()
+        self._actors: dict[str, ActorHandle] = {}
+        self._pings: dict[str, asyncio.Task[None]] = {}
+        self._record = WeightsRecord(state_dir())
+        self._record_lock = asyncio.Lock()  # one write at a time: versions are max + 1
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    # -- the fleet ----------------------------------------------------------------------------
+    async def report_gang(self, replica_id: str, info: dict[str, Any], metrics: dict[str, list] | None = None,
+                          actor: ActorHandle | None = None) -> None:
+        """A GangServer replica's status (its /gang description) and metric snapshot."""
+        self._fleet.report(replica_id, info, time.time(), metrics)
+        if actor is not None and replica_id not in self._actors and replica_id not in self._fleet.lost:
+            self._actors[replica_id] = actor
+
+    async def withdraw_gang(self, replica_id: str) -> None:
+        """A GangServer replica is shutting down gracefully."""
+        self._fleet.withdraw(replica_id)
+        self._forget_actor(replica_id)
+
+    async def fleet(self) -> dict[str, Any]:
+        """{"gangs": [...], "ready": n, "lost": [...], "controller_up_s"} (Fleet.view)."""
+        now = time.time()
+        return {**self._fleet.view(now), "controller_up_s": round(now - self._started, 1)}
+
+    async def report_metrics(self, source: str, snapshot: dict[str, list]) -> None:
+        self._fleet.report_metrics(source, snapshot, time.time())
+
+    async def metrics(self, exclude: str | None = None) -> list[dict[str, list]]:
+        return self._fleet.metrics(time.time(), exclude)
+
+    # -- the weights record -------------------------------------------------------------------
+    async def reconcile_weights(self, config: ConfigWeights) -> ServedWeights:
+        """What a bring-up loads: the newest version, unless the app's config changed."""
+        async with self._record_lock:
+            return await asyncio.to_thread(self._record.reconcile, self._app, config)
+
+    async def record_weights(self, source: Source, description: str, sha256: str, fingerprint: str,
+                             checkpoint: str | None, job_id: str | None = None) -> ServedWeights:
+        """Record the app's next weights version (a swap or a reset), before any rank serves it."""
+        async with self._record_lock:
+            return await asyncio.to_thread(
+                self._record.record, self._app, source, description, sha256=sha256, fingerprint=fingerprint,
+                checkpoint=checkpoint, job_id=job_id,
+            )
+
+    async def current_weights(self) -> ServedWeights | None:
+        return await asyncio.to_thread(self._record.current, self._app)
+
+    # -- watching the gangs ---------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for replica_id, actor in list(self._actors.items()):
+                ping = self._pings.get(replica_id)
+                if ping is None or ping.done():
+                    self._pings[replica_id] = asyncio.get_running_loop().create_task(self._ping(replica_id, actor))
+
+    async def _ping(self, replica_id: str, actor: ActorHandle) -> None:
+        try:
+            await asyncio.wait_for(actor.__ray_ready__.remote(), PING_TIMEOUT_S)
+            self._fleet.mark_reachable(replica_id)
+        except ActorUnavailableError:
+            self._fleet.mark_unreachable(replica_id, time.time())
+        except (ActorDiedError, RayActorError) as exc:
+            log.warning("gang replica %s is gone: %s", replica_id, str(exc).splitlines()[0][:200])
+            self._fleet.mark_lost(replica_id, "its replica process died (rank 0); Serve is starting a new one",
+                                  time.time())
+            self._forget_actor(replica_id)
+        except asyncio.TimeoutError:
+            pass  # busy or stopped: the report's staleness decides
+        except Exception as exc:  # noqa: BLE001 - the watcher must outlive any one failure
+            log.debug("ping of gang replica %s failed: %s", replica_id, exc)
+
+    def _forget_actor(self, replica_id: str) -> None:
+        self._actors.pop(replica_id, None)
+        ping = self._pings.pop(replica_id, None)
+        if ping is not None and not ping.done() and ping is not asyncio.current_task():
+            ping.cancel()

@@ -1,0 +1,84 @@
+"""The ingress's view of the app's Controller: the fleet of gangs and the shared metrics.
+
+Every call is bounded (`FLEET_TIMEOUT_S`) and every failure is a GangServeError (503
+`controller_unavailable`-style codes from service.ingress.handle_errors), so a controller
+that is restarting makes `/gangs` answer 503 at once rather than hang; readiness then
+falls back to asking a gang directly (service.ingress.readiness).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray.exceptions import RayTaskError
+from ray.serve.handle import DeploymentHandle
+
+from service.errors import GangServeError, GangUnavailable
+from service.ingress.handle_errors import map_handle_error
+
+log = logging.getLogger("gangserve.ingress")
+
+FLEET_TIMEOUT_S = 1.0  # the controller answers from memory in milliseconds
+# After a failed call, skip the controller this long (answer at once from the fallback):
+# Serve's router may keep sending to a dead controller replica until it notices.
+SKIP_AFTER_FAILURE_S = 2.0
+
+
+class FleetClient:
+    """Calls Controller methods for the ingress. With no handle (an API built without Serve,
+    in unit tests) the fleet is empty and metrics are this process's only."""
+
+    def __init__(self, handle: DeploymentHandle | None) -> None:
+        self._handle = handle
+        self._skip_until = 0.0
+
+    @property
+    def connected(self) -> bool:
+        return self._handle is not None
+
+    async def view(self) -> dict[str, Any]:
+        """{"gangs": [/gang + replica_id, reported_s_ago], "ready": n, "lost": [...]}."""
+        if self._handle is None:
+            return {"gangs": [], "ready": 0, "lost": []}
+        return await self._call("fleet")
+
+    async def report_metrics(self, source: str, snapshot: dict[str, list]) -> None:
+        if self._handle is not None:
+            await self._call("report_metrics", source, snapshot)
+
+    async def metrics(self, exclude: str | None) -> list[dict[str, list]]:
+        """The other replicas' metric snapshots (and the retired counters of gone ones)."""
+        if self._handle is None:
+            return []
+        return await self._call("metrics", exclude)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        assert self._handle is not None
+        if time.monotonic() < self._skip_until:
+            raise GangUnavailable(f"the controller failed a call less than {SKIP_AFTER_FAILURE_S:g}s ago",
+                                  code="controller_unreachable", retry_after_s=1.0)
+        response = getattr(self._handle, method).remote(*args)
+        try:
+            return await asyncio.wait_for(_await(response), FLEET_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+            raise GangUnavailable(f"the controller did not answer {method} within {FLEET_TIMEOUT_S:g}s",
+                                  code="controller_unreachable", retry_after_s=1.0) from None
+        except Exception as exc:
+            error = map_handle_error(exc, what="controller", method=method, unavailable=_unavailable)
+            if error is None:
+                raise
+            if not isinstance(exc, RayTaskError):  # the controller itself is gone or unreachable
+                self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+            raise error from None
+
+
+def _unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
+    return GangUnavailable(message, code=code, retry_after_s=retry_after_s or 1.0)
+
+
+async def _await(response: Any) -> Any:
+    return await response

@@ -1,0 +1,161 @@
+"""The live view of an app's gangs and of its replicas' metrics: in memory, one owner.
+
+Which gangs exist and how they are, and what each replica has counted, are ephemeral
+facts: they are true now and worthless after a restart. They live here, in the memory of
+the app's one `Controller` replica (service.deployments.controller), the way Ray Serve's
+own controller owns its view of the fleet; nothing writes them to a database.
+
+Who tells the fleet what:
+- every GangServer replica *reports* its `/gang` description (and its metric snapshot)
+  at once on every state change and every `REPORT_INTERVAL_S`;
+- the controller *watches* every gang it has heard from (service.deployments.controller):
+  a replica whose process died is `lost` at once, before Serve notices, so `/readyz`
+  never counts a dead gang;
+- every ingress replica reports its metric snapshot and reads the view.
+
+A gang counts as serving only while its last report said `ready`, is fresher than
+`STALE_AFTER_S` and its process is not known to be dead. A replica's counters outlive it:
+when it is lost, withdrawn or silent for `FOLD_AFTER_S`, its counters and histograms are
+folded into one `retired` snapshot, so a service-wide counter never goes backwards while
+the controller lives (a controller restart resets them, which Prometheus reads as a
+counter reset).
+
+Pure Python, no Ray: every method takes the time it acts at, so tests drive the clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.metrics import merge, to_snapshot
+
+REPORT_INTERVAL_S = 1.0  # a gang's report period (it also reports at once on any state change)
+METRICS_REPORT_INTERVAL_S = 2.0  # an ingress replica's metrics report period
+# A gang whose last report is older than this is not counted: it is hung, cut off, or gone.
+STALE_AFTER_S = 5.0
+# Counters of a replica silent this long are folded into `retired`: longer than Serve's
+# health-check timeout (30 s), so such a replica has been replaced and never reports again.
+FOLD_AFTER_S = 60.0
+LOST_KEPT_S = 120.0  # how long a lost gang is still named in `missing`
+
+
+@dataclass
+class GangReport:
+    """One gang's latest report, as the fleet holds it."""
+
+    replica_id: str
+    info: dict[str, Any]
+    reported_at: float
+    unreachable_since: float | None = None  # the controller's pings fail (node cut off)
+
+
+@dataclass
+class LostGang:
+    replica_id: str
+    reason: str
+    at: float
+
+
+@dataclass
+class Fleet:
+    """The gangs and metric snapshots of one app. Not thread-safe: one event loop owns it."""
+
+    gangs: dict[str, GangReport] = field(default_factory=dict)
+    lost: dict[str, LostGang] = field(default_factory=dict)
+    _metrics: dict[str, tuple[float, dict[str, list]]] = field(default_factory=dict)  # source -> (at, snapshot)
+    _retired: dict[str, list] = field(default_factory=dict)
+
+    # -- gangs ------------------------------------------------------------------------------
+    def report(self, replica_id: str, info: dict[str, Any], now: float,
+               metrics: dict[str, list] | None = None) -> None:
+        """A gang's `/gang` description (and its metric snapshot), as of `now`."""
+        if replica_id in self.lost:
+            return  # a late report from a process already seen dead never revives it
+        self.gangs[replica_id] = GangReport(replica_id, dict(info), now)
+        if metrics is not None:
+            self.report_metrics(gang_source(replica_id), metrics, now)
+
+    def mark_lost(self, replica_id: str, reason: str, now: float) -> None:
+        """The gang's process is gone (the controller saw it die): not counted from now on."""
+        self.gangs.pop(replica_id, None)
+        self.lost[replica_id] = LostGang(replica_id, reason, now)
+        self._retire(gang_source(replica_id))
+
+    def mark_unreachable(self, replica_id: str, now: float) -> None:
+        gang = self.gangs.get(replica_id)
+        if gang is not None and gang.unreachable_since is None:
+            gang.unreachable_since = now
+
+    def mark_reachable(self, replica_id: str) -> None:
+        gang = self.gangs.get(replica_id)
+        if gang is not None:
+            gang.unreachable_since = None
+
+    def withdraw(self, replica_id: str) -> None:
+        """A gang shut down gracefully (scale-down, redeploy): forget it, keep its counters."""
+        self.gangs.pop(replica_id, None)
+        self._retire(gang_source(replica_id))
+
+    def serving(self, gang: GangReport, now: float) -> bool:
+        return (gang.info.get("state") == "ready" and now - gang.reported_at <= STALE_AFTER_S
+                and gang.unreachable_since is None)
+
+    def view(self, now: float) -> dict[str, Any]:
+        """{"gangs": [the latest /gang of each live gang + replica_id, reported_s_ago],
+        "ready": how many serve now, "lost": [{replica_id, reason, s_ago}]}.
+
+        A gang that is not serving although its last report said ready (stale, or the
+        controller cannot reach it) is shown with the state it is really in."""
+        self._forget_old(now)
+        rows = []
+        for rid in sorted(self.gangs):
+            gang = self.gangs[rid]
+            row = {**gang.info, "replica_id": rid, "reported_s_ago": round(now - gang.reported_at, 1)}
+            if row.get("state") == "ready" and not self.serving(gang, now):
+                if gang.unreachable_since is not None:
+                    row["state"], row["code"] = "unreachable", "gang_unreachable"
+                    row["reason"] = (f"the controller cannot reach this gang's replica for "
+                                     f"{now - gang.unreachable_since:.1f}s")
+                else:
+                    row["state"], row["code"] = "unreachable", "gang_unreachable"
+                    row["reason"] = (f"no report for {now - gang.reported_at:.1f}s "
+                                     f"(a gang reports every {REPORT_INTERVAL_S:g}s)")
+            rows.append(row)
+        lost = [{"replica_id": g.replica_id, "reason": g.reason, "s_ago": round(now - g.at, 1)}
+                for g in sorted(self.lost.values(), key=lambda g: -g.at)]
+        return {"gangs": rows, "ready": sum(1 for r in rows if r.get("state") == "ready"), "lost": lost}
+
+    def _forget_old(self, now: float) -> None:
+        for rid in [r for r, g in self.lost.items() if now - g.at > LOST_KEPT_S]:
+            del self.lost[rid]
+        for rid in [r for r, g in self.gangs.items() if now - g.reported_at > FOLD_AFTER_S]:
+            self.withdraw(rid)  # silent far longer than any health check: it is gone
+
+    # -- metrics ----------------------------------------------------------------------------
+    def report_metrics(self, source: str, snapshot: dict[str, list], now: float) -> None:
+        """A replica's cumulative metric snapshot (`source`: 'ingress:<id>' or 'gang:<id>')."""
+        self._metrics[source] = (now, snapshot)
+
+    def metrics(self, now: float, exclude: str | None = None) -> list[dict[str, list]]:
+        """Snapshots to merge for a scrape: every fresh replica's (gauges included), the
+        counters and histograms of stale ones, and the retired counters of gone ones."""
+        for source in [s for s, (at, _) in self._metrics.items() if now - at > FOLD_AFTER_S]:
+            self._retire(source)
+        out: list[dict[str, list]] = [self._retired] if self._retired else []
+        for source, (at, snapshot) in self._metrics.items():
+            if source == exclude:
+                continue
+            if now - at <= STALE_AFTER_S:
+                out.append(snapshot)
+            else:  # its gauges describe a replica that is not there now
+                out.append(to_snapshot(merge([snapshot], kinds=("counter", "histogram"))))
+        return out
+
+    def _retire(self, source: str) -> None:
+        entry = self._metrics.pop(source, None)
+        if entry is not None:
+            self._retired = to_snapshot(merge([self._retired, entry[1]], kinds=("counter", "histogram")))
+
+
+def gang_source(replica_id: str) -> str:
+    return f"gang:{replica_id}"

@@ -1,0 +1,354 @@
+"""The state database (service.state.db) on its own: URL selection and redaction, clear
+start-up errors, versioned migrations (a file of the pre-versioning schema upgrades with its
+rows), and a PostgreSQL server lost mid-run (the typed error, then everything works again
+and nothing is lost). Real SQLite files and a real PostgreSQL server (tests/postgres.py)."""
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.local import free_port
+
+pytestmark = pytest.mark.unit
+
+
+def _job(i: int, **kw: Any) -> Any:
+    from service.training.store import JobRecord
+
+    spec = kw.pop("spec", {"world_size": 1, "use_gpu": False})
+    return JobRecord(id=f"job-{i}", status=kw.pop("status", "PENDING"), spec=spec, created_at=i, updated_at=i,
+                     progress={"epoch": 0, "epochs": 1, "step": 0}, **kw)
+
+
+# ---- the URL ---------------------------------------------------------------------------------
+
+def test_the_url_defaults_to_sqlite_in_the_state_dir_and_the_env_var_wins(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.state.db import DATABASE_URL_ENV, connect, database_url, dialect_of
+
+    monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
+    monkeypatch.setenv("GANGSERVE_STATE_DIR", str(tmp_path / "state"))
+    assert database_url() == f"sqlite://{tmp_path}/state/jobs.sqlite"  # the name existing state dirs have
+    assert database_url(tmp_path) == f"sqlite://{tmp_path}/jobs.sqlite"
+    db = connect()
+    assert db.dialect == "sqlite" and db.path == tmp_path / "state" / "jobs.sqlite" and db.path.exists()
+    db.close()
+    monkeypatch.setenv(DATABASE_URL_ENV, "postgresql://u:p@db.internal:5432/gangserve")
+    assert database_url(tmp_path) == "postgresql://u:p@db.internal:5432/gangserve"
+    assert dialect_of("postgres://h/db") == "postgresql"
+    with pytest.raises(ValueError) as info:
+        dialect_of("mysql://root:hunter22@h/db")
+    assert "mysql://root:***@h/db" in str(info.value) and "hunter22" not in str(info.value)
+    with pytest.raises(ValueError, match="absolute path"):
+        connect("sqlite://relative/jobs.sqlite")
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://gs:pa55word@db:5432/state", "postgresql://gs:***@db:5432/state"),
+    ("postgresql://gs@db/state", "postgresql://gs@db/state"),
+    ("postgresql://db/state?user=gs&password=pa55word&sslmode=require",
+     "postgresql://db/state?user=gs&password=***&sslmode=require"),
+    ("postgresql://gs:p%40ss%3Aword@db/state", "postgresql://gs:***@db/state"),
+    ("sqlite:///var/lib/gangserve/jobs.sqlite", "sqlite:///var/lib/gangserve/jobs.sqlite"),
+])
+def test_redact_never_shows_a_password(url: str, shown: str) -> None:
+    from service.state.db import redact
+
+    assert redact(url) == shown
+
+
+# ---- start-up errors -------------------------------------------------------------------------
+
+def test_an_unreachable_postgres_is_a_clear_error_naming_the_redacted_url() -> None:
+    from service.served_weights import WeightsRecord
+    from service.state.db import StateUnavailable, connect
+    from service.training.store import JobStore
+
+    url = f"postgresql://gs:topsecret-pw@127.0.0.1:{free_port()}/state"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(StateUnavailable) as info:
+        JobStore(url)
+    assert time.monotonic() - started < 10
+    message = info.value.message
+    assert (info.value.status, info.value.code) == (503, "state_unavailable")
+    assert f"postgresql://gs:***@127.0.0.1:{url.split(':')[3]}" in message, message
+    assert "topsecret-pw" not in message and "refused" in message.lower(), message
+    with pytest.raises(StateUnavailable):
+        connect(url)
+    # The GangServer's record (its replica's start-up) fails the same way.
+    with pytest.raises(StateUnavailable, match=r"postgresql://gs:\*\*\*@127\.0\.0\.1"):
+        WeightsRecord(Path("/nonexistent-state-dir"), url)
+
+
+def test_a_sqlite_file_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:
+    from service.state.db import StateUnavailable, sqlite_url
+    from service.training.store import JobStore
+
+    missing = tmp_path / "no-such-dir" / "jobs.sqlite"
+    with pytest.raises(StateUnavailable) as info:
+        JobStore(sqlite_url(missing))
+    assert str(missing) in info.value.message and info.value.code == "state_unavailable"
+
+
+def test_the_wrong_password_is_refused_without_printing_it(postgres_server: Any) -> None:
+    from service.state.db import StateUnavailable, connect
+
+    with pytest.raises(StateUnavailable) as info:
+        connect(postgres_server.url(password="not-the-password"))
+    assert "not-the-password" not in info.value.message and "***" in info.value.message
+    assert "password authentication failed" in info.value.message
+
+
+# ---- migrations ------------------------------------------------------------------------------
+
+# The schema exactly as the code before service.state.db created it (no schema_version).
+PRE_VERSIONING_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    id          TEXT UNIQUE NOT NULL,
+    status      TEXT NOT NULL,
+    spec        TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    started_at  REAL,
+    finished_at REAL,
+    reason      TEXT,
+    error       TEXT,
+    progress    TEXT NOT NULL,
+    history     TEXT NOT NULL DEFAULT '[]',
+    checkpoint  TEXT,
+    workers     TEXT NOT NULL DEFAULT '[]',
+    attempts    INTEGER NOT NULL DEFAULT 0,
+    owner       TEXT
+);
+CREATE TABLE IF NOT EXISTS job_history (
+    job_id TEXT NOT NULL, epoch INTEGER NOT NULL, loss REAL, at REAL, PRIMARY KEY (job_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS job_logs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, run_seq INTEGER, ts REAL NOT NULL,
+    line TEXT NOT NULL, UNIQUE (job_id, run_seq)
+);
+CREATE TABLE IF NOT EXISTS managers (id TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS datasets (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, created_at REAL NOT NULL,
+    info TEXT NOT NULL, path TEXT NOT NULL, bytes INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS served_weights (
+    app TEXT NOT NULL, version INTEGER NOT NULL, source TEXT NOT NULL, description TEXT NOT NULL,
+    job_id TEXT, checkpoint TEXT, sha256 TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    recorded_at REAL NOT NULL, superseded_at REAL, PRIMARY KEY (app, version)
+);
+CREATE TABLE IF NOT EXISTS gangs (
+    app TEXT NOT NULL, replica_id TEXT NOT NULL, updated_at REAL NOT NULL, info TEXT NOT NULL,
+    PRIMARY KEY (app, replica_id)
+);
+"""
+
+
+def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path: Path) -> None:
+    from service.served_weights import WeightsRecord
+    from service.training.store import JobStore
+
+    path = tmp_path / "jobs.sqlite"
+    old = sqlite3.connect(path)
+    old.executescript(PRE_VERSIONING_SCHEMA)
+    old.execute("INSERT INTO jobs (id, status, spec, created_at, updated_at, progress, history, checkpoint, owner) "
+                "VALUES ('job-old', 'SUCCEEDED', '{\"world_size\": 2}', 1.0, 2.0, '{\"epoch\": 1}', "
+                "'[{\"epoch\": 1, \"loss\": 0.5}]', '{\"path\": \"checkpoints/job-old.safetensors\"}', 'mgr-x')")
+    old.execute("INSERT INTO job_logs (job_id, run_seq, ts, line) VALUES ('job-old', 1, 1.5, 'old line')")
+    old.execute("INSERT INTO datasets (id, created_at, info, path, bytes) VALUES ('ds-old', 1.0, '{\"kind\": \"linear\"}', "
+                "'/x/ds-old.safetensors', 123)")
+    old.execute("INSERT INTO served_weights VALUES ('app', 1, 'config', 'init=seed', NULL, NULL, 'aa', 'fp', 1.0, NULL), "
+                "('app', 2, 'swap', 'job job-old', 'job-old', 'weights/bb.safetensors', 'bb', 'fp', 2.0, NULL)")
+    old.execute("INSERT INTO gangs VALUES ('app', 'r1', 1.0, '{}')")
+    old.commit()
+    old.close()
+
+    store = JobStore(path)
+    record = WeightsRecord(tmp_path)
+    assert store.database.schema_version("jobs") == 1 and store.database.schema_version("served_weights") == 1
+    job = store.get_job("job-old")
+    assert job is not None and job.status == "SUCCEEDED" and job.history == [{"epoch": 1, "loss": 0.5}]
+    assert job.checkpoint == {"path": "checkpoints/job-old.safetensors"}
+    assert store.tail_logs("job-old", 10) == [(1.5, "old line")]
+    assert [d["id"] for d in store.list_datasets()] == ["ds-old"] and store.dataset_usage() == (1, 123)
+    assert [(w.version, w.source) for w in record.history("app")] == [(1, "config"), (2, "swap")]
+    # New rows continue the old sequences.
+    assert store.create_job(_job(7)).seq == 2
+    assert record.record("app", "swap", "x", sha256="cc", fingerprint="fp", checkpoint=None).version == 3
+    store.close()
+    record.close()
+    # Opening again applies nothing twice; tables this code does not own are left alone.
+    again = JobStore(path)
+    assert [r.id for r in again.list_jobs(10)[0]] == ["job-7", "job-old"]
+    again.close()
+    check = sqlite3.connect(path)
+    assert check.execute("SELECT COUNT(*) FROM gangs").fetchone()[0] == 1
+    assert check.execute("SELECT store, version FROM schema_version ORDER BY store").fetchall() == [
+        ("jobs", 1), ("served_weights", 1)]
+    check.close()
+
+
+def test_numbered_steps_run_once_in_order_and_a_newer_schema_is_refused(store_url: str) -> None:
+    """On both dialects: a later step (a new column, a data fix) runs once, by exactly one of
+    several stores opening at the same time; a database ahead of the code is a clear error."""
+    from service.state.db import Migration, SchemaTooNew, connect
+
+    v1 = [Migration(1, "things", ("CREATE TABLE IF NOT EXISTS things (id {bigint} PRIMARY KEY, at {float})",))]
+    db = connect(store_url)
+    assert db.migrate("demo", v1) == 1
+    with db.session() as s:
+        s.execute("INSERT INTO things (id, at) VALUES (?, ?)", (1, 1733000000.25))
+
+    def fill(s: Any) -> None:
+        s.execute("UPDATE things SET label = ? WHERE label IS NULL", ("old",))
+
+    v2 = [*v1, Migration(2, "things.label", ("ALTER TABLE things ADD COLUMN label TEXT",), run=fill)]
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        other = connect(store_url)
+        try:
+            other.migrate("demo", v2)  # an ALTER run twice would fail
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            other.close()
+
+    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert db.schema_version("demo") == 2
+    with db.session() as s:
+        # {float} keeps a Unix timestamp's fraction on both (PostgreSQL's REAL would not).
+        assert s.all("SELECT id, at, label FROM things") == [{"id": 1, "at": 1733000000.25, "label": "old"}]
+    with pytest.raises(SchemaTooNew, match="schema version 2; this gangserve knows versions up to 1"):
+        db.migrate("demo", v1)
+    with pytest.raises(ValueError, match="numbered"):
+        db.migrate("demo", [v2[1]])
+    db.close()
+
+
+# ---- a PostgreSQL server lost mid-run --------------------------------------------------------
+
+def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_back(
+        tmp_path: Path, postgres_server: Any) -> None:
+    from service.served_weights import WeightsRecord
+    from service.state.db import POOL_TIMEOUT_S, StateUnavailable
+    from service.training.limits import TrainingLimits, check_job_fits
+    from service.training.store import JobStore
+
+    url = postgres_server.create_database()
+    store = JobStore(url)
+    record = WeightsRecord(tmp_path, url)
+    limits = TrainingLimits(max_active_jobs=2)
+    store.create_job(_job(1))
+    store.append_logs("job-1", [(1, 1.0, "before")])
+    record.record("app", "swap", "v1", sha256="aa", fingerprint="f", checkpoint=None)
+
+    postgres_server.stop()
+    try:
+        calls = [
+            lambda: store.list_jobs(10),
+            lambda: store.create_job(_job(2), lambda usage: check_job_fits(limits, usage, 1, False)),
+            lambda: record.record("app", "swap", "v2", sha256="bb", fingerprint="f", checkpoint=None),
+        ]
+        for call in calls:
+            started = time.monotonic()
+            with pytest.raises(StateUnavailable) as info:
+                call()
+            took = time.monotonic() - started
+            assert took < POOL_TIMEOUT_S + 5, took  # bounded: never a hang
+            message = info.value.message
+            assert (info.value.status, info.value.code, info.value.retry_after_s) == (503, "state_unavailable", 5.0)
+            assert "postgresql://gangserve:***@127.0.0.1" in message and "s3cret" not in message, message
+    finally:
+        postgres_server.start()
+
+    # The same stores (their pools reconnect by themselves): everything works again.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            jobs, _ = store.list_jobs(10)
+            break
+        except StateUnavailable:
+            assert time.monotonic() < deadline, "the store did not recover within 30 s of the server's restart"
+            time.sleep(0.5)
+    assert [j.id for j in jobs] == ["job-1"] and jobs[0].status == "PENDING"  # nothing lost, nothing half-written
+    assert store.tail_logs("job-1", 10) == [(1.0, "before")]
+    store.create_job(_job(2), lambda usage: check_job_fits(limits, usage, 1, False))
+    assert store.update_job("job-1", status="RUNNING")
+    assert record.record("app", "swap", "v2", sha256="bb", fingerprint="f", checkpoint=None).version == 2
+    assert [j.id for j in store.list_jobs(10)[0]] == ["job-2", "job-1"]
+    store.close()
+    record.close()
+    postgres_server.drop_database(url)
+
+
+def test_the_launcher_exits_non_zero_naming_the_redacted_url(tmp_path: Path) -> None:
+    """`python -m service.launch` refuses to start (exit 4, before Ray starts) when the state
+    database cannot be reached."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.local import ROOT
+
+    env = {**os.environ, "GANGSERVE_DATABASE_URL": f"postgresql://gs:launch-secret@127.0.0.1:{free_port()}/state",
+           "GANGSERVE_STATE_DIR": str(tmp_path / "state")}
+    done = subprocess.run([sys.executable, "-m", "service.launch", str(ROOT / "deployments" / "local.yaml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, (done.returncode, done.stderr[-2000:])
+    assert "the state database cannot be used: cannot reach the state database postgresql://gs:***@127.0.0.1" \
+        in done.stderr, done.stderr[-2000:]
+    assert "launch-secret" not in done.stderr + done.stdout
+
+
+def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server: Any) -> None:
+    """A job FAILED by the poller after its run was stopped (nobody polls it again) is not
+    dropped while PostgreSQL is gone: it is kept, in order with its log line, and written by
+    the next round once the database is back. The manager's own code, on a real server; no
+    Ray cluster (the deployment class is used without Serve)."""
+    from service.deployments.job_manager import JobManager
+    from service.training.store import JobStore
+
+    url = postgres_server.create_database()
+    store = JobStore(url)
+    store.create_job(_job(1, status="RUNNING", owner="mgr-test"))
+    manager = object.__new__(JobManager.func_or_class)  # only the state it uses here
+    manager._store, manager._deferred = store, []
+
+    async def scenario() -> None:
+        postgres_server.stop()
+        try:
+            await manager._fail("job-1", "exceeded max_runtime_s=1")  # must not raise
+            await manager._manager_log("job-1", "another line")
+            assert [what for what, _ in manager._deferred] == ["FAILED of job job-1", "a log line of job job-1"]
+            with pytest.raises(Exception):
+                await manager._flush_deferred()  # still down: everything stays queued
+            assert len(manager._deferred) == 2
+        finally:
+            postgres_server.start()
+        deadline = time.monotonic() + 30
+        while manager._deferred:
+            try:
+                await manager._flush_deferred()
+            except Exception:  # noqa: BLE001 - the pool reconnects within seconds
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.5)
+
+    asyncio.run(scenario())
+    job = store.get_job("job-1")
+    assert job is not None and job.status == "FAILED" and job.error == "exceeded max_runtime_s=1"
+    assert [line for _, line in store.tail_logs("job-1", 10)] == ["FAILED: exceeded max_runtime_s=1", "another line"]
+    store.close()
+    postgres_server.drop_database(url)
