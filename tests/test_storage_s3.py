@@ -7,8 +7,8 @@ state dir, which then holds only the node cache and the SQLite records. Through 
 HTTP: upload a dataset, train on it with Ray Train (its run directory in the bucket),
 POST /weights {"job_id"}, and /infer against a dense torch.nn.MultiheadAttention holding
 the checkpoint downloaded from the bucket independently with boto3. Then the server stops:
-every route that needs the store answers 503 `storage_unavailable`, never 500, while
-inference keeps serving the weights already loaded.
+every route that needs the store answers 503 `storage_unavailable`, never 500 (and a
+refused delete leaves its record), while inference keeps serving the weights already loaded.
 """
 from __future__ import annotations
 
@@ -35,18 +35,23 @@ APP, PREFIX, BUCKET, ROOT = "s3store", "/s3", "gangserve-e2e", "svc"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
-def with_env(app: Any, env: dict[str, str]) -> Any:
+def with_env(app: Any, env: dict[str, str], _done: dict[int, Any] | None = None) -> Any:
     """`app` with `env` added to every deployment's runtime_env env_vars (merged with what
-    the builder set there, e.g. the same-event-loop switches)."""
+    the builder set there, e.g. the same-event-loop switches). A deployment bound into
+    several others (the Controller) stays one deployment: each is rewritten once."""
     from ray.serve import Application
 
+    done = {} if _done is None else _done
+    if id(app) in done:
+        return done[id(app)]
     deployment = app._bound_deployment  # noqa: SLF001 - Serve has no public way to rewrite a bound graph
-    args = tuple(with_env(a, env) if isinstance(a, Application) else a for a in deployment.init_args)
+    args = tuple(with_env(a, env, done) if isinstance(a, Application) else a for a in deployment.init_args)
     options = dict(deployment.ray_actor_options or {})
     runtime_env = dict(options.get("runtime_env") or {})
     runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env}
     options["runtime_env"] = runtime_env
-    return Application(deployment.options(ray_actor_options=options, _init_args=args))
+    done[id(app)] = Application(deployment.options(ray_actor_options=options, _init_args=args))
+    return done[id(app)]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +147,8 @@ def test_a_store_lost_mid_run_answers_503_not_500(s3_app: tuple[str, Path], s3: 
     jobs = httpx.get(base + "/train", headers=AUTH, timeout=30).json()["jobs"]
     finished = [j["id"] for j in jobs if j["status"] == "SUCCEEDED"]
     assert finished, "runs after the training test"
+    datasets = httpx.get(base + "/datasets", headers=AUTH, timeout=30).json()["datasets"]
+    assert datasets, "runs after the training test"
     s3.stop()
     body = st_save({"inputs": np.zeros((2, 3), np.float32), "targets": np.zeros((2, 1), np.float32)})
     for reply in (
@@ -149,11 +156,15 @@ def test_a_store_lost_mid_run_answers_503_not_500(s3_app: tuple[str, Path], s3: 
                    headers={**AUTH, "content-type": "application/x-safetensors"}),
         httpx.get(f"{base}/train/{finished[0]}/checkpoint", headers=AUTH, timeout=120),
         httpx.post(base + "/weights", json={"job_id": finished[0]}, headers=AUTH, timeout=120),
+        httpx.delete(f"{base}/datasets/{datasets[0]['id']}", headers=AUTH, timeout=120),
     ):
         assert reply.status_code == 503, (reply.request.url, reply.status_code, reply.text)
         doc = reply.json()
         assert doc["code"] == "storage_unavailable" and f"s3://{BUCKET}/{ROOT}" in doc["error"], doc
         assert "Retry-After" in reply.headers
+    # Nothing was half-done: the dataset whose file could not be removed keeps its record.
+    listed = httpx.get(base + "/datasets", headers=AUTH, timeout=30).json()["datasets"]
+    assert datasets[0]["id"] in [d["id"] for d in listed]
     # What is loaded keeps serving.
     reply = httpx.post(base + "/infer", json={"hidden_states": [[0.5] * 512]}, timeout=60)
     assert reply.status_code == 200, reply.text
