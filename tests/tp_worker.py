@@ -31,8 +31,12 @@ def run_rank(rank: int, world_size: int, workdir: str, num_heads: int) -> None:
         with torch.no_grad():
             gather.weight.copy_(weights["q_proj.weight"][lo:hi])
             gather.bias.copy_(weights["q_proj.bias"][lo:hi])
+        # Optional mask/causal (the masked parity tests): every rank applies the same mask.
+        mask_file = work / "mask.pt"
+        key_mask = torch.load(mask_file) if mask_file.exists() else None
+        causal = (work / "causal").exists()
         with torch.inference_mode():
-            out = model(x)
+            out = model(x) if key_mask is None and not causal else model(x, key_mask, causal)
             gathered = gather(x)
         torch.save(
             {"out": out, "gathered": gathered, "param_bytes": model.parameter_bytes()},
