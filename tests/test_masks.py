@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
 
 from gangserve_client import codecs as wire
 from service.parallel.weights import random_weights
@@ -48,7 +49,7 @@ def padding_mask(lengths: list[int], seq: int) -> np.ndarray:
 def check(out: np.ndarray, x: np.ndarray, mask: np.ndarray | None, causal: bool, what: str) -> None:
     want = reference(x, mask, causal)
     assert out.shape == x.shape, (what, out.shape, x.shape)
-    err = relative_error(torch.from_numpy(np.asarray(out, dtype=np.float32)), want)
+    err = relative_error(torch.from_numpy(np.array(out, dtype=np.float32)), want)
     assert err <= TOL, f"{what}: relative error {err:.3e}"
     if mask is not None:
         assert (np.asarray(out)[np.asarray(mask).reshape(out.shape[:-1]) == 0] == 0).all(), f"{what}: padded rows not 0"
@@ -156,7 +157,7 @@ def test_bad_masks_are_422(app_url: str) -> None:
     assert_invalid(post({"hidden_states": x, "attention_mask": [[1, 0.5, 0, 0], [1, 1, 1, 1]]}), "0 and 1")
     assert_invalid(post({"hidden_states": x, "attention_mask": [[1, "a", 0, 0], [1, 1, 1, 1]]}), "attention_mask")
     xs = rand(2, 4, 512, seed=5)
-    body = wire.encode_safetensors({"hidden_states": xs, "attention_mask": np.ones((2, 4), np.float32)})
+    body = st_save({"hidden_states": xs, "attention_mask": np.ones((2, 4), np.float32)})
     r = httpx.post(app_url + "/infer", content=body, headers={"content-type": wire.SAFETENSORS}, timeout=60)
     assert_invalid(r, "attention_mask")
     body = wire.encode_safetensors({"hidden_states": xs, "attention_mask": np.zeros((2, 4), np.int64)})
@@ -208,8 +209,8 @@ def test_mixed_lengths_batched_under_concurrency(serve_url: str) -> None:
         gang = httpx.get(base + "/gang", timeout=30).json()
         batching = [gang["batching"], gang["ingress_transport"]["batching"]]
         assert any(b["mixed_length_steps"] >= 1 for b in batching), batching
+        assert any(b["steps"] < b["requests"] for b in batching), batching  # requests did share steps
         for b in batching:
-            assert b["steps"] < b["requests"] or b["requests"] == 0, b
             assert 0 <= b["padded_token_share"] <= 0.5, b
         metrics = httpx.get(base + "/metrics", timeout=30).text
         assert "gangserve_step_padded_share_bucket" in metrics
