@@ -54,9 +54,8 @@ def dense_attention_masked(
         key_padding = mask == 0  # [batch, seq], True = ignore this key
     attn_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1) if causal else None  # True = ignore
     with torch.inference_mode():
-        out, _ = dense_reference(weights, num_heads)(
-            xb, xb, xb, key_padding_mask=key_padding, attn_mask=attn_mask, need_weights=False
-        )
+        mha = dense_reference(weights, num_heads).to(xb.dtype)  # float64 x: a float64 reference
+        out, _ = mha(xb, xb, xb, key_padding_mask=key_padding, attn_mask=attn_mask, need_weights=False)
         if key_padding is not None:
             out = out.masked_fill(key_padding[..., None], 0.0)
     return out.squeeze(0) if squeeze else out
