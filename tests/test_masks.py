@@ -245,3 +245,26 @@ def test_bfloat16_compute_dtype_end_to_end(serve_url: str) -> None:
                 assert 1e-4 < err < 1e-2, f"bfloat16 compute, {np.dtype(dtype)} reply: relative error {err:.3e}"
     finally:
         serve.delete("masks_bf16")
+
+
+def test_a_causal_checkpoint_is_served_causal_unless_the_request_says_otherwise(
+    serve_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Training records `causal` in the checkpoint (save_checkpoint(causal=True), as save_model
+    does); a gang serving it answers causally by default, and ?causal=false still works."""
+    from ray import serve
+
+    from service.parallel.weights import save_checkpoint
+
+    path = tmp_path_factory.mktemp("causal-ckpt") / "causal.safetensors"
+    save_checkpoint(path, WEIGHTS, 8, causal=True)
+    base = deploy(serve_url, "masks_ckpt", "/masks_ckpt",
+                  {**app_args(2), "init": "seed", "checkpoint": str(path)})
+    try:
+        x = rand(2, 6, 512, seed=12)
+        for params, causal in (({}, True), ({"causal": "false"}, False), ({"causal": "true"}, True)):
+            r = httpx.post(base + "/infer", json={"hidden_states": x.tolist()}, params=params, timeout=60)
+            assert r.status_code == 200, r.text
+            check(np.asarray(r.json()["output"], dtype=np.float32), x, None, causal, f"checkpoint causal, {params}")
+    finally:
+        serve.delete("masks_ckpt")
