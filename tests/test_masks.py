@@ -268,3 +268,37 @@ def test_a_causal_checkpoint_is_served_causal_unless_the_request_says_otherwise(
             check(np.asarray(r.json()["output"], dtype=np.float32), x, None, causal, f"checkpoint causal, {params}")
     finally:
         serve.delete("masks_ckpt")
+
+
+def test_causal_job_on_a_masked_dataset_trains_and_records_causal(app_url: str) -> None:
+    """POST /datasets with attention_mask, then a causal attention job on it: it learns, the
+    loss counts token positions only, and the checkpoint records causal=true."""
+    from service.training.models import SelfAttention, load_dense_into
+    from tests.test_training import AUTH, post, wait_done
+
+    rng = np.random.default_rng(1)
+    n, seq, e = 128, 6, 32
+    x = rng.standard_normal((n, seq, e), dtype=np.float32)
+    lengths = rng.integers(1, seq + 1, size=n)
+    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.uint8)
+    teacher = SelfAttention(e, 4, causal=True)
+    load_dense_into(teacher, random_weights(e, 5))
+    with torch.no_grad():
+        y = teacher(torch.from_numpy(x), torch.from_numpy(mask)).numpy()
+    y[mask == 0] = 1e3  # garbage at padded positions: a loss that counted them could not fall
+    reply = httpx.post(app_url + "/datasets", timeout=30, headers={**AUTH, "content-type": wire.SAFETENSORS},
+                       content=st_save({"inputs": x, "targets": y, "attention_mask": mask}))
+    assert reply.status_code == 201, reply.text
+    spec = {"cpus_per_worker": 0.25, "world_size": 1, "epochs": 3, "optimizer": "adam", "lr": 0.01,
+            "model": {"kind": "attention", "embed_dim": e, "num_heads": 4, "causal": True},
+            "dataset": {"kind": "uploaded", "id": reply.json()["id"]}}
+    reply = post(app_url, "/train", spec)
+    assert reply.status_code == 202, reply.text
+    job = wait_done(app_url, reply.json()["id"])
+    assert job["status"] == "SUCCEEDED", job
+    losses = [h["loss"] for h in job["history"]]
+    assert losses[-1] < 0.8 * losses[0] and losses[0] < 1e3, losses
+    ckpt = httpx.get(f"{app_url}/train/{job['id']}/checkpoint", headers=AUTH, timeout=60)
+    assert ckpt.status_code == 200
+    header, _ = wire.safetensors_header(ckpt.content)
+    assert header["__metadata__"]["causal"] == "true", header["__metadata__"]
