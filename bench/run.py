@@ -358,6 +358,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         if only == "gangs":
             results["gangs"] = bench_gangs(httpx.Client(timeout=120), base, x, n, load_s)
             return results
+        if only == "mixed":
+            results["mixed"] = bench_mixed(base, n, load_s)
+            return results
         results["equal"] = bench_equal_compute(base, n, load_s)
         if only == "equal":
             return results
@@ -417,10 +420,122 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             results["memory"][str(ws)] = client.get(f"{base}/ws{ws}/gang").json()["param_bytes_per_rank"]
             serve.delete(f"ws{ws}")
         results["gangs"] = bench_gangs(client, base, x, n, load_s)
+        results["mixed"] = bench_mixed(base, n, load_s)
         return results
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+MIXED_MAX_SEQ = 128  # issue 22: sequence lengths spread over 1..128, batch 1 each
+
+
+def mixed_throughput(url: str, bodies: dict[int, bytes], clients: int, seconds: float) -> dict[str, float]:
+    """Completed requests per second with `clients` closed-loop clients for `seconds`, each
+    request [1, s, 512] npy with s drawn uniformly from 1..128 (one fixed sequence per client)."""
+    import random
+
+    stop = time.monotonic() + seconds
+    counts = [0] * clients
+    tokens = [0] * clients
+    latencies: list[float] = []
+
+    def worker(i: int) -> None:
+        rng = random.Random(1000 + i)
+        with httpx.Client(timeout=120) as client:
+            while time.monotonic() < stop:
+                seq = rng.randint(1, MIXED_MAX_SEQ)
+                t0 = time.perf_counter()
+                r = client.post(url, content=bodies[seq], headers={"content-type": "application/x-npy"})
+                assert r.status_code == 200, r.text[:300]
+                latencies.append(time.perf_counter() - t0)
+                counts[i] += 1
+                tokens[i] += seq
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(worker, range(clients)))
+    return {"req_per_s": sum(counts) / seconds, "tokens_per_s": sum(tokens) / seconds, **percentiles(latencies)}
+
+
+def bench_mixed(base: str, n: int, load_s: float) -> dict[str, dict]:
+    """Issue 22: mixed-length traffic (16 clients, seq 1..128, batch 1) on two world-size-2 gangs,
+    one run: mixed-length batching (default max_padding_fraction) vs batching limited to equal
+    lengths (max_padding_fraction=0), through the proxy and on direct ingress; plus the
+    masked request's latency next to the unmasked one's at equal shape."""
+    from ray import serve
+    from safetensors.numpy import save as st_save
+
+    from harness.local import local_yaml_args
+    from service.app import build_app
+
+    serve.run(build_app({**local_yaml_args(), "cpus_per_rank": 0.5}), name="mixed", route_prefix="/mixed")
+    serve.run(build_app({**local_yaml_args(), "cpus_per_rank": 0.5, "max_padding_fraction": 0.0}),
+              name="equalonly", route_prefix="/equalonly")
+    client = httpx.Client(timeout=120)
+    rng = np.random.default_rng(5)
+    bodies = {s: npy(rng.standard_normal((1, s, 512), dtype=np.float32)) for s in range(1, MIXED_MAX_SEQ + 1)}
+    mixed_d, equal_d = direct_base("mixed"), direct_base("equalonly")
+    rows: dict[str, dict] = {}
+    for label, url in (("mixed-length batching", base + "/mixed/infer"),
+                       ("equal lengths only (max_padding_fraction=0)", base + "/equalonly/infer"),
+                       ("mixed-length batching, direct ingress", mixed_d + "/mixed/infer"),
+                       ("equal lengths only, direct ingress", equal_d + "/equalonly/infer")):
+        mixed_throughput(url, bodies, 16, 1.0)  # warm up: the lengths' first steps
+        app = "mixed" if "/mixed/" in url else "equalonly"
+        before = client.get(f"{base}/{app}/gang").json()["batching"]
+        rows[label] = mixed_throughput(url, bodies, 16, load_s)
+        after = client.get(f"{base}/{app}/gang").json()["batching"]
+        steps = max(after["steps"] - before["steps"], 1)
+        tokens = max(after["tokens"] - before["tokens"], 1)
+        rows[label].update({
+            "gang_requests_per_step": (after["requests"] - before["requests"]) / steps,
+            "gang_padded_token_share": (after["padded_tokens"] - before["padded_tokens"]) / tokens,
+        })
+    # The mask's cost at equal shape: [1, 64, 512] safetensors, one padded position (an
+    # all-ones mask is dropped to the unmasked path), interleaved with the unmasked request.
+    x = rng.standard_normal((1, 64, 512), dtype=np.float32)
+    mask = np.ones((1, 64), dtype=np.int64)
+    mask[0, -1] = 0
+    plain, masked = st_save({"hidden_states": x}), st_save({"hidden_states": x, "attention_mask": mask})
+    st = {"content-type": "application/x-safetensors"}
+    latency = interleaved({
+        "unmasked [1, 64, 512]": lambda: client.post(mixed_d + "/mixed/infer", content=plain, headers=st),
+        "masked [1, 64, 512] (one padded position)": lambda: client.post(mixed_d + "/mixed/infer", content=masked, headers=st),
+        "causal [1, 64, 512]": lambda: client.post(mixed_d + "/mixed/infer?causal=true", content=plain, headers=st),
+    }, n)
+    serve.delete("mixed")
+    serve.delete("equalonly")
+    return {"throughput": rows, "latency": latency}
+
+
+def print_mixed(mixed: dict[str, dict], load_s: float) -> dict[str, float]:
+    print(f"\nmixed-length traffic (issue 22): 16 clients, batch 1, seq uniform over 1..{MIXED_MAX_SEQ}, "
+          f"world size 2, {load_s:.0f}s each, one run\n")
+    print("| row | req/s | tokens/s | p50 ms | p99 ms | requests per gang step | padded token share |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in mixed["throughput"].items():
+        print(f"| {name} | {r['req_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+              f"{r['gang_requests_per_step']:.2f} | {r['gang_padded_token_share']:.3f} |")
+    print("\n| request (direct ingress, interleaved) | p50 ms | p99 ms | gang ms (Server-Timing) |")
+    print("|---|---:|---:|---:|")
+    for name, r in mixed["latency"].items():
+        print(f"| {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['server_timing'].get('gang', 0):.2f} |")
+    t, lat = mixed["throughput"], mixed["latency"]
+    ratios = {
+        "mixed / equal-only req/s, proxy (goal >= 2)":
+            t["mixed-length batching"]["req_per_s"] / t["equal lengths only (max_padding_fraction=0)"]["req_per_s"],
+        "mixed / equal-only req/s, direct ingress (goal >= 2)":
+            t["mixed-length batching, direct ingress"]["req_per_s"] / t["equal lengths only, direct ingress"]["req_per_s"],
+        "masked / unmasked p50 at [1, 64, 512] (goal <= 1.05)":
+            lat["masked [1, 64, 512] (one padded position)"]["p50_ms"] / lat["unmasked [1, 64, 512]"]["p50_ms"],
+        "causal / unmasked p50 at [1, 64, 512]":
+            lat["causal [1, 64, 512]"]["p50_ms"] / lat["unmasked [1, 64, 512]"]["p50_ms"],
+    }
+    print("\n| goal | value |")
+    print("|---|---:|")
+    for name, value in ratios.items():
+        print(f"| {name} | {value:.2f} |")
+    return ratios
 
 
 def bench_gangs(client: httpx.Client, base: str, x: np.ndarray, n: int, load_s: float) -> dict[str, dict]:
@@ -489,14 +604,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal"], default=None,
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed"], default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
-                        "at equal compute) and print its table")
+                        "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
+                        "mask's latency) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
     if args.only == "gangs":
         print_gangs(bench_serving(x.numpy(), args.requests, args.load_seconds, only="gangs")["gangs"], args.load_seconds)
+        return
+    if args.only == "mixed":
+        mixed = bench_serving(x.numpy(), args.requests, args.load_seconds, only="mixed")["mixed"]
+        ratios = print_mixed(mixed, args.load_seconds)
+        out = ROOT / "bench" / "results" / "mixed.json"
+        out.write_text(json.dumps({"mixed": mixed, "ratios": ratios, "time": time.time()}, indent=2))
+        print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     if args.only == "equal":
         eq = bench_serving(x.numpy(), args.requests, args.load_seconds, only="equal")["equal"]
@@ -544,6 +667,7 @@ def main() -> None:
         print(f"| {name} | {value:.1f} |")
     print_gangs(serving["gangs"], args.load_seconds)
     equal_ratios = print_equal_compute(serving["equal"], args.load_seconds)
+    mixed_ratios = print_mixed(serving["mixed"], args.load_seconds)
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -560,7 +684,8 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "latest.json"
     out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "gangs": serving["gangs"], "breakdown": serving["breakdown"], "training": serving["training"],
                                "direct_ingress": serving["direct_ingress"], "ratios": goals,
-                               "equal": serving["equal"], "equal_ratios": equal_ratios, "codecs": codec_rows, "time": time.time()}, indent=2))
+                               "equal": serving["equal"], "equal_ratios": equal_ratios, "mixed": serving["mixed"],
+                               "mixed_ratios": mixed_ratios, "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 

@@ -34,6 +34,33 @@ def dense_attention(weights: dict[str, torch.Tensor], num_heads: int, x: torch.T
     return out.squeeze(0) if squeeze else out
 
 
+def dense_attention_masked(
+    weights: dict[str, torch.Tensor], num_heads: int, x: torch.Tensor,
+    attention_mask: torch.Tensor | None = None, causal: bool = False,
+) -> torch.Tensor:
+    """The masked contract through the dense reference (x [batch, seq, E] or [seq, E]).
+
+    `attention_mask` [batch, seq] (or [seq]): 1 = token, 0 = padding (Hugging Face). Computed
+    as nn.MultiheadAttention(x, x, x, key_padding_mask=(mask == 0), attn_mask=<causal>),
+    then the output at padded query positions is set to 0 (MHA itself leaves them finite
+    or, for a query with no key left, NaN).
+    """
+    squeeze = x.dim() == 2
+    xb = x.unsqueeze(0) if squeeze else x
+    seq = xb.shape[1]
+    key_padding = None
+    if attention_mask is not None:
+        mask = attention_mask.reshape(xb.shape[0], seq)
+        key_padding = mask == 0  # [batch, seq], True = ignore this key
+    attn_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1) if causal else None  # True = ignore
+    with torch.inference_mode():
+        mha = dense_reference(weights, num_heads).to(xb.dtype)  # float64 x: a float64 reference
+        out, _ = mha(xb, xb, xb, key_padding_mask=key_padding, attn_mask=attn_mask, need_weights=False)
+        if key_padding is not None:
+            out = out.masked_fill(key_padding[..., None], 0.0)
+    return out.squeeze(0) if squeeze else out
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in float64."""
     got64, want64 = got.double(), want.double()

@@ -1,13 +1,24 @@
 """Dynamic batching in front of the sequencer.
 
-Concurrent requests with the same sequence length are concatenated along the batch dim
-and run as ONE gang step (one broadcast, one all_reduce per layer), then split back:
+Concurrent requests are concatenated along the batch dim and run as ONE gang step (one
+broadcast, one all_reduce per layer), then split back:
 
-    [b_1, s, E] ... [b_k, s, E]  --cat-->  [sum b_i, s, E]  --step-->  split at b_1, b_1+b_2, ...
+    [b_1, s_1, E] ... [b_k, s_k, E]  --pad to S = max s_i, cat-->  [sum b_i, S, E]
+        + key mask [sum b_i, S] (True = token)  --step-->  rows b_1, b_1+b_2, ..., each cut to s_i
 
-Attention mixes positions only within a sequence, never across batch rows, so each
-request's rows are exactly what it would get alone (up to float rounding of a larger
-matmul). At most `max_in_flight` steps run at once (1 in front of the gang's sequencer);
+Attention mixes positions only within a sequence, never across batch rows, and a padded
+key takes part in no softmax (the mask), so each request's rows are exactly what it would
+get alone (up to float rounding of a larger matmul). Right-padding keeps causal requests
+exact too: a real query i < s attends keys j <= i < s, all real. A step carries a mask
+only when it needs one: equal lengths and no request mask = the unmasked fast path.
+
+Requests with different `causal` flags never share a step. Padding costs compute, so the
+waste is bounded: a group takes the oldest request (FIFO), then the queued ones closest to
+its length first, while the step's padded share, `1 - sum(b_i s_i) / (sum(b_i) S)`, stays
+at most `max_padding_fraction` (0: equal lengths only). `stats()` reports the tokens and
+padded tokens of the steps (/gang) and the observer gets each step's padded share (/metrics).
+
+At most `max_in_flight` steps run at once (1 in front of the gang's sequencer);
 requests that arrive while they run form the next batch, so under load batches grow by
 themselves and an idle gang adds no wait (unless `wait_s` > 0 asks to linger for company):
 a request that finds the batcher idle runs its step in its own task, at no cost over
@@ -29,25 +40,38 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-StepFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
-# (rows, seconds, error or None) after each step: the metrics' hook (service.metrics).
-StepObserver = Callable[[int, float, "BaseException | None"], None]
+# (x [batch, seq, E] float32, key mask [batch, seq] bool or None, causal or None) -> output
+StepFn = Callable[[np.ndarray, "np.ndarray | None", "bool | None"], Awaitable[np.ndarray]]
+# (rows, seconds, error or None, padded share of the step's tokens) after each step: the
+# metrics' hook (service.metrics).
+StepObserver = Callable[[int, float, "BaseException | None", float], None]
 
 
 @dataclass
 class _Pending:
     x: np.ndarray  # [batch, seq, E]
+    mask: np.ndarray | None  # [batch, seq] bool, True = token; None = all tokens
+    causal: bool | None  # None: the served model's default
     future: asyncio.Future
+
+    @property
+    def rows(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def seq(self) -> int:
+        return int(self.x.shape[1])
 
 
 class StepBatcher:
     """Coalesces concurrent `submit` calls into steps of at most `max_batch_size` rows."""
 
     def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1,
-                 on_step: StepObserver | None = None) -> None:
+                 on_step: StepObserver | None = None, max_padding_fraction: float = 0.0) -> None:
         self._run_step = run_step
         self._on_step = on_step
         self._max_rows = max_batch_size
+        self._max_padding = max_padding_fraction
         self._wait_s = wait_s
         self._slots = asyncio.Semaphore(max_in_flight)
         self._running: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
@@ -56,22 +80,34 @@ class StepBatcher:
         self.steps = 0  # counters for /gang and the benchmark
         self.requests = 0
         self.inline_steps = 0  # steps run in the submitting task (the batcher was idle)
+        self.tokens = 0  # batch rows x seq of every step, padding included
+        self.padded_tokens = 0  # of which padding added to batch mixed lengths
+        self.mixed_steps = 0  # steps that padded requests of different lengths
         self._step_ms: deque[float] = deque(maxlen=256)
+        self._padded_share: deque[float] = deque(maxlen=256)
 
     def stats(self) -> dict[str, float]:
         """Steps, requests served, and the median duration of the recent gang steps."""
         recent = list(self._step_ms)
+        shares = list(self._padded_share)
         return {
             "steps": self.steps,
             "requests": self.requests,
             "inline_steps": self.inline_steps,
             "recent_step_ms_p50": round(statistics.median(recent), 3) if recent else 0.0,
+            "mixed_length_steps": self.mixed_steps,
+            "tokens": self.tokens,
+            "padded_tokens": self.padded_tokens,
+            "padded_token_share": round(self.padded_tokens / self.tokens, 4) if self.tokens else 0.0,
+            "recent_padded_token_share_mean": round(statistics.fmean(shares), 4) if shares else 0.0,
+            "max_padding_fraction": self._max_padding,
         }
 
-    async def submit(self, x: np.ndarray) -> np.ndarray:
-        """x [batch, seq, E] -> this request's rows of the batched step's output."""
+    async def submit(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+        """x [batch, seq, E] (+ key mask [batch, seq] bool, causal) -> this request's output
+        [batch, seq, E] from the batched step."""
         loop = asyncio.get_running_loop()
-        item = _Pending(x, loop.create_future())
+        item = _Pending(x, mask, causal, loop.create_future())
         if not self._pending and self._wait_s <= 0 and not self._slots.locked():
             # Idle: nobody to batch with and a slot free. Run the step in the caller's own
             # task (no drainer or group task, no extra loop iterations); requests that
@@ -107,47 +143,92 @@ class StepBatcher:
     async def _run_group(self, group: list[_Pending]) -> None:
         """One step for `group` (holding one slot); every member gets its rows or the error."""
         try:
-            x = group[0].x if len(group) == 1 else np.concatenate([p.x for p in group])
+            x, mask, padded = pad_group([(p.x, p.mask) for p in group])
+            rows, seq = int(x.shape[0]), int(x.shape[1])
+            share = padded / (rows * seq) if rows * seq else 0.0
             started = time.perf_counter()
             try:
-                out = await self._run_step(x)  # [sum b_i, seq, E]
+                out = await self._run_step(x, mask, group[0].causal)  # [sum b_i, S, E]
             except Exception as exc:
                 if self._on_step:
-                    self._on_step(x.shape[0], time.perf_counter() - started, exc)
+                    self._on_step(rows, time.perf_counter() - started, exc, share)
                 for p in group:
                     if not p.future.done():
                         p.future.set_exception(exc)
                 return
             self._step_ms.append((time.perf_counter() - started) * 1000)
             if self._on_step:
-                self._on_step(x.shape[0], self._step_ms[-1] / 1000, None)
+                self._on_step(rows, self._step_ms[-1] / 1000, None, share)
             self.steps += 1
             self.requests += len(group)
+            self.tokens += rows * seq
+            self.padded_tokens += padded
+            self._padded_share.append(share)
+            if padded:
+                self.mixed_steps += 1
             start = 0
             for p in group:
-                rows = p.x.shape[0]
                 if not p.future.done():
-                    p.future.set_result(out[start : start + rows])
-                start += rows
+                    mine = out[start : start + p.rows]
+                    # Cut back to the request's own length (a copy: the reply must not pin
+                    # the whole step's output, and encoders want C order).
+                    p.future.set_result(mine if p.seq == seq else np.ascontiguousarray(mine[:, : p.seq]))
+                start += p.rows
         finally:
             self._slots.release()
 
     def _pending_rows(self) -> int:
-        return sum(p.x.shape[0] for p in self._pending)
+        return sum(p.rows for p in self._pending)
 
     def _take_group(self) -> list[_Pending]:
-        """FIFO: the oldest request plus later ones of the same seq len, up to max rows."""
+        """The oldest request, plus queued ones of the same `causal`, closest in length first,
+        while rows <= max_batch_size and the padded share <= max_padding_fraction."""
         self._pending = [p for p in self._pending if not p.future.done()]
         if not self._pending:
             return []
-        seq_len = self._pending[0].x.shape[1]
-        group, rest, rows = [], [], 0
-        for p in self._pending:
-            fits = not group or rows + p.x.shape[0] <= self._max_rows
-            if p.x.shape[1] == seq_len and fits:
-                group.append(p)
-                rows += p.x.shape[0]
-            else:
-                rest.append(p)
-        self._pending = rest
+        first = self._pending[0]
+        group, rows, seq_max, real = [first], first.rows, first.seq, first.rows * first.seq
+        candidates = sorted(
+            (p for p in self._pending[1:] if p.causal == first.causal),
+            key=lambda p: abs(p.seq - first.seq),  # stable: FIFO among equal distances
+        )
+        for p in candidates:
+            if rows + p.rows > self._max_rows:
+                continue
+            new_max = max(seq_max, p.seq)
+            new_rows, new_real = rows + p.rows, real + p.rows * p.seq
+            if 1.0 - new_real / (new_rows * new_max) > self._max_padding + 1e-12:
+                continue
+            group.append(p)
+            rows, seq_max, real = new_rows, new_max, new_real
+        taken = {id(p) for p in group}
+        self._pending = [p for p in self._pending if id(p) not in taken]
         return group
+
+
+def pad_group(items: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Requests (x_i [b_i, s_i, E], mask_i [b_i, s_i] bool or None) as one step's input:
+    (x [sum b_i, S, E] float32, key mask [sum b_i, S] bool or None, padded tokens added).
+
+    S = max s_i; each request's rows are right-padded with zeros and their padding masked
+    out. The mask is None (the unmasked fast path) when every s_i == S and no request
+    carries a mask; a request's own mask is kept as it is.
+    """
+    seq = max(int(x.shape[1]) for x, _ in items)
+    if all(mask is None and x.shape[1] == seq for x, mask in items):
+        x = items[0][0] if len(items) == 1 else np.concatenate([x for x, _ in items])
+        return x, None, 0
+    if len(items) == 1:  # one request with its own mask: nothing to pad
+        return items[0][0], items[0][1], 0
+    rows = sum(int(x.shape[0]) for x, _ in items)
+    width = int(items[0][0].shape[2])
+    out = np.zeros((rows, seq, width), dtype=np.float32)  # [sum b_i, S, E]
+    mask = np.zeros((rows, seq), dtype=bool)  # [sum b_i, S], True = token
+    start, padded = 0, 0
+    for x, own in items:
+        b, s = int(x.shape[0]), int(x.shape[1])
+        out[start : start + b, :s] = x
+        mask[start : start + b, :s] = True if own is None else own
+        padded += b * (seq - s)
+        start += b
+    return out, mask, padded

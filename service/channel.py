@@ -13,8 +13,10 @@ Wire format, both directions, one frame per message:
 
     u32 header_len | u64 payload_len | header (JSON, UTF-8) | payload (raw bytes)
 
-    request  {"op": "infer", "shape": [b, s, E], "shm": null | "<name in /dev/shm>"}
-             payload: the float32 tensor, C order (empty when it travels through shm)
+    request  {"op": "infer", "shape": [b, s, E], "shm": null | "<name in /dev/shm>",
+              "mask": false | true, "causal": null | true | false}   (both optional)
+             payload: the float32 tensor, C order (empty when it travels through shm),
+             then, with "mask": true, the key mask [b, s] as bytes 0/1 (always inline)
     reply    {"ok": true, "shape": [b, s, E]}     payload: float32 output (empty with shm:
              the output was written into the same shared pages)
              {"ok": false, "error": {type, message, code, status, retry_after_s}}
@@ -61,8 +63,9 @@ SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and p
 MAX_SHARED_REGION_BYTES = 64 * 1024 * 1024
 STALE_AFTER_S = 60.0  # a socket file nobody listens on, older than this, is a dead replica's
 
-# rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages) -> the output
-InferFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
+# rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages)[, key mask [b, s]
+# bool or None, causal or None] -> the output (called with x alone when neither is sent)
+InferFn = Callable[..., Awaitable[np.ndarray]]
 
 
 class ChannelUnavailable(RuntimeError):
@@ -140,6 +143,10 @@ class ChannelServer:
     def stats(self) -> dict[str, int]:
         return {"requests": self.requests, "refused_overloaded": self.refused}
 
+    def _call(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None) -> Awaitable[np.ndarray]:
+        # Without mask or flag, exactly the unmasked call.
+        return self._infer(x) if mask is None and causal is None else self._infer(x, mask, causal)  # type: ignore[call-arg]
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         region: tuple[str, Any] | None = None  # this connection's shared region (name, mapping)
         try:
@@ -162,6 +169,17 @@ class ChannelServer:
                 raise ValueError(f"unknown op {header.get('op')!r}")
             shape = _shape(header.get("shape"))
             name = header.get("shm")
+            causal = header.get("causal")
+            if causal is not None and not isinstance(causal, bool):
+                raise ValueError(f"causal must be null or a boolean, got {causal!r:.50}")
+            mask = None
+            if header.get("mask"):  # the mask's bytes end the payload
+                mask_bytes = shape[0] * shape[1]
+                if len(payload) < mask_bytes:
+                    raise ValueError(f"payload of {len(payload)} bytes cannot hold a [{shape[0]}, {shape[1]}] mask")
+                mask = np.frombuffer(payload, dtype=np.bool_, count=mask_bytes,
+                                     offset=len(payload) - mask_bytes).reshape(shape[0], shape[1])
+                payload = memoryview(payload)[: len(payload) - mask_bytes]
             x = _tensor(payload, shape) if name is None else None
         except ValueError as exc:
             return _error(GangUnavailable(f"bad data-channel request: {exc}", code="channel_error")), b"", region
@@ -173,13 +191,13 @@ class ChannelServer:
         self.requests += 1
         try:
             if x is not None:
-                out = np.ascontiguousarray(await self._infer(x), dtype=np.float32)
+                out = np.ascontiguousarray(await self._call(x, mask, causal), dtype=np.float32)
                 return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
             nbytes = int(np.prod(shape, dtype=np.int64)) * 4
             if region is None or region[0] != name or len(region[1]) < nbytes:
                 region = (str(name), shm.map_named(str(name), nbytes))  # kept for the next request
             view = np.frombuffer(region[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
-            out = await self._infer(view)
+            out = await self._call(view, mask, causal)
             view[...] = out  # the reply goes back in the same pages
             return {"ok": True, "shape": list(out.shape)}, b"", region
         except GangServeError as exc:
@@ -209,8 +227,10 @@ class ChannelClient:
         self.path = path
         self._idle: list[_Connection] = []
 
-    async def infer(self, x: np.ndarray, share: bool = False) -> np.ndarray:
-        """x [b, s, E] -> the gang's output, x itself in the request (inline), or with `share`
+    async def infer(self, x: np.ndarray, share: bool = False, mask: np.ndarray | None = None,
+                    causal: bool | None = None) -> np.ndarray:
+        """x [b, s, E] (+ key mask [b, s] bool, always inline; causal) -> the gang's output,
+        x itself in the request (inline), or with `share`
         through the connection's shared region (the output comes back in the same pages
         and is copied out before the connection is reused).
 
@@ -224,6 +244,13 @@ class ChannelClient:
         done = False
         shape = tuple(int(d) for d in x.shape)
         share = share and x.size * 4 <= MAX_SHARED_REGION_BYTES
+        extra: dict[str, Any] = {}
+        tail = b""
+        if mask is not None:
+            extra["mask"] = True
+            tail = np.ascontiguousarray(mask, dtype=np.bool_).tobytes()  # [b, s], one byte each
+        if causal is not None:
+            extra["causal"] = bool(causal)
         try:
             if share:
                 try:
@@ -232,11 +259,12 @@ class ChannelClient:
                     done = True  # nothing was sent: the connection stays usable
                     raise
                 view[...] = x
-                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": conn.region.name}, b"")
+                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": conn.region.name, **extra},
+                                  tail)
             else:
                 data = np.ascontiguousarray(x, dtype=np.float32)
-                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None},
-                                  memoryview(data).cast("B"))
+                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None, **extra},
+                                  memoryview(data).cast("B"), tail)
             try:
                 reply, payload = await read_frame(conn.reader)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -306,11 +334,15 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], byte
     return header, payload
 
 
-async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload: memoryview | bytes) -> None:
+async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload: memoryview | bytes,
+                      tail: bytes = b"") -> None:
+    """One frame; the payload is `payload` then `tail` (the mask's bytes), written without joining them."""
     head = orjson.dumps(header)
-    writer.write(FRAME.pack(len(head), len(payload)) + head)
+    writer.write(FRAME.pack(len(head), len(payload) + len(tail)) + head)
     if len(payload):
         writer.write(payload)
+    if tail:
+        writer.write(tail)
     await writer.drain()
 
 

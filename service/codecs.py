@@ -45,6 +45,7 @@ from gangserve_client.codecs import (  # noqa: F401  (re-exported: the routes an
     FLOAT_DTYPES,
     INPUT_NAME,
     JSON,
+    MASK_NAME,
     JSON_CHUNK_VALUES,
     MAX_DIM,
     MAX_DIMS,
@@ -199,6 +200,75 @@ def decode_safetensors(body: bytes, name: str = INPUT_NAME, limits: Limits | Non
     return wire.decode_safetensors(body, name, check=_check(limits))
 
 
+def decode_request(body: bytes, media_type: str, limits: Limits | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """`decode`, plus the optional raw `attention_mask` next to hidden_states (JSON field,
+    safetensors tensor; npy bodies carry one array, so never a mask). The mask is returned
+    as sent: `validate_attention_mask` checks it against the hidden states."""
+    if media_type == SAFETENSORS and body:
+        x = decode_safetensors(body, limits=limits)
+        return x, _safetensors_mask(body)
+    if media_type == JSON and body:
+        doc = loads_json(body, limits)
+        x = _tensor_from_json(doc, limits)
+        raw = doc.get(MASK_NAME)
+        return x, None if raw is None else _mask_from_json(raw)
+    return decode(body, media_type, limits), None
+
+
+@_service_errors
+def _safetensors_mask(body: bytes) -> np.ndarray | None:
+    return wire.decode_safetensors_mask(body)
+
+
+@_service_errors
+def _tensor_from_json(doc: Any, limits: Limits | None) -> np.ndarray:
+    return wire.tensor_from_json(doc, INPUT_NAME, check=_check(limits))
+
+
+@_service_errors
+def _mask_from_json(values: Any) -> np.ndarray:
+    return wire.mask_from_json(values)
+
+
+MASK_DTYPES = ("bool", "uint8", "int32", "int64")
+
+
+def validate_attention_mask(mask: np.ndarray | None, x_shape: Sequence[int], squeezed: bool) -> np.ndarray | None:
+    """The request's key padding mask as [batch, seq] bool (True = token), or None when there
+    is none or it marks every position a token (then the unmasked fast path computes the
+    same function). `x_shape` is the validated [batch, seq, E]; `squeezed` says the request
+    was [seq, E], whose mask is [seq]. Refuses (422) another shape, a dtype other than
+    bool/uint8/int32/int64, values other than 0/1, and a sequence with no token at all.
+    """
+    if mask is None:
+        return None
+    batch, seq = int(x_shape[0]), int(x_shape[1])
+    want = (seq,) if squeezed else (batch, seq)
+    if dtype_name(mask.dtype) not in MASK_DTYPES:
+        raise InvalidInput(f"{MASK_NAME} must be {', '.join(MASK_DTYPES)} (0/1 values); got dtype {dtype_name(mask.dtype)}")
+    if tuple(mask.shape) != want:
+        what = "[seq]" if squeezed else "[batch, seq]"
+        raise InvalidInput(
+            f"{MASK_NAME} must be {what} = {list(want)} to match {INPUT_NAME} {list(x_shape if not squeezed else x_shape[1:])}; "
+            f"got shape {snip(list(mask.shape))}"
+        )
+    mask = mask.reshape(batch, seq)
+    if mask.dtype != np.bool_:
+        if not ((mask == 0) | (mask == 1)).all():
+            bad = mask[(mask != 0) & (mask != 1)].reshape(-1)[:3].tolist()
+            raise InvalidInput(f"{MASK_NAME} must hold only 0 (padding) and 1 (token); found {snip(bad)}")
+        mask = mask.astype(bool)
+    tokens = mask.any(axis=1)
+    if not tokens.all():
+        rows = np.flatnonzero(~tokens)[:5].tolist()
+        raise InvalidInput(
+            f"{MASK_NAME} marks every position of sequence(s) {rows} as padding; each sequence needs at least one token"
+        )
+    if mask.all():
+        return None
+    return np.ascontiguousarray(mask)
+
+
 @_service_errors
 def decode_npy(body: bytes, limits: Limits | None = None) -> np.ndarray:
     """The array of an npy body, zero-copy; only float16/32/64 (`wire.decode_npy`)."""
@@ -247,12 +317,13 @@ def prescan_json(body: bytes | memoryview, embed_dim: int, *, what: str = "JSON 
     lists, objects, keys or strings.
 
     A tensor of width E nested as lists has at most 2 lists per E numbers (one per row,
-    one per batch entry, plus the outer one); its numbers are separated by commas, so
-    `lists <= 2 * (commas + 1) / (E - 1) + slack` holds for every valid body.
+    one per batch entry, plus the outer one), and an attention mask next to it at most one
+    more (one per batch entry); its numbers are separated by commas, so
+    `lists <= 3 * (commas + 1) / (E - 1) + slack` holds for every valid body.
     """
     data = body if isinstance(body, bytes) else bytes(body)
     lists, commas = data.count(b"["), data.count(b",")
-    allowed_lists = 2 * (commas + 1) // max(embed_dim - 1, 1) + 16
+    allowed_lists = 3 * (commas + 1) // max(embed_dim - 1, 1) + 16
     if lists > allowed_lists:
         raise InvalidInput(
             f"the {what} has {lists} JSON lists for at most {commas + 1} values; a tensor of width "
@@ -290,6 +361,38 @@ def decode_oip_tensor(
     if data is None:
         raise BadRequest(f"input {snip(name)} has neither JSON 'data' nor a binary_data_size parameter")
     return wire.numbers_to_array(data, dtype, what=f"data of input {snip(name)}", shape=shape)
+
+
+OIP_MASK_TO_NP: dict[str, np.dtype] = {
+    "BOOL": np.dtype(bool), "UINT8": np.dtype("u1"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
+}
+
+
+@_service_errors
+def decode_oip_mask(
+    datatype: str, shape: Sequence[int], *, data: Any = None, raw: memoryview | bytes | None = None, name: str,
+) -> np.ndarray:
+    """The optional OIP input `attention_mask` (BOOL, UINT8, INT32 or INT64) from JSON `data`
+    (flat or nested) or binary `raw` bytes; values and shape are checked by
+    `validate_attention_mask`."""
+    dtype = OIP_MASK_TO_NP.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise InvalidInput(f"input {snip(name)} datatype must be one of {', '.join(OIP_MASK_TO_NP)}; got {snip(datatype)}")
+    shape = wire.shape_of(list(shape), f"shape of input {snip(name)}")
+    count = wire.numel(shape)
+    if raw is not None:
+        needed = count * dtype.itemsize
+        if len(raw) != needed:
+            raise BadRequest(
+                f"input {snip(name)} has binary_data_size {len(raw)}; shape {list(shape)} {datatype} needs {needed}"
+            )
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    if data is None:
+        raise BadRequest(f"input {snip(name)} has neither JSON 'data' nor a binary_data_size parameter")
+    values = wire.mask_from_json(data, what=f"data of input {snip(name)}")
+    if values.size != count:
+        raise InvalidInput(f"data of input {snip(name)} has {values.size} values; shape {list(shape)} needs {count}")
+    return values.reshape(shape)
 
 
 def oip_datatype(dtype: np.dtype) -> str:

@@ -37,6 +37,19 @@ class ModelConfig(BaseModel):
         "be on storage every node sees.",
     )
 
+    causal: bool = Field(
+        False,
+        description="Default attention for requests that do not say (`?causal=true|false`, OIP "
+        "`parameters.causal`): causal (query i attends keys j <= i) or bidirectional. A checkpoint "
+        "that records `causal` in its metadata (training writes it) overrides this default.",
+    )
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype of the ranks' weights, activations and collectives. bfloat16 runs on CPU "
+        "and CUDA, float16 on CUDA only (use_gpu=true). Replies keep the requested dtype; see the "
+        "README's tolerance per dtype.",
+    )
+
     @property
     def weights_source(self) -> str:
         if self.checkpoint:
@@ -87,7 +100,13 @@ class GangConfig(BaseModel):
 
     max_batch_size: int = Field(
         64, ge=1, le=65536,
-        description="Most batch rows one gang step coalesces from concurrent requests of equal seq len.",
+        description="Most batch rows one gang step coalesces from concurrent requests (see max_padding_fraction).",
+    )
+    max_padding_fraction: float = Field(
+        0.25, ge=0, lt=1,
+        description="Mixed-length batching: requests of different seq lens share a step, padded to its "
+        "longest with the key padding mask, while at most this share of the step's tokens is such "
+        "padding. 0 = only requests of equal seq len share a step.",
     )
     batch_wait_timeout_s: float = Field(
         0.0, ge=0, le=1.0,
@@ -224,6 +243,11 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be divisible by world_size ({self.world_size}): "
                 "each rank computes num_heads / world_size whole heads"
+            )
+        if self.compute_dtype == "float16" and not self.use_gpu:
+            raise ValueError(
+                "compute_dtype=float16 needs use_gpu=true (float16 matmuls are CUDA-only here); "
+                "on CPU use bfloat16 or float32"
             )
         if self.checkpoint is not None and not os.path.isabs(self.checkpoint):
             raise ValueError(f"checkpoint must be an absolute path, got {self.checkpoint!r}")

@@ -48,6 +48,7 @@ RAY_QUEUE_MAX = 100_000  # observations waiting for the flusher; beyond this the
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 BYTES_BUCKETS = (0, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+PADDED_SHARE_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
 EPOCH_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 
 
@@ -72,6 +73,8 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
          "tensor-parallel attention, all_reduce) in the gang server", (), LATENCY_BUCKETS),
     Spec("gangserve_batch_size", "histogram", "Batch rows per gang step (concurrent requests coalesced)",
          (), BATCH_BUCKETS),
+    Spec("gangserve_step_padded_share", "histogram", "Share of a gang step's tokens that is padding added "
+         "to batch requests of different seq lens (0: equal lengths)", (), PADDED_SHARE_BUCKETS),
     Spec("gangserve_queue_depth", "gauge", "Inference calls inside a gang server (queued or computing)",
          ("replica",)),
     Spec("gangserve_gang_ready", "gauge", "1 while the gang serves, else 0", ("replica",)),
@@ -372,17 +375,19 @@ class GangServerMetrics:
         self._replica = (replica_id,)
         self.in_flight = 0
         self._m.declare("gangserve_gang_rebuilds", "gangserve_collective_timeouts",
-                        "gangserve_gang_step_seconds", "gangserve_batch_size")
+                        "gangserve_gang_step_seconds", "gangserve_batch_size", "gangserve_step_padded_share")
 
-    def on_step(self, rows: int, seconds: float, error: BaseException | None) -> None:
-        """StepBatcher's observer: one gang step finished (or failed with `error`). Never raises
-        (it runs on the batcher's path, before the step's requests get their answers)."""
+    def on_step(self, rows: int, seconds: float, error: BaseException | None, padded_share: float = 0.0) -> None:
+        """StepBatcher's observer: one gang step finished (or failed with `error`), `padded_share`
+        of its tokens padding added to batch mixed lengths. Never raises (it runs on the
+        batcher's path, before the step's requests get their answers)."""
         from service.errors import CollectiveTimeout
 
         try:
             if error is None:
                 self._m.observe("gangserve_gang_step_seconds", seconds)
                 self._m.observe("gangserve_batch_size", rows)
+                self._m.observe("gangserve_step_padded_share", padded_share)
             elif isinstance(error, CollectiveTimeout):
                 self._m.inc("gangserve_collective_timeouts")
         except Exception:  # noqa: BLE001

@@ -18,7 +18,7 @@ class RecordingStep:
         self.shapes: list[tuple[int, ...]] = []
         self.delay_s, self.fail = delay_s, fail
 
-    async def __call__(self, x: np.ndarray) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         self.shapes.append(x.shape)
         await asyncio.sleep(self.delay_s)
         if self.fail:
@@ -47,7 +47,7 @@ def test_concurrent_requests_share_steps_and_get_their_own_rows() -> None:
 def test_only_equal_seq_lens_are_coalesced_and_max_rows_is_respected() -> None:
     async def scenario() -> RecordingStep:
         step = RecordingStep()
-        batcher = StepBatcher(step, max_batch_size=4, wait_s=0.01)
+        batcher = StepBatcher(step, max_batch_size=4, wait_s=0.01, max_padding_fraction=0.0)
         inputs = [_x(2, 3, 0), _x(2, 7, 1), _x(2, 3, 2), _x(2, 3, 3), _x(2, 7, 4)]
         outs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
         for x, out in zip(inputs, outs):
@@ -97,11 +97,11 @@ class ConcurrencyProbe(RecordingStep):
         super().__init__(delay_s)
         self.running = self.peak = 0
 
-    async def __call__(self, x: np.ndarray) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
-            return await super().__call__(x)
+            return await super().__call__(x, mask, causal)
         finally:
             self.running -= 1
 
@@ -120,3 +120,80 @@ def test_steps_in_flight_never_exceed_the_limit_and_rows_stay_exact(max_in_fligh
         np.testing.assert_array_equal(out, x * 2)
     assert step.peak == max_in_flight  # 20 requests of <= 3 rows each keep every slot busy
     assert batcher.requests == 20 and batcher.steps == len(step.shapes)
+
+
+class MixingStep:
+    """A stand-in step that mixes positions like attention does, within a row only:
+    out[b, i] = x[b, i] + (mean of x[b, j] over the keys j query i may see), 0 at padded
+    queries. A padded key changing any real output would show up here."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], bool, bool | None]] = []
+
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+        self.calls.append((x.shape, mask is not None, causal))
+        await asyncio.sleep(0.01)
+        return mixing(x, mask, bool(causal))
+
+
+def mixing(x: np.ndarray, mask: np.ndarray | None, causal: bool) -> np.ndarray:
+    b, s, _ = x.shape
+    keys = np.ones((b, s), dtype=bool) if mask is None else mask
+    out = np.zeros_like(x, dtype=np.float64)
+    for r in range(b):
+        for i in range(s):
+            if not keys[r, i]:
+                continue
+            seen = [j for j in range(s) if keys[r, j] and (not causal or j <= i)]
+            out[r, i] = x[r, i] + x[r, seen].mean(axis=0)
+    return out
+
+
+def test_mixed_lengths_share_a_step_and_each_gets_what_it_would_alone() -> None:
+    lengths = [5, 7, 6, 5, 8, 3, 7, 6]
+
+    async def scenario() -> tuple[list, list, MixingStep, StepBatcher]:
+        step = MixingStep()
+        batcher = StepBatcher(step, max_batch_size=64, wait_s=0.02, max_padding_fraction=0.3)
+        inputs = [_x(1 + i % 2, n, i) for i, n in enumerate(lengths)]
+        masks = [None] * len(inputs)
+        masks[2] = np.array([[1, 1, 1, 1, 0, 0]] * inputs[2].shape[0], dtype=bool)  # its own padding too
+        causal = [i % 3 == 0 for i in range(len(inputs))]
+        outs = await asyncio.gather(*(batcher.submit(x, m, c) for x, m, c in zip(inputs, masks, causal)))
+        for x, m, c, out in zip(inputs, masks, causal, outs):
+            np.testing.assert_allclose(out, mixing(x, m, c), rtol=1e-6, atol=1e-6)
+        return inputs, outs, step, batcher
+
+    inputs, outs, step, batcher = asyncio.run(scenario())
+    assert all(out.shape == x.shape for x, out in zip(inputs, outs))
+    assert batcher.steps < len(lengths) and batcher.mixed_steps >= 1
+    stats = batcher.stats()
+    assert 0 < stats["padded_token_share"] <= 0.3 and stats["padded_tokens"] > 0
+    for shape, masked, causal in step.calls:  # causal and bidirectional never share a step
+        assert causal is not None
+
+
+def test_padding_stays_within_max_padding_fraction() -> None:
+    async def scenario() -> MixingStep:
+        step = MixingStep()
+        batcher = StepBatcher(step, max_batch_size=64, wait_s=0.02, max_padding_fraction=0.25)
+        inputs = [_x(1, n, n) for n in (1, 2, 8, 8, 7, 16, 15, 2, 1, 9)]
+        outs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        for x, out in zip(inputs, outs):
+            np.testing.assert_allclose(out, mixing(x, None, False), rtol=1e-6, atol=1e-6)
+        return step
+
+    step = asyncio.run(scenario())
+    assert len(step.calls) < 10
+
+
+def test_pad_group_keeps_the_fast_path_for_equal_lengths() -> None:
+    from service.batching import pad_group
+
+    a, b = _x(2, 4, 0), _x(1, 4, 1)
+    x, mask, padded = pad_group([(a, None), (b, None)])
+    assert mask is None and padded == 0 and x.shape == (3, 4, 4)
+    x, mask, padded = pad_group([(a, None), (_x(1, 6, 2), None)])
+    assert x.shape == (3, 6, 4) and padded == 2 * 2
+    assert mask is not None and mask[:2, 4:].sum() == 0 and mask[:2, :4].all() and mask[2].all()
+    assert (x[:2, 4:] == 0).all()

@@ -30,6 +30,9 @@ def test_cli_style_string_args_are_coerced() -> None:
         ({"backend": "nccl"}, "backend=nccl needs use_gpu=true"),
         ({"init": "zeros"}, "init"),
         ({"world_size": 0}, "world_size"),
+        ({"compute_dtype": "float16"}, "compute_dtype=float16 needs use_gpu=true"),
+        ({"compute_dtype": "int8"}, "compute_dtype"),
+        ({"max_padding_fraction": 1.0}, "max_padding_fraction"),
     ],
 )
 def test_impossible_configs_name_the_numbers(args: dict, needle: str) -> None:

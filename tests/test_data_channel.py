@@ -323,3 +323,32 @@ def test_request_path_replicas_run_on_their_main_event_loop(app_url: str) -> Non
         item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
     )
     assert {k: environ.get(k) for k in SAME_EVENT_LOOP_ENV} == SAME_EVENT_LOOP_ENV
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("share", [False, True], ids=["inline", "shm"])
+def test_mask_and_causal_travel_on_the_channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: bool) -> None:
+    """Issue 22: the key mask (always inline) and the causal flag reach rank 0's side intact."""
+    if share and not shm.available():
+        pytest.skip("needs a writable /dev/shm")
+    seen: list[tuple] = []
+
+    async def infer(x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+        seen.append((x.copy(), None if mask is None else mask.copy(), causal))
+        return _affine(x)
+
+    x = rand(3, 40, 512) if share else rand(2, 5, 8)
+    mask = np.zeros(x.shape[:2], dtype=bool)
+    mask[:, :3] = True
+
+    async def body(_: ChannelServer, client: ChannelClient) -> None:
+        out = await client.infer(x, share=share, mask=mask, causal=True)
+        np.testing.assert_array_equal(out, _affine(x))
+        out = await client.infer(x, share=share, causal=False)
+        np.testing.assert_array_equal(out, _affine(x))
+
+    _run_with_server(tmp_path, monkeypatch, body, infer=infer)
+    (x1, m1, c1), (x2, m2, c2) = seen
+    np.testing.assert_array_equal(x1, x)
+    np.testing.assert_array_equal(m1, mask)
+    assert c1 is True and m2 is None and c2 is False

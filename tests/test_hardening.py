@@ -320,7 +320,7 @@ def prepare_oip(body: bytes, encoding: str, header_length: int | None, output_dt
     cap = (limits.max_json_bytes, "max_json_bytes") if header_length is None else (1 << 20, "max_body_bytes")
     start = time.perf_counter()
     try:
-        _, x, _, dtype, _ = oip._prepare(body, encoding, cap, header_length, limits, output_dtype)
+        _, x, _, _, dtype, _ = oip._prepare(body, encoding, cap, header_length, limits, output_dtype)
         assert x.dtype == np.float32 and x.ndim == 3 and x.shape[-1] == limits.embed_dim
         assert codecs.dtype_name(dtype) in codecs.FLOAT_DTYPES
     except GangServeError as exc:
@@ -387,10 +387,10 @@ def test_valid_bodies_still_decode_exactly() -> None:
         assert np.array_equal(codecs.decode(body, media, LIMITS), _X), media
     for binary in (False, True):
         body, header_length = oip_body(_X, binary)
-        _, x, squeezed, dtype, _ = oip._prepare(body, "identity", (1 << 20, "max_body_bytes"), header_length, LIMITS, None)
+        _, x, _, squeezed, dtype, _ = oip._prepare(body, "identity", (1 << 20, "max_body_bytes"), header_length, LIMITS, None)
         assert np.array_equal(x, _X) and not squeezed and dtype == np.float32
     gz, _ = oip_body(_X, False)
-    _, x, _, _, _ = oip._prepare(gzip.compress(gz), "gzip", (LIMITS.max_json_bytes, "max_json_bytes"), None, LIMITS, None)
+    _, x, _, _, _, _ = oip._prepare(gzip.compress(gz), "gzip", (LIMITS.max_json_bytes, "max_json_bytes"), None, LIMITS, None)
     assert np.array_equal(x, _X)
 
 

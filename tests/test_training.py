@@ -283,7 +283,7 @@ def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str
     from safetensors import safe_open
     path = state_dir() / "checkpoints" / f"{job_id}.safetensors"
     with safe_open(str(path), framework="pt") as f:
-        assert f.metadata() == {"embed_dim": "64", "num_heads": "4"}
+        assert f.metadata() == {"embed_dim": "64", "num_heads": "4", "causal": "false"}
 
     # The independent reference, holding the checkpoint, fits the synthetic data far better
     # than the untrained student did: the keys map onto the trained module correctly.

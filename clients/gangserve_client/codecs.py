@@ -53,6 +53,7 @@ JSON = "application/json"
 MEDIA_TYPES = (SAFETENSORS, NPY, JSON)
 
 INPUT_NAME = "hidden_states"
+MASK_NAME = "attention_mask"  # optional key padding mask next to hidden_states: 1 = token, 0 = padding
 OUTPUT_NAME = "output"
 MAX_MESSAGE_CHARS = 1000
 MAX_SAFETENSORS_HEADER = 1 << 20  # 1 MiB of JSON header is far more than one tensor needs
@@ -80,6 +81,11 @@ _ST_TO_NP: dict[str, np.dtype | None] = {
     "F16": np.dtype("<f2"), "BF16": BFLOAT16, "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
 }
 _NP_TO_ST = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
+# The attention mask's safetensors dtypes (an integer or boolean tensor; values 0/1).
+_ST_MASK_TO_NP: dict[str, np.dtype] = {
+    "BOOL": np.dtype(bool), "U8": np.dtype("u1"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"),
+}
+_NP_MASK_TO_ST = {"bool": "BOOL", "uint8": "U8", "int32": "I32", "int64": "I64"}
 
 _NPY_DESCR = re.compile(r"[<>|=]?[A-Za-z]{1,2}[0-9]{0,3}")
 
@@ -187,15 +193,31 @@ def decode_safetensors(body: bytes | memoryview, name: str = INPUT_NAME, check: 
         raise InvalidTensorError(
             f"safetensors body needs a tensor named {name!r}; found {len(names)}: {snip(sorted(names)[:5])}"
         )
+    return _safetensors_tensor(view, header, header_len, name, _ST_TO_NP, ACCEPTED + ";", "F32, F16, BF16 or F64", check)
+
+
+def decode_safetensors_mask(body: bytes | memoryview, name: str = MASK_NAME) -> np.ndarray | None:
+    """The optional integer/boolean tensor `name` (BOOL, U8, I32 or I64) of a safetensors body,
+    zero-copy; None when the body has none. Its values and shape are the caller's to check."""
+    view = memoryview(body)
+    header, header_len = safetensors_header(view)
+    if name not in header:
+        return None
+    return _safetensors_tensor(view, header, header_len, name, _ST_MASK_TO_NP, f"{name} must be 0/1 integers or booleans;",
+                               "BOOL, U8, I32 or I64", None)
+
+
+def _safetensors_tensor(
+    view: memoryview, header: dict[str, Any], header_len: int, name: str, dtypes: dict[str, np.dtype | None],
+    accepted: str, codes: str, check: ShapeCheck | None,
+) -> np.ndarray:
     entry = header[name]
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
         raise MalformedError(f"safetensors entry {name!r} needs dtype, shape and data_offsets; got {snip(entry)}")
     code = entry["dtype"]
-    if not isinstance(code, str) or code not in _ST_TO_NP:
-        raise InvalidTensorError(
-            f"{ACCEPTED}; safetensors dtype {snip(code)} of {name!r} is not accepted (use F32, F16, BF16 or F64)"
-        )
-    dtype = _ST_TO_NP[code]
+    if not isinstance(code, str) or code not in dtypes:
+        raise InvalidTensorError(f"{accepted} safetensors dtype {snip(code)} of {name!r} is not accepted (use {codes})")
+    dtype = dtypes[code]
     if dtype is None:
         raise InvalidTensorError(f"safetensors tensor {name!r} is BF16; {BFLOAT16_EXTRA}")
     shape = shape_of(entry["shape"], f"safetensors shape of {name!r}")
@@ -223,17 +245,17 @@ def decode_safetensors(body: bytes | memoryview, name: str = INPUT_NAME, check: 
 
 
 def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
-    """A safetensors file of float tensors (header padded to 8 bytes, as the library does)."""
+    """A safetensors file of float tensors, and a BOOL/U8/I32/I64 `attention_mask` (header padded
+    to 8 bytes, as the library does)."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     arrays = []
     offset = 0
     for name, array in tensors.items():
         array = little_endian(np.require(array, requirements="C"))
-        code = _NP_TO_ST.get(dtype_name(array.dtype))
+        codes = _NP_MASK_TO_ST if name == MASK_NAME else _NP_TO_ST  # integers only for the mask
+        code = codes.get(dtype_name(array.dtype))
         if code is None:
-            raise UnencodableError(
-                f"cannot write dtype {array.dtype} as safetensors; only {', '.join(_NP_TO_ST)}"
-            )
+            raise UnencodableError(f"cannot write dtype {array.dtype} as safetensors tensor {name!r}; only {', '.join(codes)}")
         header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
         arrays.append(array)
@@ -356,6 +378,25 @@ def tensor_from_json(doc: Any, name: str = INPUT_NAME, check: ShapeCheck | None 
     dtype = float_dtype(doc.get("dtype", "float32"), "JSON dtype")
     shape = None if doc.get("shape") is None else shape_of(doc["shape"], "JSON shape")
     return numbers_to_array(doc[name], dtype, what=name, shape=shape, check=check)
+
+
+def mask_from_json(values: Any, what: str = MASK_NAME) -> np.ndarray:
+    """A JSON attention mask (nested lists of 0/1 numbers or booleans) as an int64 array, the
+    lists' rectangularity checked first; values other than 0/1 are the caller's to refuse."""
+    nested = _nesting(values, what)
+    if not nested or len(nested) > 2:
+        raise InvalidTensorError(f"{what} must be a [batch, seq] (or [seq]) list of 0/1; nested as {list(nested)}")
+    rows = _innermost_lists(values, nested, what)
+    try:
+        part = np.asarray(rows)
+    except (ValueError, TypeError, OverflowError):
+        raise InvalidTensorError(f"{what} must be a rectangular nested list of 0/1") from None
+    if part.size and part.dtype.kind not in "biuf":
+        raise InvalidTensorError(f"{what} must hold only 0/1 (or booleans); found non-numeric values")
+    if part.dtype.kind == "f":
+        if not np.isin(part, (0.0, 1.0)).all():
+            raise InvalidTensorError(f"{what} must hold only 0 and 1; found other values")
+    return part.astype(np.int64).reshape(nested)
 
 
 def encode_json(array: np.ndarray, name: str = OUTPUT_NAME) -> bytes:

@@ -121,22 +121,24 @@ class GangServer:
                  weights.source, weights.description, weights.sha256[:16])
         return config, weights
 
-    async def infer(self, x: np.ndarray) -> np.ndarray:
-        """x: [batch, seq, E] float32 (validated by the ingress) -> [batch, seq, E] float32."""
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+        """x: [batch, seq, E] float32 (validated by the ingress), key mask [batch, seq] bool
+        (None: all tokens), causal (None: the model's default) -> [batch, seq, E] float32."""
         with self._metrics.queued():
-            return await self._gang.infer(x)
+            return await self._gang.infer(x, mask, causal)
 
-    async def infer_shared(self, ref: shm.SharedTensorRef) -> tuple[int, ...]:
+    async def infer_shared(self, ref: shm.SharedTensorRef, mask: np.ndarray | None = None,
+                           causal: bool | None = None) -> tuple[int, ...]:
         """Same as `infer`, but the tensor travels through /dev/shm (see service.shm).
 
         Reads the request from the pages `ref` names and writes the output into the same
-        pages; only the ref and the reply's shape cross the handle call. Raises
+        pages; only the ref (and the small mask, by value) and the reply's shape cross the handle call. Raises
         SharedMemoryUnavailable (the ingress then sends the tensor by value) when `ref`
         lives on another node or is gone.
         """
         view = shm.open_ref(ref, self._node_id)  # [batch, seq, E] float32
         with self._metrics.queued():
-            out = await self._gang.infer(view)
+            out = await self._gang.infer(view, mask, causal)
         view[...] = out  # the ingress reads the reply from the same pages
         return tuple(int(d) for d in out.shape)
 

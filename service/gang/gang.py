@@ -89,7 +89,7 @@ class Gang:
         self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
         self._batcher = StepBatcher(
             self._batched_step, max_batch_size=gang.max_batch_size, wait_s=gang.batch_wait_timeout_s,
-            on_step=on_step,
+            on_step=on_step, max_padding_fraction=gang.max_padding_fraction,
         )
 
     # -- public, async -------------------------------------------------------------------
@@ -109,13 +109,14 @@ class Gang:
         self.state = GangState.REBUILDING
         await self._run(self._rebuild, weights)
 
-    async def infer(self, x: np.ndarray) -> np.ndarray:
-        """x [batch, seq, E] float32 -> attention output [batch, seq, E] float32."""
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+        """x [batch, seq, E] float32, key mask [batch, seq] bool (None: all tokens), causal
+        (None: the served weights' default) -> attention output [batch, seq, E] float32."""
         self._require_ready()
-        return await self._batcher.submit(x)
+        return await self._batcher.submit(x, mask, causal)
 
-    async def _batched_step(self, x: np.ndarray) -> np.ndarray:
-        return await self._run(self._infer_step, x, deadline_s=self.cfg.collective_timeout_s)
+    async def _batched_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+        return await self._run(self._infer_step, x, mask, causal, deadline_s=self.cfg.collective_timeout_s)
 
     async def swap_weights(
         self, model: ModelConfig, record: Callable[[], ServedWeights]
@@ -316,19 +317,26 @@ class Gang:
             return "gloo"
         return "nccl" if all_cuda else "gloo"
 
-    def _infer_step(self, x: np.ndarray) -> np.ndarray:
+    def _infer_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         # Requests queued behind a failure must not touch the broken group.
         self._require_ready()
-        return self._compute(x)
+        return self._compute(x, mask, causal)
 
-    def _compute(self, x: np.ndarray) -> np.ndarray:
+    def _compute(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         assert self._root is not None
         shape = tuple(int(d) for d in x.shape)
         version = self.weights_version
-        refs = [a.step.remote(shape, version) for a in self._actors]  # control messages only
+        # None = the served weights' default, read here on the sequencer: the same weights
+        # this step runs on (a swap is sequenced between steps).
+        causal = self._root.default_causal if causal is None else bool(causal)
+        if mask is None:  # the unmasked control message unchanged
+            refs = [a.step.remote(shape, version) if not causal else a.step.remote(shape, version, False, True)
+                    for a in self._actors]
+        else:
+            refs = [a.step.remote(shape, version, True, causal) for a in self._actors]  # control messages only
         try:
-            out = self._root.root_step(x, version)
-            if out.size and np.isnan(out.flat[0]):
+            out = self._root.root_step(x, version, mask, causal)
+            if out.size and np.isnan(out.flat[_first_token(mask, shape[2])]):
                 # Maybe a rank refused the step (see RankWorker._forward): its ack says so.
                 self._collect_acks(refs)
             else:
@@ -475,6 +483,14 @@ class Gang:
         if self.state in (GangState.READY, GangState.STARTING):
             log.error("gang broken: %s", reason)
             self.state, self.reason = GangState.BROKEN, reason
+
+
+def _first_token(mask: np.ndarray | None, width: int) -> int:
+    """Flat index into the output [batch, seq, E] of the first token's first element (padded
+    positions are 0 even in a poisoned step, so the NaN check must look at a token)."""
+    if mask is None:
+        return 0
+    return int(np.argmax(mask.reshape(-1))) * width  # argmax of bool: the first True
 
 
 def _kill_quietly(actor: Any) -> None:

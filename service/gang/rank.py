@@ -19,10 +19,18 @@ from service.config import ModelConfig
 from service.failpoints import Failpoints
 from service.netif import bind_collectives_to
 from service.parallel import ParallelGroup, TensorParallelAttention
-from service.parallel.weights import load_checkpoint_shard, random_weights, seed_weights, shard_dense
+from service.parallel.weights import (
+    checkpoint_causal,
+    load_checkpoint_shard,
+    random_weights,
+    seed_weights,
+    shard_dense,
+)
 from service.state import artifacts
 
 log = logging.getLogger("gangserve.rank")
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightsVersionMismatch(RuntimeError):
@@ -98,6 +106,11 @@ class RankWorker:
         self.group: ParallelGroup | None = None
         self.model: TensorParallelAttention | None = None
         self._staged: TensorParallelAttention | None = None
+        # The model's default for requests that do not say (builder `causal`, or the
+        # checkpoint's recorded one): staged and committed with the weights.
+        self.default_causal = False
+        self._staged_causal = False
+        self.dtype = torch.float32  # compute dtype: weights, activations and collectives
         self.weights_version = 0  # the recorded version self.model holds (0: none yet)
         self._store: dist.TCPStore | None = None
         self.failpoints = Failpoints()
@@ -151,6 +164,7 @@ class RankWorker:
             self._staged = None
             return
         self.model, self._staged = self._staged, None
+        self.default_causal = self._staged_causal
         self.weights_version = version
 
     def discard_staged(self) -> None:
@@ -163,53 +177,91 @@ class RankWorker:
     def _build(self, model_cfg: ModelConfig) -> int:
         if self.group is None:
             raise RuntimeError(f"rank {self.rank}: weights loaded before rendezvous")
-        model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group)
+        dtype = COMPUTE_DTYPES[model_cfg.compute_dtype]
+        if dtype == torch.float16 and self.device.type != "cuda":
+            raise ValueError(
+                f"rank {self.rank}: compute_dtype=float16 needs a CUDA device; this rank computes on "
+                f"{self.device} (use bfloat16 or float32 on CPU)"
+            )
+        model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group, dtype=dtype)
+        # A recorded checkpoint may be an artifact key: one verified local file for both reads.
+        local = artifacts.store().materialize(model_cfg.checkpoint) if model_cfg.checkpoint else None
+        if local is not None:
+            model_cfg = model_cfg.model_copy(update={"checkpoint": str(local)})
         model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size))
+        recorded = checkpoint_causal(local) if local is not None else None
+        self._staged_causal = model_cfg.causal if recorded is None else recorded
+        self.dtype = dtype  # one dtype per gang (the config's): a swap keeps it
         self._staged = model.eval()
         return model.parameter_bytes()
 
     # -- serving -------------------------------------------------------------------------
-    def step(self, shape: tuple[int, ...], weights_version: int) -> None:
+    def step(self, shape: tuple[int, ...], weights_version: int, masked: bool = False, causal: bool = False) -> None:
         """Ranks 1..N-1: receive rank 0's input by broadcast and compute this rank's heads.
 
-        `shape` and the weights version the step expects arrive in a tiny control message;
-        the tensor itself only travels through the process group.
+        `shape`, whether a key mask comes along, the causal flag and the weights version
+        the step expects arrive in a tiny control message; the tensors themselves only
+        travel through the process group (see `_forward`).
         """
-        x = torch.empty(shape, dtype=torch.float32, device=self.device)
-        self._forward(x, weights_version)
+        batch, seq, width = shape
+        buf = torch.empty(batch * seq * (width + 1) if masked else batch * seq * width, dtype=self.dtype,
+                          device=self.device)
+        self._forward(buf, tuple(shape), masked, causal, weights_version)
 
-    def root_step(self, x: np.ndarray, weights_version: int) -> np.ndarray:
-        """Rank 0: broadcast x [batch, seq, E] float32 to the gang and return the reduced output."""
+    def root_step(self, x: np.ndarray, weights_version: int, mask: np.ndarray | None = None,
+                  causal: bool = False) -> np.ndarray:
+        """Rank 0: broadcast x [batch, seq, E] float32 (and the key mask [batch, seq] bool) to
+        the gang and return the reduced output [batch, seq, E] float32."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if not x.flags.writeable:  # arrays from Ray's object store are read-only views
             x = x.copy()
-        xt = torch.from_numpy(x).to(self.device)  # [batch, seq, E]
-        return self._forward(xt, weights_version).cpu().numpy()
+        shape = tuple(int(d) for d in x.shape)
+        xt = torch.from_numpy(x)  # [batch, seq, E]
+        if mask is None:
+            buf = xt.to(device=self.device, dtype=self.dtype).reshape(-1)  # no copy for float32 on CPU
+        else:
+            # One broadcast carries both: [x.flatten(), mask.flatten()] in the compute dtype
+            # (0/1 are exact in every float dtype), so the mask costs no extra collective.
+            n = xt.numel()
+            buf = torch.empty(n + shape[0] * shape[1], dtype=self.dtype, device=self.device)
+            buf[:n].copy_(xt.reshape(-1))
+            buf[n:].copy_(torch.from_numpy(np.ascontiguousarray(mask, dtype=np.bool_)).reshape(-1))
+        out = self._forward(buf, shape, mask is not None, causal, weights_version)
+        return out.to(torch.float32).cpu().numpy()
 
-    def _forward(self, x: torch.Tensor, weights_version: int) -> torch.Tensor:
+    def _forward(self, buf: torch.Tensor, shape: tuple[int, ...], masked: bool, causal: bool,
+                 weights_version: int) -> torch.Tensor:
         """One step: broadcast, this rank's heads, all-reduce.
+
+        `buf` is x flattened ([batch * seq * E]), followed with `masked` by the key mask
+        ([batch * seq], 1.0 = token), in the compute dtype.
 
         A rank holding another weights version than the step expects must not contribute
         to an answer, yet must still take part in every collective (or the others would
         wait out the group timeout). So it computes on NaN: its partial output is NaN in
         every element (every output element depends on all of this rank's inputs), the
-        all-reduced output is NaN everywhere, and rank 0 refuses it by looking at one
-        element. The rank then raises, so its ack names the mismatch.
+        all-reduced output is NaN everywhere except at padded query positions (set to 0),
+        and rank 0 refuses it by looking at one token's element. The rank then raises, so
+        its ack names the mismatch.
         """
         if self.model is None or self.group is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
+        batch, seq, width = shape
         with torch.inference_mode():
-            self.group.broadcast_(x, src=0)  # [batch, seq, E] on every rank
+            self.group.broadcast_(buf, src=0)  # on every rank
+            n = batch * seq * width
+            x = buf[:n].view(batch, seq, width)  # [batch, seq, E]
+            key_mask = buf[n:].view(batch, seq) > 0.5 if masked else None  # [batch, seq] bool
             mismatch = weights_version != self.weights_version
             if mismatch:
                 x = torch.full_like(x, float("nan"))
-            out = self.model(x)  # [batch, seq, E], all-reduced
+            out = self.model(x) if key_mask is None and not causal else self.model(x, key_mask, causal)
         if mismatch:
             raise WeightsVersionMismatch(
                 f"rank {self.rank} holds weights version {self.weights_version}, "
                 f"the step expected {weights_version}"
             )
-        return out
+        return out  # [batch, seq, E], all-reduced
 
     def close(self) -> None:
         """Leave the process group (idempotent)."""

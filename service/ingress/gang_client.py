@@ -73,16 +73,18 @@ class GangClient:
         self._channel: ChannelClient | None = None
         self._channel_replica: str | None = None
         self._channel_retry_at = 0.0
-        # Concurrent requests of equal seq len share one handle call (see StepBatcher).
+        # Concurrent requests share one handle call, mixed lengths padded (see StepBatcher).
         self._batcher = StepBatcher(
             self._send, max_batch_size=config.max_batch_size, wait_s=config.batch_wait_timeout_s,
-            max_in_flight=INGRESS_CALLS_IN_FLIGHT,
+            max_in_flight=INGRESS_CALLS_IN_FLIGHT, max_padding_fraction=config.max_padding_fraction,
         )
         if self._shm_enabled:
             shm.sweep_stale()  # files a crashed ingress on this node left behind
 
     # -- public ---------------------------------------------------------------------------
-    async def infer(self, x: np.ndarray) -> np.ndarray:
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+        """x [batch, seq, E] float32, key mask [batch, seq] bool (None: all tokens), causal
+        (None: the served model's default) -> [batch, seq, E] float32."""
         status = await self.status(max_age_s=STATUS_MAX_AGE_S)
         # The status is one gang's. With several gangs, one broken or rebuilding gang says
         # nothing about the others (the router sends to ready ones; a broken one answers 503
@@ -91,7 +93,7 @@ class GangClient:
             self._single_gang or status["state"] in ("scheduling", "unschedulable")
         ):
             raise unavailable_error(status)
-        return await self._batcher.submit(x)
+        return await self._batcher.submit(x, mask, causal)
 
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
                              timeout_s: float = 300.0) -> dict[str, Any]:
@@ -176,14 +178,15 @@ class GangClient:
         return self._status
 
     # -- internals ------------------------------------------------------------------------
-    async def _send(self, x: np.ndarray) -> np.ndarray:
+    async def _send(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         """One request to the gang carrying x [batch, seq, E] (one request or a batch of
-        them): over the data channel when rank 0 is on this node, else a handle call."""
+        them) with its key mask and causal flag: over the data channel when rank 0 is on
+        this node, else a handle call (the mask and flag travel on every path)."""
         status = self._status or {}
         channel = self._channel_for(status)
         if channel is not None:
             try:
-                return await self._infer_channel(channel, x, self._can_share(x, status))
+                return await self._infer_channel(channel, x, self._can_share(x, status), mask, causal)
             except ChannelUnavailable as exc:
                 self._transport["data_channel_fallbacks"] += 1
                 self._channel_retry_at = time.monotonic() + CHANNEL_RETRY_AFTER_S
@@ -191,11 +194,12 @@ class GangClient:
                 log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc, CHANNEL_RETRY_AFTER_S)
         if self._can_share(x, status):
             try:
-                return await self._infer_shared(x)
+                return await self._infer_shared(x, mask, causal)
             except shm.SharedMemoryUnavailable as exc:
                 self._shm_failed(exc)
         self._transport["object_store"] += 1
-        return await self._call("infer", x, timeout_s=self._cfg.request_timeout_s, watch=True)
+        args = (x,) if mask is None and causal is None else (x, mask, causal)  # the unmasked call unchanged
+        return await self._call("infer", *args, timeout_s=self._cfg.request_timeout_s, watch=True)
 
     def _shm_failed(self, exc: Exception) -> None:
         self._transport["shared_memory_fallbacks"] += 1
@@ -219,19 +223,21 @@ class GangClient:
             return None
         return self._channel
 
-    async def _infer_channel(self, channel: ChannelClient, x: np.ndarray, share: bool) -> np.ndarray:
+    async def _infer_channel(self, channel: ChannelClient, x: np.ndarray, share: bool,
+                             mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         """x to rank 0 over the data channel: inline, or (tensors worth it) through the
-        connection's shared region in /dev/shm."""
+        connection's shared region in /dev/shm; the mask always inline."""
         timeout_s, what = self._cfg.request_timeout_s, "infer (data channel)"
         self._transport["data_channel"] += 1
         if share:
             try:
-                out = await self._bounded(channel.infer(x, share=True), what, timeout_s, watch=True)
+                out = await self._bounded(channel.infer(x, share=True, mask=mask, causal=causal), what, timeout_s,
+                                          watch=True)
                 self._transport["shared_memory"] += 1
                 return out
             except shm.SharedMemoryUnavailable as exc:
                 self._shm_failed(exc)  # /dev/shm full or unmappable: send the tensor itself
-        return await self._bounded(channel.infer(x), what, timeout_s, watch=True)
+        return await self._bounded(channel.infer(x, mask=mask, causal=causal), what, timeout_s, watch=True)
 
     def _can_share(self, x: np.ndarray, status: dict[str, Any]) -> bool:
         """Shared memory pays only for tensors Ray would not inline, and needs rank 0
@@ -247,11 +253,12 @@ class GangClient:
         ranks = status.get("ranks") or []
         return bool(ranks) and ranks[0].get("node_id") == self._node_id
 
-    async def _infer_shared(self, x: np.ndarray) -> np.ndarray:
+    async def _infer_shared(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         ref, view = shm.create(x, self._node_id)
         self._transport["shared_memory"] += 1  # calls made, like "object_store"
+        args = (ref,) if mask is None and causal is None else (ref, mask, causal)  # the mask is small: by value
         try:
-            shape = await self._call("infer_shared", ref, timeout_s=self._cfg.request_timeout_s, watch=True)
+            shape = await self._call("infer_shared", *args, timeout_s=self._cfg.request_timeout_s, watch=True)
         finally:
             shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
         if tuple(shape) != ref.shape:

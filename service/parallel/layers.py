@@ -93,16 +93,39 @@ class RowParallelLinear(nn.Module):
         return partial.add_(self.bias)
 
 
+def attention_bias_mask(key_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The boolean SDPA mask (True = attend) for `key_mask` [batch, seq] (True = token).
+
+    Query i of row b attends key j iff key_mask[b, j] (and j <= i when causal). A padded
+    query row is allowed every key instead: its output is discarded (set to 0) anyway, and
+    a row with no key at all (causal + left padding: padded query 0) would make softmax
+    0/0 = NaN. Every real query keeps at least itself (j = i is a token), so no real row
+    is ever empty. Returns [batch, 1, seq, seq] (broadcast over heads).
+    """
+    seq = key_mask.shape[1]
+    allowed = key_mask[:, None, None, :]  # [batch, 1, 1, seq]: which keys are tokens
+    if causal:
+        tril = torch.ones(seq, seq, dtype=torch.bool, device=key_mask.device).tril_()  # [seq, seq], j <= i
+        allowed = allowed & tril  # [batch, 1, seq, seq]
+    padded_query = ~key_mask[:, None, :, None]  # [batch, 1, seq, 1]
+    return allowed | padded_query  # [batch, 1, seq, seq]
+
+
 class TensorParallelAttention(nn.Module):
-    """Self-attention with heads split across ranks (no mask, scale D ** -0.5).
+    """Self-attention with heads split across ranks (scale D ** -0.5), optionally masked.
 
     Rank r owns heads r*H/p .. (r+1)*H/p - 1. q/k/v are ColumnParallelLinear (no gather),
     so each rank gets exactly the projections of its own heads; the out projection is a
     RowParallelLinear whose all_reduce sums the ranks' contributions:
 
-        out = sum_r softmax(Q_r K_r^T / sqrt(D)) V_r  W_out[:, r-th slice]^T  + b_out
+        out = sum_r softmax(Q_r K_r^T / sqrt(D) + M) V_r  W_out[:, r-th slice]^T  + b_out
 
-    which equals dense `nn.MultiheadAttention(E, H, bias=True, batch_first=True)`.
+    which equals dense `nn.MultiheadAttention(E, H, bias=True, batch_first=True)`. The
+    additive mask M [batch, 1, seq, seq] is 0 where query i may attend key j and -inf
+    elsewhere: key j must be a token (`key_mask[b, j]`), and with `causal` also j <= i.
+    The mask is per row and per position, never per head, so every rank applies the same
+    M to its own heads and the sum over ranks is unchanged. Output rows at padded query
+    positions are set to 0 (the contract: a padded position has no output).
     """
 
     def __init__(
@@ -130,15 +153,30 @@ class TensorParallelAttention(nn.Module):
         # [batch, seq, heads_local * head_dim] -> [batch, heads_local, seq, head_dim]
         return t.view(batch, seq, self.heads_per_rank, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [batch, seq, embed_dim], identical on every rank -> [batch, seq, embed_dim]."""
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False
+    ) -> torch.Tensor:
+        """x: [batch, seq, embed_dim], identical on every rank -> [batch, seq, embed_dim].
+
+        key_mask: [batch, seq] bool, True = a token, False = padding (None: all tokens).
+        causal: query i attends keys j <= i only.
+        """
         batch, seq, _ = x.shape
         q = self._split_heads(self.q_proj(x))  # [batch, heads_local, seq, head_dim]
         k = self._split_heads(self.k_proj(x))  # [batch, heads_local, seq, head_dim]
         v = self._split_heads(self.v_proj(x))  # [batch, heads_local, seq, head_dim]
-        ctx = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [b, h_l, s, d]
+        if key_mask is None:
+            # The unmasked fast path: no mask tensor at all (causal uses SDPA's own).
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=self.scale, is_causal=causal)  # [b, h_l, s, d]
+        else:
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_bias_mask(key_mask, causal), scale=self.scale
+            )  # [b, h_l, s, d]
         ctx = ctx.transpose(1, 2).reshape(batch, seq, self.heads_per_rank * self.head_dim)
-        return self.out_proj(ctx)  # [batch, seq, embed_dim], all-reduced
+        out = self.out_proj(ctx)  # [batch, seq, embed_dim], all-reduced
+        if key_mask is not None:
+            out.masked_fill_(~key_mask[..., None], 0.0)  # padded query positions have no output
+        return out
 
     def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
         """Copy this rank's slice (see service.parallel.weights.shard_dense) into the layers."""

@@ -91,14 +91,24 @@ def shard_dense(weights: DenseWeights, rank: int, world_size: int) -> DenseWeigh
     return shard
 
 
-def save_checkpoint(path: str | Path, weights: DenseWeights, num_heads: int) -> None:
-    """Write dense weights in the contract's safetensors format."""
+def save_checkpoint(path: str | Path, weights: DenseWeights, num_heads: int, causal: bool | None = None) -> None:
+    """Write dense weights in the contract's safetensors format; `causal` (when given) is
+    recorded as metadata `causal` = "true" | "false", the served default for the weights."""
     embed_dim = weights["q_proj.weight"].shape[0]
     validate_dense(weights, embed_dim)
     if embed_dim % num_heads:
         raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
     tensors = {k: weights[k].detach().to(torch.float32).contiguous().cpu() for k in DENSE_KEYS}
-    save_file(tensors, str(path), metadata={"embed_dim": str(embed_dim), "num_heads": str(num_heads)})
+    metadata = {"embed_dim": str(embed_dim), "num_heads": str(num_heads)}
+    if causal is not None:
+        metadata["causal"] = "true" if causal else "false"
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def checkpoint_causal(path: str | Path) -> bool | None:
+    """The `causal` a checkpoint records (None: it records none, or says something else)."""
+    value = str(read_checkpoint_header(path)["metadata"].get("causal", "")).strip().lower()  # type: ignore[union-attr]
+    return {"true": True, "false": False}.get(value)
 
 
 def read_checkpoint_header(path: str | Path) -> dict[str, object]:

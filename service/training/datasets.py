@@ -1,8 +1,10 @@
 """Training data: learnable synthetic data and uploaded safetensors datasets.
 
-An uploaded dataset is one safetensors file with exactly two float tensors:
+An uploaded dataset is one safetensors file with two float tensors:
     linear:    inputs [N, in_features],   targets [N, out_features]
     attention: inputs [N, seq, E],        targets [N, seq, E]
+and, for attention only, optionally `attention_mask` [N, seq] (BOOL, U8, I32 or I64; 1 = a
+real token, 0 = padding, at least one token per sample): the loss ignores padded positions.
 The kind is inferred from the rank (2-D or 3-D); a job checks it against its model.
 """
 from __future__ import annotations
@@ -22,7 +24,9 @@ from service.training.models import ModelSpecT, teacher_model
 from service.training.spec import AttentionModel, LinearModel, SyntheticDataset
 
 DATASET_KEYS = ("inputs", "targets")
+MASK_KEY = "attention_mask"
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+_MASK_DTYPES = (np.bool_, np.uint8, np.int32, np.int64)
 # Decorrelates the teacher's weights from the inputs drawn with the same dataset seed.
 _TEACHER_SEED_OFFSET = 7919
 
@@ -72,8 +76,10 @@ def parse_upload(body: bytes) -> tuple[DatasetInfo, dict[str, np.ndarray]]:
         tensors = st_load(body)
     except (SafetensorError, ValueError, OSError) as exc:
         raise MalformedDataset(f"body is not a valid safetensors file: {exc}") from None
-    if sorted(tensors) != sorted(DATASET_KEYS):
-        raise DatasetError(f"expected exactly the tensors {list(DATASET_KEYS)}, found {sorted(tensors)}")
+    if sorted(set(tensors) - {MASK_KEY}) != sorted(DATASET_KEYS):
+        raise DatasetError(
+            f"expected the tensors {list(DATASET_KEYS)} (and optionally {MASK_KEY!r}), found {sorted(tensors)}"
+        )
     out: dict[str, np.ndarray] = {}
     for key in DATASET_KEYS:
         arr = tensors[key]
@@ -95,6 +101,8 @@ def parse_upload(body: bytes) -> tuple[DatasetInfo, dict[str, np.ndarray]]:
         raise DatasetError(f"attention data needs targets shaped like inputs: {list(x.shape)} vs {list(y.shape)}")
     if 0 in x.shape or 0 in y.shape:
         raise DatasetError(f"empty dimension in inputs {list(x.shape)} / targets {list(y.shape)}")
+    if MASK_KEY in tensors:
+        out[MASK_KEY] = _check_mask(tensors[MASK_KEY], x.shape)
     info = DatasetInfo(
         kind="attention" if x.ndim == 3 else "linear",
         samples=int(x.shape[0]),
@@ -102,6 +110,22 @@ def parse_upload(body: bytes) -> tuple[DatasetInfo, dict[str, np.ndarray]]:
         targets_shape=[int(d) for d in y.shape],
     )
     return info, out
+
+
+def _check_mask(mask: np.ndarray, inputs_shape: tuple[int, ...]) -> np.ndarray:
+    """The dataset's attention mask as [N, seq] uint8 0/1, or DatasetError naming the problem."""
+    if len(inputs_shape) != 3:
+        raise DatasetError(f"{MASK_KEY} is for attention data (inputs [N, seq, E]); inputs are {list(inputs_shape)}")
+    if mask.dtype.type not in _MASK_DTYPES:
+        raise DatasetError(f"{MASK_KEY} has dtype {mask.dtype}; expected bool, uint8, int32 or int64 (0/1)")
+    if mask.shape != inputs_shape[:2]:
+        raise DatasetError(f"{MASK_KEY} must be [N, seq] = {list(inputs_shape[:2])}; found {list(mask.shape)}")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise DatasetError(f"{MASK_KEY} must hold only 0 (padding) and 1 (token)")
+    empty = np.flatnonzero(~mask.astype(bool).any(axis=1))
+    if empty.size:
+        raise DatasetError(f"{MASK_KEY} marks every position of sample(s) {empty[:5].tolist()} as padding")
+    return np.ascontiguousarray(mask, dtype=np.uint8)
 
 
 def check_compatible(model: ModelSpecT, info: DatasetInfo) -> None:
@@ -121,11 +145,14 @@ def check_compatible(model: ModelSpecT, info: DatasetInfo) -> None:
         )
 
 
-def load_uploaded(ref: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """An uploaded dataset's tensors: `ref` is its artifact key (read through the store, so
-    a worker on any node reads it from object storage) or a legacy absolute path."""
+def load_uploaded(ref: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets, attention mask [N, seq] bool or None) of a stored dataset: `ref` is
+    its artifact key (read through the store, so a worker on any node reads it from object
+    storage) or a legacy absolute path."""
     if Path(ref).is_absolute():
         tensors = load_file(str(ref))
     else:
         tensors = st_load_torch(artifacts.store().read_bytes(str(ref)))
-    return tensors["inputs"].to(torch.float32), tensors["targets"].to(torch.float32)
+    mask = tensors.get(MASK_KEY)
+    return (tensors["inputs"].to(torch.float32), tensors["targets"].to(torch.float32),
+            None if mask is None else mask.to(torch.bool))

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from service.parallel.layers import attention_bias_mask
 from service.parallel.weights import DenseWeights, random_weights, save_checkpoint
 from service.training.spec import AttentionModel, LinearModel
 
@@ -23,15 +24,37 @@ MODEL_FILE = "model.safetensors"
 
 
 class SelfAttention(nn.Module):
-    """x [batch, seq, E] -> self-attention(x) [batch, seq, E]."""
+    """x [batch, seq, E] (+ attention_mask [batch, seq], 1 = token) -> self-attention(x) [batch, seq, E].
 
-    def __init__(self, embed_dim: int, num_heads: int) -> None:
+    The function the gang serves: padded keys ignored, with `causal` query i attends keys
+    j <= i, output 0 at padded query positions. The mask handed to nn.MultiheadAttention is
+    the serving layer's (service.parallel.layers.attention_bias_mask), so a padded query row
+    keeps every key instead of none: with left padding and causal it would otherwise be
+    all -inf, NaN in the forward and NaN gradients in the backward, even though its output
+    is discarded.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, causal: bool = False) -> None:
         super().__init__()
         self.mha = nn.MultiheadAttention(embed_dim, num_heads, bias=True, batch_first=True)
+        self.causal = causal
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.mha(x, x, x, need_weights=False)
-        return out
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is None:
+            if not self.causal:
+                out, _ = self.mha(x, x, x, need_weights=False)
+                return out
+            seq = x.shape[1]
+            blocked = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu_(1)  # [seq, seq], j > i
+            out, _ = self.mha(x, x, x, attn_mask=blocked, is_causal=True, need_weights=False)
+            return out
+        tokens = attention_mask.to(torch.bool)  # [batch, seq]
+        allowed = attention_bias_mask(tokens, self.causal)  # [batch, 1, seq, seq], True = attend
+        batch, seq = tokens.shape
+        heads = self.mha.num_heads
+        blocked = ~allowed.expand(batch, heads, seq, seq).reshape(batch * heads, seq, seq)  # MHA: True = blocked
+        out, _ = self.mha(x, x, x, attn_mask=blocked, need_weights=False)
+        return out.masked_fill(~tokens[..., None], 0.0)  # [batch, seq, E]
 
 
 def build_model(spec: ModelSpecT, seed: int) -> nn.Module:
@@ -39,19 +62,19 @@ def build_model(spec: ModelSpecT, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(spec, AttentionModel):
-            return SelfAttention(spec.embed_dim, spec.num_heads)
+            return SelfAttention(spec.embed_dim, spec.num_heads, spec.causal)
         return nn.Linear(spec.in_features, spec.out_features)
 
 
 def teacher_model(spec: ModelSpecT, seed: int) -> nn.Module:
     """The fixed random teacher that labels synthetic data (same kind as the student).
 
-    attention: the serving stack's `random_weights(E, seed)` (U(+-1/sqrt(E)));
+    attention: the serving stack's `random_weights(E, seed)` (U(+-1/sqrt(E))), causal as the student;
     linear: weights and bias ~ N(0, 1), so the targets have unit-scale signal.
     """
     gen = torch.Generator().manual_seed(seed)
     if isinstance(spec, AttentionModel):
-        model = SelfAttention(spec.embed_dim, spec.num_heads)
+        model = SelfAttention(spec.embed_dim, spec.num_heads, spec.causal)
         load_dense_into(model, random_weights(spec.embed_dim, seed))
         return model.eval()
     model = nn.Linear(spec.in_features, spec.out_features)
@@ -84,11 +107,11 @@ def load_dense_into(model: SelfAttention, weights: DenseWeights) -> None:
 
 
 def save_model(model: nn.Module, spec: ModelSpecT, path: str | Path) -> None:
-    """attention: the dense serving checkpoint (service.parallel.weights.save_checkpoint);
-    linear: `weight`, `bias` with metadata in_features / out_features."""
+    """attention: the dense serving checkpoint (service.parallel.weights.save_checkpoint),
+    recording `causal`; linear: `weight`, `bias` with metadata in_features / out_features."""
     if isinstance(spec, AttentionModel):
         assert isinstance(model, SelfAttention)
-        save_checkpoint(path, dense_weights(model), spec.num_heads)
+        save_checkpoint(path, dense_weights(model), spec.num_heads, causal=spec.causal)
         return
     assert isinstance(model, nn.Linear)
     save_file(

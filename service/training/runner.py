@@ -52,9 +52,19 @@ OUTPUT_INTERVAL_S = 5.0
 OUTPUT_ACK_TIMEOUT_S = 10.0
 
 
-def vector_sq_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean over vectors of ||out - target||^2 (sum over the last axis)."""
-    return (out - target).pow(2).sum(dim=-1).mean()
+def vector_sq_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over vectors of ||out - target||^2 (sum over the last axis); with `mask`
+    ([batch, seq] bool, True = token) the mean is over token vectors only: padded
+    positions add nothing to the loss or its gradient."""
+    err = (out - target).pow(2).sum(dim=-1)  # [batch] or [batch, seq]
+    if mask is None:
+        return err.mean()
+    return err[mask].mean()
+
+
+def _batch(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x, y, mask or None) of a loader batch ((x, y) or (x, y, mask))."""
+    return (batch[0], batch[1], batch[2]) if len(batch) == 3 else (batch[0], batch[1], None)
 
 
 def send_output(reporter: Any, rank: int, capture: OutputCapture, final: bool = False) -> None:
@@ -102,12 +112,13 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
         node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
     ), timeout=ACK_TIMEOUT_S)
 
+    mask = None
     if isinstance(spec.dataset, SyntheticDataset):
         x, y = synthetic(spec.model, spec.dataset)
     else:
-        x, y = load_uploaded(config["dataset_path"])
+        x, y, mask = load_uploaded(config["dataset_path"])
     loader = DataLoader(
-        TensorDataset(x, y), batch_size=spec.batch_size, shuffle=True,
+        TensorDataset(x, y) if mask is None else TensorDataset(x, y, mask), batch_size=spec.batch_size, shuffle=True,
         generator=torch.Generator().manual_seed(spec.seed),
     )
     loader = prepare_data_loader(loader)
@@ -131,15 +142,16 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
         epoch_steps = 0
         # [sum of loss * vectors, vectors], on the model's device: NCCL reduces CUDA tensors only.
         loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
-        for xb, yb in loader:
-            out = model(xb)
-            loss = vector_sq_error(out, yb)
+        for batch in loader:
+            xb, yb, mb = _batch(batch)
+            out = model(xb) if mb is None else model(xb, mb)
+            loss = vector_sq_error(out, yb, mb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
             epoch_steps += 1
-            n = xb.shape[0]
+            n = xb.shape[0] if mb is None else mb.sum()  # vectors the loss averaged over (token vectors)
             loss_sum[0] += loss.detach().double() * n  # stays on the device: no sync per step
             loss_sum[1] += n
             if rank == 0 and time.monotonic() - last_progress > PROGRESS_INTERVAL_S:

@@ -36,6 +36,11 @@ class AttentionModel(_Closed):
     kind: Literal["attention"] = "attention"
     embed_dim: int = Field(512, ge=8, le=8192, description="Model width E.")
     num_heads: int = Field(8, ge=1, le=256, description="Heads H; E % H == 0.")
+    causal: bool = Field(
+        False,
+        description="Causal self-attention (query i attends keys j <= i). Recorded in the checkpoint's "
+        "metadata, so the served model answers causally unless a request says otherwise.",
+    )
 
     @model_validator(mode="after")
     def _divisible(self) -> "AttentionModel":

@@ -32,16 +32,20 @@ _DTYPE = {"type": "string", "enum": list(codecs.DTYPE_NAMES)}
 _BODY_DOC = {
     "required": True,
     "description": "hidden_states [batch, seq, E] or [seq, E] in float32, float16, bfloat16 or float64 "
-    "(npy cannot carry bfloat16). Computed in float32.",
+    "(npy cannot carry bfloat16), and optionally (JSON, safetensors) attention_mask [batch, seq] or [seq]: "
+    "1 = token, 0 = padding. Computed in the app's compute_dtype (default float32).",
     "content": {
-        codecs.SAFETENSORS: {"schema": {**_BINARY, "description": "safetensors file with a tensor 'hidden_states'"}},
-        codecs.NPY: {"schema": {**_BINARY, "description": "npy file (never unpickled)"}},
+        codecs.SAFETENSORS: {"schema": {**_BINARY, "description": "safetensors file with a tensor 'hidden_states' "
+                                        "and optionally 'attention_mask' (BOOL, U8, I32 or I64)"}},
+        codecs.NPY: {"schema": {**_BINARY, "description": "npy file (never unpickled); one array, so no mask"}},
         codecs.JSON: {
             "schema": {
                 "type": "object",
                 "required": ["hidden_states"],
                 "properties": {
                     "hidden_states": {"type": "array", "items": {}, "description": "nested lists of numbers"},
+                    "attention_mask": {"type": "array", "items": {},
+                                       "description": "optional [batch, seq] (or [seq]) of 1 = token, 0 = padding"},
                     "dtype": {**_DTYPE, "default": "float32", "description": "the request's dtype"},
                     "shape": {"type": "array", "items": {"type": "integer", "minimum": 0},
                               "description": "optional; hidden_states (flat or nested) is reshaped to it"},
@@ -82,6 +86,10 @@ async def infer(
     output_dtype: Literal["float32", "float16", "bfloat16", "float64"] | None = Query(
         None, description="Reply dtype; default: the request's dtype (npy replies cannot be bfloat16)."
     ),
+    causal: bool | None = Query(
+        None, description="Causal attention (query i attends keys j <= i); default: the served model's "
+        "(the checkpoint's recorded `causal`, else the builder's `causal`)."
+    ),
     cfg: AppConfig = Depends(get_config),
     gang: GangClient = Depends(get_gang),
     pool: DecodePool = Depends(get_decode_pool),
@@ -97,11 +105,11 @@ async def infer(
     t_read = time.perf_counter()
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
     if len(body) > INLINE_DECODE_BYTES:
-        x, squeezed, dtype = await pool.run(_prepare, body, media, limits, output_dtype, reply_media)
+        x, mask, squeezed, dtype = await pool.run(_prepare, body, media, limits, output_dtype, reply_media)
     else:
-        x, squeezed, dtype = _prepare(body, media, limits, output_dtype, reply_media)
+        x, mask, squeezed, dtype = _prepare(body, media, limits, output_dtype, reply_media)
     t_decoded = time.perf_counter()
-    out = await gang.infer(x)  # [batch, seq, E] float32
+    out = await gang.infer(x, mask, causal)  # [batch, seq, E] float32
     t_gang = time.perf_counter()
     if squeezed:
         out = out[0]
@@ -121,15 +129,16 @@ async def infer(
 
 def _prepare(
     body: bytes, media: str, limits: codecs.Limits, output_dtype: str | None, reply_media: str
-) -> tuple[np.ndarray, bool, np.dtype]:
+) -> tuple[np.ndarray, np.ndarray | None, bool, np.dtype]:
     """Decode (shape and dtype checked before any value is converted), pick the reply dtype,
-    and bring the tensor to [batch, seq, E] float32: (x, squeezed, reply dtype)."""
-    array = codecs.decode(body, media, limits)
+    and bring the tensor to [batch, seq, E] float32 and the mask to [batch, seq] bool:
+    (x, mask or None, squeezed, reply dtype)."""
+    array, raw_mask = codecs.decode_request(body, media, limits)
     dtype = codecs.reply_dtype(array.dtype, output_dtype, reply_media)
     x, squeezed = codecs.validate_hidden_states(
         array, embed_dim=limits.embed_dim, max_seq_len=limits.max_seq_len, max_tokens=limits.max_tokens
     )
-    return x, squeezed, dtype
+    return x, codecs.validate_attention_mask(raw_mask, x.shape, squeezed), squeezed, dtype
 
 
 def _encode(out: np.ndarray, dtype: np.dtype, reply_media: str) -> bytes:

@@ -8,7 +8,9 @@ by the raw little-endian row-major bytes of every input whose parameters hold
 them when the request has `binary_data_output: true`) come back the same way.
 
 Tensors: one input `hidden_states` ([batch, seq, E] or [seq, E]; FP32, FP16, BF16 or FP64,
-computed in FP32), one output `output` of the same shape, in the input's datatype unless
+computed in the app's compute_dtype), an optional second input `attention_mask` ([batch, seq]
+or [seq]; BOOL, UINT8, INT32 or INT64; 1 = token, 0 = padding), request parameter `causal`
+(boolean), one output `output` of the same shape, in the input's datatype unless
 the `output_dtype` query parameter asks for another. Errors are JSON `{"error", "code"}`
 (OIP clients read `error`). Shapes and limits are checked before any tensor data is
 decoded, and long before any compute.
@@ -115,7 +117,9 @@ class InferenceRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = Field(None, max_length=MAX_ID_CHARS)
-    parameters: dict[str, Any] | None = Field(None, description="binary_data_output: every output as raw bytes")
+    parameters: dict[str, Any] | None = Field(
+        None, description="binary_data_output: every output as raw bytes; causal: causal attention (boolean)"
+    )
     inputs: list[RequestInput]
     outputs: list[RequestOutput] | None = None
 
@@ -276,10 +280,10 @@ async def _infer(
     cap = (cfg.max_json_bytes, "max_json_bytes") if json_only else (cfg.max_body_bytes, "max_body_bytes")
     args = (body, encoding, cap, header_length, limits, output_dtype)
     if encoding != "identity" or len(body) > INLINE_DECODE_BYTES:
-        req, x, squeezed, reply_dtype, binary = await pool.run(_prepare, *args)
+        req, x, mask, squeezed, reply_dtype, binary = await pool.run(_prepare, *args)
     else:
-        req, x, squeezed, reply_dtype, binary = _prepare(*args)
-    out = await gang.infer(x)  # [batch, seq, E] float32
+        req, x, mask, squeezed, reply_dtype, binary = _prepare(*args)
+    out = await gang.infer(x, mask, _causal(req))  # [batch, seq, E] float32
     out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
     if out.size > INLINE_ENCODE_VALUES:
         return await pool.run_unbounded(_reply, req, out, binary)
@@ -289,9 +293,10 @@ async def _infer(
 def _prepare(
     body: bytes, encoding: str, cap: tuple[int, str], header_length: int | None, limits: codecs.Limits,
     output_dtype: str | None,
-) -> tuple[InferenceRequest, np.ndarray, bool, np.dtype, bool]:
-    """Inflate (capped), parse and check the request, and decode its input tensor:
-    (request, x [batch, seq, E] float32, squeezed, reply dtype, binary output)."""
+) -> tuple[InferenceRequest, np.ndarray, np.ndarray | None, bool, np.dtype, bool]:
+    """Inflate (capped), parse and check the request, and decode its input tensors:
+    (request, x [batch, seq, E] float32, key mask [batch, seq] bool or None, squeezed,
+    reply dtype, binary output)."""
     body = _decompress(body, encoding, *cap)
     if not body:
         raise BadRequest("request body is empty; it needs a JSON inference request")
@@ -301,10 +306,11 @@ def _prepare(
     elif header_length > len(view):
         raise BadRequest(f"{HEADER_LENGTH} is {header_length}; the body has only {len(view)} bytes")
     req = _parse_request(view[:header_length], limits)
-    array, squeezed = _decode_input(req, view[header_length:], limits)
+    array, raw_mask, squeezed = _decode_input(req, view[header_length:], limits)
     reply_dtype = codecs.reply_dtype(array.dtype, output_dtype)
     x = codecs.to_model_input(array)
-    return req, x, squeezed, reply_dtype, _binary_outputs(req)
+    mask = codecs.validate_attention_mask(raw_mask, x.shape, squeezed)
+    return req, x, mask, squeezed, reply_dtype, _binary_outputs(req)
 
 
 def _parse_request(header: memoryview, limits: codecs.Limits) -> InferenceRequest:
@@ -338,38 +344,72 @@ def _check_sizes(doc: Any) -> None:
             raise InvalidInput(f"a parameters object has {len(params)} entries; at most {MAX_PARAMETERS}")
 
 
-def _decode_input(req: InferenceRequest, binary: memoryview, limits: codecs.Limits) -> tuple[np.ndarray, bool]:
-    """The one input tensor, shape-checked against the limits before its data is decoded."""
+def _decode_input(
+    req: InferenceRequest, binary: memoryview, limits: codecs.Limits
+) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """The input tensor (shape-checked against the limits before its data is decoded) and the
+    optional `attention_mask` input, raw: (hidden_states, mask or None, squeezed). Binary
+    data follows the header in input order."""
     names = [i.name for i in req.inputs]
-    if names != [codecs.INPUT_NAME]:
-        raise InvalidInput(f"model {MODEL_NAME!r} takes exactly one input {codecs.INPUT_NAME!r}; got {codecs.snip(names)}")
-    spec = req.inputs[0]
-    params = spec.parameters or {}
-    if "shared_memory_region" in params:
-        raise BadRequest("shared-memory inputs are not supported over HTTP here; send JSON data or binary data")
-    if spec.datatype not in codecs.OIP_TO_NP:
+    if codecs.INPUT_NAME not in names or len(set(names)) != len(names) or not set(names) <= {
+        codecs.INPUT_NAME, codecs.MASK_NAME
+    }:
         raise InvalidInput(
-            f"input {spec.name!r} datatype must be one of {', '.join(codecs.OIP_TO_NP)}; got {codecs.snip(spec.datatype)}"
+            f"model {MODEL_NAME!r} takes one input {codecs.INPUT_NAME!r} and optionally {codecs.MASK_NAME!r}; "
+            f"got {codecs.snip(names)}"
         )
-    if any(d < 0 for d in spec.shape):
-        raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {codecs.snip(spec.shape)}")
-    squeezed = limits.check(spec.shape)
-    size = params.get("binary_data_size")
-    if size is None:
-        if len(binary):
+    squeezed = False
+    offset = 0
+    decoded: dict[str, np.ndarray] = {}
+    sizes = [_binary_size(spec) for spec in req.inputs]
+    if sum(s for s in sizes if s is not None) != len(binary):
+        declared = sum(s for s in sizes if s is not None)
+        if declared == 0:
             raise BadRequest(f"{len(binary)} bytes follow the JSON header but no input has a binary_data_size")
-        if spec.data is None:
-            raise BadRequest(f"input {spec.name!r} has neither JSON 'data' nor a binary_data_size parameter")
-        return codecs.decode_oip_tensor(spec.datatype, spec.shape, data=spec.data, name=spec.name), squeezed
-    if type(size) is not int or size < 0:
+        raise BadRequest(f"the inputs declare binary_data_size {declared} in all; {len(binary)} bytes follow the header")
+    for spec, size in zip(req.inputs, sizes):
+        params = spec.parameters or {}
+        if "shared_memory_region" in params:
+            raise BadRequest("shared-memory inputs are not supported over HTTP here; send JSON data or binary data")
+        if any(d < 0 for d in spec.shape):
+            raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {codecs.snip(spec.shape)}")
+        is_mask = spec.name == codecs.MASK_NAME
+        if not is_mask:
+            if spec.datatype not in codecs.OIP_TO_NP:
+                raise InvalidInput(
+                    f"input {spec.name!r} datatype must be one of {', '.join(codecs.OIP_TO_NP)}; "
+                    f"got {codecs.snip(spec.datatype)}"
+                )
+            squeezed = limits.check(spec.shape)
+        raw = None
+        if size is None:
+            if spec.data is None:
+                raise BadRequest(f"input {spec.name!r} has neither JSON 'data' nor a binary_data_size parameter")
+        else:
+            if spec.data is not None:
+                raise BadRequest(f"input {spec.name!r} has both JSON 'data' and binary_data_size; send one")
+            raw, offset = binary[offset:offset + size], offset + size
+        decode = codecs.decode_oip_mask if is_mask else codecs.decode_oip_tensor
+        decoded[spec.name] = decode(spec.datatype, spec.shape, data=None if raw is not None else spec.data,
+                                    raw=raw, name=spec.name)
+    return decoded[codecs.INPUT_NAME], decoded.get(codecs.MASK_NAME), squeezed
+
+
+def _binary_size(spec: RequestInput) -> int | None:
+    size = (spec.parameters or {}).get("binary_data_size")
+    if size is not None and (type(size) is not int or size < 0):
         raise BadRequest(
             f"binary_data_size of input {spec.name!r} must be a non-negative integer; got {codecs.snip(size)}"
         )
-    if spec.data is not None:
-        raise BadRequest(f"input {spec.name!r} has both JSON 'data' and binary_data_size; send one")
-    if size != len(binary):
-        raise BadRequest(f"input {spec.name!r} declares binary_data_size {size}; {len(binary)} bytes follow the header")
-    return codecs.decode_oip_tensor(spec.datatype, spec.shape, raw=binary, name=spec.name), squeezed
+    return size
+
+
+def _causal(req: InferenceRequest) -> bool | None:
+    """`parameters.causal` (a boolean), None when absent: the served model's default."""
+    value = (req.parameters or {}).get("causal")
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"parameter causal must be a boolean; got {value!r:.50}")
+    return value
 
 
 def _binary_outputs(req: InferenceRequest) -> bool:
@@ -415,6 +455,7 @@ def _metadata(cfg: AppConfig) -> ModelMetadata:
         name=MODEL_NAME,
         versions=[MODEL_VERSION],
         platform="gangserve_tensor_parallel_attention",
+        # attention_mask is optional, and OIP metadata cannot say so: it is documented, not listed.
         inputs=[TensorMetadata(name=codecs.INPUT_NAME, datatype="FP32", shape=shape)],
         outputs=[TensorMetadata(name=codecs.OUTPUT_NAME, datatype="FP32", shape=shape)],
     )
