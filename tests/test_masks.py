@@ -302,3 +302,16 @@ def test_causal_job_on_a_masked_dataset_trains_and_records_causal(app_url: str) 
     assert ckpt.status_code == 200
     header, _ = wire.safetensors_header(ckpt.content)
     assert header["__metadata__"]["causal"] == "true", header["__metadata__"]
+
+
+def test_client_sends_mask_and_causal(masked_app: str) -> None:
+    from gangserve_client import GangServeClient
+
+    x = rand(2, 5, 512, seed=21)
+    mask = padding_mask([5, 2], 5)
+    with GangServeClient(masked_app) as client:
+        for fmt in ("safetensors", "json"):
+            check(client.infer(x, fmt, attention_mask=mask, causal=True), x, mask, True, f"client {fmt}")
+        check(client.infer(x, "npy", causal=True), x, None, True, "client npy causal")
+        with pytest.raises(ValueError, match="npy"):
+            client.infer(x, "npy", attention_mask=mask)
