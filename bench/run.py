@@ -458,39 +458,48 @@ def mixed_throughput(url: str, bodies: dict[int, bytes], clients: int, seconds: 
 
 
 def bench_mixed(base: str, n: int, load_s: float) -> dict[str, dict]:
-    """Issue 22: mixed-length traffic (16 clients, seq 1..128, batch 1) on two world-size-2 gangs,
-    one run: mixed-length batching (default max_padding_fraction) vs batching limited to equal
-    lengths (max_padding_fraction=0), through the proxy and on direct ingress; plus the
-    masked request's latency next to the unmasked one's at equal shape."""
+    """Issue 22: mixed-length traffic (16 clients, seq 1..128, batch 1) on world-size-2 gangs,
+    one run: mixed-length batching (default max_padding_fraction 0.25; and 0.5) vs batching
+    limited to equal lengths (max_padding_fraction=0), through the proxy and on direct
+    ingress; plus the masked request's latency next to the unmasked one's at equal shape."""
     from ray import serve
     from safetensors.numpy import save as st_save
 
     from harness.local import local_yaml_args
     from service.app import build_app
 
-    serve.run(build_app({**local_yaml_args(), "cpus_per_rank": 0.5}), name="mixed", route_prefix="/mixed")
-    serve.run(build_app({**local_yaml_args(), "cpus_per_rank": 0.5, "max_padding_fraction": 0.0}),
+    # 16 clients with bodies up to 256 KiB: room for all of them in the decoding pool (both apps alike).
+    common = {**local_yaml_args(), "cpus_per_rank": 0.5, "max_pending_decodes": 32}
+    serve.run(build_app(common), name="mixed", route_prefix="/mixed")
+    serve.run(build_app({**common, "max_padding_fraction": 0.0}),
               name="equalonly", route_prefix="/equalonly")
+    serve.run(build_app({**common, "max_padding_fraction": 0.5}), name="mixed50", route_prefix="/mixed50")
     client = httpx.Client(timeout=120)
     rng = np.random.default_rng(5)
     bodies = {s: npy(rng.standard_normal((1, s, 512), dtype=np.float32)) for s in range(1, MIXED_MAX_SEQ + 1)}
-    mixed_d, equal_d = direct_base("mixed"), direct_base("equalonly")
+    direct = {app: direct_base(app) for app in ("mixed", "equalonly", "mixed50")}
     rows: dict[str, dict] = {}
-    for label, url in (("mixed-length batching", base + "/mixed/infer"),
-                       ("equal lengths only (max_padding_fraction=0)", base + "/equalonly/infer"),
-                       ("mixed-length batching, direct ingress", mixed_d + "/mixed/infer"),
-                       ("equal lengths only, direct ingress", equal_d + "/equalonly/infer")):
+    for label, app, url in (
+        ("mixed-length batching", "mixed", base + "/mixed/infer"),
+        ("equal lengths only (max_padding_fraction=0)", "equalonly", base + "/equalonly/infer"),
+        ("mixed-length batching, direct ingress", "mixed", direct["mixed"] + "/mixed/infer"),
+        ("equal lengths only, direct ingress", "equalonly", direct["equalonly"] + "/equalonly/infer"),
+        ("mixed-length batching, max_padding_fraction=0.5, direct ingress", "mixed50", direct["mixed50"] + "/mixed50/infer"),
+    ):
         mixed_throughput(url, bodies, 16, 1.0)  # warm up: the lengths' first steps
-        app = "mixed" if "/mixed/" in url else "equalonly"
-        before = client.get(f"{base}/{app}/gang").json()["batching"]
+        before = client.get(f"{base}/{app}/gang").json()
         rows[label] = mixed_throughput(url, bodies, 16, load_s)
-        after = client.get(f"{base}/{app}/gang").json()["batching"]
-        steps = max(after["steps"] - before["steps"], 1)
-        tokens = max(after["tokens"] - before["tokens"], 1)
-        rows[label].update({
-            "gang_requests_per_step": (after["requests"] - before["requests"]) / steps,
-            "gang_padded_token_share": (after["padded_tokens"] - before["padded_tokens"]) / tokens,
-        })
+        after = client.get(f"{base}/{app}/gang").json()
+        # Where the batching happens: the ingress coalesces requests into handle calls (2 in
+        # flight), so the gang server mostly sees whole batches, one per step.
+        for where, b0, b1 in (("ingress", before["ingress_transport"]["batching"], after["ingress_transport"]["batching"]),
+                              ("gang", before["batching"], after["batching"])):
+            steps = max(b1["steps"] - b0["steps"], 1)
+            rows[label][f"{where}_requests_per_step"] = (b1["requests"] - b0["requests"]) / steps
+            rows[label][f"{where}_padded_token_share"] = (b1["padded_tokens"] - b0["padded_tokens"]) / max(
+                b1["tokens"] - b0["tokens"], 1)
+    serve.delete("mixed50")
+    mixed_d = direct["mixed"]
     # The mask's cost at equal shape: [1, 64, 512] safetensors, one padded position (an
     # all-ones mask is dropped to the unmasked path), interleaved with the unmasked request.
     x = rng.standard_normal((1, 64, 512), dtype=np.float32)
@@ -511,10 +520,12 @@ def bench_mixed(base: str, n: int, load_s: float) -> dict[str, dict]:
 def print_mixed(mixed: dict[str, dict], load_s: float) -> dict[str, float]:
     print(f"\nmixed-length traffic (issue 22): 16 clients, batch 1, seq uniform over 1..{MIXED_MAX_SEQ}, "
           f"world size 2, {load_s:.0f}s each, one run\n")
-    print("| row | req/s | tokens/s | p50 ms | p99 ms | requests per gang step | padded token share |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| row | req/s | tokens/s | p50 ms | p99 ms | requests per ingress call | padded share (ingress) | "
+          "calls per gang step | padded share (gang) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in mixed["throughput"].items():
         print(f"| {name} | {r['req_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+              f"{r['ingress_requests_per_step']:.2f} | {r['ingress_padded_token_share']:.3f} | "
               f"{r['gang_requests_per_step']:.2f} | {r['gang_padded_token_share']:.3f} |")
     print("\n| request (direct ingress, interleaved) | p50 ms | p99 ms | gang ms (Server-Timing) |")
     print("|---|---:|---:|---:|")
@@ -526,6 +537,9 @@ def print_mixed(mixed: dict[str, dict], load_s: float) -> dict[str, float]:
             t["mixed-length batching"]["req_per_s"] / t["equal lengths only (max_padding_fraction=0)"]["req_per_s"],
         "mixed / equal-only req/s, direct ingress (goal >= 2)":
             t["mixed-length batching, direct ingress"]["req_per_s"] / t["equal lengths only, direct ingress"]["req_per_s"],
+        "mixed (max_padding_fraction=0.5) / equal-only req/s, direct ingress":
+            t["mixed-length batching, max_padding_fraction=0.5, direct ingress"]["req_per_s"]
+            / t["equal lengths only, direct ingress"]["req_per_s"],
         "masked / unmasked p50 at [1, 64, 512] (goal <= 1.05)":
             lat["masked [1, 64, 512] (one padded position)"]["p50_ms"] / lat["unmasked [1, 64, 512]"]["p50_ms"],
         "causal / unmasked p50 at [1, 64, 512]":
