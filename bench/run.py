@@ -34,6 +34,14 @@ from harness.reference import dense_reference, notes_seed_weights  # noqa: E402
 SHAPE = (128, 8, 512)  # the original notes' request
 
 
+def print_ratios(heading: str, values: dict[str, float]) -> None:
+    """A markdown table of named ratios (the README's benchmark tables are pasted from these)."""
+    print(f"\n| {heading} | value |")
+    print("|---|---:|")
+    for name, value in values.items():
+        print(f"| {name} | {value:.2f} |")
+
+
 def percentiles(samples_s: list[float]) -> dict[str, float]:
     ms = sorted(s * 1000 for s in samples_s)
     return {
@@ -275,10 +283,7 @@ def print_equal_compute(eq: dict[str, dict], load_s: float) -> dict[str, float]:
     for name, r in ws2.items():
         print(f"| {name} | {r['p50_ms']:.1f} |")
     ratios["ws2: ours - (echo + bare TP step), ms (goal <= 2)"] = gap
-    print("\n| goal | value |")
-    print("|---|---:|")
-    for name, value in ratios.items():
-        print(f"| {name} | {value:.2f} |")
+    print_ratios("goal", ratios)
     return ratios
 
 
@@ -545,10 +550,7 @@ def print_mixed(mixed: dict[str, dict], load_s: float) -> dict[str, float]:
         "causal / unmasked p50 at [1, 64, 512]":
             lat["causal [1, 64, 512]"]["p50_ms"] / lat["unmasked [1, 64, 512]"]["p50_ms"],
     }
-    print("\n| goal | value |")
-    print("|---|---:|")
-    for name, value in ratios.items():
-        print(f"| {name} | {value:.2f} |")
+    print_ratios("goal", ratios)
     return ratios
 
 
@@ -691,10 +693,7 @@ def main() -> None:
         "direct ingress: small-request throughput gangserve / naive (goal >= 2)":
             small["gangserve ws2, direct ingress"]["c16_req_per_s"] / small["naive peer, direct ingress"]["c16_req_per_s"],
     }
-    print("\n| ratio | value |")
-    print("|---|---:|")
-    for name, value in goals.items():
-        print(f"| {name} | {value:.2f} |")
+    print_ratios("ratio", goals)
     out = ROOT / "bench" / "results" / "latest.json"
     out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "gangs": serving["gangs"], "breakdown": serving["breakdown"], "training": serving["training"],
                                "direct_ingress": serving["direct_ingress"], "ratios": goals,
