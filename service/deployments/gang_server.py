@@ -296,6 +296,9 @@ class GangServer:
             self._gang.reason = (
                 f"rebuild attempt {self._failed_rebuilds} failed ({cause}); retrying in {delay:.0f}s"
             )
+            # The state stays BROKEN, so the supervisor loop would not report this reason
+            # before the next attempt replaces it: report it now (/readyz, /gangs show it).
+            await self._publish()
             await asyncio.sleep(delay)
         log.warning("rebuilding gang (attempt %d) after: %s", self._failed_rebuilds + 1, cause)
         self._gang.reason = f"rebuilding after: {cause}"

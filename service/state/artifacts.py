@@ -33,6 +33,7 @@ Contract of the operations (`ArtifactStore`):
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -346,7 +347,9 @@ class ArtifactStore:
         if os.path.isabs(ref) or self.local:
             path = Path(ref) if os.path.isabs(ref) else Path(self.path(ref))
             if not path.is_file():
-                raise FileNotFoundError(f"no file {ref}" if os.path.isabs(ref) else f"no artifact {ref!r} in {self.url}")
+                if os.path.isabs(ref):  # the OS's own wording, as opening it would say
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), ref)
+                raise FileNotFoundError(f"no artifact {ref!r} in {self.url}")
             if sha is not None:
                 actual = file_sha256(path)
                 if actual != sha:
