@@ -41,7 +41,9 @@ def two_gangs(serve_url: str):
 
 
 def _gangs(base: str) -> dict:
-    return httpx.get(base + "/gangs", timeout=10).json()
+    reply = httpx.get(base + "/gangs", timeout=10)
+    assert reply.status_code == 200, f"/gangs answered {reply.status_code}: {reply.text}"
+    return reply.json()
 
 
 @pytest.mark.ray

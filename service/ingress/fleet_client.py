@@ -20,9 +20,14 @@ from service.ingress.handle_errors import map_handle_error
 
 log = logging.getLogger("gangserve.ingress")
 
-FLEET_TIMEOUT_S = 1.0  # the controller answers from memory in milliseconds
-# After a failed call, skip the controller this long (answer at once from the fallback):
-# Serve's router may keep sending to a dead controller replica until it notices.
+# Readiness asks with a short bound and falls back to a gang (the controller answers from
+# memory in milliseconds; slower means it is gone or the machine is overloaded). Status
+# routes (/gangs, rollouts) have no fallback, so they wait longer before answering 503.
+READINESS_TIMEOUT_S = 1.0
+FLEET_TIMEOUT_S = 5.0
+# After a failed readiness call, readiness skips the controller this long (answers at once
+# from the fallback): Serve's router may keep sending to a dead controller replica until it
+# notices.
 SKIP_AFTER_FAILURE_S = 2.0
 
 
@@ -38,10 +43,15 @@ class FleetClient:
     def connected(self) -> bool:
         return self._handle is not None
 
-    async def view(self) -> dict[str, Any]:
-        """{"gangs": [/gang + replica_id, reported_s_ago], "ready": n, "lost": [...]}."""
+    async def view(self, for_readiness: bool = False) -> dict[str, Any]:
+        """{"gangs": [/gang + replica_id, reported_s_ago], "ready": n, "lost": [...]}.
+
+        `for_readiness`: bounded by READINESS_TIMEOUT_S, and refused at once for a while
+        after such a call failed (the caller has a fallback)."""
         if self._handle is None:
             return {"gangs": [], "ready": 0, "lost": []}
+        if for_readiness:
+            return await self._call("fleet", timeout_s=READINESS_TIMEOUT_S, skip_after_failure=True)
         return await self._call("fleet")
 
     async def report_metrics(self, source: str, snapshot: dict[str, list]) -> None:
@@ -54,24 +64,26 @@ class FleetClient:
             return []
         return await self._call("metrics", exclude)
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, timeout_s: float = FLEET_TIMEOUT_S,
+                    skip_after_failure: bool = False) -> Any:
         assert self._handle is not None
-        if time.monotonic() < self._skip_until:
+        if skip_after_failure and time.monotonic() < self._skip_until:
             raise GangUnavailable(f"the controller failed a call less than {SKIP_AFTER_FAILURE_S:g}s ago",
                                   code="controller_unreachable", retry_after_s=1.0)
         response = getattr(self._handle, method).remote(*args)
         try:
-            return await asyncio.wait_for(_await(response), FLEET_TIMEOUT_S)
+            return await asyncio.wait_for(_await(response), timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
-            self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
-            raise GangUnavailable(f"the controller did not answer {method} within {FLEET_TIMEOUT_S:g}s",
+            if skip_after_failure:
+                self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+            raise GangUnavailable(f"the controller did not answer {method} within {timeout_s:g}s",
                                   code="controller_unreachable", retry_after_s=1.0) from None
         except Exception as exc:
             error = map_handle_error(exc, what="controller", method=method, unavailable=_unavailable)
             if error is None:
                 raise
-            if not isinstance(exc, RayTaskError):  # the controller itself is gone or unreachable
+            if skip_after_failure and not isinstance(exc, RayTaskError):  # the controller is gone
                 self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
             raise error from None
 

@@ -102,14 +102,14 @@ class GangClient:
         self._status_at = 0.0  # the version changes: next status read is fresh
         return await self._call("reload_weights", checkpoint, job_id, timeout_s=timeout_s)
 
-    async def gangs(self) -> dict[str, Any]:
+    async def gangs(self, for_readiness: bool = False) -> dict[str, Any]:
         """Every live gang of the app: {"desired", "ready", "gangs": [/gang + replica_id],
         "missing", "lost"}, from the Controller's fleet view (503 if it cannot answer).
 
         `missing` names, for each desired gang that is not serving, what it waits for;
         `lost` the gangs whose replica process died recently (never counted as ready).
         """
-        view = await self._fleet.view()
+        view = await self._fleet.view(for_readiness)
         rows, lost = view["gangs"], view["lost"]
         desired = await self._desired()
         ready = sum(1 for g in rows if g.get("state") == "ready")

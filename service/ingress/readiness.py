@@ -28,7 +28,7 @@ async def readiness(gang: GangClient) -> dict[str, Any]:
     """The 200 body {status, world_size, backend, ready, desired, missing}; raises the 503
     (a GangServeError naming why) when no gang can serve now."""
     try:
-        fleet = await gang.gangs()
+        fleet = await gang.gangs(for_readiness=True)
     except GangServeError:
         fleet = None  # the controller is restarting: ask whichever gang the handle reaches
     up_s = fleet.get("controller_up_s") if fleet is not None else None
