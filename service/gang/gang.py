@@ -43,7 +43,7 @@ import logging
 import statistics
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -519,11 +519,11 @@ class Gang:
                 done.set_exception(exc)
 
         threading.Thread(target=run, name="gang-lifecycle-wait", daemon=True).start()
-        while True:
-            try:
-                return done.result(timeout=self._heartbeat_s / 2)
-            except TimeoutError:
-                self._heartbeat_if_idle()
+        # Not `except TimeoutError` around result(): fn's own timeouts (Ray's GetTimeoutError
+        # is a TimeoutError) must propagate, not be taken for "still running".
+        while not wait([done], timeout=self._heartbeat_s / 2).done:
+            self._heartbeat_if_idle()
+        return done.result()
 
     def _collect_acks(self, refs: list) -> None:
         """Wait (bounded) for every outstanding peer ack, raising the first peer error."""
