@@ -426,6 +426,14 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         if only == "mixed":
             results["mixed"] = bench_mixed(base, n, load_s)
             return results
+        if only == "steploop":
+            from bench.peers import NaivePeer as _Naive
+
+            serve.run(_Naive.options(ray_actor_options={"num_cpus": 2}).bind(2), name="naive2", route_prefix="/naive2")
+            big = x.astype(np.float32)
+            results["steploop"] = bench_step_loop(base, httpx.Client(timeout=120), big, big[:1].copy(), n, load_s)
+            serve.delete("naive2")
+            return results
         results["equal"] = bench_equal_compute(base, n, load_s)
         if only == "equal":
             return results
@@ -669,10 +677,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal", "mixed"], default=None,
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop"], default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
-                        "mask's latency) and print its table")
+                        "mask's latency; steploop: world size 2 with the peers' step loop vs a Ray call per step, "
+                        "against Serve echo + the bare TP step, also part of equal) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -684,6 +693,17 @@ def main() -> None:
         ratios = print_mixed(mixed, args.load_seconds)
         out = ROOT / "bench" / "results" / "mixed.json"
         out.write_text(json.dumps({"mixed": mixed, "ratios": ratios, "time": time.time()}, indent=2))
+        print(f"\nwritten to {out.relative_to(ROOT)}")
+        return
+    if args.only == "steploop":
+        ws2 = bench_serving(x.numpy(), args.requests, args.load_seconds, only="steploop")["steploop"]
+        ratios = print_step_loop(ws2, args.load_seconds)
+        print("\n| goal | value |")
+        print("|---|---:|")
+        for name, value in ratios.items():
+            print(f"| {name} | {value:.2f} |")
+        out = ROOT / "bench" / "results" / "steploop.json"
+        out.write_text(json.dumps({"steploop": ws2, "ratios": ratios, "time": time.time()}, indent=2))
         print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     if args.only == "equal":

@@ -167,8 +167,8 @@ class Gang:
         if self.state is GangState.READY and self._actors:
             await self._run(self._probe_step)
 
-    async def step_loop_stats(self, timeout_s: float = 2.0) -> dict[str, object]:
-        """Where the last steps' time went, from every rank's timestamps (medians, ms):
+    async def step_loop_stats(self, timeout_s: float = 2.0, window: int = 32) -> dict[str, object]:
+        """Where the last `window` steps' time went, from every rank's timestamps (medians, ms):
         `queue` (step handed to the sequencer -> header sent), `peer_wake` (header sent ->
         each peer awake: the control cost), `skew` (the latest peer's wake-up minus rank
         0's header send: how late the first collective starts), `broadcast` and `forward`
@@ -176,7 +176,7 @@ class Gang:
         output copied out). Wall clocks: across nodes, skew includes their clock offset."""
         if not self._loop_on:
             return {"enabled": False}
-        mine = {t[0]: t for t in self._timings[-control.TIMINGS_KEPT:]}
+        mine = {t[0]: t for t in self._timings[-window:]}
         try:
             peers = await asyncio.wait_for(
                 asyncio.gather(*(a.loop_timings.remote() for a in self._actors)), timeout=timeout_s)
