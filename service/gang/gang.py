@@ -409,7 +409,7 @@ class Gang:
                 seq, sent_ns = self._seq + 1, time.time_ns()
                 flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
                 self._send_header(control.step_header(seq, shape, flags, self._root.dtype, version, sent_ns))
-                self._root._step_seq = seq
+                self._root.step_seq = seq
             elif mask is None:  # the unmasked control message unchanged
                 refs = [a.step.remote(shape, version) if not causal else a.step.remote(shape, version, False, True)
                         for a in self._actors]

@@ -116,7 +116,7 @@ class RankWorker:
         self._control: dist.ProcessGroup | None = None
         self._loop: threading.Thread | None = None
         self.loop_error: str | None = None  # why the loop stopped (it then exits the process)
-        self._step_seq = 0  # the header sequence number of the step being computed
+        self.step_seq = 0  # the header sequence number of the step being computed
         self._mismatches: deque[tuple[int, str]] = deque(maxlen=64)  # (seq, why) refused steps
         # (seq, header sent, woke, broadcast done, forward done), time.time_ns() each
         self._timings: deque[tuple[int, int, int, int, int]] = deque(maxlen=control.TIMINGS_KEPT)
@@ -265,7 +265,7 @@ class RankWorker:
                 why = (f"rank {self.rank} holds weights version {self.weights_version}, "
                        f"the step expected {weights_version}")
                 # Recorded before the all_reduce: once rank 0's all_reduce is done, it can ask.
-                self._mismatches.append((self._step_seq, why))
+                self._mismatches.append((self.step_seq, why))
                 x = torch.full_like(x, float("nan"))
             out = self.model(x) if key_mask is None and not causal else self.model(x, key_mask, causal)
             self.last_forward_ns = time.time_ns()
@@ -332,7 +332,7 @@ class RankWorker:
                 self._loop_failed(f"the step computes in dtype code {h[control.DTYPE]}, this rank in "
                                   f"{self.dtype} (code {control.DTYPE_CODES[self.dtype]})")
                 return
-            self._step_seq = h[control.SEQ]
+            self.step_seq = h[control.SEQ]
             flags = h[control.FLAGS]
             try:
                 self.step((h[control.BATCH], h[control.SEQ_LEN], h[control.WIDTH]), h[control.VERSION],
