@@ -34,6 +34,14 @@ from harness.reference import dense_reference, notes_seed_weights  # noqa: E402
 SHAPE = (128, 8, 512)  # the original notes' request
 
 
+def print_ratios(heading: str, values: dict[str, float]) -> None:
+    """A markdown table of named ratios (the README's benchmark tables are pasted from these)."""
+    print(f"\n| {heading} | value |")
+    print("|---|---:|")
+    for name, value in values.items():
+        print(f"| {name} | {value:.2f} |")
+
+
 def percentiles(samples_s: list[float]) -> dict[str, float]:
     ms = sorted(s * 1000 for s in samples_s)
     return {
@@ -340,10 +348,7 @@ def print_equal_compute(eq: dict[str, dict], load_s: float) -> dict[str, float]:
     ratios["small req/s at 16 clients, ws1 / naive (goal >= 1)"] = (
         c16["gangserve ws1 (2 threads)"]["req_per_s"] / c16["naive peer (2 threads)"]["req_per_s"])
     ratios.update(print_step_loop(eq["ws2"], load_s))
-    print("\n| goal | value |")
-    print("|---|---:|")
-    for name, value in ratios.items():
-        print(f"| {name} | {value:.2f} |")
+    print_ratios("goal", ratios)
     return ratios
 
 
@@ -531,39 +536,48 @@ def mixed_throughput(url: str, bodies: dict[int, bytes], clients: int, seconds: 
 
 
 def bench_mixed(base: str, n: int, load_s: float) -> dict[str, dict]:
-    """Issue 22: mixed-length traffic (16 clients, seq 1..128, batch 1) on two world-size-2 gangs,
-    one run: mixed-length batching (default max_padding_fraction) vs batching limited to equal
-    lengths (max_padding_fraction=0), through the proxy and on direct ingress; plus the
-    masked request's latency next to the unmasked one's at equal shape."""
+    """Issue 22: mixed-length traffic (16 clients, seq 1..128, batch 1) on world-size-2 gangs,
+    one run: mixed-length batching (default max_padding_fraction 0.25; and 0.5) vs batching
+    limited to equal lengths (max_padding_fraction=0), through the proxy and on direct
+    ingress; plus the masked request's latency next to the unmasked one's at equal shape."""
     from ray import serve
     from safetensors.numpy import save as st_save
 
     from harness.local import local_yaml_args
     from service.app import build_app
 
-    serve.run(build_app({**local_yaml_args(), "cpus_per_rank": 0.5}), name="mixed", route_prefix="/mixed")
-    serve.run(build_app({**local_yaml_args(), "cpus_per_rank": 0.5, "max_padding_fraction": 0.0}),
+    # 16 clients with bodies up to 256 KiB: room for all of them in the decoding pool (both apps alike).
+    common = {**local_yaml_args(), "cpus_per_rank": 0.5, "max_pending_decodes": 32}
+    serve.run(build_app(common), name="mixed", route_prefix="/mixed")
+    serve.run(build_app({**common, "max_padding_fraction": 0.0}),
               name="equalonly", route_prefix="/equalonly")
+    serve.run(build_app({**common, "max_padding_fraction": 0.5}), name="mixed50", route_prefix="/mixed50")
     client = httpx.Client(timeout=120)
     rng = np.random.default_rng(5)
     bodies = {s: npy(rng.standard_normal((1, s, 512), dtype=np.float32)) for s in range(1, MIXED_MAX_SEQ + 1)}
-    mixed_d, equal_d = direct_base("mixed"), direct_base("equalonly")
+    direct = {app: direct_base(app) for app in ("mixed", "equalonly", "mixed50")}
     rows: dict[str, dict] = {}
-    for label, url in (("mixed-length batching", base + "/mixed/infer"),
-                       ("equal lengths only (max_padding_fraction=0)", base + "/equalonly/infer"),
-                       ("mixed-length batching, direct ingress", mixed_d + "/mixed/infer"),
-                       ("equal lengths only, direct ingress", equal_d + "/equalonly/infer")):
+    for label, app, url in (
+        ("mixed-length batching", "mixed", base + "/mixed/infer"),
+        ("equal lengths only (max_padding_fraction=0)", "equalonly", base + "/equalonly/infer"),
+        ("mixed-length batching, direct ingress", "mixed", direct["mixed"] + "/mixed/infer"),
+        ("equal lengths only, direct ingress", "equalonly", direct["equalonly"] + "/equalonly/infer"),
+        ("mixed-length batching, max_padding_fraction=0.5, direct ingress", "mixed50", direct["mixed50"] + "/mixed50/infer"),
+    ):
         mixed_throughput(url, bodies, 16, 1.0)  # warm up: the lengths' first steps
-        app = "mixed" if "/mixed/" in url else "equalonly"
-        before = client.get(f"{base}/{app}/gang").json()["batching"]
+        before = client.get(f"{base}/{app}/gang").json()
         rows[label] = mixed_throughput(url, bodies, 16, load_s)
-        after = client.get(f"{base}/{app}/gang").json()["batching"]
-        steps = max(after["steps"] - before["steps"], 1)
-        tokens = max(after["tokens"] - before["tokens"], 1)
-        rows[label].update({
-            "gang_requests_per_step": (after["requests"] - before["requests"]) / steps,
-            "gang_padded_token_share": (after["padded_tokens"] - before["padded_tokens"]) / tokens,
-        })
+        after = client.get(f"{base}/{app}/gang").json()
+        # Where the batching happens: the ingress coalesces requests into handle calls (2 in
+        # flight), so the gang server mostly sees whole batches, one per step.
+        for where, b0, b1 in (("ingress", before["ingress_transport"]["batching"], after["ingress_transport"]["batching"]),
+                              ("gang", before["batching"], after["batching"])):
+            steps = max(b1["steps"] - b0["steps"], 1)
+            rows[label][f"{where}_requests_per_step"] = (b1["requests"] - b0["requests"]) / steps
+            rows[label][f"{where}_padded_token_share"] = (b1["padded_tokens"] - b0["padded_tokens"]) / max(
+                b1["tokens"] - b0["tokens"], 1)
+    serve.delete("mixed50")
+    mixed_d = direct["mixed"]
     # The mask's cost at equal shape: [1, 64, 512] safetensors, one padded position (an
     # all-ones mask is dropped to the unmasked path), interleaved with the unmasked request.
     x = rng.standard_normal((1, 64, 512), dtype=np.float32)
@@ -584,10 +598,12 @@ def bench_mixed(base: str, n: int, load_s: float) -> dict[str, dict]:
 def print_mixed(mixed: dict[str, dict], load_s: float) -> dict[str, float]:
     print(f"\nmixed-length traffic (issue 22): 16 clients, batch 1, seq uniform over 1..{MIXED_MAX_SEQ}, "
           f"world size 2, {load_s:.0f}s each, one run\n")
-    print("| row | req/s | tokens/s | p50 ms | p99 ms | requests per gang step | padded token share |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| row | req/s | tokens/s | p50 ms | p99 ms | requests per ingress call | padded share (ingress) | "
+          "calls per gang step | padded share (gang) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in mixed["throughput"].items():
         print(f"| {name} | {r['req_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+              f"{r['ingress_requests_per_step']:.2f} | {r['ingress_padded_token_share']:.3f} | "
               f"{r['gang_requests_per_step']:.2f} | {r['gang_padded_token_share']:.3f} |")
     print("\n| request (direct ingress, interleaved) | p50 ms | p99 ms | gang ms (Server-Timing) |")
     print("|---|---:|---:|---:|")
@@ -599,15 +615,15 @@ def print_mixed(mixed: dict[str, dict], load_s: float) -> dict[str, float]:
             t["mixed-length batching"]["req_per_s"] / t["equal lengths only (max_padding_fraction=0)"]["req_per_s"],
         "mixed / equal-only req/s, direct ingress (goal >= 2)":
             t["mixed-length batching, direct ingress"]["req_per_s"] / t["equal lengths only, direct ingress"]["req_per_s"],
+        "mixed (max_padding_fraction=0.5) / equal-only req/s, direct ingress":
+            t["mixed-length batching, max_padding_fraction=0.5, direct ingress"]["req_per_s"]
+            / t["equal lengths only, direct ingress"]["req_per_s"],
         "masked / unmasked p50 at [1, 64, 512] (goal <= 1.05)":
             lat["masked [1, 64, 512] (one padded position)"]["p50_ms"] / lat["unmasked [1, 64, 512]"]["p50_ms"],
         "causal / unmasked p50 at [1, 64, 512]":
             lat["causal [1, 64, 512]"]["p50_ms"] / lat["unmasked [1, 64, 512]"]["p50_ms"],
     }
-    print("\n| goal | value |")
-    print("|---|---:|")
-    for name, value in ratios.items():
-        print(f"| {name} | {value:.2f} |")
+    print_ratios("goal", ratios)
     return ratios
 
 
@@ -698,10 +714,7 @@ def main() -> None:
     if args.only == "steploop":
         ws2 = bench_serving(x.numpy(), args.requests, args.load_seconds, only="steploop")["steploop"]
         ratios = print_step_loop(ws2, args.load_seconds)
-        print("\n| goal | value |")
-        print("|---|---:|")
-        for name, value in ratios.items():
-            print(f"| {name} | {value:.2f} |")
+        print_ratios("goal", ratios)
         out = ROOT / "bench" / "results" / "steploop.json"
         out.write_text(json.dumps({"steploop": ws2, "ratios": ratios, "time": time.time()}, indent=2))
         print(f"\nwritten to {out.relative_to(ROOT)}")
@@ -762,10 +775,7 @@ def main() -> None:
         "direct ingress: small-request throughput gangserve / naive (goal >= 2)":
             small["gangserve ws2, direct ingress"]["c16_req_per_s"] / small["naive peer, direct ingress"]["c16_req_per_s"],
     }
-    print("\n| ratio | value |")
-    print("|---|---:|")
-    for name, value in goals.items():
-        print(f"| {name} | {value:.2f} |")
+    print_ratios("ratio", goals)
     out = ROOT / "bench" / "results" / "latest.json"
     out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "gangs": serving["gangs"], "breakdown": serving["breakdown"], "training": serving["training"],
                                "direct_ingress": serving["direct_ingress"], "ratios": goals,

@@ -352,15 +352,18 @@ def decode_oip_tensor(
         limits.check(shape)
     count = wire.numel(shape)
     if raw is not None:
-        needed = count * dtype.itemsize
-        if len(raw) != needed:
-            raise BadRequest(
-                f"input {snip(name)} has binary_data_size {len(raw)}; shape {list(shape)} {datatype} needs {needed}"
-            )
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        return _oip_binary(raw, dtype, shape, datatype, name)
     if data is None:
         raise BadRequest(f"input {snip(name)} has neither JSON 'data' nor a binary_data_size parameter")
     return wire.numbers_to_array(data, dtype, what=f"data of input {snip(name)}", shape=shape)
+
+
+def _oip_binary(raw: memoryview | bytes, dtype: np.dtype, shape: Sequence[int], datatype: str, name: str) -> np.ndarray:
+    """An input's binary tensor data (Triton's binary extension): exactly numel x itemsize bytes."""
+    needed = wire.numel(shape) * dtype.itemsize
+    if len(raw) != needed:
+        raise BadRequest(f"input {snip(name)} has binary_data_size {len(raw)}; shape {list(shape)} {datatype} needs {needed}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 OIP_MASK_TO_NP: dict[str, np.dtype] = {
@@ -381,12 +384,7 @@ def decode_oip_mask(
     shape = wire.shape_of(list(shape), f"shape of input {snip(name)}")
     count = wire.numel(shape)
     if raw is not None:
-        needed = count * dtype.itemsize
-        if len(raw) != needed:
-            raise BadRequest(
-                f"input {snip(name)} has binary_data_size {len(raw)}; shape {list(shape)} {datatype} needs {needed}"
-            )
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        return _oip_binary(raw, dtype, shape, datatype, name)
     if data is None:
         raise BadRequest(f"input {snip(name)} has neither JSON 'data' nor a binary_data_size parameter")
     values = wire.mask_from_json(data, what=f"data of input {snip(name)}")

@@ -9,6 +9,9 @@ options, deploy every application) and then *watches*:
 - exit 2 at once if an application's arguments are invalid;
 - exit 4 at once if the state database (`GANGSERVE_DATABASE_URL`, default the SQLite file in
   the state dir) cannot be reached or opened; the message names the URL, password redacted;
+  likewise if the artifact store (GANGSERVE_STORAGE_URL, from this environment or
+  an application's runtime_env env_vars) cannot be used: the message names the URL with
+  credentials redacted and why (service.state.artifacts);
 - exit 3 within seconds if a gang can never be placed, or gave up after
   `schedule_timeout_s` (the message names needed vs available);
 - exit 1 if Serve reports DEPLOY_FAILED;
@@ -27,6 +30,7 @@ import yaml
 
 from service.app import InvalidAppArgs, parse_args
 from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
+from service.state import artifacts
 from service.state.db import StateUnavailable, connect
 
 
@@ -61,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     if code:
         return code
 
+    for name, why in _storage_problems(config):
+        _say(f"application {name!r} cannot use its artifact store: {why}")
+        return 4
+
     ray.init(address=args.address, namespace="serve", log_to_driver=True)
     snapshot = cluster_snapshot()
     for name, cfg in configs.items():
@@ -94,6 +102,31 @@ def main(argv: list[str] | None = None) -> int:
         _say("shutting down")
         serve.shutdown()
         return 0
+
+
+def _storage_problems(config) -> list[tuple[str, str]]:
+    """(application, why) for every application whose artifact store is not reachable now.
+
+    Each application's deployments see this environment plus its runtime_env env_vars
+    (Serve merges them), so that is the environment its store is opened from; a setting
+    shared by several applications is checked once."""
+    import os
+
+    checked: dict[tuple[str, ...], str | None] = {}
+    problems = []
+    for app in config.applications:
+        env = {**os.environ, **{k: str(v) for k, v in ((app.runtime_env or {}).get("env_vars") or {}).items()}}
+        setting = (env.get(artifacts.STORAGE_URL_ENV, ""), *(env.get(e, "") for e in artifacts.ENDPOINT_ENVS))
+        if setting not in checked:
+            try:
+                store = artifacts.open_store(setting[0] or None, env=env)
+                store.check_reachable()
+                checked[setting] = None
+            except (artifacts.StorageConfigError, artifacts.StorageUnavailable) as exc:
+                checked[setting] = str(exc)
+        if checked[setting]:
+            problems.append((app.name, checked[setting]))
+    return problems
 
 
 def _check_state_database() -> int:

@@ -7,8 +7,10 @@ Every version an app serves is a row of `served_weights` in the state dir's SQLi
 
 - the first bring-up of an app records its configured weights (`source = "config"`);
 - a successful `POST /weights` records a new version (`source = "swap"`) whose checkpoint
-  is an immutable, content-addressed copy `weights/<sha256>.safetensors` in the state dir,
-  so deleting or rewriting the job or file it came from cannot change what is served;
+  is an immutable, content-addressed copy `weights/<sha256>.safetensors` in the artifact
+  store (service.state.artifacts: the state dir, or object storage), so deleting or
+  rewriting the job or file it came from cannot change what is served; the row stores
+  that key, and every rank loads it through the store (a node-local verified copy on S3);
 - every bring-up (first start, in-replica rebuild, a replica Serve replaced, a restart of
   the app) serves the newest row, *unless* the app's declared weights config differs from
   the row's `fingerprint`: then the config wins, a new `config` row is recorded and the
@@ -29,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,10 +40,10 @@ import torch
 
 from service.config import ModelConfig
 from service.parallel.weights import DENSE_KEYS, random_weights, seed_weights
+from service.state import artifacts
 from service.state.db import Database, Migration, Row, Session, connect, database_url
 
 WEIGHTS_SUBDIR = "weights"
-_CHUNK = 4 * 1024 * 1024
 
 # The store's versioned schema (service.state.db.Migration); step 1 is the table as it was
 # created before versioning, so existing files upgrade in place.
@@ -88,15 +89,11 @@ class ServedWeights:
     recorded_at: float = 0.0
     superseded_at: float | None = None
 
-    def checkpoint_path(self, state: Path) -> str | None:
-        """The absolute file the ranks load (relative rows live inside `state`)."""
-        if self.checkpoint is None:
-            return None
-        return self.checkpoint if os.path.isabs(self.checkpoint) else str(state / self.checkpoint)
-
-    def model_config(self, declared: ModelConfig, state: Path) -> ModelConfig:
-        """What the ranks load: the declared shape and init, with this version's checkpoint."""
-        return declared.model_copy(update={"checkpoint": self.checkpoint_path(state)})
+    def model_config(self, declared: ModelConfig) -> ModelConfig:
+        """What the ranks load: the declared shape and init, with this version's checkpoint
+        (an artifact key or an absolute local path; each rank resolves it through the
+        artifact store, see service.gang.rank.load_rank_shard)."""
+        return declared.model_copy(update={"checkpoint": self.checkpoint})
 
     def public(self) -> dict[str, object]:
         """The /gang fields (no file-system paths)."""
@@ -110,12 +107,7 @@ class ServedWeights:
 
 # ---- hashing and the immutable copies ----------------------------------------------------
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+file_sha256 = artifacts.file_sha256  # one hashing routine for records and the store
 
 
 def dense_sha256(weights: dict[str, torch.Tensor]) -> str:
@@ -126,53 +118,45 @@ def dense_sha256(weights: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def store_immutable_copy(src: str | os.PathLike[str], state: Path) -> tuple[str, str]:
-    """Copy `src` to `weights/<sha256>.safetensors` in the state dir, read-only.
-
-    Hashes while copying (the sha is of the bytes written), fsyncs, then renames into place,
-    so a crash never leaves a partial file under a content name. Returns (path relative to
-    the state dir, sha256). An existing copy with the same content is reused.
-    """
-    weights_dir = state / WEIGHTS_SUBDIR
-    weights_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = weights_dir / f".incoming-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
-    digest = hashlib.sha256()
-    try:
-        with open(src, "rb") as fin, open(tmp, "xb") as fout:
-            while chunk := fin.read(_CHUNK):
-                digest.update(chunk)
-                fout.write(chunk)
-            fout.flush()
-            os.fsync(fout.fileno())
-        sha = digest.hexdigest()
-        final = weights_dir / f"{sha}.safetensors"
-        if final.exists():
-            tmp.unlink()
-        else:
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return f"{WEIGHTS_SUBDIR}/{sha}.safetensors", sha
+def _store_at(where: Path | artifacts.ArtifactStore) -> artifacts.ArtifactStore:
+    """`where` as a store: a store as it is, a directory as the local store rooted there."""
+    if isinstance(where, artifacts.ArtifactStore):
+        return where
+    return artifacts.open_store(str(where), local_state=Path(where))
 
 
-def verify_recorded_file(weights: ServedWeights, state: Path) -> None:
-    """Raise WeightsRecordError unless the recorded checkpoint exists with its recorded sha256."""
-    path = weights.checkpoint_path(state)
-    if path is None:
+def store_immutable_copy(src: str | os.PathLike[str], where: Path | artifacts.ArtifactStore,
+                         sha256: str | None = None) -> tuple[str, str]:
+    """Copy the local file `src` to `weights/<sha256>.safetensors` in the artifact store.
+
+    Hashes while copying (the sha is of the bytes written) and writes atomically (temp
+    file, fsync and rename, read-only, in a local store; one PUT on S3), so a crash never
+    leaves a partial object under a content name. Returns (key, sha256). An existing copy
+    with the same content is reused, never overwritten. `where` is the store, or a
+    directory (its local store)."""
+    return _store_at(where).put_immutable(WEIGHTS_SUBDIR, src, sha256)
+
+
+def verify_recorded_file(weights: ServedWeights, where: Path | artifacts.ArtifactStore) -> None:
+    """Raise WeightsRecordError unless the recorded checkpoint exists with its recorded
+    sha256 (on S3 this also puts the verified copy into this node's cache, where rank 0
+    and the ranks sharing its node load it from). StorageUnavailable if the store is down."""
+    if weights.checkpoint is None:
         return
+    store = _store_at(where)
+    shown = weights.checkpoint if os.path.isabs(weights.checkpoint) else f"{store.url}/{weights.checkpoint}"
     try:
-        actual = file_sha256(path)
-    except OSError as exc:
+        store.materialize(weights.checkpoint, weights.sha256)
+    except artifacts.ArtifactCorrupt as exc:
+        raise WeightsRecordError(
+            f"recorded weights version {weights.version} ({weights.description}): {exc}; "
+            "refusing to serve altered weights"
+        ) from None
+    except (OSError, ValueError) as exc:
         raise WeightsRecordError(
             f"recorded weights version {weights.version} ({weights.description}) cannot be read "
-            f"from {path}: {exc.strerror or exc}"
+            f"from {shown}: {getattr(exc, 'strerror', None) or exc}"
         ) from None
-    if actual != weights.sha256:
-        raise WeightsRecordError(
-            f"recorded weights version {weights.version} ({weights.description}): {path} has sha256 "
-            f"{actual[:16]}..., the record says {weights.sha256[:16]}...; refusing to serve altered weights"
-        )
 
 
 # ---- the app's declared (config) weights ---------------------------------------------------

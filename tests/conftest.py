@@ -43,6 +43,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """A real S3-compatible server (moto) on 127.0.0.1 for the whole session (tests/s3.py)."""
+    from tests.s3 import MotoS3
+
+    server = MotoS3().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A 2-node Ray cluster (head + one worker raylet), shared by the whole session."""
     # Before any raylet starts, so every Ray worker (JobManager, ingress, training runs)

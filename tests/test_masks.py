@@ -302,3 +302,39 @@ def test_causal_job_on_a_masked_dataset_trains_and_records_causal(app_url: str) 
     assert ckpt.status_code == 200
     header, _ = wire.safetensors_header(ckpt.content)
     assert header["__metadata__"]["causal"] == "true", header["__metadata__"]
+
+
+def test_client_sends_mask_and_causal(masked_app: str) -> None:
+    from gangserve_client import GangServeClient
+
+    x = rand(2, 5, 512, seed=21)
+    mask = padding_mask([5, 2], 5)
+    with GangServeClient(masked_app) as client:
+        for fmt in ("safetensors", "json"):
+            check(client.infer(x, fmt, attention_mask=mask, causal=True), x, mask, True, f"client {fmt}")
+        check(client.infer(x, "npy", causal=True), x, None, True, "client npy causal")
+        with pytest.raises(ValueError, match="npy"):
+            client.infer(x, "npy", attention_mask=mask)
+
+
+def test_mask_and_causal_on_the_handle_and_shared_memory_paths(serve_url: str) -> None:
+    """data_channel off: small requests go by value in the handle call, large ones through
+    /dev/shm (infer_shared); the mask and the flag travel on both."""
+    from ray import serve
+
+    base = deploy(serve_url, "masks_handle", "/masks_handle", app_args(2, data_channel=False))
+    try:
+        for shape, lengths in (((1, 3, 512), [2]), ((4, 40, 512), [40, 17, 1, 30])):  # 6 KiB, 320 KiB
+            x = rand(*shape, seed=shape[1])
+            mask = padding_mask(lengths, shape[1])
+            body = wire.encode_safetensors({"hidden_states": x, "attention_mask": mask})
+            r = httpx.post(base + "/infer?causal=true", content=body, headers={"content-type": wire.SAFETENSORS},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            check(st_load(r.content)["output"], x, mask, True, f"handle path {shape}")
+        transport = httpx.get(base + "/gang", timeout=30).json()["ingress_transport"]
+        assert transport["data_channel"] == 0 and transport["object_store"] >= 1, transport
+        if transport["shm_enabled"] and transport["node_id"] == httpx.get(base + "/gang", timeout=30).json()["ranks"][0]["node_id"]:
+            assert transport["shared_memory"] >= 1, transport  # rank 0 on the ingress's node: the big one used /dev/shm
+    finally:
+        serve.delete("masks_handle")

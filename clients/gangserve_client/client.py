@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 
 from gangserve_client import codecs, tokens
 from gangserve_client.errors import ServiceUnreachableError
@@ -29,18 +30,30 @@ FORMATS = {
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-def encode_request(x: np.ndarray, fmt: str) -> tuple[bytes, str]:
-    """(body, Content-Type) of an /infer request holding `x` as `hidden_states`."""
+def encode_request(x: np.ndarray, fmt: str, attention_mask: np.ndarray | None = None) -> tuple[bytes, str]:
+    """(body, Content-Type) of an /infer request holding `x` as `hidden_states` and, if given,
+    `attention_mask` ([batch, seq] or [seq]; 1 = token, 0 = padding; not in npy)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     x = np.asarray(x)
+    mask = None if attention_mask is None else np.asarray(attention_mask)
+    if mask is not None and mask.dtype.kind not in "biu":
+        raise ValueError(f"attention_mask must be an integer or boolean array of 0/1; got dtype {mask.dtype}")
     if fmt == "safetensors":
-        return codecs.encode_safetensors({codecs.INPUT_NAME: x}), FORMATS[fmt]
+        tensors = {codecs.INPUT_NAME: x}
+        if mask is not None:
+            tensors[codecs.MASK_NAME] = mask if mask.dtype.name in ("bool", "uint8", "int32", "int64") else mask.astype(np.int64)
+        return codecs.encode_safetensors(tensors), FORMATS[fmt]
     if fmt == "npy":
         if codecs.is_bfloat16(x.dtype):
             raise ValueError("npy cannot carry bfloat16; use fmt='safetensors' or fmt='json'")
+        if mask is not None:
+            raise ValueError("npy bodies carry one array, so no attention_mask; use fmt='safetensors' or fmt='json'")
         return codecs.encode_npy(x), FORMATS[fmt]
-    return codecs.encode_json(x, name=codecs.INPUT_NAME), FORMATS[fmt]
+    body = codecs.encode_json(x, name=codecs.INPUT_NAME)
+    if mask is not None:  # one more key in the same object
+        body = body[:-1] + b',"' + codecs.MASK_NAME.encode() + b'":' + orjson.dumps(mask.astype(np.int64).tolist()) + b"}"
+    return body, FORMATS[fmt]
 
 
 def decode_reply(reply: httpx.Response) -> np.ndarray:
@@ -74,13 +87,16 @@ class _Base:
         self._infer_token = infer_token or tokens.infer_token() or token
         self._policy = RetryPolicy(retries=retries, timeout_s=retry_timeout_s)
 
-    def _infer_args(self, x: np.ndarray, fmt: str, output_dtype: str | None, accept: str | None) -> dict[str, Any]:
-        body, media = encode_request(x, fmt)
+    def _infer_args(self, x: np.ndarray, fmt: str, output_dtype: str | None, accept: str | None,
+                    attention_mask: np.ndarray | None = None, causal: bool | None = None) -> dict[str, Any]:
+        body, media = encode_request(x, fmt, attention_mask)
         headers = {"content-type": media, **_bearer(self._infer_token)}
         if accept is not None:
             headers["accept"] = FORMATS.get(accept, accept)
-        params = {"output_dtype": output_dtype} if output_dtype else None
-        return {"content": body, "headers": headers, "params": params}
+        params: dict[str, str] = {"output_dtype": output_dtype} if output_dtype else {}
+        if causal is not None:
+            params["causal"] = "true" if causal else "false"
+        return {"content": body, "headers": headers, "params": params or None}
 
 
 class GangServeClient(_Base):
@@ -106,13 +122,17 @@ class GangServeClient(_Base):
         self.close()
 
     def infer(self, x: np.ndarray, fmt: str = "safetensors", *, output_dtype: str | None = None,
-              accept: str | None = None) -> np.ndarray:
+              accept: str | None = None, attention_mask: np.ndarray | None = None,
+              causal: bool | None = None) -> np.ndarray:
         """Self-attention of x [batch, seq, E] or [seq, E].
 
         fmt: request format (safetensors | npy | json); accept: reply format (default: fmt);
-        output_dtype: float32 | float16 | bfloat16 | float64 (default: x's dtype).
+        output_dtype: float32 | float16 | bfloat16 | float64 (default: x's dtype);
+        attention_mask: [batch, seq] (or [seq]) of 1 = token, 0 = padding (safetensors, json);
+        causal: causal attention (default: the served model's).
         """
-        return decode_reply(self._request("POST", "/infer", **self._infer_args(x, fmt, output_dtype, accept)))
+        args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal)
+        return decode_reply(self._request("POST", "/infer", **args))
 
     def gang(self) -> dict[str, Any]:
         """GET /gang (file-system paths in it only with the API token)."""
@@ -149,9 +169,11 @@ class AsyncGangServeClient(_Base):
         await self.aclose()
 
     async def infer(self, x: np.ndarray, fmt: str = "safetensors", *, output_dtype: str | None = None,
-                    accept: str | None = None) -> np.ndarray:
+                    accept: str | None = None, attention_mask: np.ndarray | None = None,
+                    causal: bool | None = None) -> np.ndarray:
         """As GangServeClient.infer."""
-        return decode_reply(await self._request("POST", "/infer", **self._infer_args(x, fmt, output_dtype, accept)))
+        args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal)
+        return decode_reply(await self._request("POST", "/infer", **args))
 
     async def gang(self) -> dict[str, Any]:
         return (await self._request("GET", "/gang", headers=_bearer(self._api_token))).json()

@@ -53,6 +53,7 @@ from service.served_weights import (
     store_immutable_copy,
     verify_recorded_file,
 )
+from service.state import artifacts
 from service.state.fleet import REPORT_INTERVAL_S
 from service.state.paths import state_dir
 
@@ -92,6 +93,9 @@ class GangServer:
             self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
         )
         try:
+            # Datasets, checkpoints and the served-weights copies: fail the start (with the
+            # redacted URL and why) while the artifact store cannot be used.
+            self._artifacts = await asyncio.to_thread(artifacts.check_reachable)
             self._config_weights, weights = await self._weights_at_start()
             await self._gang.start(weights)
             if cfg.uses_data_channel:
@@ -108,7 +112,7 @@ class GangServer:
         config = await asyncio.to_thread(describe_config_weights, self._model)
         weights: ServedWeights = await self._ask("reconcile_weights", config, timeout_s=CONTROLLER_TIMEOUT_S)
         try:
-            await asyncio.to_thread(verify_recorded_file, weights, self._state)
+            await asyncio.to_thread(verify_recorded_file, weights, self._artifacts)
         except WeightsRecordError as exc:
             raise GangStartupError(
                 f"{exc}. Restore the file, or start the app with a different weights config "
@@ -141,10 +145,11 @@ class GangServer:
         return tuple(int(d) for d in out.shape)
 
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None) -> dict[str, object]:
-        """Hot-swap to a dense checkpoint (absolute path every rank can read), or with
-        `checkpoint=None` back to the app's configured weights; returns the /gang description.
+        """Hot-swap to a dense checkpoint (an artifact key, or an absolute local path), or
+        with `checkpoint=None` back to the app's configured weights; returns the /gang
+        description.
 
-        The checkpoint is first copied into the state dir's content-addressed `weights/`
+        The checkpoint is first copied into the artifact store's content-addressed `weights/`
         (what the record points to, immutable), then staged on every rank, recorded as the
         app's next version, and committed. Raises Conflict (409) if its shapes do not fit
         the serving model or a rank cannot stage it (nothing changes then); in-flight and
@@ -158,14 +163,16 @@ class GangServer:
             else:
                 current = self._model
                 try:
-                    # Header check, then the hashed copy: file I/O, off the event loop.
-                    await asyncio.to_thread(check_checkpoint, checkpoint, current.embed_dim, current.num_heads)
-                    stored, sha = await asyncio.to_thread(store_immutable_copy, checkpoint, self._state)
+                    # A local copy (downloaded once, hashed), its header checked, then the
+                    # immutable copy: I/O, off the event loop. A store outage is a 503.
+                    local, sha = await asyncio.to_thread(self._artifacts.fetch, checkpoint)
+                    await asyncio.to_thread(check_checkpoint, local, current.embed_dim, current.num_heads)
+                    stored, sha = await asyncio.to_thread(store_immutable_copy, local, self._artifacts, sha)
                 except (ValueError, OSError) as exc:
                     raise Conflict(str(exc), code="checkpoint_mismatch") from None
                 source = "swap"
                 description = f"job {job_id}" if job_id else f"checkpoint {checkpoint.rsplit('/', 1)[-1]}"
-                model = current.model_copy(update={"checkpoint": str(self._state / stored)})
+                model = current.model_copy(update={"checkpoint": stored})
 
             loop = asyncio.get_running_loop()
 
@@ -286,7 +293,7 @@ class GangServer:
             return
         async with self._swap_lock:
             log.info("following the record: weights version %d -> %d", self._gang.weights_version, recorded.version)
-            model = recorded.model_config(self._model, self._state)
+            model = recorded.model_config(self._model)
             try:
                 await self._gang.swap_weights(model, lambda: recorded)
             except Exception as exc:
@@ -300,6 +307,9 @@ class GangServer:
             self._gang.reason = (
                 f"rebuild attempt {self._failed_rebuilds} failed ({cause}); retrying in {delay:.0f}s"
             )
+            # The state stays BROKEN, so the supervisor loop would not report this reason
+            # before the next attempt replaces it: report it now (/readyz, /gangs show it).
+            await self._publish()
             await asyncio.sleep(delay)
         log.warning("rebuilding gang (attempt %d) after: %s", self._failed_rebuilds + 1, cause)
         self._gang.reason = f"rebuilding after: {cause}"

@@ -24,17 +24,17 @@ gone, a manager log line) is kept in order and retried every round until the dat
 back (`_write_or_defer`); progress, history and log lines of live runs are re-read from the
 run and written again by the next poll anyway. Restarting the replica cannot bring a
 database back, so those failures do not count towards `check_health`.
+
+Files (datasets, run dirs, final checkpoints) live in the artifact store
+(service.state.artifacts: the state dir, or object storage); records hold their keys.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 import ray
@@ -42,14 +42,15 @@ from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from safetensors.numpy import save_file
+from safetensors.numpy import save as st_save
 
 from service.config import ServingConfig
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
 from service.logs import route_logs_to_serve
 from service.metrics import EpochClock, enable_ray_metrics, process_metrics, training_snapshot
+from service.state import artifacts
 from service.state.db import StateUnavailable, database_url
-from service.state.paths import resolve_inside, state_dir
+from service.state.paths import state_dir
 from service.placement import cluster_snapshot
 from service.training import resources
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
@@ -64,10 +65,10 @@ from service.training.limits import (
 from service.training.run import (
     RUN_NAMESPACE,
     TrainRun,
-    final_checkpoint_path,
+    final_checkpoint_key,
     read_result,
     run_actor_name,
-    run_dir,
+    run_prefix,
 )
 from service.training.spec import ACTIVE_STATUSES, TERMINAL_STATUSES, AttentionModel, JobSpec, UploadedDataset
 from service.training.store import DatasetInUse, JobRecord, JobStore, iso
@@ -120,8 +121,8 @@ class JobManager:
         self._limits = TrainingLimits.model_validate(limits or {})
         self._max_seq_len = int(max_seq_len or ServingConfig.model_fields["max_seq_len"].default)
         self._state_dir = state_dir()
-        for sub in ("runs", "checkpoints", "datasets"):
-            (self._state_dir / sub).mkdir(parents=True, exist_ok=True)
+        # Fails the start (redacted URL and why) while the artifact store cannot be used.
+        self._artifacts = await asyncio.to_thread(artifacts.check_reachable)
         self._store = JobStore(database_url(self._state_dir))  # StateUnavailable: unreachable
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
         self._node_id = ray.get_runtime_context().get_node_id()
@@ -139,7 +140,7 @@ class JobManager:
         await self._io(self._store.heartbeat, self._id)
         await self._adopt()
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
-        log.info("JobManager %s on state dir %s", self._id, self._state_dir)
+        log.info("JobManager %s on state dir %s, artifacts in %s", self._id, self._state_dir, self._artifacts.url)
 
     # ---- jobs ---------------------------------------------------------------------------
 
@@ -159,6 +160,7 @@ class JobManager:
                 raise InvalidInput(f"dataset {spec.dataset.id!r} does not exist (see GET /datasets)",
                                    code="dataset_not_found")
             public, dataset_path = found
+            dataset_path = self._dataset_ref(dataset_path)
             info = DatasetInfo(**{k: public[k] for k in ("kind", "samples", "inputs_shape", "targets_shape")})
             try:
                 check_compatible(spec.model, info)
@@ -201,9 +203,9 @@ class JobManager:
                 max_restarts=0,
                 max_concurrency=16,
                 # The Ray Train controller is placed on its driver's node; keep both where
-                # the state dir is known to be mounted.
+                # the state dir is known to be mounted (a local artifact store needs it).
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
-            ).remote, record.id, spec.model_dump(), str(self._state_dir), dataset_path)
+            ).remote, record.id, spec.model_dump(), dataset_path)
         except Exception as exc:  # noqa: BLE001 - recorded, then reported
             await self._fail(record.id, f"could not start the run actor: {type(exc).__name__}: {exc}")
             raise
@@ -264,25 +266,14 @@ class JobManager:
         return {"id": job_id, "deleted": True, "status": record.status, "freed_bytes": freed}
 
     def _remove_job_files(self, job_id: str) -> int:
-        """Delete the run dir and final checkpoint of a job; bytes freed."""
-        freed = 0
-        final = final_checkpoint_path(self._state_dir, job_id)
-        for path in (final, final.with_suffix(".tmp")):
-            try:
-                freed += path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                pass
-        run = run_dir(self._state_dir, job_id)
-        if run.is_dir() and not run.is_symlink():
-            for f in run.rglob("*"):
-                try:
-                    if f.is_file() and not f.is_symlink():
-                        freed += f.stat().st_size
-                except OSError:
-                    pass
-            shutil.rmtree(run, ignore_errors=True)
-        return freed
+        """Delete the run dir and final checkpoint of a job from the artifact store; bytes
+        freed. A store outage leaves them (logged): the record is gone either way, and the
+        late sweeps of a job deleted while active try again."""
+        try:
+            return self._artifacts.delete(final_checkpoint_key(job_id)) + self._artifacts.delete_prefix(run_prefix(job_id))
+        except artifacts.StorageUnavailable as exc:
+            log.warning("files of deleted job %s not removed: %s", job_id, exc)
+            return 0
 
     async def _late_sweep(self, job_id: str) -> None:
         for delay in LATE_SWEEP_S:
@@ -296,8 +287,9 @@ class JobManager:
         lines = await self._io(self._store.tail_logs, job_id, tail)
         return {"id": job_id, "lines": [f"{iso(ts)} {line}" for ts, line in lines]}
 
-    async def checkpoint_path(self, job_id: str) -> str:
-        """Absolute path of a finished job's final checkpoint (inside the state dir)."""
+    async def checkpoint_key(self, job_id: str) -> str:
+        """The artifact key of a finished job's final checkpoint (GET /train/{id}/checkpoint
+        streams it from the store; POST /weights copies it)."""
         record = await self._record(job_id, with_history=False)
         if record.status != "SUCCEEDED" or not record.checkpoint:
             raise Conflict(
@@ -305,11 +297,12 @@ class JobManager:
                 + (f" ({record.error})" if record.error else ""),
                 code="no_checkpoint",
             )
-        return str(self._inside_state_dir(record.checkpoint["path"]))
+        return await self._artifact_key(record.checkpoint["path"])
 
     async def resolve_weights(self, job_id: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
-        """The dense attention checkpoint POST /weights should load: {"path", "job_id",
-        "embed_dim", "num_heads"}. A client-given path must resolve inside the state dir."""
+        """The dense attention checkpoint POST /weights should load: {"path" (its artifact
+        key), "job_id", "embed_dim", "num_heads"}. A client-given path must be a key inside
+        the artifact store (for a local store: resolve inside it, symlinks included)."""
         if (job_id is None) == (checkpoint is None):
             raise InvalidInput("give exactly one of job_id or checkpoint", code="invalid_request")
         if job_id is not None:
@@ -318,10 +311,10 @@ class JobManager:
             if not isinstance(model, AttentionModel):
                 raise Conflict(f"job {job_id} trained a {model.kind} model; only attention checkpoints can be served",
                                code="checkpoint_mismatch")
-            path = Path(await self.checkpoint_path(job_id))
-            return {"path": str(path), "job_id": job_id, "embed_dim": model.embed_dim, "num_heads": model.num_heads}
-        path = self._inside_state_dir(checkpoint)  # type: ignore[arg-type]
-        return {"path": str(path), "job_id": None}
+            key = await self.checkpoint_key(job_id)
+            return {"path": key, "job_id": job_id, "embed_dim": model.embed_dim, "num_heads": model.num_heads}
+        key = await self._artifact_key(checkpoint)  # type: ignore[arg-type]
+        return {"path": key, "job_id": None}
 
     # ---- datasets -----------------------------------------------------------------------
 
@@ -338,25 +331,25 @@ class JobManager:
         count, total = await self._io(self._store.dataset_usage)
         check_dataset_fits(self._limits, count, total, estimate)  # before writing anything
         dataset_id = f"ds-{uuid.uuid4().hex[:12]}"
-        path = self._state_dir / "datasets" / f"{dataset_id}.safetensors"
-        tmp = path.with_suffix(".tmp")
+        key = f"datasets/{dataset_id}.safetensors"
+        data = await asyncio.to_thread(st_save, tensors)
+        nbytes = len(data)
+        check_dataset_alone(self._limits, self._max_seq_len, seq_len, nbytes)
+
+        def admit(count: int, total: int) -> None:  # again, atomically with the insert
+            check_dataset_fits(self._limits, count, total, nbytes)
+
+        await asyncio.to_thread(self._artifacts.write_bytes, key, data)  # atomic; 503 if the store is down
         try:
-            await asyncio.to_thread(save_file, tensors, str(tmp))
-            nbytes = tmp.stat().st_size
-            check_dataset_alone(self._limits, self._max_seq_len, seq_len, nbytes)
-            os.replace(tmp, path)
-
-            def admit(count: int, total: int) -> None:  # again, atomically with the insert
-                check_dataset_fits(self._limits, count, total, nbytes)
-
-            return await self._io(self._store.add_dataset, dataset_id, info.to_dict(), str(path), nbytes, admit)
+            return await self._io(self._store.add_dataset, dataset_id, info.to_dict(), key, nbytes, admit)
         except BaseException:
-            tmp.unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
+            await asyncio.to_thread(self._delete_quietly, key)
             raise
 
     async def delete_dataset(self, dataset_id: str) -> dict[str, Any]:
-        """Remove an uploaded dataset (record and file). 409 while an active job trains on it."""
+        """Remove an uploaded dataset (record and file). 409 while an active job trains on it;
+        503 (nothing removed) while the artifact store cannot be reached."""
+        await asyncio.to_thread(self._artifacts.check_reachable)  # before the record goes
         try:
             public, path = await self._io(self._store.delete_dataset, dataset_id)
         except KeyError:
@@ -367,10 +360,15 @@ class JobManager:
                 code="dataset_in_use",
             ) from None
         try:
-            # Only files inside the state dir are ever removed.
-            await asyncio.to_thread(resolve_inside(self._state_dir / "datasets", path).unlink, missing_ok=True)
+            # Only objects inside the store's datasets/ are ever removed.
+            key = self._artifacts.key_of(path)
+            if not key.startswith("datasets/"):
+                raise ValueError(f"{key!r} is not under datasets/")
         except ValueError:
-            log.warning("dataset %s recorded a path outside the state dir (%s); left it", dataset_id, path)
+            log.warning("dataset %s recorded a path outside the artifact store's datasets/ (%s); left it",
+                        dataset_id, path)
+        else:
+            await asyncio.to_thread(self._delete_quietly, key)
         return {"id": dataset_id, "deleted": True, "freed_bytes": public["bytes"]}
 
     async def list_datasets(self) -> dict[str, Any]:
@@ -421,8 +419,9 @@ class JobManager:
                 if self._state_down_since is not None:
                     log.warning("state database back after %.0fs", time.monotonic() - self._state_down_since)
                     self._state_down_since = None
-            except StateUnavailable as exc:
-                # Not this replica's fault, and a restart would not fix it: not a poll failure.
+            except (StateUnavailable, artifacts.StorageUnavailable) as exc:
+                # Not this replica's fault, and a restart would not fix it: not a poll failure
+                # (the artifact store too: a run's result.json is read through it).
                 if self._state_down_since is None:
                     self._state_down_since = time.monotonic()
                     log.error("job poll: %s; retrying every %.1fs (%d write(s) kept)", exc.message,
@@ -541,7 +540,7 @@ class JobManager:
         Nobody polls the job any more, so the write is kept until it succeeds."""
 
         async def write() -> None:
-            result = await asyncio.to_thread(read_result, self._state_dir, record.id)
+            result = await asyncio.to_thread(read_result, self._artifacts, record.id)
             if result is not None:
                 await self._apply(record, result, None)  # idempotent: safe to run again
                 return
@@ -576,7 +575,7 @@ class JobManager:
             return
         try:
             await write()
-        except StateUnavailable as exc:
+        except (StateUnavailable, artifacts.StorageUnavailable) as exc:  # e.g. result.json unreadable
             log.warning("kept %s for later: %s", what, exc.message)
             self._deferred.append((what, write))
 
@@ -611,14 +610,31 @@ class JobManager:
             raise NotFound(f"no training job {job_id!r}", code="job_not_found")
         return record
 
-    def _inside_state_dir(self, path: str) -> Path:
+    async def _artifact_key(self, ref: str) -> str:
+        """`ref` (a key, or an absolute path inside a local store) as the key of an existing
+        artifact: 422 path_outside_state_dir if it lies outside the store, 404 if missing."""
         try:
-            resolved = resolve_inside(self._state_dir, path)
+            key = self._artifacts.key_of(ref)
+            self._artifacts.path(key)  # a local store also refuses symlinks out of it
         except ValueError as exc:
             raise InvalidInput(str(exc), code="path_outside_state_dir") from None
-        if not resolved.is_file():
-            raise NotFound(f"checkpoint {resolved} does not exist", code="checkpoint_not_found")
-        return resolved
+        if not await asyncio.to_thread(self._artifacts.exists, key):
+            raise NotFound(f"checkpoint {key} does not exist in {self._artifacts.url}", code="checkpoint_not_found")
+        return key
+
+    def _dataset_ref(self, recorded: str) -> str:
+        """A dataset record's path as the training workers read it: its key (rows from
+        before keys hold an absolute path inside the state dir), else the path itself."""
+        try:
+            return self._artifacts.key_of(recorded)
+        except ValueError:
+            return recorded
+
+    def _delete_quietly(self, key: str) -> None:
+        try:
+            self._artifacts.delete(key)
+        except (artifacts.StorageUnavailable, OSError) as exc:
+            log.warning("could not remove %s from %s: %s", key, self._artifacts.url, exc)
 
     async def _manager_log(self, job_id: str, line: str) -> None:
         """One of the manager's own log lines for a job; kept and retried if the database is

@@ -87,7 +87,7 @@ class Gang:
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
         self.cfg = gang
         self.placement_group = placement_group
-        self.state_dir = state_dir  # recorded checkpoints are relative to it
+        self.state_dir = state_dir  # this node's state dir (recorded checkpoints are artifact keys)
         self.state = GangState.STARTING
         self.reason = "starting"
         self.backend = "unknown"
@@ -300,7 +300,7 @@ class Gang:
     # -- sequencer-side steps ------------------------------------------------------------
     def _bring_up(self, weights: ServedWeights) -> None:
         cfg, ws = self.cfg, self.cfg.world_size
-        model = weights.model_config(self.declared_model, self.state_dir)
+        model = weights.model_config(self.declared_model)
         started = time.monotonic()
         try:
             # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1.

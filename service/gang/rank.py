@@ -30,6 +30,7 @@ from service.parallel.weights import (
     seed_weights,
     shard_dense,
 )
+from service.state import artifacts
 
 log = logging.getLogger("gangserve.rank")
 
@@ -59,9 +60,15 @@ class RankInfo:
 
 
 def load_rank_shard(model: ModelConfig, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """This rank's slice of the configured weights (checkpoint, seed or random init)."""
+    """This rank's slice of the configured weights (checkpoint, seed or random init).
+
+    A checkpoint is an absolute local path (the `checkpoint=` builder argument) or a key in
+    the artifact store (a recorded `weights/<sha256>.safetensors` copy): the store gives a
+    verified local file for it (on S3: this node's cache, downloaded once per node), and
+    the rank maps only its own slice of that file."""
     if model.checkpoint:
-        return load_checkpoint_shard(model.checkpoint, rank, world_size)
+        local = artifacts.store().materialize(model.checkpoint)
+        return load_checkpoint_shard(local, rank, world_size)
     dense = seed_weights(model.embed_dim) if model.init == "seed" else random_weights(model.embed_dim, model.seed)
     return shard_dense(dense, rank, world_size)
 
@@ -195,8 +202,12 @@ class RankWorker:
                 f"{self.device} (use bfloat16 or float32 on CPU)"
             )
         model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group, dtype=dtype)
+        # A recorded checkpoint may be an artifact key: one verified local file for both reads.
+        local = artifacts.store().materialize(model_cfg.checkpoint) if model_cfg.checkpoint else None
+        if local is not None:
+            model_cfg = model_cfg.model_copy(update={"checkpoint": str(local)})
         model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size))
-        recorded = checkpoint_causal(model_cfg.checkpoint) if model_cfg.checkpoint else None
+        recorded = checkpoint_causal(local) if local is not None else None
         self._staged_causal = model_cfg.causal if recorded is None else recorded
         self.dtype = dtype  # one dtype per gang (the config's): a swap keeps it
         self._staged = model.eval()

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
+from safetensors.torch import load as st_load_torch
 from safetensors.torch import load_file
 
+from service.state import artifacts
 from service.training.models import ModelSpecT, teacher_model
 from service.training.spec import AttentionModel, LinearModel, SyntheticDataset
 
@@ -143,9 +145,14 @@ def check_compatible(model: ModelSpecT, info: DatasetInfo) -> None:
         )
 
 
-def load_uploaded(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(inputs, targets, attention mask [N, seq] bool or None) of a stored dataset."""
-    tensors = load_file(str(path))
+def load_uploaded(ref: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets, attention mask [N, seq] bool or None) of a stored dataset: `ref` is
+    its artifact key (read through the store, so a worker on any node reads it from object
+    storage) or a legacy absolute path."""
+    if Path(ref).is_absolute():
+        tensors = load_file(str(ref))
+    else:
+        tensors = st_load_torch(artifacts.store().read_bytes(str(ref)))
     mask = tensors.get(MASK_KEY)
     return (tensors["inputs"].to(torch.float32), tensors["targets"].to(torch.float32),
             None if mask is None else mask.to(torch.bool))

@@ -11,6 +11,12 @@ flight (`ray.get_actor(name, namespace)`) instead of losing them. The outcome is
 written to `result.json` in the run dir, so a manager that comes back after the actor has
 gone still learns how the run ended.
 
+Where the files go: the artifact store (service.state.artifacts): Ray Train's run
+directory and epoch checkpoints under `runs/<job>` (its `storage_path`, with the store's
+pyarrow file system as `storage_filesystem` on S3), the final dense checkpoint as
+`checkpoints/<job>.safetensors` and the outcome as `runs/<job>/result.json`. No node
+needs a shared directory when the store is object storage.
+
 The actor keeps the live state (status, progress, history, workers, log lines); the
 JobManager polls `snapshot()` and is the only writer of the SQLite records. A snapshot
 carries only what is new since the manager's last one: log lines after `since_log_seq`,
@@ -21,7 +27,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 import threading
 import time
 import traceback
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+
+from service.state import artifacts
 
 from service.training.models import MODEL_FILE
 from service.training.runner import train_loop_per_worker
@@ -49,21 +56,20 @@ def run_actor_name(job_id: str) -> str:
     return f"gangserve-train-{job_id}"
 
 
-def run_dir(state_dir: Path, job_id: str) -> Path:
-    """Ray Train's storage for this run: storage_path=<state>/runs, name=<job_id>."""
-    return state_dir / "runs" / job_id
+def run_prefix(job_id: str) -> str:
+    """Ray Train's storage for this run, as an artifact key: storage_path=<root>/runs, name=<job_id>."""
+    return f"runs/{job_id}"
 
 
-def final_checkpoint_path(state_dir: Path, job_id: str) -> Path:
-    return state_dir / "checkpoints" / f"{job_id}.safetensors"
+def final_checkpoint_key(job_id: str) -> str:
+    return f"checkpoints/{job_id}.safetensors"
 
 
-def read_result(state_dir: Path, job_id: str) -> dict[str, Any] | None:
-    """The outcome a run wrote when it ended, or None."""
-    path = run_dir(state_dir, job_id) / RESULT_FILE
+def read_result(store: artifacts.ArtifactStore, job_id: str) -> dict[str, Any] | None:
+    """The outcome a run wrote when it ended, or None (StorageUnavailable if the store is down)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(store.read_bytes(f"{run_prefix(job_id)}/{RESULT_FILE}"))
+    except (FileNotFoundError, ValueError):
         return None
 
 
@@ -81,11 +87,12 @@ def _short_error(exc: BaseException) -> str:
 class TrainRun:
     """Live state of one run; `fit()` runs on a daemon thread started in __init__."""
 
-    def __init__(self, job_id: str, spec: dict[str, Any], state_dir: str, dataset_path: str | None) -> None:
+    def __init__(self, job_id: str, spec: dict[str, Any], dataset_key: str | None) -> None:
+        """`dataset_key`: the uploaded dataset's artifact key (or a legacy absolute path)."""
         self._job_id = job_id
         self._spec = JobSpec.model_validate(spec)
-        self._state_dir = Path(state_dir)
-        self._dataset_path = dataset_path
+        self._store = artifacts.store()  # from this actor's environment (inherited from the JobManager)
+        self._dataset_path = dataset_key
         self._lock = threading.Lock()
         self._status = "PENDING"
         self._error: str | None = None
@@ -124,6 +131,7 @@ class TrainRun:
         spec = self._spec
         bundle = spec.worker_bundle()
         try:
+            storage_path, storage_filesystem = self._store.ray_train_storage()
             trainer = TorchTrainer(
                 train_loop_per_worker,
                 train_loop_config={"spec": spec.model_dump(), "reporter": self._handle,
@@ -135,7 +143,8 @@ class TrainRun:
                 ),
                 run_config=RunConfig(
                     name=self._job_id,
-                    storage_path=str(self._state_dir / "runs"),
+                    storage_path=storage_path,
+                    storage_filesystem=storage_filesystem,
                     failure_config=FailureConfig(max_failures=spec.max_failures),
                     checkpoint_config=CheckpointConfig(num_to_keep=2),
                 ),
@@ -147,17 +156,15 @@ class TrainRun:
             result = trainer.fit()
             if result.checkpoint is None:
                 raise RuntimeError("training finished without reporting a checkpoint")
-            final = final_checkpoint_path(self._state_dir, self._job_id)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = final.with_suffix(".tmp")
+            final = final_checkpoint_key(self._job_id)
             with result.checkpoint.as_directory() as d:
-                shutil.copyfile(Path(d) / MODEL_FILE, tmp)
-            os.replace(tmp, final)  # atomic: a reader never sees half a checkpoint
+                # Atomic (temp + rename locally, one PUT on S3): a reader never sees half of it.
+                nbytes, _ = self._store.put_file(final, Path(d) / MODEL_FILE)
             checkpoint = {
-                "path": str(final),
+                "path": final,  # an artifact key: relative to the storage root
                 "url": f"/train/{self._job_id}/checkpoint",
                 "format": "dense-attention" if isinstance(spec.model, AttentionModel) else "linear",
-                "bytes": final.stat().st_size,
+                "bytes": nbytes,
             }
             with self._lock:
                 self._checkpoint = checkpoint
@@ -179,11 +186,10 @@ class TrainRun:
         took = finished_at - (self._started_at or finished_at)
         self._log(f"run {status}" + (f": {error}" if error else "") + f" ({took:.1f}s after the first worker started)")
         outcome = {**self.snapshot(0, touch=False), "status": status, "error": error, "finished_at": finished_at}
-        result = run_dir(self._state_dir, self._job_id) / RESULT_FILE
-        result.parent.mkdir(parents=True, exist_ok=True)
-        tmp = result.with_suffix(".tmp")
-        tmp.write_text(json.dumps(outcome))
-        os.replace(tmp, result)
+        try:
+            self._store.write_bytes(f"{run_prefix(self._job_id)}/{RESULT_FILE}", json.dumps(outcome).encode())
+        except Exception as exc:  # noqa: BLE001 - the live status below still reaches the manager
+            self._log(f"could not write {RESULT_FILE}: {type(exc).__name__}: {exc}")
         with self._lock:
             self._status, self._error, self._finished_at = status, error, finished_at
 

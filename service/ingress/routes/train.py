@@ -6,18 +6,21 @@ not public): `auth.AuthMiddleware` checks it before any body is read, and the ro
 `require_token` dependency declares the scheme in OpenAPI."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
 
 from service.auth import require_token
 from service.errors import BadRequest, NotFound
 from service.ingress.deps import read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, inline_defs
+from service.state import artifacts
 from service.training.spec import JobSpec
 
 router = APIRouter(tags=["training"], dependencies=[Depends(require_token)], responses=AUTH_RESPONSES)
@@ -79,11 +82,25 @@ async def cancel(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends
     "/train/{job_id}/checkpoint",
     summary="The final checkpoint (safetensors; dense attention contract format for attention jobs)",
     response_class=Response,
-    responses={200: {"content": {"application/x-safetensors": {}}}, 409: {"description": "job has none"}},
+    responses={200: {"content": {"application/x-safetensors": {}}}, 409: {"description": "job has none"},
+               503: {"description": "the artifact store cannot be reached (storage_unavailable)"}},
 )
-async def checkpoint(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> FileResponse:
-    path = await jobs.call("checkpoint_path", job_id)
-    return FileResponse(path, media_type="application/x-safetensors", filename=f"{job_id}.safetensors")
+async def checkpoint(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> Response:
+    """Streamed from the artifact store: a local file as it is, an S3 object in chunks (the
+    object is opened before the reply starts, so a store outage is a 503, not a cut reply)."""
+    key = await jobs.call("checkpoint_key", job_id)
+    store = artifacts.store()
+    filename = f"{job_id}.safetensors"
+    if store.local:
+        return FileResponse(store.path(key), media_type="application/x-safetensors", filename=filename)
+    try:
+        size = await asyncio.to_thread(store.size, key)
+        chunks = await asyncio.to_thread(store.iter_chunks, key)
+    except FileNotFoundError:  # deleted between the JobManager's answer and now
+        raise NotFound(f"job {job_id}'s checkpoint is gone from {store.url}", code="checkpoint_not_found") from None
+    return StreamingResponse(iterate_in_threadpool(chunks), media_type="application/x-safetensors",
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"',
+                                      "Content-Length": str(size)})
 
 
 @router.get("/train/{job_id}/logs", summary="The job's recent log lines")
