@@ -235,20 +235,92 @@ def bench_equal_compute(base: str, n: int, load_s: float) -> dict[str, dict]:
     steps = {name: client.get(f"{base}/{app}/gang").json()["batching"] for name, app in
              (("gangserve ws1 (2 threads)", "eq_ws1"), ("gangserve ws1, same_event_loop off", "eq_ws1t"),
               ("gangserve ws1, same_event_loop and data channel off (handle call)", "eq_ws1h"))}
-    for app in ("naive2", "eq_ws1", "eq_ws1t", "eq_ws1h"):
+    for app in ("eq_ws1", "eq_ws1t", "eq_ws1h"):
         serve.delete(app)
-    # World size 2 on the notes' shape: ours vs Serve echo + the bare TP step (no service).
+    ws2 = bench_step_loop(base, client, big, small, n, load_s)
+    serve.delete("naive2")
+    return {"latency": rows, "small_c16": load, "batching": steps, "ws2": ws2}
+
+
+WS2_LOOP, WS2_RAY = "gangserve ws2 (step loop)", "gangserve ws2, step_loop off (a Ray call per step)"
+
+
+def bench_step_loop(base: str, client: httpx.Client, big: np.ndarray, small: np.ndarray, n: int,
+                    load_s: float) -> dict[str, dict]:
+    """Issue 20: world size 2 with the peers' step loop vs one Ray call per step, on both
+    shapes, next to Serve echo of the same body; the bare 2-process TP step of each shape
+    (no service); small requests at 16 clients (against the naive peer, still deployed by
+    the caller); and where the loop's steps spend their time (`/gang` step_timings)."""
+    from ray import serve
+
+    from bench.bare_tp import bare_step_ms
+    from bench.peers import EchoPeer
+    from harness.local import local_yaml_args
+    from service.app import build_app
+
     serve.run(EchoPeer.bind(), name="eq_echo", route_prefix="/eq_echo")
     serve.run(build_app(local_yaml_args()), name="eq_ws2", route_prefix="/eq_ws2")
-    body = npy(big)
-    ws2 = interleaved({
-        "Serve echo (2 MiB npy)": lambda: client.post(base + "/eq_echo", content=body, headers={"content-type": "application/x-npy"}),
-        "gangserve ws2": lambda: client.post(base + "/eq_ws2/infer", content=body, headers={"content-type": "application/x-npy"}),
-    }, n)
-    serve.delete("eq_echo")
-    serve.delete("eq_ws2")
-    ws2["bare 2-process gloo TP step"] = {"p50_ms": bare_step_ms(SHAPE)}
-    return {"latency": rows, "small_c16": load, "batching": steps, "ws2": ws2}
+    serve.run(build_app({**local_yaml_args(), "step_loop": False}), name="eq_ws2r", route_prefix="/eq_ws2r")
+    out: dict[str, dict] = {"latency": {}, "bare": {}}
+    for label, x in (("notes' shape [128, 8, 512]", big), ("small [1, 8, 512]", small)):
+        body = npy(x)
+        post = lambda url: (lambda: client.post(url, content=body, headers={"content-type": "application/x-npy"}))  # noqa: E731
+        out["latency"][label] = interleaved({
+            "Serve echo (same npy body)": post(base + "/eq_echo"),
+            WS2_LOOP: post(base + "/eq_ws2/infer"),
+            WS2_RAY: post(base + "/eq_ws2r/infer"),
+        }, n)
+        client.get(base + "/eq_ws2/gang")  # kicks a refresh of the step timings of this shape's steps
+        time.sleep(1.0)
+        out["latency"][label]["step_timings"] = client.get(base + "/eq_ws2/gang").json().get("step_timings", {})
+    out["small_c16"] = {name: throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
+                        for name, url in (("naive peer (2 threads)", base + "/naive2"),
+                                          (WS2_LOOP, base + "/eq_ws2/infer"), (WS2_RAY, base + "/eq_ws2r/infer"))}
+    for app in ("eq_echo", "eq_ws2", "eq_ws2r"):
+        serve.delete(app)
+    # After the apps are gone, so the bare processes have the cores the gang had.
+    out["bare"] = {"notes' shape [128, 8, 512]": bare_step_ms(tuple(big.shape)),
+                   "small [1, 8, 512]": bare_step_ms(tuple(small.shape), steps=100)}
+    return out
+
+
+def print_step_loop(ws2: dict[str, dict], load_s: float) -> dict[str, float]:
+    print("\nworld size 2 (issue 20): ours vs Serve echo + the bare 2-process TP step, step loop vs "
+          "a Ray call per step, interleaved\n")
+    print("| request | row | p50 ms | p99 ms | Server-Timing medians (ms) |")
+    print("|---|---|---:|---:|---|")
+    ratios: dict[str, float] = {}
+    for label, rows in ws2["latency"].items():
+        for name, r in rows.items():
+            if name == "step_timings":
+                continue
+            timing = ", ".join(f"{k} {v:.1f}" for k, v in r["server_timing"].items()) or "-"
+            print(f"| {label} | {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {timing} |")
+        bare = ws2["bare"][label]
+        print(f"| {label} | bare 2-process gloo TP step | {bare:.1f} | | |")
+        floor = rows["Serve echo (same npy body)"]["p50_ms"] + bare
+        ratios[f"ws2 step loop: ours - (echo + bare), {label}, ms (goal <= 1.5)"] = rows[WS2_LOOP]["p50_ms"] - floor
+        ratios[f"ws2 Ray call per step: ours - (echo + bare), {label}, ms"] = rows[WS2_RAY]["p50_ms"] - floor
+    print("\nthe step loop's steps, from every rank's timestamps (medians, ms; `/gang` step_timings)\n")
+    print("| request | steps | queue | peer wake after header (control cost) | skew | header -> broadcast done | forward (heads + all_reduce) | reply |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, rows in ws2["latency"].items():
+        t = rows.get("step_timings") or {}
+        if t.get("steps"):
+            print(f"| {label} | {t['steps']} | {t['queue_ms']:.2f} | {', '.join(f'{w:.2f}' for w in t['peer_wake_ms'])} | "
+                  f"{t['skew_ms']:.2f} | {t['broadcast_ms']:.2f} | {t['forward_ms']:.2f} | {t['reply_ms']:.2f} |")
+        else:
+            print(f"| {label} | - ({t}) | | | | | | |")
+    print(f"\nsmall requests [1, 8, 512], 16 clients for {load_s:.0f}s\n")
+    print("| row | req/s | p50 ms | p99 ms |")
+    print("|---|---:|---:|---:|")
+    c16 = ws2["small_c16"]
+    for name, r in c16.items():
+        print(f"| {name} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+    naive = c16["naive peer (2 threads)"]["req_per_s"]
+    ratios["small req/s at 16 clients, ws2 step loop / naive (goal >= 1.2)"] = c16[WS2_LOOP]["req_per_s"] / naive
+    ratios["small req/s at 16 clients, ws2 Ray call per step / naive"] = c16[WS2_RAY]["req_per_s"] / naive
+    return ratios
 
 
 def print_equal_compute(eq: dict[str, dict], load_s: float) -> dict[str, float]:
@@ -275,14 +347,7 @@ def print_equal_compute(eq: dict[str, dict], load_s: float) -> dict[str, float]:
     c16 = eq["small_c16"]
     ratios["small req/s at 16 clients, ws1 / naive (goal >= 1)"] = (
         c16["gangserve ws1 (2 threads)"]["req_per_s"] / c16["naive peer (2 threads)"]["req_per_s"])
-    ws2 = eq["ws2"]
-    gap = ws2["gangserve ws2"]["p50_ms"] - (ws2["Serve echo (2 MiB npy)"]["p50_ms"] + ws2["bare 2-process gloo TP step"]["p50_ms"])
-    print("\nworld size 2, notes' shape: ours vs Serve echo + the bare TP step\n")
-    print("| row | p50 ms |")
-    print("|---|---:|")
-    for name, r in ws2.items():
-        print(f"| {name} | {r['p50_ms']:.1f} |")
-    ratios["ws2: ours - (echo + bare TP step), ms (goal <= 2)"] = gap
+    ratios.update(print_step_loop(eq["ws2"], load_s))
     print_ratios("goal", ratios)
     return ratios
 
@@ -365,6 +430,14 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             return results
         if only == "mixed":
             results["mixed"] = bench_mixed(base, n, load_s)
+            return results
+        if only == "steploop":
+            from bench.peers import NaivePeer as _Naive
+
+            serve.run(_Naive.options(ray_actor_options={"num_cpus": 2}).bind(2), name="naive2", route_prefix="/naive2")
+            big = x.astype(np.float32)
+            results["steploop"] = bench_step_loop(base, httpx.Client(timeout=120), big, big[:1].copy(), n, load_s)
+            serve.delete("naive2")
             return results
         results["equal"] = bench_equal_compute(base, n, load_s)
         if only == "equal":
@@ -620,10 +693,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal", "mixed"], default=None,
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop"], default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
-                        "mask's latency) and print its table")
+                        "mask's latency; steploop: world size 2 with the peers' step loop vs a Ray call per step, "
+                        "against Serve echo + the bare TP step, also part of equal) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -635,6 +709,14 @@ def main() -> None:
         ratios = print_mixed(mixed, args.load_seconds)
         out = ROOT / "bench" / "results" / "mixed.json"
         out.write_text(json.dumps({"mixed": mixed, "ratios": ratios, "time": time.time()}, indent=2))
+        print(f"\nwritten to {out.relative_to(ROOT)}")
+        return
+    if args.only == "steploop":
+        ws2 = bench_serving(x.numpy(), args.requests, args.load_seconds, only="steploop")["steploop"]
+        ratios = print_step_loop(ws2, args.load_seconds)
+        print_ratios("goal", ratios)
+        out = ROOT / "bench" / "results" / "steploop.json"
+        out.write_text(json.dumps({"steploop": ws2, "ratios": ratios, "time": time.time()}, indent=2))
         print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     if args.only == "equal":

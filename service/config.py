@@ -97,6 +97,12 @@ class GangConfig(BaseModel):
     collective_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Process-group timeout and per-request deadline."
     )
+    step_loop: bool = Field(
+        True,
+        description="Peer ranks take their steps from rank 0's headers on the gang's own control "
+        "group (a persistent step loop, see service.gang.control) instead of one Ray actor call "
+        "per step. Ray calls remain for bring-up, weights, probes and teardown.",
+    )
 
     max_batch_size: int = Field(
         64, ge=1, le=65536,

@@ -83,6 +83,8 @@ class GangServer:
                           on_step=self._metrics.on_step)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._step_timings: dict[str, object] = {}
+        self._timings_task: asyncio.Task | None = None
         self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
         self._controller = controller  # the weights record's writer and the fleet view's owner
         self._actor = ray.get_runtime_context().current_actor  # the Controller pings it
@@ -197,7 +199,16 @@ class GangServer:
         info["replica_id"] = self._replica_id
         # The ingress connects to channel.socket_path(replica_id) when this is true.
         info["data_channel"] = {"listening": self._channel.path is not None, **self._channel.stats()}
+        # Per-step timestamps of every rank (the control cost and the skew): the last
+        # summary, refreshed in the background (readiness calls describe too, and must never
+        # wait on a peer).
+        info["step_timings"] = self._step_timings
+        if self._gang.state is GangState.READY and (self._timings_task is None or self._timings_task.done()):
+            self._timings_task = asyncio.get_running_loop().create_task(self._refresh_step_timings())
         return info
+
+    async def _refresh_step_timings(self) -> None:
+        self._step_timings = await self._gang.step_loop_stats(timeout_s=2.0)
 
     def record_routing_stats(self) -> dict[str, object]:
         """Serve asks every ROUTING_STATS_PERIOD_S; the router sends requests to ready gangs only."""

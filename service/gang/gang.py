@@ -19,6 +19,16 @@ liveness probe, teardown) runs on ONE thread. Rank 0 submits the peers' control 
 and then runs its own side; Ray executes each actor's calls in submission order, so all
 ranks see one global sequence of collectives and concurrent requests cannot deadlock.
 
+Step loop (`step_loop`, default on; protocol in service.gang.control): after bring-up
+the peers block in a broadcast of a small header from rank 0 on the gang's gloo control
+group instead of receiving a Ray call per step. The sequencer sends each step's header
+before rank 0 prepares its own input (a late follower stalls the first collective), and
+a heartbeat header whenever no header went out for a quarter of `collective_timeout_s`,
+also while it waits on lifecycle Ray calls (staging weights can take longer than the
+group timeout). Lifecycle operations stay Ray calls, issued by the sequencer between
+steps. A peer refusing a step for its weights version records why before the all_reduce;
+rank 0, seeing the poisoned output, asks it over Ray (`step_error`).
+
 Failure model: the process group's timeout is `collective_timeout_s`, so a stuck peer
 unblocks rank 0 at the latest then; independently, a request whose step has *executed*
 longer than the deadline gets 504 at once. Either way the gang is marked BROKEN, later
@@ -30,8 +40,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import statistics
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -45,6 +57,7 @@ from service.config import GangConfig, ModelConfig
 from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
 from service.batching import StepBatcher, StepObserver
 from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
+from service.gang import control
 from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
 from service.served_weights import ServedWeights
 
@@ -85,6 +98,15 @@ class Gang:
         self._root: RankWorker | None = None
         self._actors: list[Any] = []
         self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
+        # Step loop state (sequencer thread only, except the heartbeat timer's reads).
+        self._loop_on = False  # the peers' loops run: steps go as headers, not Ray calls
+        self._seq = 0  # last header sequence number sent
+        self._last_header = time.monotonic()
+        self._heartbeat_queued = False
+        self._heartbeat_s = control.heartbeat_interval(gang.collective_timeout_s)
+        self._heartbeats_stop: threading.Event | None = None  # set to end this generation's timer
+        # rank 0's (seq, received, header sent, broadcast done, forward done, reply), ns
+        self._timings: list[tuple[int, int, int, int, int, int]] = []
         # One thread = one global order of collectives.
         self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
         self._batcher = StepBatcher(
@@ -116,7 +138,9 @@ class Gang:
         return await self._batcher.submit(x, mask, causal)
 
     async def _batched_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
-        return await self._run(self._infer_step, x, mask, causal, deadline_s=self.cfg.collective_timeout_s)
+        received_ns = time.time_ns()
+        return await self._run(self._infer_step, x, mask, causal, received_ns,
+                               deadline_s=self.cfg.collective_timeout_s)
 
     async def swap_weights(
         self, model: ModelConfig, record: Callable[[], ServedWeights]
@@ -143,10 +167,45 @@ class Gang:
         if self.state is GangState.READY and self._actors:
             await self._run(self._probe_step)
 
+    async def step_loop_stats(self, timeout_s: float = 2.0, window: int = 32) -> dict[str, object]:
+        """Where the last `window` steps' time went, from every rank's timestamps (medians, ms):
+        `queue` (step handed to the sequencer -> header sent), `peer_wake` (header sent ->
+        each peer awake: the control cost), `skew` (the latest peer's wake-up minus rank
+        0's header send: how late the first collective starts), `broadcast` and `forward`
+        (rank 0: header sent -> data broadcast done -> all_reduce done), `reply` (rank 0's
+        output copied out). Wall clocks: across nodes, skew includes their clock offset."""
+        if not self._loop_on:
+            return {"enabled": False}
+        mine = {t[0]: t for t in self._timings[-window:]}
+        try:
+            peers = await asyncio.wait_for(
+                asyncio.gather(*(a.loop_timings.remote() for a in self._actors)), timeout=timeout_s)
+        except Exception as exc:  # a stats read must never fail /gang
+            return {"enabled": True, "error": f"{type(exc).__name__}: {_first_line(exc)}"}
+        by_peer = [{t[0]: t for t in p} for p in peers]
+        seqs = [s for s in mine if all(s in p for p in by_peer)]
+        if not seqs:
+            return {"enabled": True, "steps": 0, "heartbeat_s": self._heartbeat_s}
+
+        def med(values: list[float]) -> float:
+            return round(statistics.median(values) / 1e6, 3)
+
+        wake = [[p[s][2] - mine[s][2] for s in seqs] for p in by_peer]
+        return {
+            "enabled": True, "steps": len(seqs), "heartbeat_s": self._heartbeat_s,
+            "queue_ms": med([mine[s][2] - mine[s][1] for s in seqs]),
+            "peer_wake_ms": [med(w) for w in wake],
+            "skew_ms": med([max(w[i] for w in wake) for i in range(len(seqs))]),
+            "broadcast_ms": med([mine[s][3] - mine[s][2] for s in seqs]),
+            "forward_ms": med([mine[s][4] - mine[s][3] for s in seqs]),
+            "reply_ms": med([mine[s][5] - mine[s][4] for s in seqs]),
+        }
+
     def describe(self) -> dict[str, object]:
         return {
             "world_size": self.cfg.world_size,
             "backend": self.backend,
+            "step_loop": self._loop_on,
             "state": self.state.value,
             "reason": self.reason,
             **(self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}),
@@ -161,6 +220,7 @@ class Gang:
         if self.state is GangState.STOPPED:
             return
         self.state, self.reason = GangState.STOPPED, "shut down"
+        self._stop_heartbeats()
         # Killing the peers first unblocks rank 0 if it is inside a collective; then rank 0
         # leaves the group on the sequencer thread, never concurrently with a step.
         for actor in self._actors:
@@ -263,7 +323,14 @@ class Gang:
             self.param_bytes_per_rank = [root_bytes, *self._get(refs, "load", cfg.stage_timeout_s)]
             self.weights = weights
 
-            # Stage 4: warmup. One tiny request proves every collective path works.
+            # Stage 4: the peers' step loops (from here on a peer's wait is bounded by the
+            # control group's timeout, so heartbeats start with them).
+            if cfg.step_loop and ws > 1:
+                self._get([a.start_loop.remote() for a in self._actors], "start step loop", cfg.stage_timeout_s)
+                self._loop_on, self._seq, self._last_header = True, 0, time.monotonic()
+                self._start_heartbeats()
+
+            # Stage 5: warmup. One tiny request proves every collective path works.
             self._compute(np.zeros((1, 1, model.embed_dim), dtype=np.float32))
         except Exception as exc:
             self._teardown()
@@ -282,6 +349,8 @@ class Gang:
         self._bring_up(weights)
 
     def _teardown(self) -> None:
+        self._loop_on = False  # no more headers: the group is going
+        self._stop_heartbeats()
         for actor in self._actors:
             _kill_quietly(actor)
         self._actors = []
@@ -317,30 +386,49 @@ class Gang:
             return "gloo"
         return "nccl" if all_cuda else "gloo"
 
-    def _infer_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    def _infer_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    received_ns: int = 0) -> np.ndarray:
         # Requests queued behind a failure must not touch the broken group.
         self._require_ready()
-        return self._compute(x, mask, causal)
+        return self._compute(x, mask, causal, received_ns)
 
-    def _compute(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    def _compute(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                 received_ns: int = 0) -> np.ndarray:
         assert self._root is not None
         shape = tuple(int(d) for d in x.shape)
         version = self.weights_version
         # None = the served weights' default, read here on the sequencer: the same weights
         # this step runs on (a swap is sequenced between steps).
         causal = self._root.default_causal if causal is None else bool(causal)
-        if mask is None:  # the unmasked control message unchanged
-            refs = [a.step.remote(shape, version) if not causal else a.step.remote(shape, version, False, True)
-                    for a in self._actors]
-        else:
-            refs = [a.step.remote(shape, version, True, causal) for a in self._actors]  # control messages only
+        refs: list = []
+        seq = 0
         try:
+            if self._loop_on:
+                # The header first, before rank 0 converts its own input: the peers allocate
+                # their buffers meanwhile, so the data broadcast does not wait for them.
+                seq, sent_ns = self._seq + 1, time.time_ns()
+                flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
+                self._send_header(control.step_header(seq, shape, flags, self._root.dtype, version, sent_ns))
+                self._root.step_seq = seq
+            elif mask is None:  # the unmasked control message unchanged
+                refs = [a.step.remote(shape, version) if not causal else a.step.remote(shape, version, False, True)
+                        for a in self._actors]
+            else:
+                refs = [a.step.remote(shape, version, True, causal) for a in self._actors]  # control messages only
             out = self._root.root_step(x, version, mask, causal)
             if out.size and np.isnan(out.flat[_first_token(mask, shape[2])]):
-                # Maybe a rank refused the step (see RankWorker._forward): its ack says so.
-                self._collect_acks(refs)
-            else:
+                # Maybe a rank refused the step (see RankWorker._forward): it says so.
+                if self._loop_on:
+                    self._ask_step_errors(seq)
+                else:
+                    self._collect_acks(refs)
+            elif not self._loop_on:
                 self._reap_acks(refs)
+            if self._loop_on:
+                self._timings.append((seq, received_ns or sent_ns, sent_ns, self._root.last_bcast_ns,
+                                      self._root.last_forward_ns, time.time_ns()))
+                if len(self._timings) > 2 * control.TIMINGS_KEPT:
+                    del self._timings[:control.TIMINGS_KEPT]
         except (RayError, RuntimeError) as exc:
             if _is_version_mismatch(exc):
                 self._mark_broken(f"weights versions disagree: {_first_line(_cause(exc))}")
@@ -362,6 +450,80 @@ class Gang:
                 code="gang_broken",
             ) from exc
         return out
+
+    # -- the step loop's rank-0 side (sequencer thread) ------------------------------------
+    def _send_header(self, header: Any) -> None:
+        assert self._root is not None
+        self._root.send_header(header)
+        self._seq = int(header[control.SEQ])
+        self._last_header = time.monotonic()
+
+    def _ask_step_errors(self, seq: int) -> None:
+        """After a poisoned output: raise the first peer's reason for refusing step `seq`."""
+        whys = ray.get([a.step_error.remote(seq) for a in self._actors],
+                       timeout=min(5.0, self.cfg.collective_timeout_s))
+        for why in whys:
+            if why:
+                raise WeightsVersionMismatch(why) if "weights version" in why else RuntimeError(why)
+
+    def _heartbeat_if_idle(self) -> None:
+        """Send a heartbeat header if none went out for half of `_heartbeat_s` (sequencer only)."""
+        if self._loop_on and self.state in (GangState.READY, GangState.STARTING) and (
+                time.monotonic() - self._last_header >= self._heartbeat_s / 2):
+            try:
+                self._send_header(control.op_header(control.OP_HEARTBEAT, self._seq + 1, time.time_ns()))
+            except RuntimeError as exc:  # a peer's connection is gone
+                self._mark_broken(f"heartbeat to the step loops failed: {_first_line(exc)}")
+
+    def _queued_heartbeat(self) -> None:
+        self._heartbeat_queued = False
+        self._heartbeat_if_idle()
+
+    def _start_heartbeats(self) -> None:
+        """A timer thread that queues a heartbeat on the sequencer when the gang is idle;
+        when the sequencer is busy, its steps are the heartbeats (and its lifecycle waits
+        send them: see `_wait_heartbeating`)."""
+        self._stop_heartbeats()
+        stop = self._heartbeats_stop = threading.Event()
+        self._heartbeat_queued = False
+
+        def tick() -> None:
+            while not stop.wait(self._heartbeat_s / 4):
+                if not self._loop_on or self._heartbeat_queued:
+                    continue
+                if time.monotonic() - self._last_header >= self._heartbeat_s:
+                    self._heartbeat_queued = True
+                    try:
+                        self._sequencer.submit(self._queued_heartbeat)
+                    except RuntimeError:  # the sequencer is shut down
+                        return
+
+        threading.Thread(target=tick, name="gang-heartbeat", daemon=True).start()
+
+    def _stop_heartbeats(self) -> None:
+        if self._heartbeats_stop is not None:
+            self._heartbeats_stop.set()
+            self._heartbeats_stop = None
+
+    def _wait_heartbeating(self, fn: Callable[[], T]) -> T:
+        """On the sequencer: run fn (a lifecycle wait that may outlast the control group's
+        timeout) on a helper thread, sending heartbeats meanwhile."""
+        if not self._loop_on:
+            return fn()
+        done: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # re-raised on the sequencer below
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="gang-lifecycle-wait", daemon=True).start()
+        # Not `except TimeoutError` around result(): fn's own timeouts (Ray's GetTimeoutError
+        # is a TimeoutError) must propagate, not be taken for "still running".
+        while not wait([done], timeout=self._heartbeat_s / 2).done:
+            self._heartbeat_if_idle()
+        return done.result()
 
     def _collect_acks(self, refs: list) -> None:
         """Wait (bounded) for every outstanding peer ack, raising the first peer error."""
@@ -391,7 +553,8 @@ class Gang:
         timeout_s = min(5.0, self.cfg.collective_timeout_s)
         try:
             self._reap_acks([])
-            ray.get([a.describe.remote() for a in self._actors], timeout=timeout_s)
+            refs = [a.describe.remote() for a in self._actors]
+            self._wait_heartbeating(lambda: ray.get(refs, timeout=timeout_s))
         except (RayError, RuntimeError, GangServeError) as exc:
             self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {_first_line(exc)}")
 
@@ -402,11 +565,12 @@ class Gang:
         refs = [a.stage_weights.remote(model) for a in self._actors]
         failures: list[str] = []
         root_bytes = 0
-        try:
-            root_bytes = self._root.stage_weights(model)
+        root = self._root
+        try:  # (staging never touches a group, so it may run beside the heartbeats)
+            root_bytes = self._wait_heartbeating(lambda: root.stage_weights(model))
         except Exception as exc:
             failures.append(f"rank 0: {type(exc).__name__}: {_first_line(exc)}")
-        peer_bytes = self._settle(refs, "stage weights", failures)
+        peer_bytes = self._wait_heartbeating(lambda: self._settle(refs, "stage weights", failures))
         if failures:
             self._discard_staged()
             if self.state is GangState.BROKEN:  # a rank died meanwhile: nothing to keep serving
@@ -421,7 +585,7 @@ class Gang:
             )
         # Phase 2: the new version is durable before any rank serves it.
         try:
-            weights = record()
+            weights = self._wait_heartbeating(record)
         except Exception:
             self._discard_staged()
             raise
@@ -432,7 +596,7 @@ class Gang:
             self._root.commit_weights(weights.version)
         except Exception as exc:
             failures.append(f"rank 0: {type(exc).__name__}: {_first_line(exc)}")
-        self._settle(refs, "commit weights", failures)
+        self._wait_heartbeating(lambda: self._settle(refs, "commit weights", failures))
         self.weights = weights  # the version every step now expects (and a rebuild would load)
         if failures:
             self._mark_broken(f"commit of weights version {weights.version} failed: {'; '.join(failures)}")
@@ -466,7 +630,8 @@ class Gang:
         assert self._root is not None
         self._root.discard_staged()
         try:
-            ray.get([a.discard_staged.remote() for a in self._actors], timeout=self.cfg.stage_timeout_s)
+            refs = [a.discard_staged.remote() for a in self._actors]
+            self._wait_heartbeating(lambda: ray.get(refs, timeout=self.cfg.stage_timeout_s))
         except RayError as exc:
             self._mark_broken(f"a rank failed while discarding staged weights: {_first_line(exc)}")
 
@@ -477,7 +642,8 @@ class Gang:
             assert self._root is not None
             self._root.arm_failpoint(name)
         else:
-            ray.get(self._actors[rank - 1].arm_failpoint.remote(name), timeout=self.cfg.stage_timeout_s)
+            ref = self._actors[rank - 1].arm_failpoint.remote(name)
+            self._wait_heartbeating(lambda: ray.get(ref, timeout=self.cfg.stage_timeout_s))
 
     def _mark_broken(self, reason: str) -> None:
         if self.state in (GangState.READY, GangState.STARTING):

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from service.config import ModelConfig
 from service.failpoints import Failpoints
+from service.gang import control
 from service.netif import bind_collectives_to
 from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.weights import (
@@ -114,6 +118,17 @@ class RankWorker:
         self.weights_version = 0  # the recorded version self.model holds (0: none yet)
         self._store: dist.TCPStore | None = None
         self.failpoints = Failpoints()
+        # The step loop (see service.gang.control): the control group rank 0's headers
+        # arrive on, the loop thread, and what the loop records for rank 0 to ask about.
+        self._control: dist.ProcessGroup | None = None
+        self._loop: threading.Thread | None = None
+        self.loop_error: str | None = None  # why the loop stopped (it then exits the process)
+        self.step_seq = 0  # the header sequence number of the step being computed
+        self._mismatches: deque[tuple[int, str]] = deque(maxlen=64)  # (seq, why) refused steps
+        # (seq, header sent, woke, broadcast done, forward done), time.time_ns() each
+        self._timings: deque[tuple[int, int, int, int, int]] = deque(maxlen=control.TIMINGS_KEPT)
+        self.last_bcast_ns = 0
+        self.last_forward_ns = 0
 
     # -- stage: create -------------------------------------------------------------------
     def describe(self) -> RankInfo:
@@ -142,6 +157,9 @@ class RankWorker:
             timeout=timedelta(seconds=timeout_s),
         )
         self.group = ParallelGroup(self.rank, self.world_size, backend, self.device, dist.group.WORLD)
+        # The control group: gloo whatever the data backend (a peer waiting for the next
+        # header must not hold a CUDA stream), with the same bounded timeout.
+        self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     # -- stage: load (and hot-swap) -----------------------------------------------------
     def load_weights(self, model_cfg: ModelConfig, version: int) -> int:
@@ -249,19 +267,103 @@ class RankWorker:
         batch, seq, width = shape
         with torch.inference_mode():
             self.group.broadcast_(buf, src=0)  # on every rank
+            self.last_bcast_ns = time.time_ns()
             n = batch * seq * width
             x = buf[:n].view(batch, seq, width)  # [batch, seq, E]
             key_mask = buf[n:].view(batch, seq) > 0.5 if masked else None  # [batch, seq] bool
             mismatch = weights_version != self.weights_version
             if mismatch:
+                why = (f"rank {self.rank} holds weights version {self.weights_version}, "
+                       f"the step expected {weights_version}")
+                # Recorded before the all_reduce: once rank 0's all_reduce is done, it can ask.
+                self._mismatches.append((self.step_seq, why))
                 x = torch.full_like(x, float("nan"))
             out = self.model(x) if key_mask is None and not causal else self.model(x, key_mask, causal)
+            self.last_forward_ns = time.time_ns()
         if mismatch:
-            raise WeightsVersionMismatch(
-                f"rank {self.rank} holds weights version {self.weights_version}, "
-                f"the step expected {weights_version}"
-            )
+            raise WeightsVersionMismatch(why)
         return out  # [batch, seq, E], all-reduced
+
+    # -- the step loop (ranks 1..N-1; protocol in service.gang.control) -----------------
+    def send_header(self, header: torch.Tensor) -> None:
+        """Rank 0 only (the gang's sequencer): broadcast one header to the peers' loops."""
+        if self._control is None:
+            raise RuntimeError(f"rank {self.rank}: no control group (world_size {self.world_size})")
+        dist.broadcast(header, src=0, group=self._control)
+
+    def start_loop(self) -> None:
+        """Peers: from now on take steps from rank 0's headers, not from Ray calls."""
+        if self.rank == 0 or self._control is None:
+            raise RuntimeError(f"rank {self.rank}: a step loop needs a peer rank with a control group")
+        if self._loop is not None:
+            raise RuntimeError(f"rank {self.rank}: the step loop is already running")
+        self._loop = threading.Thread(target=self._run_loop, name=f"step-loop-{self.rank}", daemon=True)
+        self._loop.start()
+
+    def step_error(self, seq: int) -> str | None:
+        """Why this rank refused step `seq` (a weights version mismatch), or why its loop
+        stopped; None if it took part normally."""
+        for s, why in self._mismatches:
+            if s == seq:
+                return why
+        return self.loop_error
+
+    def loop_timings(self) -> list[tuple[int, int, int, int, int]]:
+        """The last steps' (seq, header sent, woke, broadcast done, forward done), ns."""
+        return list(self._timings)
+
+    def _run_loop(self) -> None:
+        header = control.empty_header()
+        expected: int | None = None
+        while True:
+            try:
+                # Blocks until rank 0's next header; bounded by the control group's timeout
+                # (rank 0 sends heartbeats well inside it while idle).
+                dist.broadcast(header, src=0, group=self._control)
+            except Exception as exc:  # rank 0 gone (connection closed) or stopped (timeout)
+                self._loop_failed(f"waiting for rank 0's next header failed: {type(exc).__name__}: "
+                                  f"{_first_line(exc)}")
+                return
+            woke = time.time_ns()
+            h = header.tolist()
+            if expected is not None and h[control.SEQ] != expected:
+                self._loop_failed(f"header sequence gap: expected {expected}, got {h[control.SEQ]}")
+                return
+            expected = h[control.SEQ] + 1
+            op = h[control.OP]
+            if op == control.OP_HEARTBEAT:
+                continue
+            if op == control.OP_STOP:
+                log.info("rank %d: step loop stopped by rank 0", self.rank)
+                return
+            if op != control.OP_STEP:
+                self._loop_failed(f"unknown header op {op} (header {h})")
+                return
+            if h[control.DTYPE] != control.DTYPE_CODES[self.dtype]:
+                self._loop_failed(f"the step computes in dtype code {h[control.DTYPE]}, this rank in "
+                                  f"{self.dtype} (code {control.DTYPE_CODES[self.dtype]})")
+                return
+            self.step_seq = h[control.SEQ]
+            flags = h[control.FLAGS]
+            try:
+                self.step((h[control.BATCH], h[control.SEQ_LEN], h[control.WIDTH]), h[control.VERSION],
+                          bool(flags & control.FLAG_MASKED), bool(flags & control.FLAG_CAUSAL))
+            except WeightsVersionMismatch:
+                pass  # took part in every collective on NaN; recorded for rank 0 (step_error)
+            except Exception as exc:  # the group is out of step now: only a rebuild helps
+                self._loop_failed(f"step {h[control.SEQ]} failed: {type(exc).__name__}: {_first_line(exc)}")
+                return
+            self._timings.append((h[control.SEQ], h[control.SENT_NS], woke, self.last_bcast_ns,
+                                  self.last_forward_ns))
+
+    def _loop_failed(self, why: str) -> None:
+        """Mark this rank broken and exit its process after a short grace (no orphans when
+        rank 0 is gone; rank 0 may still ask `step_error` meanwhile)."""
+        self.loop_error = f"rank {self.rank}: {why}"
+        log.error("%s; exiting in %.0fs", self.loop_error, control.PEER_EXIT_GRACE_S)
+        timer = threading.Timer(control.PEER_EXIT_GRACE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
 
     def close(self) -> None:
         """Leave the process group (idempotent)."""
@@ -269,4 +371,10 @@ class RankWorker:
         if self.group is not None and self.group.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self.group = None
+        self._control = None
         self._store = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

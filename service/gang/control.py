@@ -1,0 +1,80 @@
+"""The gang's own control channel: rank 0 tells the peers' step loops what comes next.
+
+Protocol
+--------
+After bring-up every peer rank (1..N-1) runs one thread, its *step loop*, that blocks in
+a broadcast from rank 0 of a fixed-size header over the gang's **control group**: a gloo
+group on CPU (the process group's own connections, so nothing crosses Ray), created
+next to the data group at rendezvous. On GPUs the data group is NCCL and the control
+group is still gloo, so a waiting peer never holds a CUDA stream.
+
+Header: `HEADER_LEN` int64 values, indices named by the constants below::
+
+    [OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, 0 (reserved)]
+
+    OP       OP_STEP, OP_HEARTBEAT or OP_STOP
+    SEQ      rank 0's sequence number of this header (+1 per header, heartbeats included)
+    BATCH, SEQ_LEN, WIDTH   the step's input shape [batch, seq, E] (OP_STEP only)
+    FLAGS    FLAG_MASKED: a key mask follows x in the data broadcast; FLAG_CAUSAL
+    DTYPE    DTYPE_CODES[compute dtype]: a peer computing in another dtype refuses the step
+    VERSION  the weights version the step expects (a peer holding another computes on
+             NaN and records the mismatch; see RankWorker._forward)
+    SENT_NS  rank 0's time.time_ns() when it sent the header (instrumentation only)
+
+Ordering: rank 0 sends headers only from the gang's sequencer thread, and a step's
+header is followed by that step's collectives on the data group, in the same order on
+every rank. Ray calls to a peer (staging and committing weights, describe, failpoints,
+teardown) never touch a group; the sequencer issues them only between steps (after the
+previous step's all_reduce completed on rank 0, i.e. after every peer entered it), and
+sends the next header only once they returned, so a Ray call and a step never overlap
+in a way that matters (a commit swaps a pointer the loop reads only after its next
+header).
+
+Timeouts: the control group's timeout is `collective_timeout_s`. Rank 0 sends
+OP_HEARTBEAT when no header went out for `heartbeat_interval(collective_timeout_s)`, so
+an idle gang never trips it; a peer whose wait fails (rank 0's process gone: at once,
+its connection closes; rank 0 stopped: after `collective_timeout_s`) records why and
+exits its process within `PEER_EXIT_GRACE_S`, leaving nothing behind.
+"""
+from __future__ import annotations
+
+import torch
+
+HEADER_LEN = 10
+OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS = range(9)
+
+OP_STEP = 1
+OP_HEARTBEAT = 2
+OP_STOP = 3
+OP_NAMES = {OP_STEP: "step", OP_HEARTBEAT: "heartbeat", OP_STOP: "stop"}
+
+FLAG_MASKED = 1
+FLAG_CAUSAL = 2
+
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+# A peer whose loop failed stays this long (so rank 0 can still ask it why over Ray),
+# then exits its process.
+PEER_EXIT_GRACE_S = 2.0
+TIMINGS_KEPT = 512  # per-step timestamps each rank keeps for GET /gang
+
+
+def heartbeat_interval(collective_timeout_s: float) -> float:
+    """Idle time after which rank 0 sends a heartbeat: a quarter of the group timeout, so
+    two heartbeats may be late (a busy core) before a peer's wait times out."""
+    return max(0.05, collective_timeout_s / 4)
+
+
+def step_header(seq: int, shape: tuple[int, ...], flags: int, dtype: torch.dtype, version: int,
+                sent_ns: int) -> torch.Tensor:
+    batch, seq_len, width = shape
+    return torch.tensor([OP_STEP, seq, batch, seq_len, width, flags, DTYPE_CODES[dtype], version, sent_ns, 0],
+                        dtype=torch.int64)
+
+
+def op_header(op: int, seq: int, sent_ns: int) -> torch.Tensor:
+    return torch.tensor([op, seq, 0, 0, 0, 0, 0, 0, sent_ns, 0], dtype=torch.int64)
+
+
+def empty_header() -> torch.Tensor:
+    return torch.zeros(HEADER_LEN, dtype=torch.int64)
