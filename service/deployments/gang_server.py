@@ -38,8 +38,8 @@ from ray.util import get_current_placement_group
 from service import shm
 from service.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
-from service.errors import Conflict, GangServeError, GangStartupError, GangUnavailable
-from service.ingress.handle_errors import map_handle_error
+from service.errors import Conflict, GangStartupError, GangUnavailable
+from service.ingress.handle_errors import awaited, map_handle_error
 from service.gang.gang import Gang, GangState
 from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
@@ -258,13 +258,13 @@ class GangServer:
         (503: the controller's own, e.g. `state_unavailable`, or `controller_*`)."""
         response = getattr(self._controller, method).remote(*args)
         try:
-            return await asyncio.wait_for(_await(response), timeout_s)
+            return await asyncio.wait_for(awaited(response), timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
             raise GangUnavailable(f"the controller did not answer {method} within {timeout_s:.0f}s",
                                   code="controller_unreachable") from None
         except Exception as exc:
-            error = map_handle_error(exc, what="controller", method=method, unavailable=_controller_unavailable)
+            error = map_handle_error(exc, what="controller", method=method)
             if error is None:
                 raise
             raise error from None
@@ -338,9 +338,3 @@ class GangServer:
                 pass
 
 
-async def _await(response: Any) -> Any:
-    return await response
-
-
-def _controller_unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
-    return GangUnavailable(message, code=code, retry_after_s=retry_after_s)

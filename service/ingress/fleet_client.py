@@ -16,7 +16,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from service.errors import GangServeError, GangUnavailable
-from service.ingress.handle_errors import map_handle_error
+from service.ingress.handle_errors import awaited, map_handle_error
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -72,7 +72,7 @@ class FleetClient:
                                   code="controller_unreachable", retry_after_s=1.0)
         response = getattr(self._handle, method).remote(*args)
         try:
-            return await asyncio.wait_for(_await(response), timeout_s)
+            return await asyncio.wait_for(awaited(response), timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
             if skip_after_failure:
@@ -91,6 +91,3 @@ class FleetClient:
 def _unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
     return GangUnavailable(message, code=code, retry_after_s=retry_after_s or 1.0)
 
-
-async def _await(response: Any) -> Any:
-    return await response

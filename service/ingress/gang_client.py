@@ -34,7 +34,7 @@ from service.placement import (
 )
 from service.metrics import process_metrics
 from service.ingress.fleet_client import FleetClient
-from service.ingress.handle_errors import map_handle_error
+from service.ingress.handle_errors import awaited, map_handle_error
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
@@ -306,11 +306,11 @@ class GangClient:
         """One handle call bounded by timeout_s (see _bounded); Ray's errors mapped."""
         response = getattr(self._handle, method).remote(*args)
         try:
-            return await self._bounded(_await(response), method, timeout_s, watch, on_cancel=response.cancel)
+            return await self._bounded(awaited(response), method, timeout_s, watch, on_cancel=response.cancel)
         except Exception as exc:
             if isinstance(exc, GangServeError) and not isinstance(exc, RayTaskError):
                 raise  # ours: the deadline, or the gang seen unable to answer
-            error = map_handle_error(exc, what="gang server", method=method, unavailable=_gang_unavailable,
+            error = map_handle_error(exc, what="gang server", method=method,
                                      passthrough=(shm.SharedMemoryUnavailable,))
             if error is None:
                 raise
@@ -346,9 +346,6 @@ class GangClient:
                     on_cancel()
 
 
-def _gang_unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
-    return GangUnavailable(message, code=code, retry_after_s=retry_after_s)
-
 
 def unavailable_error(status: dict[str, Any]) -> GangServeError:
     state, reason = status["state"], status.get("reason", "")
@@ -357,6 +354,3 @@ def unavailable_error(status: dict[str, Any]) -> GangServeError:
         return GangUnschedulable(reason, code=code)
     return GangUnavailable(f"gang is {state}: {reason}", code=code)
 
-
-async def _await(response: Any) -> Any:
-    return await response

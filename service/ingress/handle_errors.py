@@ -15,12 +15,12 @@ unavailable right now, and the client may retry.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
-from service.errors import GangServeError
+from service.errors import GangServeError, GangUnavailable
 
 log = logging.getLogger("gangserve.ingress")
 
@@ -28,8 +28,18 @@ log = logging.getLogger("gangserve.ingress")
 Unavailable = Callable[[str, str, "float | None"], GangServeError]
 
 
+def gang_unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
+    """The default `Unavailable`: a 503 GangUnavailable with that code and Retry-After."""
+    return GangUnavailable(message, code=code, retry_after_s=retry_after_s)
+
+
+async def awaited(response: Any) -> Any:
+    """A coroutine awaiting a DeploymentResponse (asyncio.wait_for and tasks need one)."""
+    return await response
+
+
 def map_handle_error(
-    exc: BaseException, *, what: str, method: str, unavailable: Unavailable,
+    exc: BaseException, *, what: str, method: str, unavailable: Unavailable = gang_unavailable,
     passthrough: tuple[type[BaseException], ...] = (),
 ) -> BaseException | None:
     """The error to raise for `exc` raised by `what`.`method`, or None if `exc` is not a

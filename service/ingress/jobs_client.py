@@ -8,7 +8,7 @@ from fastapi import Request
 from ray.serve.handle import DeploymentHandle
 
 from service.errors import GangServeError, GangUnavailable
-from service.ingress.handle_errors import map_handle_error
+from service.ingress.handle_errors import awaited, map_handle_error
 
 CALL_TIMEOUT_S = 30.0
 
@@ -29,7 +29,7 @@ class JobsClient:
             raise JobsUnavailable("this application was deployed without a JobManager; training is unavailable")
         response = getattr(self._handle, method).remote(*args, **kwargs)
         try:
-            return await asyncio.wait_for(_await(response), timeout=self._timeout_s)
+            return await asyncio.wait_for(awaited(response), timeout=self._timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
             raise JobsUnavailable(f"the job manager did not answer {method} within {self._timeout_s:.0f}s") from None
@@ -47,6 +47,3 @@ def _jobs_unavailable(message: str, _code: str, retry_after_s: float | None) -> 
 async def get_jobs(request: Request) -> JobsClient:
     return request.app.state.jobs
 
-
-async def _await(response: Any) -> Any:
-    return await response

@@ -112,14 +112,11 @@ class Fleet:
             gang = self.gangs[rid]
             row = {**gang.info, "replica_id": rid, "reported_s_ago": round(now - gang.reported_at, 1)}
             if row.get("state") == "ready" and not self.serving(gang, now):
-                if gang.unreachable_since is not None:
-                    row["state"], row["code"] = "unreachable", "gang_unreachable"
-                    row["reason"] = (f"the controller cannot reach this gang's replica for "
-                                     f"{now - gang.unreachable_since:.1f}s")
-                else:
-                    row["state"], row["code"] = "unreachable", "gang_unreachable"
-                    row["reason"] = (f"no report for {now - gang.reported_at:.1f}s "
-                                     f"(a gang reports every {REPORT_INTERVAL_S:g}s)")
+                row["state"], row["code"] = "unreachable", "gang_unreachable"
+                row["reason"] = (
+                    f"the controller cannot reach this gang's replica for {now - gang.unreachable_since:.1f}s"
+                    if gang.unreachable_since is not None else
+                    f"no report for {now - gang.reported_at:.1f}s (a gang reports every {REPORT_INTERVAL_S:g}s)")
             rows.append(row)
         lost = [{"replica_id": g.replica_id, "reason": g.reason, "s_ago": round(now - g.at, 1)}
                 for g in sorted(self.lost.values(), key=lambda g: -g.at)]
