@@ -261,7 +261,7 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
 
     @property
     def uses_data_channel(self) -> bool:
-        """Requests may reach rank 0 over the data channel (service.channel): asked for, and
+        """Requests may reach rank 0 over the data channel (service.transport.channel): asked for, and
         one gang only (with several, Serve's router picks the gang)."""
         return self.data_channel and self.single_gang
 

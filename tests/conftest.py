@@ -59,7 +59,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # inherits them: a throwaway state dir and a known API token.
     os.environ["GANGSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("gangserve-state"))
     os.environ["GANGSERVE_API_TOKEN"] = TEST_API_TOKEN
-    os.environ["GANGSERVE_FAILPOINTS"] = "1"  # fault tests arm one-shot failpoints (service.failpoints)
+    os.environ["GANGSERVE_FAILPOINTS"] = "1"  # fault tests arm one-shot failpoints (service.gang.failpoints)
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster

@@ -84,14 +84,14 @@ def test_the_client_imports_nothing_of_the_server() -> None:
 
 @pytest.mark.unit
 def test_the_service_codecs_and_token_rule_are_the_clients() -> None:
-    from service import auth, codecs
+    from service.ingress import auth, codecs
 
     assert codecs.wire is wire
-    # service/codecs.py parses no format itself: no header parsing, no orjson, no struct.
-    text = (ROOT / "service" / "codecs.py").read_text()
-    assert not {"ast", "struct", "orjson", "io", "reprlib"} & imported_modules(ROOT / "service" / "codecs.py")
+    # service/ingress/codecs.py parses no format itself: no header parsing, no orjson, no struct.
+    text = (ROOT / "service" / "ingress" / "codecs.py").read_text()
+    assert not {"ast", "struct", "orjson", "io", "reprlib"} & imported_modules(ROOT / "service" / "ingress" / "codecs.py")
     assert "literal_eval" not in text and "frombuffer(view" not in text
-    assert auth.tokens is tokens and "os.environ" not in (ROOT / "service" / "auth.py").read_text()
+    assert auth.tokens is tokens and "os.environ" not in (ROOT / "service" / "ingress" / "auth.py").read_text()
 
 
 @pytest.mark.unit
@@ -102,7 +102,7 @@ def test_bench_does_not_import_tests() -> None:
 
 @pytest.mark.unit
 def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.auth import load_api_token
+    from service.ingress.auth import load_api_token
 
     monkeypatch.delenv("GANGSERVE_API_TOKEN", raising=False)
     monkeypatch.setenv("GANGSERVE_STATE_DIR", str(tmp_path / "state"))
@@ -115,7 +115,7 @@ def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("GANGSERVE_API_TOKEN", "  from-env  ")  # the environment wins, stripped, on both sides
     assert load_api_token()[0] == tokens.api_token().value == "from-env"
     monkeypatch.setenv("GANGSERVE_INFER_TOKEN", " infer ")
-    from service.auth import load_infer_token
+    from service.ingress.auth import load_infer_token
 
     assert load_infer_token() == tokens.infer_token() == "infer"
 

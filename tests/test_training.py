@@ -162,7 +162,7 @@ def test_store_pages_newest_first_and_terminal_states_stick(store_url: str) -> N
 
 @pytest.mark.unit
 def test_token_file_is_created_once_with_mode_0600(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.auth import load_api_token, token_matches
+    from service.ingress.auth import load_api_token, token_matches
 
     monkeypatch.delenv("GANGSERVE_API_TOKEN", raising=False)
     token, where = load_api_token(tmp_path)
