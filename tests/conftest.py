@@ -40,6 +40,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             wrong.append(f"{item.nodeid}: marked unit but uses {sorted(RAY_FIXTURES & set(item.fixturenames))}")
     if wrong:
         raise pytest.UsageError("test markers:\n  " + "\n  ".join(wrong))
+    # GANGSERVE_TEST_ORDER=reverse runs the modules in reverse file order (tests within a
+    # module keep theirs): how the suite is checked for tests that depend on file order.
+    if os.environ.get("GANGSERVE_TEST_ORDER") == "reverse":
+        modules: dict[str, list[pytest.Item]] = {}
+        for item in items:
+            modules.setdefault(str(item.path), []).append(item)
+        items[:] = [item for path in reversed(modules) for item in modules[path]]
 
 
 @pytest.fixture(scope="session")

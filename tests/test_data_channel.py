@@ -23,7 +23,7 @@ from service.transport import channel, shm
 from service.transport.channel import ChannelClient, ChannelServer, ChannelUnavailable
 from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
 from tests.reference import dense_attention, notes_seed_weights, relative_error
-from tests.test_service import rand
+from tests.helpers import rand
 
 
 def reference(x: np.ndarray) -> torch.Tensor:

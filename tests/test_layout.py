@@ -158,3 +158,16 @@ def test_request_dependencies_never_run_in_a_thread_pool() -> None:
                 walk(route.dependant, f"{sorted(route.methods)} {route.path}")
     assert routes > 20, f"found only {routes} routes: the walk missed the routers"
     assert not sync, "sync dependencies/endpoints (run in a thread pool per request):\n" + "\n".join(sync)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in tests/helpers.py, faults.py, reference.py, ... (no `test_`
+    prefix): a test module that imports another runs that module's fixtures and globals
+    in a different order than pytest would, and cannot be run alone."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name} -> {n}" for n in names if n.startswith("tests.test_")]
+    assert not offenders, f"test modules importing test modules: {offenders}"

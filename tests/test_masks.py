@@ -22,6 +22,7 @@ from safetensors.numpy import save as st_save
 from gangserve_client import codecs as wire
 from service.parallel.weights import random_weights
 from tests.conftest import deploy, local_yaml_args
+from tests.helpers import AUTH, post, rand, wait_done
 from tests.reference import dense_attention_masked, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -35,10 +36,6 @@ TOL = 1e-5
 def reference(x: np.ndarray, mask: np.ndarray | None, causal: bool) -> torch.Tensor:
     m = None if mask is None else torch.from_numpy(np.asarray(mask, dtype=np.int64))
     return dense_attention_masked(WEIGHTS, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)), m, causal)
-
-
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 def padding_mask(lengths: list[int], seq: int) -> np.ndarray:
@@ -289,7 +286,6 @@ def test_causal_job_on_a_masked_dataset_trains_and_records_causal(app_url: str) 
     """POST /datasets with attention_mask, then a causal attention job on it: it learns, the
     loss counts token positions only, and the checkpoint records causal=true."""
     from service.training.models import SelfAttention, load_dense_into
-    from tests.test_training import AUTH, post, wait_done
 
     rng = np.random.default_rng(1)
     n, seq, e = 128, 6, 32

@@ -20,7 +20,7 @@ import torch
 
 from service.transport import shm
 from tests.reference import dense_attention, notes_seed_weights, relative_error
-from tests.test_service import npy_bytes, rand
+from tests.helpers import npy_bytes, rand
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm (Linux)")
 
