@@ -18,7 +18,8 @@ class RecordingStep:
         self.shapes: list[tuple[int, ...]] = []
         self.delay_s, self.fail = delay_s, fail
 
-    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                       deadline: float | None = None) -> np.ndarray:
         self.shapes.append(x.shape)
         await asyncio.sleep(self.delay_s)
         if self.fail:
@@ -97,7 +98,8 @@ class ConcurrencyProbe(RecordingStep):
         super().__init__(delay_s)
         self.running = self.peak = 0
 
-    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                       deadline: float | None = None) -> np.ndarray:
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
@@ -130,7 +132,8 @@ class MixingStep:
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[int, ...], bool, bool | None]] = []
 
-    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                       deadline: float | None = None) -> np.ndarray:
         self.calls.append((x.shape, mask is not None, causal))
         await asyncio.sleep(0.01)
         return mixing(x, mask, bool(causal))
