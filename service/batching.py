@@ -61,7 +61,7 @@ DropObserver = Callable[[str, int], None]
 StepObserver = Callable[[int, float, "BaseException | None", float], None]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` / remove() must never compare the arrays
 class _Pending:
     x: np.ndarray  # [batch, seq, E]
     mask: np.ndarray | None  # [batch, seq] bool, True = token; None = all tokens
@@ -69,6 +69,7 @@ class _Pending:
     future: asyncio.Future
     deadline: float | None = None  # time.monotonic() instant; None: none
     timer: asyncio.TimerHandle | None = None
+    expired_in_step: bool = False  # answered at its deadline after its group was taken
 
     @property
     def rows(self) -> int:
@@ -177,8 +178,9 @@ class StepBatcher:
                 "the request's deadline passed while it was queued for the gang; it was not computed"))
         else:
             self.expired_running += 1
+            item.expired_in_step = True
             item.future.set_exception(DeadlineExceeded(
-                "the request's deadline passed while the gang was computing it"))
+                "the request's deadline passed before the gang's answer to it was ready"))
 
     def _dropped(self, reason: str, n: int) -> None:
         if reason == "deadline":
@@ -225,8 +227,9 @@ class StepBatcher:
             try:
                 out = await self._run_step(x, mask, group[0].causal, step_deadline)  # [sum b_i, S, E]
             except Exception as exc:
-                if isinstance(exc, DeadlineExceededBeforeStep):  # the step function dropped it
-                    self._dropped("deadline", sum(1 for p in group if not p.future.done()))
+                if isinstance(exc, DeadlineExceededBeforeStep):  # the step function dropped it uncomputed
+                    self.expired_running -= sum(1 for p in group if p.expired_in_step)
+                    self._dropped("deadline", len(group))
                 if self._on_step:
                     self._on_step(rows, time.perf_counter() - started, exc, share)
                 for p in group:
