@@ -85,10 +85,14 @@ class StepBatcher:
 
     def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1,
                  on_step: StepObserver | None = None, max_padding_fraction: float = 0.0,
-                 on_drop: DropObserver | None = None) -> None:
+                 on_drop: DropObserver | None = None, own_step_drops: bool = True) -> None:
         self._run_step = run_step
         self._on_step = on_step
         self._on_drop = on_drop
+        # The step function's own DeadlineExceededBeforeStep counts as this batcher's drop
+        # (the gang's sequencer), unless it was counted where it happened (the ingress's step
+        # is the hop to the gang server, which counts its own).
+        self._own_step_drops = own_step_drops
         self._max_rows = max_batch_size
         self._max_padding = max_padding_fraction
         self._wait_s = wait_s
@@ -227,7 +231,7 @@ class StepBatcher:
             try:
                 out = await self._run_step(x, mask, group[0].causal, step_deadline)  # [sum b_i, S, E]
             except Exception as exc:
-                if isinstance(exc, DeadlineExceededBeforeStep):  # the step function dropped it uncomputed
+                if isinstance(exc, DeadlineExceededBeforeStep) and self._own_step_drops:  # dropped uncomputed
                     self.expired_running -= sum(1 for p in group if p.expired_in_step)
                     self._dropped("deadline", len(group))
                 if self._on_step:

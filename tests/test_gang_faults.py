@@ -235,6 +235,40 @@ def test_losing_the_controller_changes_nothing_a_client_sees(fault_url: str) -> 
     assert _controller_pid("faults") != victim
 
 
+def test_redeploy_under_load_drains_and_loses_no_request(fault_url: str) -> None:
+    """Issue 23 item 5: a redeploy (a changed builder arg: Serve replaces the ingress and the
+    gang server) under load from 4 clients: every accepted request is answered 200 with the
+    dense reference's rows: the old replicas finish what they hold (Serve's handle drain,
+    then the gang server's data channel and queue) before their gang goes."""
+    from ray import serve
+
+    from service.app import build_app
+
+    before = {r["pid"] for r in gang_info(fault_url)["ranks"]}
+    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+            "max_queued_requests": 255}  # any change: a new version of both deployments
+    with RequestLoop(fault_url + "/infer", WEIGHTS, threads=4) as loop:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        serve.run(build_app(args), name="faults", route_prefix="/faults", blocking=False)
+        deadline = t0 + 150
+        while time.monotonic() < deadline:
+            info = gang_info(fault_url)
+            if info and info.get("state") == "ready" and not ({r["pid"] for r in info["ranks"]} & before):
+                status = serve.status().applications["faults"].status
+                if str(status).endswith("RUNNING"):
+                    break
+            time.sleep(0.5)
+        redeployed_s = time.monotonic() - t0
+        time.sleep(1.0)
+    summary = loop.summary()
+    print(f"redeploy under 4 clients: {summary}; new gang serving and the app RUNNING after {redeployed_s:.1f}s")
+    assert redeployed_s < 150, "the redeploy did not finish"
+    assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, \
+        (summary, [o.body for o in loop.outcomes if o.status != 200][:3])
+    _check_one_request(fault_url)
+
+
 def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp_path) -> None:
     """A rebuild that cannot reload the weights (checkpoint gone) is reported in /readyz and
     retried with backoff; once the file is back the gang recovers on its own."""

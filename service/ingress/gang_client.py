@@ -101,7 +101,7 @@ class GangClient:
         self._batcher = StepBatcher(
             self._send, max_batch_size=config.max_batch_size, wait_s=config.batch_wait_timeout_s,
             max_in_flight=INGRESS_CALLS_IN_FLIGHT, max_padding_fraction=config.max_padding_fraction,
-            on_drop=_count_drop,
+            on_drop=_count_drop, own_step_drops=False,
         )
         self._waiting = 0  # requests waiting for a gang to serve (bounded by max_queued_requests)
         self._outage_since: float | None = None  # first failure of the current outage
