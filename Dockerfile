@@ -48,4 +48,7 @@ USER 1000:1000
 # Only Serve's HTTP port. Ray's dashboard/Jobs API (8265), GCS (6379) and client server
 # (10001) are for the Ray pods themselves, never to be published.
 EXPOSE 8000
+# Ray 2.60's `serve run` shuts Serve down gracefully (every replica drains its accepted
+# requests) on SIGINT only; on SIGTERM it just exits. `docker stop` therefore sends SIGINT.
+STOPSIGNAL SIGINT
 CMD ["sh", "-c", "exec serve run \"$GANGSERVE_CONFIG\""]

@@ -24,6 +24,15 @@ themselves and an idle gang adds no wait (unless `wait_s` > 0 asks to linger for
 a request that finds the batcher idle runs its step in its own task, at no cost over
 calling the step directly.
 
+Deadlines: each request may carry a `time.monotonic()` deadline. One that passes while
+the request is still queued drops it (never computed) and fails it at that instant with
+DeadlineExceededBeforeStep (504 `deadline_exceeded`); one that passes while its step runs
+fails it at that instant too (the step's other rows are unaffected). A step is called
+with the latest deadline of its requests (None if any has none), so the step function
+can stop waiting for its result then. A queued request whose caller is cancelled (the
+client disconnected, or the ingress gave up) is dropped as well. `on_drop(reason, n)`
+hears of both ("deadline", "cancelled"), for /metrics; `stats()` counts them.
+
 The same class batches twice: in the GangServer (one gang step per batch) and in each
 ingress replica (one handle call per batch, `max_in_flight=2` so one batch crosses the
 hop while the gang computes the previous one), which amortises the per-call cost of the
@@ -40,19 +49,27 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-# (x [batch, seq, E] float32, key mask [batch, seq] bool or None, causal or None) -> output
-StepFn = Callable[[np.ndarray, "np.ndarray | None", "bool | None"], Awaitable[np.ndarray]]
+from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+
+# (x [batch, seq, E] float32, key mask [batch, seq] bool or None, causal or None,
+#  the latest monotonic deadline of the step's requests or None) -> output
+StepFn = Callable[[np.ndarray, "np.ndarray | None", "bool | None", "float | None"], Awaitable[np.ndarray]]
+# (reason: "deadline" | "cancelled", requests) when queued requests are dropped uncomputed
+DropObserver = Callable[[str, int], None]
 # (rows, seconds, error or None, padded share of the step's tokens) after each step: the
 # metrics' hook (service.metrics).
 StepObserver = Callable[[int, float, "BaseException | None", float], None]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` / remove() must never compare the arrays
 class _Pending:
     x: np.ndarray  # [batch, seq, E]
     mask: np.ndarray | None  # [batch, seq] bool, True = token; None = all tokens
     causal: bool | None  # None: the served model's default
     future: asyncio.Future
+    deadline: float | None = None  # time.monotonic() instant; None: none
+    timer: asyncio.TimerHandle | None = None
+    expired_in_step: bool = False  # answered at its deadline after its group was taken
 
     @property
     def rows(self) -> int:
@@ -67,9 +84,15 @@ class StepBatcher:
     """Coalesces concurrent `submit` calls into steps of at most `max_batch_size` rows."""
 
     def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1,
-                 on_step: StepObserver | None = None, max_padding_fraction: float = 0.0) -> None:
+                 on_step: StepObserver | None = None, max_padding_fraction: float = 0.0,
+                 on_drop: DropObserver | None = None, own_step_drops: bool = True) -> None:
         self._run_step = run_step
         self._on_step = on_step
+        self._on_drop = on_drop
+        # The step function's own DeadlineExceededBeforeStep counts as this batcher's drop
+        # (the gang's sequencer), unless it was counted where it happened (the ingress's step
+        # is the hop to the gang server, which counts its own).
+        self._own_step_drops = own_step_drops
         self._max_rows = max_batch_size
         self._max_padding = max_padding_fraction
         self._wait_s = wait_s
@@ -83,6 +106,9 @@ class StepBatcher:
         self.tokens = 0  # batch rows x seq of every step, padding included
         self.padded_tokens = 0  # of which padding added to batch mixed lengths
         self.mixed_steps = 0  # steps that padded requests of different lengths
+        self.expired_queued = 0  # requests dropped uncomputed: deadline passed while queued
+        self.expired_running = 0  # requests whose deadline passed while their step ran
+        self.cancelled_queued = 0  # requests dropped uncomputed: the caller went away
         self._step_ms: deque[float] = deque(maxlen=256)
         self._padded_share: deque[float] = deque(maxlen=256)
 
@@ -101,22 +127,37 @@ class StepBatcher:
             "padded_token_share": round(self.padded_tokens / self.tokens, 4) if self.tokens else 0.0,
             "recent_padded_token_share_mean": round(statistics.fmean(shares), 4) if shares else 0.0,
             "max_padding_fraction": self._max_padding,
+            "expired_queued": self.expired_queued,
+            "expired_running": self.expired_running,
+            "cancelled_queued": self.cancelled_queued,
         }
 
-    async def submit(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no step running (a drain waits for this)."""
+        return not self._pending and not self._running and not self._slots.locked()
+
+    async def submit(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                     deadline: float | None = None) -> np.ndarray:
         """x [batch, seq, E] (+ key mask [batch, seq] bool, causal) -> this request's output
-        [batch, seq, E] from the batched step."""
+        [batch, seq, E] from the batched step; DeadlineExceeded at `deadline` (monotonic)."""
         loop = asyncio.get_running_loop()
-        item = _Pending(x, mask, causal, loop.create_future())
+        item = _Pending(x, mask, causal, loop.create_future(), deadline)
+        if deadline is not None and deadline <= time.monotonic():
+            self._dropped("deadline", 1)
+            raise DeadlineExceededBeforeStep("the request's deadline passed before it could be computed")
         if not self._pending and self._wait_s <= 0 and not self._slots.locked():
             # Idle: nobody to batch with and a slot free. Run the step in the caller's own
             # task (no drainer or group task, no extra loop iterations); requests that
             # arrive meanwhile queue as usual and form the next batch.
             await self._slots.acquire()  # free, so this does not yield
+            # The step function itself stops waiting at the deadline (it gets it).
             self.inline_steps += 1
             await self._run_group([item])
             return item.future.result()
         self._pending.append(item)
+        if deadline is not None:
+            item.timer = loop.call_at(_loop_time(loop, deadline), self._expire, item)
         if self._drainer is None or self._drainer.done():
             self._drainer = loop.create_task(self._drain())
         try:
@@ -124,7 +165,34 @@ class StepBatcher:
         except asyncio.CancelledError:
             if item in self._pending:  # not taken yet: it will never run
                 self._pending.remove(item)
+                self._dropped("cancelled", 1)
             raise
+        finally:
+            if item.timer is not None:
+                item.timer.cancel()
+
+    def _expire(self, item: _Pending) -> None:
+        """`item`'s deadline: answer it now, and drop it if it has not been taken yet."""
+        if item.future.done():
+            return
+        if item in self._pending:
+            self._pending.remove(item)
+            self._dropped("deadline", 1)
+            item.future.set_exception(DeadlineExceededBeforeStep(
+                "the request's deadline passed while it was queued for the gang; it was not computed"))
+        else:
+            self.expired_running += 1
+            item.expired_in_step = True
+            item.future.set_exception(DeadlineExceeded(
+                "the request's deadline passed before the gang's answer to it was ready"))
+
+    def _dropped(self, reason: str, n: int) -> None:
+        if reason == "deadline":
+            self.expired_queued += n
+        else:
+            self.cancelled_queued += n
+        if self._on_drop is not None:
+            self._on_drop(reason, n)
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
@@ -143,13 +211,29 @@ class StepBatcher:
     async def _run_group(self, group: list[_Pending]) -> None:
         """One step for `group` (holding one slot); every member gets its rows or the error."""
         try:
+            now = time.monotonic()
+            late = [p for p in group if p.deadline is not None and p.deadline <= now]
+            if late:  # expired between being taken and now: never computed
+                for p in late:
+                    if not p.future.done():
+                        p.future.set_exception(DeadlineExceededBeforeStep(
+                            "the request's deadline passed before its gang step started; it was not computed"))
+                self._dropped("deadline", len(late))
+                group = [p for p in group if p not in late]
+                if not group:
+                    return
+            deadlines = [p.deadline for p in group]
+            step_deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
             x, mask, padded = pad_group([(p.x, p.mask) for p in group])
             rows, seq = int(x.shape[0]), int(x.shape[1])
             share = padded / (rows * seq) if rows * seq else 0.0
             started = time.perf_counter()
             try:
-                out = await self._run_step(x, mask, group[0].causal)  # [sum b_i, S, E]
+                out = await self._run_step(x, mask, group[0].causal, step_deadline)  # [sum b_i, S, E]
             except Exception as exc:
+                if isinstance(exc, DeadlineExceededBeforeStep) and self._own_step_drops:  # dropped uncomputed
+                    self.expired_running -= sum(1 for p in group if p.expired_in_step)
+                    self._dropped("deadline", len(group))
                 if self._on_step:
                     self._on_step(rows, time.perf_counter() - started, exc, share)
                 for p in group:
@@ -232,3 +316,8 @@ def pad_group(items: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.nda
         padded += b * (seq - s)
         start += b
     return out, mask, padded
+
+
+def _loop_time(loop: asyncio.AbstractEventLoop, deadline: float) -> float:
+    """A time.monotonic() instant on `loop`'s clock (the same clock by default; uvloop's may differ)."""
+    return loop.time() + (deadline - time.monotonic())

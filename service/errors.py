@@ -116,6 +116,17 @@ class CollectiveTimeout(GangServeError):
     status, code = 504, "collective_timeout"
 
 
+class DeadlineExceeded(GangServeError):
+    """The request's own deadline (X-Request-Timeout-Seconds, OIP `parameters.timeout`, or the
+    builder's `request_timeout_s`) passed before its answer was ready (service.deadlines)."""
+
+    status, code = 504, "deadline_exceeded"
+
+
+class DeadlineExceededBeforeStep(DeadlineExceeded):
+    """The deadline passed before the request's gang step started: it was never computed."""
+
+
 class GangStartupError(GangServeError):
     """Bring-up failed in a named stage; the message says which and why."""
 

@@ -81,6 +81,11 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("gangserve_gang_rebuilds", "counter", "Successful in-place gang rebuilds (after a rank died, "
          "hung or a collective failed)"),
     Spec("gangserve_collective_timeouts", "counter", "Gang steps that ran past collective_timeout_s"),
+    Spec("gangserve_requests_dropped", "counter", "Inference requests dropped uncomputed: their deadline "
+         "passed while queued (`deadline`), or their caller went away (`disconnected` at the ingress, "
+         "`cancelled` in a gang server)", ("where", "reason")),
+    Spec("gangserve_request_retries", "counter", "Inference attempts the ingress retried after a gang failure "
+         "(by the failure's code)", ("code",)),
     Spec("gangserve_weights_version", "gauge", "The weights version a gang serves", ("replica",)),
     Spec("gangserve_shm_fallbacks", "counter", "Shared-memory hand-offs that failed and went through "
          "Ray's object store instead"),
@@ -392,6 +397,10 @@ class GangServerMetrics:
                 self._m.inc("gangserve_collective_timeouts")
         except Exception:  # noqa: BLE001
             log.exception("step metrics not recorded")
+
+    def on_drop(self, reason: str, n: int) -> None:
+        """StepBatcher's drop observer: `n` queued requests dropped uncomputed."""
+        self._m.inc("gangserve_requests_dropped", ("gang", reason), float(n))
 
     def rebuilt(self) -> None:
         self._m.inc("gangserve_gang_rebuilds")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ class RecordingStep:
         self.shapes: list[tuple[int, ...]] = []
         self.delay_s, self.fail = delay_s, fail
 
-    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                       deadline: float | None = None) -> np.ndarray:
         self.shapes.append(x.shape)
         await asyncio.sleep(self.delay_s)
         if self.fail:
@@ -97,7 +99,8 @@ class ConcurrencyProbe(RecordingStep):
         super().__init__(delay_s)
         self.running = self.peak = 0
 
-    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                       deadline: float | None = None) -> np.ndarray:
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
@@ -130,7 +133,8 @@ class MixingStep:
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[int, ...], bool, bool | None]] = []
 
-    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                       deadline: float | None = None) -> np.ndarray:
         self.calls.append((x.shape, mask is not None, causal))
         await asyncio.sleep(0.01)
         return mixing(x, mask, bool(causal))
@@ -197,3 +201,93 @@ def test_pad_group_keeps_the_fast_path_for_equal_lengths() -> None:
     assert x.shape == (3, 6, 4) and padded == 2 * 2
     assert mask is not None and mask[:2, 4:].sum() == 0 and mask[:2, :4].all() and mask[2].all()
     assert (x[:2, 4:] == 0).all()
+
+
+def test_a_request_whose_deadline_passes_while_queued_is_answered_then_and_never_computed() -> None:
+    """Issue 23: a queued request past its deadline is dropped (504 deadline_exceeded at the
+    deadline, not when the step ahead of it ends), and no step ever carries its rows;
+    a request already computing gets its error at its deadline too; the others are exact."""
+    from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+
+    drops: list[tuple[str, int]] = []
+
+    async def scenario() -> tuple[list, float, float, RecordingStep, StepBatcher]:
+        step = RecordingStep(delay_s=0.5)  # a slow step: what follows it queues
+        batcher = StepBatcher(step, max_batch_size=1, wait_s=0.0, on_drop=lambda r, n: drops.append((r, n)))
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        first = loop.create_task(batcher.submit(_x(1, 2, 0)))  # runs inline, 0.5 s
+        await asyncio.sleep(0)
+        late = loop.create_task(batcher.submit(_x(1, 3, 1), deadline=now + 0.1))  # queued behind it
+        kept = loop.create_task(batcher.submit(_x(1, 4, 2), deadline=now + 5.0))
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededBeforeStep):
+            await late
+        late_s = time.monotonic() - t0
+        running = loop.create_task(batcher.submit(_x(1, 5, 3), deadline=time.monotonic() + 0.2))
+        t1 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await running  # taken into the step after `kept`... or queued: either way at its deadline
+        running_s = time.monotonic() - t1
+        outs = [await first, await kept]
+        return outs, late_s, running_s, step, batcher
+
+    outs, late_s, running_s, step, batcher = asyncio.run(scenario())
+    print(f"queued request answered {late_s:.3f}s after its deadline was set for 0.1s; running one {running_s:.3f}s for 0.2s")
+    assert late_s < 0.4 and running_s < 0.45  # at the deadline, not when the 0.5 s step ends (loose: load)
+    assert [s[1] for s in step.shapes if s[1] == 3] == [], "the expired request's rows were computed"
+    assert len(outs) == 2 and batcher.stats()["expired_queued"] >= 1 and ("deadline", 1) in drops
+    assert batcher.idle
+
+
+def test_a_request_past_its_deadline_on_arrival_never_reaches_a_step() -> None:
+    from service.errors import DeadlineExceededBeforeStep
+
+    async def scenario() -> RecordingStep:
+        step = RecordingStep()
+        batcher = StepBatcher(step, max_batch_size=4, wait_s=0.0)
+        with pytest.raises(DeadlineExceededBeforeStep) as info:
+            await batcher.submit(_x(1, 2, 0), deadline=time.monotonic() - 0.001)
+        assert info.value.status == 504 and info.value.code == "deadline_exceeded"
+        return step
+
+    assert asyncio.run(scenario()).shapes == []
+
+
+def test_cancelled_queued_request_is_dropped_and_counted() -> None:
+    drops: list[tuple[str, int]] = []
+
+    async def scenario() -> RecordingStep:
+        step = RecordingStep(delay_s=0.2)
+        batcher = StepBatcher(step, max_batch_size=1, wait_s=0.0, on_drop=lambda r, n: drops.append((r, n)))
+        first = asyncio.ensure_future(batcher.submit(_x(1, 2, 0)))
+        await asyncio.sleep(0)
+        gone = asyncio.ensure_future(batcher.submit(_x(1, 7, 1)))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # the client disconnected
+        await first
+        await asyncio.sleep(0.3)
+        return step
+
+    step = asyncio.run(scenario())
+    assert all(s[1] != 7 for s in step.shapes) and drops == [("cancelled", 1)]
+
+
+def test_deadline_sources_and_bad_values() -> None:
+    from service import deadlines
+    from service.errors import InvalidInput
+
+    assert deadlines.header_timeout(None) is None and deadlines.header_timeout(" 0.5 ") == 0.5
+    assert deadlines.oip_timeout({"timeout": 250000}) == 0.25 and deadlines.oip_timeout({}) is None
+    for bad in ("-1", "0", "nan", "inf", "abc", "", "1e9"):
+        with pytest.raises(InvalidInput) as info:
+            deadlines.header_timeout(bad)
+        assert info.value.status == 422 and info.value.code == "invalid_deadline"
+    for bad in (-5, 0, "100", True, float("nan"), [1]):
+        with pytest.raises(InvalidInput):
+            deadlines.oip_timeout({"timeout": bad})
+    # The header's deadline comes PROXY_MARGIN_S early (Serve's proxy would answer 408 at it);
+    # the earliest source wins; without any, request_timeout_s.
+    assert deadlines.request_deadline(100.0, 120.0, None) == 220.0
+    assert deadlines.request_deadline(100.0, 120.0, 1.0) == pytest.approx(101.0 - deadlines.PROXY_MARGIN_S)
+    assert deadlines.request_deadline(100.0, 120.0, 1.0, 0.5) == 100.5

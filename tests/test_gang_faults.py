@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -16,6 +17,7 @@ import torch
 
 from tests.conftest import deploy, local_yaml_args
 from tests.faults import RequestLoop, gang_info, pid_alive, wait_for_new_gang
+from tests.helpers import poll, scrape, total
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -56,41 +58,83 @@ def _assert_loop_outcomes(loop: RequestLoop, recovered_at: float) -> None:
 
 
 def test_kill_nonzero_rank_under_load_rebuilds(fault_url: str) -> None:
+    """Issue 23: one gang, the default deadline, 8 clients, kill -9 of rank 1: every request
+    is answered 200 with the dense reference's rows (the ones the dying gang could not
+    answer are retried inside the service once it is rebuilt)."""
     info = gang_info(fault_url)
     victim = info["ranks"][1]["pid"]
-    with RequestLoop(fault_url + "/infer", WEIGHTS) as loop:
+    retries_before = total(scrape(fault_url), "gangserve_request_retries_total")
+    with RequestLoop(fault_url + "/infer", WEIGHTS, threads=8) as loop:
         time.sleep(1.0)
+        killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         # Rank 0 lives in the replica and survives an in-process rebuild; rank 1 is new.
         new, recovery_s = wait_for_new_gang(fault_url, {victim}, timeout_s=60)
         recovered_at = time.monotonic()
         time.sleep(1.5)
-    print(f"kill -9 rank 1: recovered in {recovery_s:.1f}s, generation {new['generation']}")
+    during = [o.latency_s for o in loop.outcomes if o.at <= recovered_at and o.at + o.latency_s >= killed_at]
+    retried = total(scrape(fault_url), "gangserve_request_retries_total") - retries_before
+    print(f"kill -9 rank 1 under 8 clients: recovered in {recovery_s:.1f}s, generation {new['generation']}; "
+          f"{loop.summary()}; {len(during)} requests spanned the outage, slowest {max(during, default=0):.2f}s; "
+          f"{retried:.0f} retries")
     assert recovery_s < 60
     _assert_loop_outcomes(loop, recovered_at)
+    assert set(loop.summary()["statuses"]) == {200}, [o.body for o in loop.outcomes if o.status != 200][:3]
+    assert retried >= 1, "no request met the broken gang: the kill came too late to test anything"
     assert not pid_alive(victim)
     _check_one_request(fault_url)
 
 
-def test_stopped_rank_gives_504_within_deadline_then_rebuild(fault_url: str) -> None:
+def test_stopped_rank_gives_504_at_the_request_deadline_then_rebuild(fault_url: str) -> None:
+    """Issue 23: with rank 1 SIGSTOPped, a request with X-Request-Timeout-Seconds: 0.5 gets
+    our JSON 504 `deadline_exceeded` at its deadline (not Serve's plain-text 408, not the
+    collective timeout's 5 s); requests queued behind the stuck step are dropped at their
+    deadline uncomputed (/metrics); an OIP `parameters.timeout` works the same; the gang is
+    rebuilt and serves again."""
     info = gang_info(fault_url)
     victim = info["ranks"][1]["pid"]
+    x = np.zeros((1, 2, 512), dtype=np.float32)
+    before = scrape(fault_url)
     os.kill(victim, signal.SIGSTOP)
     try:
-        x = np.zeros((1, 2, 512), dtype=np.float32)
-        t0 = time.monotonic()
-        r = httpx.post(fault_url + "/infer", json={"hidden_states": x.tolist()}, timeout=120)
-        elapsed = time.monotonic() - t0
-        print(f"SIGSTOP rank 1: first request {r.status_code} after {elapsed:.1f}s: {r.text[:200]}")
-        # The idle-gang liveness probe may notice first (then 503); otherwise the deadline does (504).
-        assert r.status_code in (503, 504), r.text
-        assert elapsed < COLLECTIVE_TIMEOUT_S + 5, f"took {elapsed:.1f}s, deadline {COLLECTIVE_TIMEOUT_S}s"
-        assert r.json()["code"] in ("collective_timeout", "gang_broken", "gang_rebuilding")
+        timings: list[tuple[int, float, str]] = []
+
+        def post(path: str, json: dict, headers: dict | None = None) -> None:
+            t0 = time.monotonic()
+            r = httpx.post(fault_url + path, json=json, headers=headers or {}, timeout=120)
+            timings.append((r.status_code, time.monotonic() - t0, r.text))
+
+        header = {"X-Request-Timeout-Seconds": "0.5"}
+        oip = {"inputs": [{"name": "hidden_states", "shape": [1, 2, 512], "datatype": "FP32",
+                           "data": x.ravel().tolist()}], "parameters": {"timeout": 500_000}}
+        # The first takes the gang's step (stuck); the later ones queue behind it in the gang.
+        clients = [threading.Thread(target=post, args=("/infer", {"hidden_states": x.tolist()}, header))
+                   for _ in range(3)]
+        clients.append(threading.Thread(target=post, args=("/v2/models/attention/infer", oip)))
+        for c in clients:
+            c.start()
+            time.sleep(0.15)
+        for c in clients:
+            c.join(timeout=60)
+        print("SIGSTOP rank 1, deadline 0.5 s:", [(s, round(t, 3), text[:100]) for s, t, text in timings])
+        assert len(timings) == 4
+        for status, elapsed, text in timings:
+            assert status == 504, text
+            assert text.startswith("{") and '"code":"deadline_exceeded"' in text.replace(" ", ""), text
+            # 0.5 + 0.2 s is the goal (README failure table); loose here: the machine is shared.
+            assert elapsed < 0.5 + 1.5, f"answered after {elapsed:.2f}s for a 0.5 s deadline"
         new, recovery_s = wait_for_new_gang(fault_url, {victim}, timeout_s=60)
-        print(f"SIGSTOP rank 1: recovered in {elapsed + recovery_s:.1f}s after the stop")
+        print(f"SIGSTOP rank 1: recovered {recovery_s:.1f}s after the requests")
     finally:
         if pid_alive(victim):
             os.kill(victim, signal.SIGCONT)
+    def dropped(samples: dict) -> float:
+        return total(samples, "gangserve_requests_dropped_total", reason="deadline") - \
+            total(before, "gangserve_requests_dropped_total", reason="deadline")
+
+    # The gang server's counters arrive with its next report to the controller (<= 1 s).
+    n_dropped = dropped(poll(fault_url, lambda s: dropped(s) >= 1, 10, "a request dropped at its deadline"))
+    print(f"dropped uncomputed at their deadline: {n_dropped:.0f}")
     _check_one_request(fault_url)
 
 
@@ -189,6 +233,40 @@ def test_losing_the_controller_changes_nothing_a_client_sees(fault_url: str) -> 
     assert gangs.status_code == 200 and gangs.json()["ready"] == 1, gangs.text
     assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, summary
     assert _controller_pid("faults") != victim
+
+
+def test_redeploy_under_load_drains_and_loses_no_request(fault_url: str) -> None:
+    """Issue 23 item 5: a redeploy (a changed builder arg: Serve replaces the ingress and the
+    gang server) under load from 4 clients: every accepted request is answered 200 with the
+    dense reference's rows: the old replicas finish what they hold (Serve's handle drain,
+    then the gang server's data channel and queue) before their gang goes."""
+    from ray import serve
+
+    from service.app import build_app
+
+    before = {r["pid"] for r in gang_info(fault_url)["ranks"]}
+    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+            "max_queued_requests": 255}  # any change: a new version of both deployments
+    with RequestLoop(fault_url + "/infer", WEIGHTS, threads=4) as loop:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        serve.run(build_app(args), name="faults", route_prefix="/faults", blocking=False)
+        deadline = t0 + 150
+        while time.monotonic() < deadline:
+            info = gang_info(fault_url)
+            if info and info.get("state") == "ready" and not ({r["pid"] for r in info["ranks"]} & before):
+                status = serve.status().applications["faults"].status
+                if str(status).endswith("RUNNING"):
+                    break
+            time.sleep(0.5)
+        redeployed_s = time.monotonic() - t0
+        time.sleep(1.0)
+    summary = loop.summary()
+    print(f"redeploy under 4 clients: {summary}; new gang serving and the app RUNNING after {redeployed_s:.1f}s")
+    assert redeployed_s < 150, "the redeploy did not finish"
+    assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, \
+        (summary, [o.body for o in loop.outcomes if o.status != 200][:3])
+    _check_one_request(fault_url)
 
 
 def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp_path) -> None:

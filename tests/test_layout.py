@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBSYSTEMS = ("service.gang", "service.ingress", "service.training")
 ALLOWED_SIDEWAYS = {("service.ingress.routes.train", "service.training.spec")}
 FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state",
-               "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics")
+               "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics",
+               "service.deadlines")
 # AppConfig declares every builder argument once; the training quotas are one of its sections
 # (a plain pydantic model that training owns and validates jobs against).
 ALLOWED_UPWARD = {("service.config", "service.training.limits")}

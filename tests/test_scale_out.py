@@ -154,11 +154,12 @@ def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: 
     print(f"one gang down: {summary}; /readyz while degraded: {degraded}; rebuilt after {back_at - killed_at:.1f}s")
     assert degraded is not None and degraded["desired"] == 2 and degraded["missing"], degraded
     assert _gangs(two_gangs)["ready"] == 2
-    assert summary["wrong"] == 0 and set(summary["statuses"]) <= {200, 503}, summary
+    # Issue 23: a request the broken gang could not answer is retried on the other at once.
+    assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, summary
     during = [o for o in loop.outcomes if killed_at + 2.0 < o.at < back_at - 0.5]
-    ok = sum(1 for o in during if o.status == 200)
-    # With routing stats a second old, the broken gang gets (almost) nothing after the first seconds.
-    assert during and ok >= 0.8 * len(during), (ok, len(during))
+    assert during, "no request while one gang was down"
+    # The goal is < 2 s for every request (README failure table); loose here: shared machine.
+    assert summary["max_latency_s"] < 10, summary
 
 
 @pytest.mark.unit
@@ -219,7 +220,8 @@ def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swa
     print(f"rank 0 of one gang killed: {summary}; uncounted after {uncounted_after:.2f}s, "
           f"replacement ready after {back_at - killed_at:.1f}s")
     assert summary["wrong"] == 0, summary
-    assert ok >= 0.9 * sum(summary["statuses"].values()), summary
+    # Issue 23: the requests the dead replica held are retried on the other gang.
+    assert ok == sum(summary["statuses"].values()), summary
     assert {g["replica_id"] for g in now["gangs"]} != old_ids, now
     assert all(g["state"] == "ready" and g["weights_version"] == version for g in now["gangs"]), now["gangs"]
 

@@ -183,9 +183,9 @@ def test_gang_client_falls_back_to_the_object_store_when_shm_fails(app_url: str,
 
 @pytest.mark.ray
 def test_rank_death_during_shared_memory_requests_is_a_clean_error_and_leaves_no_files(app_url: str) -> None:
-    """kill -9 of rank 1 while shm requests flow: every request either gets its exact rows or
-    a GangServeError (503/504 at the edge), no /dev/shm file outlives its call, and the
-    rebuilt gang serves through shared memory again."""
+    """kill -9 of rank 1 while shm requests flow: every request gets its exact rows (those the
+    dying gang could not answer are retried once it is rebuilt, issue 23), no /dev/shm file
+    outlives its call, and the rebuilt gang serves through shared memory again."""
     from tests.faults import gang_client_around_kill, wait_for_new_gang
 
     client, _ = _driver_side_client(app_url)
@@ -194,7 +194,8 @@ def test_rank_death_during_shared_memory_requests_is_a_clean_error_and_leaves_no
     want = reference(x)
     outcomes = gang_client_around_kill(client, x, want, victim)
     print("shm requests around kill -9 of rank 1:", {c: outcomes.count(c) for c in set(outcomes)})
-    assert "ok" in outcomes and len(set(outcomes)) > 1, outcomes  # served before, failed after the kill
+    assert set(outcomes) == {"ok"}, outcomes
+    assert client.retries >= 1, "no request met the broken gang: the kill came too late"
     assert not [n for n in gangserve_files() if n.startswith(f"{shm.PREFIX}{os.getpid()}-")]
     wait_for_new_gang(app_url, {victim}, timeout_s=60)
     fresh, _ = _driver_side_client(app_url)

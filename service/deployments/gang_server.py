@@ -38,6 +38,7 @@ from ray.util import get_current_placement_group
 from service.transport import shm
 from service.transport.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
+from service.deadlines import local_deadline
 from service.errors import Conflict, GangStartupError, GangUnavailable
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.gang.gang import Gang, GangState
@@ -64,6 +65,9 @@ MAX_REBUILD_ATTEMPTS = 5
 MAX_BACKOFF_S = 30.0
 # The Controller starts with the app; a first bring-up may wait this long for it.
 CONTROLLER_TIMEOUT_S = 60.0
+# How long a shutting-down replica waits for accepted requests (inside Serve's own
+# graceful_shutdown_timeout_s, 20 s by default, which also covers Serve's handle drain).
+DRAIN_TIMEOUT_S = 10.0
 
 
 @serve.deployment(name="GangServer", health_check_period_s=5, health_check_timeout_s=30)
@@ -80,7 +84,7 @@ class GangServer:
         enable_ray_metrics()
         self._metrics = GangServerMetrics(self._replica_id)  # here, not in the Gang: survives rebuilds
         self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state,
-                          on_step=self._metrics.on_step)
+                          on_step=self._metrics.on_step, on_drop=self._metrics.on_drop)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._step_timings: dict[str, object] = {}
@@ -123,14 +127,17 @@ class GangServer:
                  weights.source, weights.description, weights.sha256[:16])
         return config, weights
 
-    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    timeout_s: float | None = None) -> np.ndarray:
         """x: [batch, seq, E] float32 (validated by the ingress), key mask [batch, seq] bool
-        (None: all tokens), causal (None: the model's default) -> [batch, seq, E] float32."""
+        (None: all tokens), causal (None: the model's default) -> [batch, seq, E] float32.
+        `timeout_s`: the seconds left until the request's deadline (service.deadlines):
+        DeadlineExceeded then, and never computed if its step has not started."""
         with self._metrics.queued():
-            return await self._gang.infer(x, mask, causal)
+            return await self._gang.infer(x, mask, causal, local_deadline(timeout_s))
 
     async def infer_shared(self, ref: shm.SharedTensorRef, mask: np.ndarray | None = None,
-                           causal: bool | None = None) -> tuple[int, ...]:
+                           causal: bool | None = None, timeout_s: float | None = None) -> tuple[int, ...]:
         """Same as `infer`, but the tensor travels through /dev/shm (see service.transport.shm).
 
         Reads the request from the pages `ref` names and writes the output into the same
@@ -140,7 +147,7 @@ class GangServer:
         """
         view = shm.open_ref(ref, self._node_id)  # [batch, seq, E] float32
         with self._metrics.queued():
-            out = await self._gang.infer(view, mask, causal)
+            out = await self._gang.infer(view, mask, causal, local_deadline(timeout_s))
         view[...] = out  # the ingress reads the reply from the same pages
         return tuple(int(d) for d in out.shape)
 
@@ -322,8 +329,28 @@ class GangServer:
             self._failed_rebuilds += 1
             log.error("gang rebuild attempt %d failed: %s", self._failed_rebuilds, exc)
 
-    def __del__(self) -> None:
-        # Serve calls __del__ on graceful shutdown: leave the group, kill the peers.
+    async def __del__(self) -> None:
+        """Serve 2.60's graceful shutdown (scale-down, redeploy, `serve shutdown`, SIGTERM to
+        `serve run`): Serve stops routing to this replica, waits for the handle calls it
+        holds (up to `graceful_shutdown_timeout_s`), then awaits this. The data channel's
+        requests are not Serve's: stop taking new ones (their clients fall back to the
+        handle, routed to another replica) and let the accepted ones finish, and every
+        request already in the gang's queue, before the gang goes."""
+        drained = True
+        channel = getattr(self, "_channel", None)
+        gang = getattr(self, "_gang", None)
+        if channel is not None and gang is not None:
+            budget = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
+            drained = await channel.drain(DRAIN_TIMEOUT_S)
+            while not gang.idle and asyncio.get_running_loop().time() < budget:
+                await asyncio.sleep(0.02)
+            drained = drained and gang.idle
+            log.info("drained before shutdown: %s (data channel: %s)", "yes" if drained else "no, timed out",
+                     channel.stats())
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        # Leave the group, kill the peers.
         channel = getattr(self, "_channel", None)
         if channel is not None:
             channel.close()

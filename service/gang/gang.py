@@ -54,8 +54,11 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
-from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
-from service.batching import StepBatcher, StepObserver
+from service.errors import (
+    CollectiveTimeout, Conflict, DeadlineExceeded, DeadlineExceededBeforeStep, GangServeError, GangStartupError,
+    GangUnavailable,
+)
+from service.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang import control
 from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
@@ -83,6 +86,7 @@ class Gang:
     def __init__(
         self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None, state_dir: Path,
         on_step: StepObserver | None = None,  # told of every step (the GangServer's metrics)
+        on_drop: DropObserver | None = None,  # told of requests dropped uncomputed (deadline, cancelled)
     ) -> None:
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
         self.cfg = gang
@@ -98,6 +102,7 @@ class Gang:
         self._root: RankWorker | None = None
         self._actors: list[Any] = []
         self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
+        self._watchers: set[asyncio.Task] = set()  # steps past their requests' deadline (see _run)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
         self._loop_on = False  # the peers' loops run: steps go as headers, not Ray calls
         self._seq = 0  # last header sequence number sent
@@ -111,7 +116,7 @@ class Gang:
         self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
         self._batcher = StepBatcher(
             self._batched_step, max_batch_size=gang.max_batch_size, wait_s=gang.batch_wait_timeout_s,
-            on_step=on_step, max_padding_fraction=gang.max_padding_fraction,
+            on_step=on_step, max_padding_fraction=gang.max_padding_fraction, on_drop=on_drop,
         )
 
     # -- public, async -------------------------------------------------------------------
@@ -131,16 +136,25 @@ class Gang:
         self.state = GangState.REBUILDING
         await self._run(self._rebuild, weights)
 
-    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    deadline: float | None = None) -> np.ndarray:
         """x [batch, seq, E] float32, key mask [batch, seq] bool (None: all tokens), causal
-        (None: the served weights' default) -> attention output [batch, seq, E] float32."""
+        (None: the served weights' default) -> attention output [batch, seq, E] float32.
+        `deadline` (time.monotonic(), None: none): DeadlineExceeded then; a request whose
+        deadline passes before its step starts is never computed (service.batching)."""
         self._require_ready()
-        return await self._batcher.submit(x, mask, causal)
+        return await self._batcher.submit(x, mask, causal, deadline)
 
-    async def _batched_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    @property
+    def idle(self) -> bool:
+        """No request queued or computing (a drain waits for this)."""
+        return self._batcher.idle
+
+    async def _batched_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                            deadline: float | None = None) -> np.ndarray:
         received_ns = time.time_ns()
         return await self._run(self._infer_step, x, mask, causal, received_ns,
-                               deadline_s=self.cfg.collective_timeout_s)
+                               deadline_s=self.cfg.collective_timeout_s, request_deadline=deadline)
 
     async def swap_weights(
         self, model: ModelConfig, record: Callable[[], ServedWeights]
@@ -232,18 +246,27 @@ class Gang:
         self._sequencer.shutdown(wait=False, cancel_futures=True)
 
     # -- sequencing ----------------------------------------------------------------------
-    async def _run(self, fn: Callable[..., T], *args: Any, deadline_s: float | None = None) -> T:
+    async def _run(self, fn: Callable[..., T], *args: Any, deadline_s: float | None = None,
+                   request_deadline: float | None = None) -> T:
         """Run fn on the sequencer thread.
 
         Time spent queued behind other steps is not the gang's fault, so `deadline_s`
         counts from the moment fn starts executing. Past it the gang is marked BROKEN and
         the caller gets CollectiveTimeout (504) while the stuck thread waits out the
         process group's own timeout.
+
+        `request_deadline` (time.monotonic(); the step's requests' own deadline): fn is
+        never started after it (DeadlineExceededBeforeStep, at the deadline even while the
+        sequencer is busy with an earlier step), and once started the caller stops waiting
+        at it (DeadlineExceeded; the gang is not blamed, the step finishes on its own).
         """
         loop = asyncio.get_running_loop()
         started: asyncio.Future[float] = loop.create_future()
 
         def timed() -> T:
+            if request_deadline is not None and time.monotonic() >= request_deadline:
+                raise DeadlineExceededBeforeStep(
+                    "the request's deadline passed while it waited for the gang's sequencer; it was not computed")
             loop.call_soon_threadsafe(_set_if_pending, started, time.monotonic())
             return fn(*args)
 
@@ -252,10 +275,28 @@ class Gang:
         if deadline_s is None:
             return await result
         try:
-            await asyncio.wait({started, result}, return_when=asyncio.FIRST_COMPLETED)
+            until = None if request_deadline is None else max(0.0, request_deadline - time.monotonic())
+            await asyncio.wait({started, result}, timeout=until, return_when=asyncio.FIRST_COMPLETED)
+            if not started.done() and not result.done():  # still queued at the request's deadline
+                if work.cancel():
+                    raise DeadlineExceededBeforeStep(
+                        "the request's deadline passed while an earlier gang step ran; it was not computed")
+                await asyncio.wait({started, result}, return_when=asyncio.FIRST_COMPLETED)  # it just started
             if not started.done():  # finished (or failed) before `started` was delivered
                 return await result
             remaining = deadline_s - (time.monotonic() - started.result())
+            if request_deadline is not None and request_deadline - time.monotonic() < remaining:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(result),
+                                                  timeout=max(0.0, request_deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    # The step goes on: keep watching it for collective_timeout_s (a stuck
+                    # rank must still break the gang) without holding up this answer.
+                    watcher = loop.create_task(self._watch_step(result, started.result(), deadline_s))
+                    self._watchers.add(watcher)
+                    watcher.add_done_callback(self._watchers.discard)
+                    raise DeadlineExceeded(
+                        "the request's deadline passed while the gang was computing it") from None
             return await asyncio.wait_for(asyncio.shield(result), timeout=max(0.0, remaining))
         except asyncio.TimeoutError:
             self._mark_broken(f"a step exceeded collective_timeout_s={deadline_s:.1f}s (stuck rank?)")
@@ -266,6 +307,15 @@ class Gang:
         except asyncio.CancelledError:
             work.cancel()  # drop it if it has not started yet
             raise
+
+    async def _watch_step(self, result: asyncio.Future, started: float, deadline_s: float) -> None:
+        """A step nobody waits for any more still breaks the gang past collective_timeout_s."""
+        try:
+            await asyncio.wait_for(asyncio.shield(result), timeout=max(0.0, deadline_s - (time.monotonic() - started)))
+        except asyncio.TimeoutError:
+            self._mark_broken(f"a step exceeded collective_timeout_s={deadline_s:.1f}s (stuck rank?)")
+        except BaseException:  # noqa: BLE001 - the step's own failure was handled where it ran
+            pass
 
     def _require_ready(self) -> None:
         if self.state is not GangState.READY:

@@ -5,6 +5,20 @@ When the GangServer replica is not answering (Serve still placing its bundles, t
 replica restarting after rank 0 died, or a gang the cluster can never hold), the ingress
 diagnoses why from the cluster's resources (service.cluster.placement) and answers 503 at
 once with needed vs available, instead of letting requests queue in Serve's router.
+
+Deadlines and in-service retry (issue 23). Every request carries a deadline
+(service.deadlines) to the batcher, over the hop and into the gang. A request that fails
+because its gang broke (RETRYABLE_CODES: a rank died, a collective timed out, the gang is
+rebuilding or stopping, its replica is gone or restarting; never bad input, never the
+deadline) is sent again: at once (with several gangs Serve's router picks a ready one),
+or, with one gang, once it is ready again. A request that arrives while no gang can
+serve waits for one instead of getting 503 at once, at most `max_queued_requests` of them
+at a time. Waiting and retrying end at the request's deadline: 504 `deadline_exceeded`
+then. 503 + Retry-After only when the gang is unschedulable, or when the expected wait
+(the length of the last outage this ingress saw, DEFAULT_OUTAGE_S before any) would end
+after the deadline: the message says both. Inference is idempotent and every step runs
+on one weights version across ranks (service.gang), so a retried answer is as right as
+a first one.
 """
 from __future__ import annotations
 
@@ -22,7 +36,8 @@ from ray.serve.handle import DeploymentHandle
 from service.transport import shm
 from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
 from service.config import AppConfig
-from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
+from service.deadlines import seconds_left
+from service.errors import CollectiveTimeout, DeadlineExceeded, GangServeError, GangUnavailable
 from service.batching import StepBatcher
 from service.cluster.placement import (
     GangRequest,
@@ -44,6 +59,15 @@ DESCRIBE_TIMEOUT_S = 2.0
 INGRESS_CALLS_IN_FLIGHT = 2  # one batch crossing the hop while the gang computes another
 SHM_RETRY_AFTER_S = 30.0  # after a shared-memory failure, send by value for this long
 CHANNEL_RETRY_AFTER_S = 5.0  # after a data-channel failure, use the handle for this long (same replica)
+# Failures of the gang, not of the request: retried while the deadline allows.
+RETRYABLE_CODES = frozenset({
+    "gang_broken", "gang_rebuilding", "gang_starting", "gang_stopped", "gang_restarting", "gang_unreachable",
+    "gang_scheduling", "gang_unavailable", "collective_timeout", "weights_version_mismatch",
+    "weights_commit_failed",
+})
+RETRY_BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.25)  # then every 0.25 s: a rebuild takes seconds
+WAIT_POLL_S = 0.1  # how often a request waiting for a gang looks at its state
+DEFAULT_OUTAGE_S = 5.0  # expected time to a serving gang before any outage was measured
 
 
 class GangClient:
@@ -77,23 +101,91 @@ class GangClient:
         self._batcher = StepBatcher(
             self._send, max_batch_size=config.max_batch_size, wait_s=config.batch_wait_timeout_s,
             max_in_flight=INGRESS_CALLS_IN_FLIGHT, max_padding_fraction=config.max_padding_fraction,
+            on_drop=_count_drop, own_step_drops=False,
         )
+        self._waiting = 0  # requests waiting for a gang to serve (bounded by max_queued_requests)
+        self._outage_since: float | None = None  # first failure of the current outage
+        self._last_outage_s: float | None = None  # how long the last one lasted
+        self.retries = 0
+        for reason in ("deadline", "disconnected"):
+            process_metrics().inc("gangserve_requests_dropped", ("ingress", reason), 0.0)
         if self._shm_enabled:
             shm.sweep_stale()  # files a crashed ingress on this node left behind
 
     # -- public ---------------------------------------------------------------------------
-    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    deadline: float | None = None) -> np.ndarray:
         """x [batch, seq, E] float32, key mask [batch, seq] bool (None: all tokens), causal
-        (None: the served model's default) -> [batch, seq, E] float32."""
-        status = await self.status(max_age_s=STATUS_MAX_AGE_S)
-        # The status is one gang's. With several gangs, one broken or rebuilding gang says
-        # nothing about the others (the router sends to ready ones; a broken one answers 503
-        # at once), so only app-wide conditions refuse here.
-        if status["state"] != "ready" and (
-            self._single_gang or status["state"] in ("scheduling", "unschedulable")
-        ):
+        (None: the served model's default) -> [batch, seq, E] float32, by `deadline`
+        (time.monotonic(); None: `request_timeout_s` from now), retried while the gang is
+        broken (see the module docstring)."""
+        if deadline is None:
+            deadline = time.monotonic() + self._cfg.request_timeout_s
+        attempt = 0
+        while True:
+            status = await self.status(max_age_s=STATUS_MAX_AGE_S if attempt == 0 else WAIT_POLL_S)
+            # The status is one gang's. With several gangs, one broken or rebuilding gang says
+            # nothing about the others (the router sends to ready ones; a broken one answers 503
+            # at once), so only app-wide conditions wait here.
+            if status["state"] != "ready" and (
+                self._single_gang or status["state"] in ("scheduling", "unschedulable")
+            ):
+                await self._wait_for_gang(status, deadline)
+                continue
+            try:
+                out = await self._batcher.submit(x, mask, causal, deadline)
+            except GangServeError as exc:
+                if exc.code not in RETRYABLE_CODES:
+                    raise
+                self._saw_outage()
+                self._status_at = 0.0  # look at the gang again before the next try
+                if self._single_gang:
+                    self._check_wait(exc.message, deadline)
+                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                attempt += 1
+                self.retries += 1
+                process_metrics().inc("gangserve_request_retries", (exc.code,))
+                log.info("retrying a request (attempt %d) after %s: %s", attempt + 1, exc.code, exc.message)
+                await _pause(delay, deadline, f"retrying after {exc.code}: {exc.message}")
+                continue
+            if self._outage_since is not None:  # served again: the outage is over
+                self._last_outage_s, self._outage_since = time.monotonic() - self._outage_since, None
+            return out
+
+    def _saw_outage(self) -> None:
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+
+    def _check_wait(self, why: str, deadline: float) -> None:
+        """503 now (with the expected wait) when the gang is not expected back before `deadline`."""
+        since = self._outage_since if self._outage_since is not None else time.monotonic()
+        expected = max(0.0, (self._last_outage_s or DEFAULT_OUTAGE_S) - (time.monotonic() - since))
+        left = deadline - time.monotonic()
+        if expected > left:
+            raise GangUnavailable(
+                f"no gang can serve now ({why}); one is expected in ~{expected:.1f}s (the last outage lasted "
+                f"{self._last_outage_s or DEFAULT_OUTAGE_S:.1f}s), after this request's deadline ({left:.2f}s left)",
+                code="deadline_unmeetable", retry_after_s=max(1.0, round(expected)))
+
+    async def _wait_for_gang(self, status: dict[str, Any], deadline: float) -> None:
+        """Wait one poll for a gang to serve again (the caller looks at the status again).
+        503 when the gang can never be placed, when the wait would outlast the deadline
+        (`_check_wait`) or when `max_queued_requests` requests wait already; 504
+        `deadline_exceeded` when the deadline passes meanwhile."""
+        if status["state"] == "unschedulable":
             raise unavailable_error(status)
-        return await self._batcher.submit(x, mask, causal)
+        self._saw_outage()
+        why = f"gang is {status['state']}: {status.get('reason', '')}"
+        self._check_wait(why, deadline)
+        limit = self._cfg.max_queued_requests
+        if 0 <= limit <= self._waiting:
+            raise GangUnavailable(f"{why}; {self._waiting} requests already wait for it "
+                                  f"(max_queued_requests={limit})", code="overloaded", retry_after_s=1.0)
+        self._waiting += 1
+        try:
+            await _pause(WAIT_POLL_S, deadline, f"waiting for a gang ({why})")
+        finally:
+            self._waiting -= 1
 
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
                              timeout_s: float = 300.0) -> dict[str, Any]:
@@ -178,15 +270,17 @@ class GangClient:
         return self._status
 
     # -- internals ------------------------------------------------------------------------
-    async def _send(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def _send(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    deadline: float | None = None) -> np.ndarray:
         """One request to the gang carrying x [batch, seq, E] (one request or a batch of
-        them) with its key mask and causal flag: over the data channel when rank 0 is on
-        this node, else a handle call (the mask and flag travel on every path)."""
+        them) with its key mask, causal flag and deadline (the latest of the batch's): over
+        the data channel when rank 0 is on this node, else a handle call (the mask, flag
+        and deadline travel on every path)."""
         status = self._status or {}
         channel = self._channel_for(status)
         if channel is not None:
             try:
-                return await self._infer_channel(channel, x, self._can_share(x, status), mask, causal)
+                return await self._infer_channel(channel, x, self._can_share(x, status), mask, causal, deadline)
             except ChannelUnavailable as exc:
                 self._transport["data_channel_fallbacks"] += 1
                 self._channel_retry_at = time.monotonic() + CHANNEL_RETRY_AFTER_S
@@ -194,12 +288,12 @@ class GangClient:
                 log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc, CHANNEL_RETRY_AFTER_S)
         if self._can_share(x, status):
             try:
-                return await self._infer_shared(x, mask, causal)
+                return await self._infer_shared(x, mask, causal, deadline)
             except shm.SharedMemoryUnavailable as exc:
                 self._shm_failed(exc)
         self._transport["object_store"] += 1
-        args = (x,) if mask is None and causal is None else (x, mask, causal)  # the unmasked call unchanged
-        return await self._call("infer", *args, timeout_s=self._cfg.request_timeout_s, watch=True)
+        return await self._call("infer", x, mask, causal, timeout_s=self._cfg.request_timeout_s, watch=True,
+                                deadline=deadline)
 
     def _shm_failed(self, exc: Exception) -> None:
         self._transport["shared_memory_fallbacks"] += 1
@@ -224,20 +318,23 @@ class GangClient:
         return self._channel
 
     async def _infer_channel(self, channel: ChannelClient, x: np.ndarray, share: bool,
-                             mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+                             mask: np.ndarray | None = None, causal: bool | None = None,
+                             deadline: float | None = None) -> np.ndarray:
         """x to rank 0 over the data channel: inline, or (tensors worth it) through the
         connection's shared region in /dev/shm; the mask always inline."""
         timeout_s, what = self._cfg.request_timeout_s, "infer (data channel)"
         self._transport["data_channel"] += 1
         if share:
             try:
-                out = await self._bounded(channel.infer(x, share=True, mask=mask, causal=causal), what, timeout_s,
-                                          watch=True)
+                out = await self._bounded(channel.infer(x, share=True, mask=mask, causal=causal,
+                                                        timeout_s=seconds_left(deadline)),
+                                          what, timeout_s, watch=True, deadline=deadline)
                 self._transport["shared_memory"] += 1
                 return out
             except shm.SharedMemoryUnavailable as exc:
                 self._shm_failed(exc)  # /dev/shm full or unmappable: send the tensor itself
-        return await self._bounded(channel.infer(x, mask=mask, causal=causal), what, timeout_s, watch=True)
+        return await self._bounded(channel.infer(x, mask=mask, causal=causal, timeout_s=seconds_left(deadline)),
+                                   what, timeout_s, watch=True, deadline=deadline)
 
     def _can_share(self, x: np.ndarray, status: dict[str, Any]) -> bool:
         """Shared memory pays only for tensors Ray would not inline, and needs rank 0
@@ -253,12 +350,13 @@ class GangClient:
         ranks = status.get("ranks") or []
         return bool(ranks) and ranks[0].get("node_id") == self._node_id
 
-    async def _infer_shared(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def _infer_shared(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                            deadline: float | None = None) -> np.ndarray:
         ref, view = shm.create(x, self._node_id)
         self._transport["shared_memory"] += 1  # calls made, like "object_store"
-        args = (ref,) if mask is None and causal is None else (ref, mask, causal)  # the mask is small: by value
-        try:
-            shape = await self._call("infer_shared", *args, timeout_s=self._cfg.request_timeout_s, watch=True)
+        try:  # the mask is small: by value
+            shape = await self._call("infer_shared", ref, mask, causal, timeout_s=self._cfg.request_timeout_s,
+                                     watch=True, deadline=deadline)
         finally:
             shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
         if tuple(shape) != ref.shape:
@@ -302,11 +400,17 @@ class GangClient:
             "reason": f"{what}, {waited:.0f}s without a ready gang; {waiting_reason(snapshot, self._request)}",
         }
 
-    async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False) -> Any:
-        """One handle call bounded by timeout_s (see _bounded); Ray's errors mapped."""
-        response = getattr(self._handle, method).remote(*args)
+    async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False,
+                    deadline: float | None = None) -> Any:
+        """One handle call bounded by timeout_s, or by `deadline` (see _bounded), which it
+        also carries to the gang server as `timeout_s=` (the seconds left); Ray's errors mapped."""
+        if deadline is None:
+            response = getattr(self._handle, method).remote(*args)
+        else:
+            response = getattr(self._handle, method).remote(*args, timeout_s=seconds_left(deadline))
         try:
-            return await self._bounded(awaited(response), method, timeout_s, watch, on_cancel=response.cancel)
+            return await self._bounded(awaited(response), method, timeout_s, watch, on_cancel=response.cancel,
+                                       deadline=deadline)
         except Exception as exc:
             if isinstance(exc, GangServeError) and not isinstance(exc, RayTaskError):
                 raise  # ours: the deadline, or the gang seen unable to answer
@@ -319,16 +423,21 @@ class GangClient:
             raise error from None
 
     async def _bounded(self, call: Awaitable[T], what: str, timeout_s: float, watch: bool = False,
-                       on_cancel: Callable[[], object] | None = None) -> T:
-        """Await `call` for at most timeout_s (504 gang_timeout). With `watch`, also give up
+                       on_cancel: Callable[[], object] | None = None, deadline: float | None = None) -> T:
+        """Await `call` for at most timeout_s (504 gang_timeout), or until the request's
+        `deadline` (monotonic; 504 deadline_exceeded) when given. With `watch`, also give up
         (503) as soon as the gang server is seen unable to answer, so a request never sits
         behind a gang that is not there. Giving up (or being cancelled) cancels the call."""
         task = asyncio.ensure_future(call)
-        deadline = time.monotonic() + timeout_s
+        request_deadline = deadline
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
         try:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if request_deadline is not None:
+                        raise DeadlineExceeded(f"the request's deadline passed while the gang computed {what}")
                     raise CollectiveTimeout(
                         f"the gang did not answer {what} within {timeout_s:.1f}s", code="gang_timeout"
                     )
@@ -354,3 +463,19 @@ def unavailable_error(status: dict[str, Any]) -> GangServeError:
         return GangUnschedulable(reason, code=code)
     return GangUnavailable(f"gang is {state}: {reason}", code=code)
 
+
+
+def _count_drop(reason: str, n: int) -> None:
+    """The ingress batcher's drops, for /metrics (a cancelled request here: the client went away)."""
+    process_metrics().inc("gangserve_requests_dropped", ("ingress", "disconnected" if reason == "cancelled" else reason),
+                          float(n))
+
+
+async def _pause(delay: float, deadline: float, doing: str) -> None:
+    """Sleep `delay`, or until `deadline` and then raise 504 deadline_exceeded (saying what
+    the request was doing)."""
+    left = deadline - time.monotonic()
+    if left <= delay:
+        await asyncio.sleep(max(0.0, left))
+        raise DeadlineExceeded(f"the request's deadline passed while {doing}")
+    await asyncio.sleep(delay)

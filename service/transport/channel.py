@@ -14,7 +14,8 @@ Wire format, both directions, one frame per message:
     u32 header_len | u64 payload_len | header (JSON, UTF-8) | payload (raw bytes)
 
     request  {"op": "infer", "shape": [b, s, E], "shm": null | "<name in /dev/shm>",
-              "mask": false | true, "causal": null | true | false}   (both optional)
+              "mask": false | true, "causal": null | true | false,   (all three optional)
+              "timeout_s": null | <seconds left until the request's deadline>}
              payload: the float32 tensor, C order (empty when it travels through shm),
              then, with "mask": true, the key mask [b, s] as bytes 0/1 (always inline)
     reply    {"ok": true, "shape": [b, s, E]}     payload: float32 output (empty with shm:
@@ -23,7 +24,14 @@ Wire format, both directions, one frame per message:
              {"ok": false, "shm_unavailable": "<why>"}  (the client resends inline)
 
 One request at a time per connection (the client keeps a few connections, one per call
-in flight). A connection that fails in any way is closed, never reused.
+in flight). A connection that fails in any way is closed, never reused. A client that
+closes its connection while its request is queued or computing (the HTTP client went
+away, or the ingress gave up) cancels the request: queued, it is dropped uncomputed.
+
+Drain (`drain()`, the replica's shutdown): stop listening, close idle connections, and
+close any connection that sends a new request without answering it (the client falls back
+to the Serve handle, which routes to another replica); requests already accepted finish
+and get their answers.
 
 Tensors of MIN_SHARED_BYTES or more travel through a shared region the connection keeps
 (service.transport.shm.Arena): the ingress copies the request into it, the gang server maps it on
@@ -112,6 +120,8 @@ class ChannelServer:
         self.path: Path | None = None
         self.requests = 0
         self.refused = 0
+        self.disconnected = 0  # requests whose client closed the connection before the answer
+        self._draining = False
 
     async def start(self, replica_id: str) -> bool:
         """Listen at socket_path(replica_id); False (logged) when that is not possible."""
@@ -141,9 +151,23 @@ class ChannelServer:
             self.path = None
 
     def stats(self) -> dict[str, int]:
-        return {"requests": self.requests, "refused_overloaded": self.refused}
+        return {"requests": self.requests, "refused_overloaded": self.refused,
+                "disconnected": self.disconnected, "in_flight": self._in_flight}
 
-    def _call(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None) -> Awaitable[np.ndarray]:
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop taking requests and wait (at most timeout_s) until the accepted ones are
+        answered; True when none is left."""
+        self._draining = True
+        self.close()
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self._in_flight == 0
+
+    def _call(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
+              timeout_s: float | None) -> Awaitable[np.ndarray]:
+        if timeout_s is not None:
+            return self._infer(x, mask, causal, timeout_s=timeout_s)
         # Without mask or flag, exactly the unmasked call.
         return self._infer(x) if mask is None and causal is None else self._infer(x, mask, causal)  # type: ignore[call-arg]
 
@@ -155,7 +179,23 @@ class ChannelServer:
                     header, payload = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the client closed the connection
-                reply, out, region = await self._answer(header, payload, region)
+                if self._draining:
+                    return  # closed unanswered: the client resends through the handle
+                answer = asyncio.ensure_future(self._answer(header, payload, region))
+                # One request per connection at a time: anything readable now is the end
+                # of the stream, i.e. the client went away; then the request is cancelled.
+                gone = asyncio.ensure_future(reader.read(1))
+                await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not answer.done():
+                    self.disconnected += 1
+                    answer.cancel()
+                    with contextlib.suppress(BaseException):
+                        await answer
+                    return
+                gone.cancel()
+                with contextlib.suppress(BaseException):
+                    await gone
+                reply, out, region = answer.result()
                 await write_frame(writer, reply, out)
         except (ConnectionError, ValueError) as exc:
             log.debug("data channel connection dropped: %s", exc)
@@ -172,6 +212,9 @@ class ChannelServer:
             causal = header.get("causal")
             if causal is not None and not isinstance(causal, bool):
                 raise ValueError(f"causal must be null or a boolean, got {causal!r:.50}")
+            timeout_s = header.get("timeout_s")
+            if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
+                raise ValueError(f"timeout_s must be null or a number, got {timeout_s!r:.50}")
             mask = None
             if header.get("mask"):  # the mask's bytes end the payload
                 mask_bytes = shape[0] * shape[1]
@@ -191,13 +234,13 @@ class ChannelServer:
         self.requests += 1
         try:
             if x is not None:
-                out = np.ascontiguousarray(await self._call(x, mask, causal), dtype=np.float32)
+                out = np.ascontiguousarray(await self._call(x, mask, causal, timeout_s), dtype=np.float32)
                 return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
             nbytes = int(np.prod(shape, dtype=np.int64)) * 4
             if region is None or region[0] != name or len(region[1]) < nbytes:
                 region = (str(name), shm.map_named(str(name), nbytes))  # kept for the next request
             view = np.frombuffer(region[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
-            out = await self._call(view, mask, causal)
+            out = await self._call(view, mask, causal, timeout_s)
             view[...] = out  # the reply goes back in the same pages
             return {"ok": True, "shape": list(out.shape)}, b"", region
         except GangServeError as exc:
@@ -228,7 +271,7 @@ class ChannelClient:
         self._idle: list[_Connection] = []
 
     async def infer(self, x: np.ndarray, share: bool = False, mask: np.ndarray | None = None,
-                    causal: bool | None = None) -> np.ndarray:
+                    causal: bool | None = None, timeout_s: float | None = None) -> np.ndarray:
         """x [b, s, E] (+ key mask [b, s] bool, always inline; causal) -> the gang's output,
         x itself in the request (inline), or with `share`
         through the connection's shared region (the output comes back in the same pages
@@ -251,6 +294,8 @@ class ChannelClient:
             tail = np.ascontiguousarray(mask, dtype=np.bool_).tobytes()  # [b, s], one byte each
         if causal is not None:
             extra["causal"] = bool(causal)
+        if timeout_s is not None:
+            extra["timeout_s"] = float(timeout_s)  # the seconds left, taken when the frame is written
         try:
             if share:
                 try:

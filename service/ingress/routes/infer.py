@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 import numpy as np
 
+from service import deadlines
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.config import AppConfig
@@ -94,6 +95,9 @@ async def infer(
     gang: GangClient = Depends(get_gang),
     pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
+    started = time.monotonic()  # the deadline counts from here (service.deadlines)
+    deadline = deadlines.request_deadline(
+        started, cfg.request_timeout_s, deadlines.header_timeout(request.headers.get(deadlines.HEADER)))
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
     t_start = time.perf_counter()
@@ -109,7 +113,7 @@ async def infer(
     else:
         x, mask, squeezed, dtype = _prepare(body, media, limits, output_dtype, reply_media)
     t_decoded = time.perf_counter()
-    out = await gang.infer(x, mask, causal)  # [batch, seq, E] float32
+    out = await gang.infer(x, mask, causal, deadline)  # [batch, seq, E] float32
     t_gang = time.perf_counter()
     if squeezed:
         out = out[0]

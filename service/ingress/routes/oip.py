@@ -21,6 +21,7 @@ deflate are inflated only up to that cap, in the DecodePool: never on the event 
 """
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Annotated, Any, Literal
 
@@ -29,6 +30,7 @@ import orjson
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WithJsonSchema
 
+from service import deadlines
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.config import AppConfig
@@ -261,6 +263,8 @@ async def _infer(
     request: Request, output_dtype: str | None, header_length: int | None, cfg: AppConfig, gang: GangClient,
     pool: DecodePool,
 ) -> Response:
+    started = time.monotonic()  # the deadline counts from here (service.deadlines)
+    header_s = deadlines.header_timeout(request.headers.get(deadlines.HEADER))
     media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     if media not in ("", codecs.JSON, BINARY_MEDIA):
         raise UnsupportedMediaType(
@@ -283,7 +287,9 @@ async def _infer(
         req, x, mask, squeezed, reply_dtype, binary = await pool.run(_prepare, *args)
     else:
         req, x, mask, squeezed, reply_dtype, binary = _prepare(*args)
-    out = await gang.infer(x, mask, _causal(req))  # [batch, seq, E] float32
+    deadline = deadlines.request_deadline(started, cfg.request_timeout_s, header_s,
+                                          deadlines.oip_timeout(req.parameters))
+    out = await gang.infer(x, mask, _causal(req), deadline)  # [batch, seq, E] float32
     out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
     if out.size > INLINE_ENCODE_VALUES:
         return await pool.run_unbounded(_reply, req, out, binary)

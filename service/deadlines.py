@@ -1,0 +1,94 @@
+"""Request deadlines: where a request's deadline comes from and how it travels.
+
+Every inference request has a deadline, fixed when the ingress starts handling it:
+
+    X-Request-Timeout-Seconds: <float seconds>      (the header Ray Serve's proxy reads too)
+    OIP v2 `parameters.timeout`: <integer microseconds, as Triton>
+    else the builder's `request_timeout_s` (AppConfig; 120 s by default)
+
+(the header and the OIP parameter both given: the earlier deadline wins). A value that is
+not a finite number > 0 (and at most MAX_TIMEOUT_S) is refused with 422 `invalid_deadline`.
+
+Inside a process the deadline is a `time.monotonic()` instant. Between processes (the
+handle call to the GangServer, the data channel) it travels as the seconds left, and the
+receiver turns it back into its own monotonic instant: no clock is compared across
+processes or nodes; the hop's own latency (well under a millisecond to a few ms) is the
+only error, and it errs on the late side by that much at most.
+
+Serve's proxy answers **408 in plain text** when the header's time is up (it starts its
+timer when it receives the request, a little before the ingress sees it). So that the
+client gets our JSON 504 `deadline_exceeded` instead, a deadline from the header is set
+PROXY_MARGIN_S earlier than the header says; the other two sources do not arm the proxy's
+timer and get no margin.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from service.errors import InvalidInput
+
+HEADER = "x-request-timeout-seconds"
+PROXY_MARGIN_S = 0.05  # answer this much before Serve's proxy would answer 408
+MAX_TIMEOUT_S = 86400.0
+
+
+def _timeout(value: float, what: str) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidInput(f"{what} must be a finite number of seconds > 0, got {value!r:.40}",
+                           code="invalid_deadline")
+    if value > MAX_TIMEOUT_S:
+        raise InvalidInput(f"{what} is {value:g}s; at most {MAX_TIMEOUT_S:g}s", code="invalid_deadline")
+    return value
+
+
+def header_timeout(value: str | None) -> float | None:
+    """X-Request-Timeout-Seconds as seconds (None: absent); 422 when not a number > 0."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        raise InvalidInput(f"X-Request-Timeout-Seconds must be a number of seconds, got {value!r:.40}",
+                           code="invalid_deadline") from None
+    return _timeout(seconds, "X-Request-Timeout-Seconds")
+
+
+def oip_timeout(parameters: dict[str, Any] | None) -> float | None:
+    """OIP `parameters.timeout` (microseconds, as Triton) as seconds (None: absent); 422 when
+    not a number > 0."""
+    value = (parameters or {}).get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInput(f"parameters.timeout must be a number of microseconds, got {value!r:.40}",
+                           code="invalid_deadline")
+    if not (math.isfinite(value) and value > 0):
+        _timeout(float(value), "parameters.timeout (microseconds)")  # raises: not > 0
+    return _timeout(float(value) / 1e6, "parameters.timeout / 1e6")
+
+
+def request_deadline(started: float, default_s: float, header_s: float | None,
+                     oip_s: float | None = None) -> float:
+    """The monotonic instant a request started at `started` must be answered by."""
+    candidates = [started + default_s] if header_s is None and oip_s is None else []
+    if header_s is not None:
+        candidates.append(started + max(0.0, header_s - PROXY_MARGIN_S))
+    if oip_s is not None:
+        candidates.append(started + oip_s)
+    return min(candidates)
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """What travels to another process: the seconds left (None: no deadline)."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def local_deadline(seconds: float | None) -> float | None:
+    """The inverse of seconds_left, in the receiving process."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise ValueError(f"a deadline must be a number of seconds, got {seconds!r:.40}")
+    return time.monotonic() + float(seconds)
