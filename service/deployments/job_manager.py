@@ -60,7 +60,7 @@ from service.metrics import EpochClock, enable_ray_metrics, process_metrics, tra
 from service.state import artifacts
 from service.state.db import StateUnavailable, database_url
 from service.state.paths import state_dir
-from service.placement import cluster_snapshot
+from service.cluster.placement import cluster_snapshot
 from service.training import resources
 from service.served_weights import WeightsRecord
 from service.training import init_from
