@@ -25,7 +25,7 @@ from safetensors.numpy import save as st_save
 from safetensors.torch import load as st_load_torch
 
 from tests.conftest import ROOT, TEST_API_TOKEN
-from tests.helpers import AUTH, SMALL, assert_error, get_job, post, state_dir, wait_done, wait_for
+from tests.helpers import AUTH, SMALL, TERMINAL, assert_error, get_job, post, state_dir, wait_done, wait_for
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 
@@ -161,7 +161,7 @@ def test_init_from_resolves_versions_and_jobs_and_refuses_other_shapes(tmp_path:
     from service.config import ModelConfig
     from service.errors import Conflict, InvalidInput
     from service.parallel.weights import random_weights, save_checkpoint
-    from service.served_weights import WeightsRecord, describe_config_weights, store_immutable_copy
+    from service.weights.record import WeightsRecord, describe_config_weights, store_immutable_copy
     from service.state import artifacts
     from service.training import init_from
     from service.training.spec import AttentionModel, InitFrom, LinearModel

@@ -62,7 +62,7 @@ from service.state.db import StateUnavailable, database_url
 from service.state.paths import state_dir
 from service.cluster.placement import cluster_snapshot
 from service.training import resources
-from service.served_weights import WeightsRecord
+from service.weights.record import WeightsRecord
 from service.training import init_from
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
 from service.training.limits import (

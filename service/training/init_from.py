@@ -28,7 +28,7 @@ from typing import Any
 from service.config import ModelConfig
 from service.errors import Conflict, InvalidInput
 from service.parallel.weights import random_weights, save_checkpoint, seed_weights
-from service.served_weights import ServedWeights, WeightsRecord, dense_sha256
+from service.weights.record import ServedWeights, WeightsRecord, dense_sha256
 from service.state import artifacts
 from service.training.models import ModelSpecT, checkpoint_shape, describe_shape, spec_shape
 from service.training.spec import InitFrom
