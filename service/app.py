@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from service.config import AppConfig
+from service.config import AppConfig, ModelConfig
 from service.errors import describe_validation_errors
 from service.cluster.placement import check_feasible, cluster_snapshot, gang_request
 from service.gang.router import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S, ReadyGangRouter
@@ -105,7 +105,8 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         max_queued_requests=cfg.max_queued_requests,
     ).bind(cfg.model_dump(), controller)
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
-    jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len)
+    jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len,
+                                           cfg.part(ModelConfig).model_dump())
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
     # Several replicas are spread over the nodes (Serve alone packs 0-CPU replicas): at most
     # ceil(replicas / nodes) per node, so one lost node never takes every ingress with it.

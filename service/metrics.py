@@ -92,6 +92,8 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("gangserve_training_jobs", "gauge", "Training jobs by status", ("status",)),
     Spec("gangserve_training_loss", "gauge", "Loss of the last finished epoch of an active training job",
          ("job",)),
+    Spec("gangserve_training_eval_loss", "gauge", "Held-out (validation) loss of the last finished epoch of "
+         "an active training job that holds samples out", ("job",)),
     Spec("gangserve_training_epoch_seconds", "histogram", "Wall time of one training epoch "
          "(including its checkpoint)", (), EPOCH_BUCKETS),
 )}
@@ -357,13 +359,14 @@ class EpochClock:
 
 
 def training_snapshot(all_statuses: Iterable[str], status_counts: dict[str, int], losses: dict[str, float],
-                      epoch_metrics: MetricSet) -> dict[str, list]:
+                      epoch_metrics: MetricSet, eval_losses: dict[str, float] | None = None) -> dict[str, list]:
     """The JobManager's answer to a scrape: jobs per status (every status, zeros included),
-    the last epoch's loss of each active job, and its epoch-time histogram."""
+    the last epoch's loss (and held-out loss) of each active job, and its epoch-time histogram."""
     snap = {k: v for k, v in epoch_metrics.snapshot().items() if k == "gangserve_training_epoch_seconds"}
     statuses = {s: 0 for s in all_statuses} | status_counts
     snap["gangserve_training_jobs"] = [[[s], float(n)] for s, n in sorted(statuses.items())]
     snap["gangserve_training_loss"] = [[[job], float(loss)] for job, loss in sorted(losses.items())]
+    snap["gangserve_training_eval_loss"] = [[[job], float(v)] for job, v in sorted((eval_losses or {}).items())]
     for status, n in statuses.items():  # Ray's gauges (no per-job loss: Ray cannot drop a series)
         epoch_metrics.set("gangserve_training_jobs", n, (status,))
     return snap

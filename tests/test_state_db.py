@@ -172,10 +172,12 @@ def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path:
 
     store = JobStore(path)
     record = WeightsRecord(tmp_path)
-    # served_weights: step 1 (the old schema, in place), then step 2 (eval_loss, rollback_of).
-    assert store.database.schema_version("jobs") == 1 and store.database.schema_version("served_weights") == 2
+    # jobs: step 1 (the old schema, in place), then step 2 (init_from, resumes, eval_loss);
+    # served_weights: step 1, then step 2 (eval_loss, rollback_of).
+    assert store.database.schema_version("jobs") == 2 and store.database.schema_version("served_weights") == 2
     job = store.get_job("job-old")
-    assert job is not None and job.status == "SUCCEEDED" and job.history == [{"epoch": 1, "loss": 0.5}]
+    assert job is not None and job.status == "SUCCEEDED" and job.history == [{"epoch": 1, "loss": 0.5}]  # a legacy JSON history
+    assert (job.init_from, job.resumes, job.resumed_from_epoch, job.final_eval_loss) == (None, 0, None, None)
     assert job.checkpoint == {"path": "checkpoints/job-old.safetensors"}
     assert store.tail_logs("job-old", 10) == [(1.5, "old line")]
     assert [d["id"] for d in store.list_datasets()] == ["ds-old"] and store.dataset_usage() == (1, 123)
@@ -193,7 +195,7 @@ def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path:
     check = sqlite3.connect(path)
     assert check.execute("SELECT COUNT(*) FROM gangs").fetchone()[0] == 1
     assert check.execute("SELECT store, version FROM schema_version ORDER BY store").fetchall() == [
-        ("jobs", 1), ("served_weights", 2)]
+        ("jobs", 2), ("served_weights", 2)]
     check.close()
 
 

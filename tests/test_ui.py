@@ -33,7 +33,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 EPOCHS = 3
-JOB = {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 256}, "epochs": EPOCHS, "batch_size": 32}
+# A quarter held out for validation: 192 samples trained on (96 per rank), 64 evaluated.
+JOB = {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 256, "validation_fraction": 0.25},
+       "epochs": EPOCHS, "batch_size": 32}
+TRAINED = 192
 # Playwright's expect() polls the page until this (ms), then fails with what it saw.
 PAGE_TIMEOUT_MS = 30_000
 
@@ -143,6 +146,11 @@ def test_status_page_shows_gangs_traffic_and_a_finished_jobs_loss_curve(
     # Left to right in epoch order.
     xs = [float(points.nth(i).get_attribute("cx")) for i in range(EPOCHS)]
     assert xs == sorted(xs) and len(set(xs)) == EPOCHS, xs
+    # The held-out loss, a second curve with one point per epoch.
+    evals = card.locator("svg.loss circle.eval-point")
+    expect(evals).to_have_count(EPOCHS)
+    assert [float(evals.nth(i).get_attribute("data-eval-loss")) for i in range(EPOCHS)] == [
+        pytest.approx(h["eval_loss"]) for h in job["history"]], job["history"]
 
     # The job's logs, workers' output included, in the page.
     card.locator("details.logs summary").click()
@@ -196,4 +204,4 @@ def test_job_logs_show_each_workers_output_by_rank(app_url: str, job_id: str) ->
     # Ranks see disjoint shards: each rank's sample count is about half of the dataset.
     counts = {int(m.group(1)): int(m.group(2)) for line in lines
               if (m := re.search(r"\[rank (\d)\] epoch 1/\d+: local loss \S+ over (\d+) samples", line))}
-    assert set(counts) == {0, 1} and sum(counts.values()) == JOB["dataset"]["samples"], counts
+    assert set(counts) == {0, 1} and sum(counts.values()) == TRAINED, counts

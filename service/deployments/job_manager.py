@@ -27,10 +27,19 @@ database back, so those failures do not count towards `check_health`.
 
 Files (datasets, run dirs, final checkpoints) live in the artifact store
 (service.state.artifacts: the state dir, or object storage); records hold their keys.
+
+Runs that die with the service resume: when a job is active but its run actor is gone (a
+head restart with the state kept, the actor's node lost) and its run left no result.json,
+the manager that finds it (at adoption, or polling it) starts a new run of the same job,
+which Ray Train resumes from the run dir's last registered epoch checkpoint (see
+service.training.run). At most MAX_RESUMES times per job (`resumes` in its record); then it
+FAILS naming the count. A cancelled or deleted job is never resumed (only active records
+are). `init_from` is resolved and copied at submit (service.training.init_from).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -44,7 +53,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from safetensors.numpy import save as st_save
 
-from service.config import ServingConfig
+from service.config import ModelConfig, ServingConfig
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
 from service.logs import route_logs_to_serve
 from service.metrics import EpochClock, enable_ray_metrics, process_metrics, training_snapshot
@@ -53,6 +62,8 @@ from service.state.db import StateUnavailable, database_url
 from service.state.paths import state_dir
 from service.cluster.placement import cluster_snapshot
 from service.training import resources
+from service.weights.record import WeightsRecord
+from service.training import init_from
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
 from service.training.limits import (
     ActiveUsage,
@@ -91,6 +102,9 @@ MAX_POLL_FAILURES = 20
 # After deleting a job whose run was still active, its files are removed again after these
 # pauses (5 s, then 20 s more): a run being killed may still write a checkpoint or result.json.
 LATE_SWEEP_S = (5.0, 20.0)
+# Runs of one job started again after they died with the service (not worker failures:
+# those are Ray Train's max_failures), before the job FAILS.
+MAX_RESUMES = 3
 
 _RemoteTrainRun = ray.remote(TrainRun)
 T = TypeVar("T")
@@ -114,9 +128,12 @@ class _Run:
 class JobManager:
     """Owns the job store and the run actors; every wait is bounded."""
 
-    async def __init__(self, limits: dict[str, Any] | None = None, max_seq_len: int | None = None) -> None:
+    async def __init__(self, limits: dict[str, Any] | None = None, max_seq_len: int | None = None,
+                       model: dict[str, Any] | None = None) -> None:
         """`limits`: TrainingLimits fields (builder arguments; defaults otherwise).
-        `max_seq_len`: the serving limit, applied to uploaded attention datasets too."""
+        `max_seq_len`: the serving limit, applied to uploaded attention datasets too.
+        `model`: the app's ModelConfig, to regenerate a served version its `init` made
+        (init_from a version without a checkpoint file)."""
         route_logs_to_serve()
         self._limits = TrainingLimits.model_validate(limits or {})
         self._max_seq_len = int(max_seq_len or ServingConfig.model_fields["max_seq_len"].default)
@@ -124,6 +141,10 @@ class JobManager:
         # Fails the start (redacted URL and why) while the artifact store cannot be used.
         self._artifacts = await asyncio.to_thread(artifacts.check_reachable)
         self._store = JobStore(database_url(self._state_dir))  # StateUnavailable: unreachable
+        # The app's served weights record, read only (init_from a weights version).
+        self._weights = WeightsRecord(self._state_dir, self._store.database)
+        self._app = serve.get_replica_context().app_name
+        self._app_model = ModelConfig.model_validate(model) if model else None
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
         self._node_id = ray.get_runtime_context().get_node_id()
         self._runs: dict[str, _Run] = {}
@@ -166,14 +187,31 @@ class JobManager:
                 check_compatible(spec.model, info)
             except DatasetError as exc:
                 raise InvalidInput(str(exc), code="dataset_mismatch") from None
+            if public.get("validation_samples") and spec.dataset.validation_fraction:
+                raise InvalidInput(
+                    f"dataset {spec.dataset.id} has its own validation set ({public['validation_samples']} samples "
+                    f"in val_inputs/val_targets); validation_fraction={spec.dataset.validation_fraction} would hold "
+                    "out training samples too: leave it unset or 0", code="invalid_spec")
         bundle = spec.worker_bundle()
         snapshot = await asyncio.to_thread(cluster_snapshot)  # one GCS read: totals and free
         why_not = resources.infeasible_reason(bundle, spec.world_size, snapshot.totals, spec.placement_strategy)
         if why_not:
             raise InvalidInput(why_not, code="infeasible")
+        job_id = f"job-{uuid.uuid4().hex[:12]}"
+        init = None
+        if spec.init_from is not None:
+            resolved = await asyncio.to_thread(
+                init_from.resolve, spec.init_from, spec.model, jobs=self._store, store=self._artifacts,
+                weights=self._weights, app=self._app, app_model=self._app_model)
+            try:
+                # The job's own copy, written before its record: a restart always finds it.
+                await asyncio.to_thread(resolved.copy_to, self._artifacts, job_id)
+            finally:
+                await asyncio.to_thread(resolved.cleanup)
+            init = resolved.record
         now = time.time()
         record = JobRecord(
-            id=f"job-{uuid.uuid4().hex[:12]}",
+            id=job_id,
             status="PENDING",
             spec=spec.model_dump(),
             created_at=now,
@@ -181,6 +219,7 @@ class JobManager:
             progress={"epoch": 0, "epochs": spec.epochs, "step": 0, "loss": None},
             reason=resources.pending_reason(bundle, spec.world_size, snapshot, spec.placement_strategy),
             owner=self._id,
+            init_from=init,
         )
 
         def admit(usage: ActiveUsage) -> None:
@@ -189,28 +228,39 @@ class JobManager:
         dataset_id = spec.dataset.id if isinstance(spec.dataset, UploadedDataset) else None
         try:
             await self._io(self._store.create_job, record, admit, dataset_id)
-        except LookupError:
-            raise InvalidInput(f"dataset {dataset_id!r} was deleted (see GET /datasets)",
-                               code="dataset_not_found") from None
-        await self._manager_log(record.id, f"submitted by {self._id}: {spec.model_dump_json()}")
+        except BaseException as exc:
+            if init is not None:  # refused: nothing of the job may stay behind
+                await asyncio.to_thread(self._remove_job_files, job_id)
+            if isinstance(exc, LookupError):
+                raise InvalidInput(f"dataset {dataset_id!r} was deleted (see GET /datasets)",
+                                   code="dataset_not_found") from None
+            raise
+        await self._manager_log(record.id, f"submitted by {self._id}: {spec.model_dump_json()}"
+                                + (f"; init_from {json.dumps(init)}" if init else ""))
         try:
-            # Creating a named actor registers the name with the GCS synchronously: off the loop.
-            handle = await asyncio.to_thread(_RemoteTrainRun.options(
-                name=run_actor_name(record.id),
-                namespace=RUN_NAMESPACE,
-                lifetime="detached",
-                num_cpus=0,
-                max_restarts=0,
-                max_concurrency=16,
-                # The Ray Train controller is placed on its driver's node; keep both where
-                # the state dir is known to be mounted (a local artifact store needs it).
-                scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
-            ).remote, record.id, spec.model_dump(), dataset_path)
+            await self._launch(record, dataset_path)
         except Exception as exc:  # noqa: BLE001 - recorded, then reported
             await self._fail(record.id, f"could not start the run actor: {type(exc).__name__}: {exc}")
             raise
-        self._runs[record.id] = _Run(handle)
         return record.to_public()
+
+    async def _launch(self, record: JobRecord, dataset_path: str | None,
+                      resume: dict[str, Any] | None = None) -> None:
+        """Create the job's run actor and poll it. `resume`: continue a run that died."""
+        # Creating a named actor registers the name with the GCS synchronously: off the loop.
+        handle = await asyncio.to_thread(_RemoteTrainRun.options(
+            name=run_actor_name(record.id),
+            namespace=RUN_NAMESPACE,
+            lifetime="detached",
+            num_cpus=0,
+            max_restarts=0,
+            max_concurrency=16,
+            # The Ray Train controller is placed on its driver's node; keep both where
+            # the state dir is known to be mounted (a local artifact store needs it).
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
+        ).remote, record.id, record.spec, dataset_path,
+            init_from.init_key(record.id) if record.init_from else None, resume)
+        self._runs[record.id] = _Run(handle)
 
     async def get_job(self, job_id: str) -> dict[str, Any]:
         return (await self._record(job_id)).to_public()
@@ -377,15 +427,22 @@ class JobManager:
     # ---- metrics ------------------------------------------------------------------------
 
     async def metrics(self) -> dict[str, Any]:
-        """For the ingress's /metrics: jobs per status, the last epoch loss of every active
-        job this manager runs, the epoch-time histogram (a service.metrics snapshot)."""
+        """For the ingress's /metrics: jobs per status, the last epoch loss and eval loss of
+        every active job this manager runs, the epoch-time histogram (a service.metrics snapshot)."""
         counts = await self._io(self._store.status_counts)
         losses: dict[str, float] = {}
+        eval_losses: dict[str, float] = {}
         for job_id in list(self._runs):
             record = await self._io(self._store.get_job, job_id, True)
-            if record is not None and record.active and record.history and record.history[-1].get("loss") is not None:
-                losses[job_id] = float(record.history[-1]["loss"])
-        return training_snapshot((*ACTIVE_STATUSES, *TERMINAL_STATUSES), counts, losses, process_metrics())
+            if record is None or not record.active or not record.history:
+                continue
+            last = record.history[-1]
+            if last.get("loss") is not None:
+                losses[job_id] = float(last["loss"])
+            if last.get("eval_loss") is not None:
+                eval_losses[job_id] = float(last["eval_loss"])
+        return training_snapshot((*ACTIVE_STATUSES, *TERMINAL_STATUSES), counts, losses, process_metrics(),
+                                 eval_losses)
 
     # ---- Serve hooks --------------------------------------------------------------------
 
@@ -471,7 +528,7 @@ class JobManager:
         and its new log lines."""
         fields: dict[str, Any] = {}
         for key in ("status", "error", "started_at", "finished_at", "progress", "workers",
-                    "attempts", "checkpoint"):
+                    "attempts", "checkpoint", "resumed_from_epoch"):
             if key in snap and snap[key] != getattr(record, key):
                 fields[key] = snap[key]
         if snap["status"] != "PENDING" and record.reason and record.reason.startswith("waiting"):
@@ -536,17 +593,48 @@ class JobManager:
             await self._manager_log(record.id, f"re-attached to the running run by {self._id}")
 
     async def _run_gone(self, record: JobRecord, why: str) -> None:
-        """The run actor is gone: take its outcome from result.json, else FAIL the job.
-        Nobody polls the job any more, so the write is kept until it succeeds."""
+        """The run actor is gone: take its outcome from result.json; else start the run
+        again (Ray Train resumes it from its last epoch checkpoint), at most MAX_RESUMES
+        times; else FAIL the job. Nobody polls the job meanwhile, so this is kept until the
+        database and the artifact store answer."""
 
         async def write() -> None:
             result = await asyncio.to_thread(read_result, self._artifacts, record.id)
             if result is not None:
                 await self._apply(record, result, None)  # idempotent: safe to run again
                 return
-            await self._fail(record.id, f"{why} while the job was {record.status}; its run is gone")
+            current = await self._io(self._store.get_job, record.id, False)
+            if current is None or not current.active or current.owner != self._id:
+                return  # cancelled, deleted or adopted by another manager meanwhile
+            if current.resumes >= MAX_RESUMES:
+                await self._fail(record.id, f"{why} while the job was {current.status}; its run is gone and was "
+                                            f"already resumed {current.resumes} time(s) (limit {MAX_RESUMES})")
+                return
+            await self._resume(current, why)
 
         await self._write_or_defer(f"the outcome of job {record.id}", write)
+
+    async def _resume(self, record: JobRecord, why: str) -> None:
+        """Start a new run of an active job whose run died (see the module docstring)."""
+        resumes = record.resumes + 1
+        if not await self._io(self._store.update_job, record.id, resumes=resumes):
+            return  # it ended meanwhile (cancelled): stays so
+        await self._manager_log(record.id, f"{why} while the job was {record.status}; {self._id} starts its run "
+                                           f"again from the last epoch checkpoint (resume {resumes}/{MAX_RESUMES})")
+        dataset_path = None
+        spec = JobSpec.model_validate(record.spec)
+        if isinstance(spec.dataset, UploadedDataset):
+            found = await self._io(self._store.get_dataset, spec.dataset.id)
+            if found is None:  # cannot happen while the job is active (delete refuses), but say so
+                await self._fail(record.id, f"{why}; cannot resume: its dataset {spec.dataset.id} is gone")
+                return
+            dataset_path = self._dataset_ref(found[1])
+        resume = {"attempts": record.attempts, "started_at": record.started_at, "progress": record.progress,
+                  "resumed_from_epoch": record.resumed_from_epoch}
+        try:
+            await self._launch(record, dataset_path, resume)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            await self._fail(record.id, f"{why}; could not start its run again: {type(exc).__name__}: {exc}")
 
     async def _fail(self, job_id: str, error: str) -> None:
         """FAIL an active job (a job that already ended, e.g. CANCELLED, keeps its status).

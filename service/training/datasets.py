@@ -6,6 +6,11 @@ An uploaded dataset is one safetensors file with two float tensors:
 and, for attention only, optionally `attention_mask` [N, seq] (BOOL, U8, I32 or I64; 1 = a
 real token, 0 = padding, at least one token per sample): the loss ignores padded positions.
 The kind is inferred from the rank (2-D or 3-D); a job checks it against its model.
+
+Validation: an upload may also carry its own held-out set, `val_inputs` / `val_targets` (and,
+for attention, `val_attention_mask`), shaped like the training tensors but for M samples.
+Otherwise a job may hold out `validation_fraction` of the samples (synthetic data: 0.1 by
+default): the last floor(N * fraction), never trained on (`split`).
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ from service.training.spec import AttentionModel, LinearModel, SyntheticDataset
 
 DATASET_KEYS = ("inputs", "targets")
 MASK_KEY = "attention_mask"
+VAL_KEYS = ("val_inputs", "val_targets")
+VAL_MASK_KEY = "val_attention_mask"
+_OPTIONAL_KEYS = {MASK_KEY, *VAL_KEYS, VAL_MASK_KEY}
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 _MASK_DTYPES = (np.bool_, np.uint8, np.int32, np.int64)
 # Decorrelates the teacher's weights from the inputs drawn with the same dataset seed.
@@ -45,6 +53,7 @@ class DatasetInfo:
     samples: int
     inputs_shape: list[int]
     targets_shape: list[int]
+    validation_samples: int = 0  # of its own val_inputs / val_targets
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -76,12 +85,14 @@ def parse_upload(body: bytes) -> tuple[DatasetInfo, dict[str, np.ndarray]]:
         tensors = st_load(body)
     except (SafetensorError, ValueError, OSError) as exc:
         raise MalformedDataset(f"body is not a valid safetensors file: {exc}") from None
-    if sorted(set(tensors) - {MASK_KEY}) != sorted(DATASET_KEYS):
+    if sorted(set(tensors) - _OPTIONAL_KEYS) != sorted(DATASET_KEYS) or (
+            len(set(VAL_KEYS) & set(tensors)) == 1 or (VAL_MASK_KEY in tensors and VAL_KEYS[0] not in tensors)):
         raise DatasetError(
-            f"expected the tensors {list(DATASET_KEYS)} (and optionally {MASK_KEY!r}), found {sorted(tensors)}"
+            f"expected the tensors {list(DATASET_KEYS)} (and optionally {MASK_KEY!r}; for validation both of "
+            f"{list(VAL_KEYS)}, optionally {VAL_MASK_KEY!r}), found {sorted(tensors)}"
         )
     out: dict[str, np.ndarray] = {}
-    for key in DATASET_KEYS:
+    for key in (*DATASET_KEYS, *(k for k in VAL_KEYS if k in tensors)):
         arr = tensors[key]
         if arr.dtype.type not in _FLOAT_DTYPES:
             raise DatasetError(f"{key} has dtype {arr.dtype}; expected float16, float32 or float64")
@@ -103,28 +114,40 @@ def parse_upload(body: bytes) -> tuple[DatasetInfo, dict[str, np.ndarray]]:
         raise DatasetError(f"empty dimension in inputs {list(x.shape)} / targets {list(y.shape)}")
     if MASK_KEY in tensors:
         out[MASK_KEY] = _check_mask(tensors[MASK_KEY], x.shape)
+    validation = 0
+    if VAL_KEYS[0] in out:
+        vx, vy = out[VAL_KEYS[0]], out[VAL_KEYS[1]]
+        if vx.shape[1:] != x.shape[1:] or vy.shape[1:] != y.shape[1:] or vx.shape[0] != vy.shape[0] or not vx.shape[0]:
+            raise DatasetError(
+                f"val_inputs {list(vx.shape)} / val_targets {list(vy.shape)} must be shaped like inputs "
+                f"{list(x.shape)} / targets {list(y.shape)} except for their (equal, >= 1) sample count"
+            )
+        if VAL_MASK_KEY in tensors:
+            out[VAL_MASK_KEY] = _check_mask(tensors[VAL_MASK_KEY], vx.shape, VAL_MASK_KEY)
+        validation = int(vx.shape[0])
     info = DatasetInfo(
         kind="attention" if x.ndim == 3 else "linear",
         samples=int(x.shape[0]),
         inputs_shape=[int(d) for d in x.shape],
         targets_shape=[int(d) for d in y.shape],
+        validation_samples=validation,
     )
     return info, out
 
 
-def _check_mask(mask: np.ndarray, inputs_shape: tuple[int, ...]) -> np.ndarray:
+def _check_mask(mask: np.ndarray, inputs_shape: tuple[int, ...], name: str = MASK_KEY) -> np.ndarray:
     """The dataset's attention mask as [N, seq] uint8 0/1, or DatasetError naming the problem."""
     if len(inputs_shape) != 3:
-        raise DatasetError(f"{MASK_KEY} is for attention data (inputs [N, seq, E]); inputs are {list(inputs_shape)}")
+        raise DatasetError(f"{name} is for attention data (inputs [N, seq, E]); inputs are {list(inputs_shape)}")
     if mask.dtype.type not in _MASK_DTYPES:
-        raise DatasetError(f"{MASK_KEY} has dtype {mask.dtype}; expected bool, uint8, int32 or int64 (0/1)")
+        raise DatasetError(f"{name} has dtype {mask.dtype}; expected bool, uint8, int32 or int64 (0/1)")
     if mask.shape != inputs_shape[:2]:
-        raise DatasetError(f"{MASK_KEY} must be [N, seq] = {list(inputs_shape[:2])}; found {list(mask.shape)}")
+        raise DatasetError(f"{name} must be [N, seq] = {list(inputs_shape[:2])}; found {list(mask.shape)}")
     if not ((mask == 0) | (mask == 1)).all():
-        raise DatasetError(f"{MASK_KEY} must hold only 0 (padding) and 1 (token)")
+        raise DatasetError(f"{name} must hold only 0 (padding) and 1 (token)")
     empty = np.flatnonzero(~mask.astype(bool).any(axis=1))
     if empty.size:
-        raise DatasetError(f"{MASK_KEY} marks every position of sample(s) {empty[:5].tolist()} as padding")
+        raise DatasetError(f"{name} marks every position of sample(s) {empty[:5].tolist()} as padding")
     return np.ascontiguousarray(mask, dtype=np.uint8)
 
 
@@ -145,14 +168,52 @@ def check_compatible(model: ModelSpecT, info: DatasetInfo) -> None:
         )
 
 
-def load_uploaded(ref: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(inputs, targets, attention mask [N, seq] bool or None) of a stored dataset: `ref` is
-    its artifact key (read through the store, so a worker on any node reads it from object
-    storage) or a legacy absolute path."""
+@dataclass(frozen=True)
+class Samples:
+    """One set of samples: inputs, targets and (attention, optional) mask [N, seq] bool."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.x, self.y) if self.mask is None else (self.x, self.y, self.mask)
+
+    def take(self, index: slice) -> "Samples":
+        return Samples(self.x[index], self.y[index], None if self.mask is None else self.mask[index])
+
+
+def load_uploaded(ref: str | Path) -> tuple[Samples, Samples | None]:
+    """(training samples, the dataset's own validation samples or None) of a stored dataset:
+    `ref` is its artifact key (read through the store, so a worker on any node reads it from
+    object storage) or a legacy absolute path."""
     if Path(ref).is_absolute():
         tensors = load_file(str(ref))
     else:
         tensors = st_load_torch(artifacts.store().read_bytes(str(ref)))
-    mask = tensors.get(MASK_KEY)
-    return (tensors["inputs"].to(torch.float32), tensors["targets"].to(torch.float32),
-            None if mask is None else mask.to(torch.bool))
+
+    def samples(x: str, y: str, mask: str) -> Samples:
+        m = tensors.get(mask)
+        return Samples(tensors[x].to(torch.float32), tensors[y].to(torch.float32), None if m is None else m.to(torch.bool))
+
+    train = samples(*DATASET_KEYS, MASK_KEY)
+    return train, (samples(*VAL_KEYS, VAL_MASK_KEY) if VAL_KEYS[0] in tensors else None)
+
+
+def validation_count(samples: int, fraction: float | None) -> int:
+    """Samples a `fraction` holds out of `samples` (floor; the rest, at least one, is trained on)."""
+    if not fraction:
+        return 0
+    return min(int(samples * fraction), samples - 1)
+
+
+def split(data: Samples, fraction: float | None) -> tuple[Samples, Samples | None]:
+    """(train, validation): the last validation_count(N, fraction) samples held out, or None."""
+    held = validation_count(len(data), fraction)
+    if not held:
+        return data, None
+    cut = len(data) - held
+    return data.take(slice(0, cut)), data.take(slice(cut, None))

@@ -18,7 +18,15 @@ pyarrow file system as `storage_filesystem` on S3), the final dense checkpoint a
 needs a shared directory when the store is object storage.
 
 The actor keeps the live state (status, progress, history, workers, log lines); the
-JobManager polls `snapshot()` and is the only writer of the SQLite records. A snapshot
+JobManager polls `snapshot()` and is the only writer of the SQLite records.
+
+Resuming after the service restarted: a run whose actor died (head restart, the actor's
+node lost) is started again by the JobManager as a new TrainRun of the same job, given the
+record's `resume` state (attempts so far, started_at, progress). Its TorchTrainer has the
+same name and storage path, and Ray Train (V2) restores the run's checkpoint manager from
+that directory: `ray.train.get_checkpoint()` on the new workers is the last registered epoch
+checkpoint, so training continues from there, and the epochs it reports again replace the
+recorded ones (one history entry per epoch). A snapshot
 carries only what is new since the manager's last one: log lines after `since_log_seq`,
 history entries reported after `since_history_seq`.
 """
@@ -87,8 +95,12 @@ def _short_error(exc: BaseException) -> str:
 class TrainRun:
     """Live state of one run; `fit()` runs on a daemon thread started in __init__."""
 
-    def __init__(self, job_id: str, spec: dict[str, Any], dataset_key: str | None) -> None:
-        """`dataset_key`: the uploaded dataset's artifact key (or a legacy absolute path)."""
+    def __init__(self, job_id: str, spec: dict[str, Any], dataset_key: str | None,
+                 init_key: str | None = None, resume: dict[str, Any] | None = None) -> None:
+        """`dataset_key`: the uploaded dataset's artifact key (or a legacy absolute path).
+        `init_key`: the job's copy of its init_from weights (loaded on a fresh start only).
+        `resume`: {"attempts", "started_at", "progress"} of the job's record when this run
+        continues one that died with the service (None: the job's first run)."""
         self._job_id = job_id
         self._spec = JobSpec.model_validate(spec)
         self._store = artifacts.store()  # from this actor's environment (inherited from the JobManager)
@@ -108,6 +120,20 @@ class TrainRun:
         self._workers: dict[int, dict[str, Any]] = {}
         self._attempts = 0
         self._ranks_this_attempt: set[int] = set()
+        self._new_attempt = True  # the next worker to start opens an attempt
+        self._resumed_from_epoch: int | None = None
+        self._init_key = init_key
+        if resume:
+            # Continue the record: attempts count on, and the job stays RUNNING (with its
+            # progress) while the new worker group comes up, if it had started before.
+            self._attempts = int(resume.get("attempts") or 0)
+            self._started_at = resume.get("started_at")
+            if self._started_at is not None:
+                self._status = "RUNNING"
+            progress = resume.get("progress") or {}
+            self._epoch, self._step = int(progress.get("epoch") or 0), int(progress.get("step") or 0)
+            self._current_loss = progress.get("loss")
+            self._resumed_from_epoch = resume.get("resumed_from_epoch")
         self._checkpoint: dict[str, Any] | None = None
         self._logs: collections.deque[tuple[int, float, str]] = collections.deque(maxlen=MAX_LOG_LINES)
         self._log_seq = 0
@@ -115,6 +141,7 @@ class TrainRun:
         self._log(
             f"run actor pid {os.getpid()}: {self._spec.world_size} worker(s) x {self._spec.worker_bundle()}, "
             f"{self._spec.epochs} epoch(s), model {self._spec.model.kind}, max_failures {self._spec.max_failures}"
+            + (f"; resuming the job after its run died (attempts so far: {self._attempts})" if resume else "")
         )
         self._handle = ray.get_runtime_context().current_actor
         threading.Thread(target=self._run, name=f"fit-{job_id}", daemon=True).start()
@@ -135,7 +162,7 @@ class TrainRun:
             trainer = TorchTrainer(
                 train_loop_per_worker,
                 train_loop_config={"spec": spec.model_dump(), "reporter": self._handle,
-                                   "dataset_path": self._dataset_path},
+                                   "dataset_path": self._dataset_path, "init_key": self._init_key},
                 scaling_config=ScalingConfig(
                     num_workers=spec.world_size, use_gpu=spec.use_gpu,
                     resources_per_worker={k: v for k, v in bundle.items()},
@@ -208,16 +235,20 @@ class TrainRun:
                        node_ip: str | None = None, iface: str | None = None) -> None:
         with self._lock:
             # A rank starting a second time means Ray Train restarted the worker group.
-            if rank in self._ranks_this_attempt or self._attempts == 0:
+            if rank in self._ranks_this_attempt or self._new_attempt:
                 self._attempts += 1
                 self._ranks_this_attempt = set()
+                self._new_attempt = False
             self._ranks_this_attempt.add(rank)
+            if rank == 0 and resumed_epoch is not None:
+                self._resumed_from_epoch = int(resumed_epoch)
             if self._status == "PENDING":
                 self._status, self._started_at = "RUNNING", time.time()
             self._workers[rank] = {"rank": rank, "pid": pid, "node_id": node_id, "node_ip": node_ip,
                                    "iface": iface, "attempt": self._attempts}
             attempt = self._attempts
-        where = f"resuming from the checkpoint after epoch {resumed_epoch}" if resumed_epoch is not None else "from scratch"
+        where = (f"resuming from the checkpoint after epoch {resumed_epoch}" if resumed_epoch is not None
+                 else "from the init_from weights" if self._init_key else "from scratch")
         self._log(f"attempt {attempt}: rank {rank}/{world_size} started (pid {pid}, node {node_id[:12]}), {where}")
 
     def worker_output(self, rank: int, lines: list[tuple[str, str]]) -> None:
@@ -234,14 +265,19 @@ class TrainRun:
             self._step = step
             self._current_loss = loss
 
-    def epoch_done(self, epoch: int, loss: float, step: int, epoch_s: float) -> None:
+    def epoch_done(self, epoch: int, loss: float, step: int, epoch_s: float, eval_loss: float | None = None,
+                   checkpoint_s: float | None = None) -> None:
         with self._lock:
             # A resumed attempt re-reports epochs after its checkpoint: keep one entry per epoch.
             self._history = [h for h in self._history if h["epoch"] < epoch]
             self._history_seq += 1
-            self._history.append({"epoch": epoch, "loss": loss, "at": time.time(), "seq": self._history_seq})
+            self._history.append({"epoch": epoch, "loss": loss, "eval_loss": eval_loss, "at": time.time(),
+                                  "seq": self._history_seq})
             self._epoch, self._step, self._current_loss = epoch, step, loss
-        self._log(f"epoch {epoch}/{self._spec.epochs}: loss {loss:.6g}, step {step}, {epoch_s:.2f}s")
+        self._log(f"epoch {epoch}/{self._spec.epochs}: loss {loss:.6g}"
+                  + (f", eval_loss {eval_loss:.6g}" if eval_loss is not None else "")
+                  + f", step {step}, {epoch_s:.2f}s"
+                  + (f" (+{checkpoint_s * 1000:.0f} ms checkpoint on the step path)" if checkpoint_s is not None else ""))
 
     # ---- called by the JobManager -------------------------------------------------------
 
@@ -265,6 +301,7 @@ class TrainRun:
                 "history_seq": self._history_seq,
                 "workers": [self._workers[r] for r in sorted(self._workers)],
                 "attempts": self._attempts,
+                "resumed_from_epoch": self._resumed_from_epoch,
                 "checkpoint": self._checkpoint,
                 "logs": [entry for entry in self._logs if entry[0] > since_log_seq],
             }

@@ -21,6 +21,23 @@ The worker's own stdout/stderr (each rank prints one line per epoch; anything el
 torch or Ray print in this process too) is captured by `worker_output.OutputCapture` and
 sent to the run actor after every epoch, at most every OUTPUT_INTERVAL_S within one, and
 when the loop ends: the job's logs show it tagged by rank ("[rank 1] ...").
+
+Initial weights: a fresh start (no Ray Train checkpoint) loads `init_key` (the job's copy of
+its `init_from` weights, an artifact key) when given, else the seeded random init.
+
+Validation: after each epoch's steps every rank evaluates its share (rank r: samples r, r +
+world, ...) of the held-out samples with the bare module, no gradients; the sums are
+all-reduced, so `eval_loss` is the exact mean over all held-out vectors (same loss as
+training). None when the job holds out nothing.
+
+Checkpoints off the step path: rank 0 writes the epoch's files to a local temp dir (a
+memory-speed write of the model and optimizer state) and reports them with
+`CheckpointUploadMode.ASYNC`: Ray Train's single upload thread copies them to storage while
+the next epoch trains, then deletes the temp dir. The queue is bounded at one: before
+writing the next epoch's checkpoint rank 0 waits (at most CHECKPOINT_WAIT_S) for the
+previous upload to finish, so at most one epoch's checkpoint is in flight and a crash loses
+at most the epoch being uploaded on top of the epoch being trained. `checkpoint_s` in each
+epoch's metrics is the time rank 0 spent on checkpoints on the step path (wait included).
 """
 from __future__ import annotations
 
@@ -33,18 +50,24 @@ from typing import Any
 
 import ray
 import ray.train
+from ray.train import CheckpointUploadMode
 import torch
 import torch.distributed as dist
 from ray.train.torch import get_device, prepare_data_loader, prepare_model
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from service.training.datasets import load_uploaded, synthetic
-from service.training.models import MODEL_FILE, build_model, load_model, save_model
+from safetensors.torch import load as st_load_torch
+
+from service.state import artifacts
+from service.training.datasets import Samples, load_uploaded, split, synthetic
+from service.training.models import MODEL_FILE, ModelSpecT, build_model, load_model, load_tensors, save_model
 from service.training.spec import JobSpec, SyntheticDataset
 from service.training.worker_output import OutputCapture
 
 TRAIN_STATE_FILE = "train_state.pt"
+# Longest rank 0 waits for the previous epoch's checkpoint upload before writing the next.
+CHECKPOINT_WAIT_S = 600.0
 PROGRESS_INTERVAL_S = 0.5
 ACK_TIMEOUT_S = 30.0
 # Captured output lines are sent after each epoch, and within a long epoch at most this often.
@@ -96,7 +119,8 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
 
-    # Resume state from Ray Train's latest checkpoint (set after a worker-group restart).
+    # Resume state from Ray Train's latest checkpoint (set after a worker-group restart, and
+    # when a run of the same name resumes after the service restarted).
     model = build_model(spec.model, spec.seed)
     start_epoch, step = 0, 0
     optim_state = None
@@ -106,19 +130,18 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
             load_model(model, spec.model, Path(d) / MODEL_FILE)
             state = torch.load(Path(d) / TRAIN_STATE_FILE, weights_only=True)
         start_epoch, step, optim_state = int(state["epoch"]), int(state["step"]), state["optimizer"]
+    elif config.get("init_key"):
+        # Fine-tuning: the job's own copy of its init_from weights (shapes checked at submit).
+        load_tensors(model, spec.model, st_load_torch(artifacts.store().read_bytes(config["init_key"])))
     ray.get(reporter.worker_started.remote(
         rank=rank, world_size=world, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
         resumed_epoch=start_epoch if restored is not None else None,
         node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
     ), timeout=ACK_TIMEOUT_S)
 
-    mask = None
-    if isinstance(spec.dataset, SyntheticDataset):
-        x, y = synthetic(spec.model, spec.dataset)
-    else:
-        x, y, mask = load_uploaded(config["dataset_path"])
+    train, val = load_samples(spec, config.get("dataset_path"))
     loader = DataLoader(
-        TensorDataset(x, y) if mask is None else TensorDataset(x, y, mask), batch_size=spec.batch_size, shuffle=True,
+        TensorDataset(*train.tensors()), batch_size=spec.batch_size, shuffle=True,
         generator=torch.Generator().manual_seed(spec.seed),
     )
     loader = prepare_data_loader(loader)
@@ -133,6 +156,7 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
     bare: nn.Module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     sampler = getattr(loader, "sampler", None)
 
+    writer = CheckpointWriter(spec.model)
     last_progress, last_output = 0.0, time.monotonic()
     for epoch in range(start_epoch, spec.epochs):
         if isinstance(sampler, DistributedSampler):
@@ -164,22 +188,93 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
         if world > 1 and dist.is_initialized():
             dist.all_reduce(loss_sum)  # every rank's samples count once
         epoch_loss = float(loss_sum[0].item() / max(loss_sum[1].item(), 1.0))
-        metrics = {"epoch": epoch + 1, "loss": epoch_loss, "step": step, "epoch_s": time.monotonic() - t0}
+        epoch_s = time.monotonic() - t0
+        eval_loss = evaluate(bare, val, rank, world, spec.batch_size, device)
+        metrics = {"epoch": epoch + 1, "loss": epoch_loss, "eval_loss": eval_loss, "step": step, "epoch_s": epoch_s}
         # This rank's own view of the epoch, on its stdout (captured for the job's logs).
         print(f"epoch {epoch + 1}/{spec.epochs}: local loss {local_sum / max(local_n, 1):.6g} over {local_n} "
-              f"samples in {epoch_steps} steps, {metrics['epoch_s']:.2f}s; all ranks {epoch_loss:.6g}", flush=True)
+              f"samples in {epoch_steps} steps, {epoch_s:.2f}s; all ranks {epoch_loss:.6g}"
+              + (f", eval {eval_loss:.6g}" if eval_loss is not None else ""), flush=True)
         if rank == 0:
-            with tempfile.TemporaryDirectory() as tmp:
-                save_model(bare, spec.model, Path(tmp) / MODEL_FILE)
-                torch.save({"epoch": epoch + 1, "step": step, "optimizer": optimizer.state_dict()},
-                           Path(tmp) / TRAIN_STATE_FILE)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            t_ckpt = time.monotonic()
+            checkpoint = writer.write(bare, optimizer, epoch + 1, step)
+            metrics["checkpoint_s"] = time.monotonic() - t_ckpt
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                             delete_local_checkpoint_after_upload=True)
             send_output(reporter, rank, capture)
             last_output = time.monotonic()
-            # After report returns the checkpoint is persisted: history and checkpoint agree.
-            # Acknowledged (bounded), so the run has the epoch before fit() can return.
+            # Acknowledged (bounded), so the run has the epoch before fit() can return. Its
+            # checkpoint may still be uploading: a restart then resumes from the epoch before
+            # and reports this one again (the history keeps one entry per epoch).
             ray.get(reporter.epoch_done.remote(**metrics), timeout=ACK_TIMEOUT_S)
         else:
-            ray.train.report(metrics, checkpoint=None)
+            ray.train.report(metrics, checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
             send_output(reporter, rank, capture)
             last_output = time.monotonic()
+
+
+def load_samples(spec: JobSpec, dataset_path: str | None) -> tuple[Samples, Samples | None]:
+    """(training samples, held-out samples or None) of a job, the same on every rank."""
+    ds = spec.dataset
+    if isinstance(ds, SyntheticDataset):
+        x, y = synthetic(spec.model, ds)
+        return split(Samples(x, y), ds.validation_fraction)
+    assert dataset_path is not None, "an uploaded dataset needs its path"
+    train, own_val = load_uploaded(dataset_path)
+    if own_val is not None and not ds.validation_fraction:
+        return train, own_val
+    return split(train, ds.validation_fraction)  # the submit refused a fraction next to own val tensors
+
+
+def evaluate(model: nn.Module, val: Samples | None, rank: int, world: int, batch_size: int,
+             device: torch.device) -> float | None:
+    """Mean loss over every held-out vector (all ranks' shares, all-reduced); None without
+    held-out samples. Collective: every rank must call it."""
+    if val is None:
+        return None
+    share = val.take(slice(rank, None, world))  # disjoint shares, together every sample once
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of loss * vectors, vectors]
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(share), batch_size):
+            part = share.take(slice(i, i + batch_size))
+            xb, yb = part.x.to(device), part.y.to(device)
+            mb = None if part.mask is None else part.mask.to(device)
+            out = model(xb) if mb is None else model(xb, mb)
+            n = xb.shape[0] if mb is None else mb.sum()
+            sums[0] += vector_sq_error(out, yb, mb).double() * n
+            sums[1] += n
+    model.train(was_training)
+    if world > 1 and dist.is_initialized():
+        dist.all_reduce(sums)
+    return float(sums[0].item() / sums[1].item()) if sums[1].item() else None
+
+
+class CheckpointWriter:
+    """Rank 0's epoch checkpoints as local temp dirs for Ray Train's ASYNC upload, at most
+    one in flight (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpecT) -> None:
+        self._spec = spec
+        self._pending: Path | None = None  # the previous epoch's dir until its upload deletes it
+
+    def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int) -> ray.train.Checkpoint:
+        self.wait()
+        tmp = Path(tempfile.mkdtemp(prefix=f"gangserve-ckpt-e{epoch}-"))
+        save_model(model, self._spec, tmp / MODEL_FILE)
+        torch.save({"epoch": epoch, "step": step, "optimizer": optimizer.state_dict()}, tmp / TRAIN_STATE_FILE)
+        self._pending = tmp
+        return ray.train.Checkpoint.from_directory(str(tmp))
+
+    def wait(self) -> None:
+        """Until the previous upload finished (Ray Train deletes the dir after uploading it)."""
+        if self._pending is None:
+            return
+        deadline = time.monotonic() + CHECKPOINT_WAIT_S
+        while self._pending.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the checkpoint upload of {self._pending.name} did not finish within "
+                                   f"{CHECKPOINT_WAIT_S:.0f}s (storage too slow or unreachable)")
+            time.sleep(0.01)
+        self._pending = None

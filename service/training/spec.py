@@ -74,6 +74,11 @@ class SyntheticDataset(_Closed):
     seq_len: int = Field(8, ge=1, le=4096, description="Sequence length (attention only).")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds the inputs, the teacher and the noise.")
     noise: float = Field(0.01, ge=0, le=10, description="Std of the noise added to the targets.")
+    validation_fraction: float = Field(
+        0.1, ge=0, lt=1,
+        description="Share of the samples held out for validation (the last floor(samples * fraction)): "
+        "never trained on, their loss is each epoch's eval_loss. 0: no validation.",
+    )
 
 
 class UploadedDataset(_Closed):
@@ -81,6 +86,12 @@ class UploadedDataset(_Closed):
 
     kind: Literal["uploaded"] = "uploaded"
     id: str = Field(..., pattern=r"^ds-[0-9a-f]{12}$", description="Id returned by POST /datasets.")
+    validation_fraction: float | None = Field(
+        None, ge=0, lt=1,
+        description="Share of the samples held out for validation (the last floor(N * fraction)). "
+        "Default: the dataset's own val_inputs/val_targets if it has them, else no validation. "
+        "A dataset with its own validation tensors refuses a fraction > 0.",
+    )
 
 
 DatasetSpec = Annotated[
@@ -89,11 +100,29 @@ DatasetSpec = Annotated[
 ]
 
 
+class InitFrom(_Closed):
+    """Where a job's initial weights come from: exactly one of a recorded served weights
+    version (`"current"`: the one in force, resolved to its number at submit) or a
+    SUCCEEDED job's final checkpoint. The shapes must equal the job's model."""
+
+    weights_version: Annotated[int, Field(ge=1)] | Literal["current"] | None = Field(
+        None, description='A recorded served weights version of this app (see GET /weights), or "current".')
+    job_id: str | None = Field(None, pattern=r"^job-[0-9a-z]{1,64}$", description="A SUCCEEDED job of the same model shape.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "InitFrom":
+        if (self.weights_version is None) == (self.job_id is None):
+            raise ValueError("init_from needs exactly one of weights_version or job_id")
+        return self
+
+
 class JobSpec(_Closed):
     """POST /train body. `batch_size` is per worker (each DDP rank steps on its own batch)."""
 
     model: ModelSpec = Field(default_factory=AttentionModel)
     dataset: DatasetSpec = Field(default_factory=SyntheticDataset)
+    init_from: InitFrom | None = Field(
+        None, description="Start from these weights instead of a random model (fine-tuning); absent: fresh.")
     world_size: int = Field(2, ge=1, le=256, description="DDP workers (Ray Train num_workers).")
     use_gpu: bool = Field(False, description="One GPU per worker (NCCL); else CPU with gloo.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(

@@ -87,13 +87,19 @@ MIGRATIONS = (
             bytes      {bigint} NOT NULL
         )""",
     )),
+    Migration(2, "init_from, resumes, resumed_from_epoch; eval_loss per epoch", (
+        "ALTER TABLE jobs ADD COLUMN init_from TEXT",  # JSON: what the job started from (resolved)
+        "ALTER TABLE jobs ADD COLUMN resumes INTEGER NOT NULL DEFAULT 0",  # runs started again after they died
+        "ALTER TABLE jobs ADD COLUMN resumed_from_epoch INTEGER",
+        "ALTER TABLE job_history ADD COLUMN eval_loss {float}",
+    )),
 )
 
-_JSON_FIELDS = ("spec", "progress", "history", "checkpoint", "workers")
+_JSON_FIELDS = ("spec", "progress", "history", "checkpoint", "workers", "init_from")
 # `history` is not updatable: it is written incrementally with `put_history`.
 _UPDATABLE = {
     "status", "reason", "error", "progress", "checkpoint", "workers", "attempts",
-    "started_at", "finished_at", "owner",
+    "started_at", "finished_at", "owner", "resumes", "resumed_from_epoch",
 }
 _ACTIVE_MARKS = ", ".join("?" for _ in ACTIVE_STATUSES)
 
@@ -119,11 +125,22 @@ class JobRecord:
     workers: list[dict[str, Any]] = field(default_factory=list)
     attempts: int = 0
     owner: str | None = None
+    init_from: dict[str, Any] | None = None
+    resumes: int = 0
+    resumed_from_epoch: int | None = None
     seq: int = 0
 
     @property
     def active(self) -> bool:
         return self.status in ACTIVE_STATUSES
+
+    @property
+    def final_eval_loss(self) -> float | None:
+        """The held-out loss of the final checkpoint (the last epoch's), once SUCCEEDED."""
+        if self.status != "SUCCEEDED" or not self.history:
+            return None
+        last = self.history[-1].get("eval_loss")
+        return None if last is None else float(last)
 
     def to_public(self) -> dict[str, Any]:
         """The contract's job shape (plus reason, timings, attempts and workers)."""
@@ -142,6 +159,10 @@ class JobRecord:
             "checkpoint": self.checkpoint,
             "attempts": self.attempts,
             "workers": self.workers,
+            "init_from": self.init_from,
+            "final_eval_loss": self.final_eval_loss,
+            "resumes": self.resumes,
+            "resumed_from_epoch": self.resumed_from_epoch,
         }
 
 
@@ -189,7 +210,8 @@ class JobStore:
         by raising, and `dataset_id` must still exist (else LookupError)."""
         row = {k: getattr(record, k) for k in (
             "id", "status", "spec", "created_at", "updated_at", "started_at", "finished_at", "reason",
-            "error", "progress", "checkpoint", "workers", "attempts", "owner")}
+            "error", "progress", "checkpoint", "workers", "attempts", "owner", "init_from", "resumes",
+            "resumed_from_epoch")}
         for k in _JSON_FIELDS:
             if k in row:
                 row[k] = json.dumps(row[k])
@@ -425,8 +447,8 @@ def _insert_history(s: Session, job_id: str, entries: Iterable[dict[str, Any]]) 
     for e in entries:
         s.execute("DELETE FROM job_history WHERE job_id = ? AND epoch >= ?", (job_id, int(e["epoch"])))
         s.execute(
-            "INSERT INTO job_history (job_id, epoch, loss, at) VALUES (?, ?, ?, ?)",
-            (job_id, int(e["epoch"]), e.get("loss"), e.get("at")),
+            "INSERT INTO job_history (job_id, epoch, loss, eval_loss, at) VALUES (?, ?, ?, ?, ?)",
+            (job_id, int(e["epoch"]), e.get("loss"), e.get("eval_loss"), e.get("at")),
         )
 
 
@@ -437,12 +459,12 @@ def _attach_history(s: Session, records: list[JobRecord]) -> None:
         return
     marks = ", ".join("?" for _ in records)
     rows = s.all(
-        f"SELECT job_id, epoch, loss, at FROM job_history WHERE job_id IN ({marks}) ORDER BY job_id, epoch",
+        f"SELECT job_id, epoch, loss, eval_loss, at FROM job_history WHERE job_id IN ({marks}) ORDER BY job_id, epoch",
         [r.id for r in records],
     )
     by_job: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        entry: dict[str, Any] = {"epoch": r["epoch"], "loss": r["loss"]}
+        entry: dict[str, Any] = {"epoch": r["epoch"], "loss": r["loss"], "eval_loss": r["eval_loss"]}
         if r["at"] is not None:
             entry["at"] = r["at"]
         by_job.setdefault(r["job_id"], []).append(entry)

@@ -46,7 +46,9 @@ async def job_id_param(job_id: str) -> str:
     status_code=202,
     summary="Start a DDP training job (Ray Train); 202 + Location: /train/{id}",
     openapi_extra={"requestBody": {"content": {"application/json": {"schema": _spec_schema()}}}},
-    responses={422: {"description": "invalid spec or infeasible job"}},
+    responses={422: {"description": "invalid spec, infeasible job, or an init_from that does not exist "
+                                    "(init_from_not_found) or has another shape (init_from_mismatch)"},
+               409: {"description": "init_from names a job that has not SUCCEEDED (init_from_not_ready)"}},
 )
 async def submit(request: Request, jobs: JobsClient = Depends(get_jobs)) -> JSONResponse:
     body = await read_body_capped(request, MAX_SPEC_BYTES)

@@ -248,23 +248,34 @@ function updateJobCard(entry, job) {
   const p = job.progress || {};
   const history = Array.isArray(job.history) ? job.history : [];
   const last = history.length ? history[history.length - 1].loss : p.loss;
+  const lastEval = history.length ? history[history.length - 1].eval_loss : null;
   entry.info.replaceChildren(kv([
     ["model", model.kind ? `${model.kind}${model.embed_dim ? ` E=${model.embed_dim} H=${model.num_heads}` : ""}` : null],
     ["workers", spec.world_size],
     ["epoch", `${p.epoch ?? 0}/${p.epochs ?? spec.epochs ?? "?"}`],
     ["loss", typeof last === "number" ? fmtNum(last, 5) : null],
+    ["eval loss", typeof lastEval === "number" ? fmtNum(lastEval, 5) : null],
+    ["started from", describeInit(job.init_from)],
+    ["resumed", job.resumes ? `${job.resumes}x, from epoch ${job.resumed_from_epoch ?? 0}` : null],
     ["created", job.created_at],
     ["finished", job.finished_at],
     ["error", job.error],
   ]));
-  const key = JSON.stringify(history.map((h) => [h.epoch, h.loss])) + "/" + (p.epochs ?? spec.epochs);
+  const key = JSON.stringify(history.map((h) => [h.epoch, h.loss, h.eval_loss])) + "/" + (p.epochs ?? spec.epochs);
   if (key !== entry.historyKey) {
     entry.historyKey = key;
     entry.chart.replaceChildren(lossChart(history, p.epochs ?? spec.epochs ?? history.length));
   }
 }
 
-// One point per finished epoch; x from epoch 1 to the job's last epoch, y the loss.
+function describeInit(init) {
+  if (!init) return null;
+  if (init.job_id) return `job ${init.job_id}`;
+  return `weights version ${init.weights_version}${init.requested ? ` (${init.requested})` : ""}`;
+}
+
+// One point per finished epoch; x from epoch 1 to the job's last epoch, y the loss; the
+// held-out loss (eval_loss), where the job has one, as a second, dashed curve.
 function lossChart(history, epochs) {
   const W = 360, H = 150, L = 48, R = 10, T = 10, B = 24;
   const chart = svg("svg", { class: "loss", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "loss per epoch" });
@@ -278,7 +289,9 @@ function lossChart(history, epochs) {
     chart.append(svg("text", { x: (L + W - R) / 2, y: (T + H - B) / 2, "text-anchor": "middle" }, "no epoch finished yet"));
     return chart;
   }
-  let lo = Math.min(...points.map((h) => h.loss)), hi = Math.max(...points.map((h) => h.loss));
+  const evals = points.filter((h) => typeof h.eval_loss === "number" && Number.isFinite(h.eval_loss));
+  const values = [...points.map((h) => h.loss), ...evals.map((h) => h.eval_loss)];
+  let lo = Math.min(...values), hi = Math.max(...values);
   if (hi - lo < 1e-12) { const pad = Math.abs(hi) * 0.1 || 1; lo -= pad; hi += pad; }
   const x = (e) => L + (lastEpoch === 1 ? (W - R - L) / 2 : ((e - 1) * (W - R - L)) / (lastEpoch - 1));
   const y = (v) => T + ((hi - v) * (H - B - T)) / (hi - lo);
@@ -287,6 +300,15 @@ function lossChart(history, epochs) {
     chart.append(svg("text", { x: L - 4, y: y(v) + 3, "text-anchor": "end" }, fmtNum(v, 3)));
   }
   chart.append(svg("polyline", { class: "curve", points: points.map((h) => `${x(h.epoch).toFixed(1)},${y(h.loss).toFixed(1)}`).join(" ") }));
+  if (evals.length) {
+    chart.append(svg("polyline", { class: "eval-curve", points: evals.map((h) => `${x(h.epoch).toFixed(1)},${y(h.eval_loss).toFixed(1)}`).join(" ") }));
+    for (const h of evals) {
+      const dot = svg("circle", { class: "eval-point", cx: x(h.epoch).toFixed(1), cy: y(h.eval_loss).toFixed(1), r: 3, "data-epoch": h.epoch, "data-eval-loss": h.eval_loss });
+      dot.append(svg("title", {}, `epoch ${h.epoch}: eval loss ${fmtNum(h.eval_loss, 6)}`));
+      chart.append(dot);
+    }
+    chart.append(svg("text", { x: W - R, y: T + 8, "text-anchor": "end" }, "— loss   - - eval"));
+  }
   for (const h of points) {
     const dot = svg("circle", { class: "point", cx: x(h.epoch).toFixed(1), cy: y(h.loss).toFixed(1), r: 3.5, "data-epoch": h.epoch, "data-loss": h.loss });
     dot.append(svg("title", {}, `epoch ${h.epoch}: loss ${fmtNum(h.loss, 6)}`));

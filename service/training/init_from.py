@@ -1,0 +1,153 @@
+"""A job's `init_from`: resolve it at submit, check its shape, keep the job's own copy.
+
+    {"weights_version": N}        a recorded served weights version of this app
+    {"weights_version": "current"} the newest recorded version (the one in force), resolved
+                                   to its number at submit
+    {"job_id": "job-..."}         that SUCCEEDED job's final checkpoint
+
+The weights are copied at submit to `runs/<job>/init.safetensors` (the job's run dir, so
+deleting the job removes it): a resume after a restart starts from the same weights even if
+the source job was deleted or a newer version served since. A version the app generated
+from its config (`init`, no checkpoint file) is generated again and checked against the
+recorded sha256.
+
+Errors (nothing recorded, nothing copied): an unknown version or job → 422
+`init_from_not_found`; a job that has not SUCCEEDED → 409 `init_from_not_ready`; another
+model shape → 422 `init_from_mismatch` naming both shapes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.config import ModelConfig
+from service.errors import Conflict, InvalidInput
+from service.parallel.weights import random_weights, save_checkpoint, seed_weights
+from service.weights.record import ServedWeights, WeightsRecord, dense_sha256
+from service.state import artifacts
+from service.training.models import ModelSpecT, checkpoint_shape, describe_shape, spec_shape
+from service.training.spec import InitFrom
+from service.training.store import JobStore
+
+INIT_FILE = "init.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def init_key(job_id: str) -> str:
+    """Where a job's copy of its init_from weights lives (inside its run dir)."""
+    return f"runs/{job_id}/{INIT_FILE}"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a job starts from: `record` (the job record's `init_from`) and a local file
+    holding the weights (`local`; `temp` when it was generated and must be removed)."""
+
+    record: dict[str, Any]
+    local: Path
+    temp: bool = False
+
+    def copy_to(self, store: artifacts.ArtifactStore, job_id: str) -> str:
+        """Put the weights at init_key(job_id); returns the key."""
+        key = init_key(job_id)
+        store.put_file(key, self.local)
+        return key
+
+    def cleanup(self) -> None:
+        if self.temp:
+            self.local.unlink(missing_ok=True)
+
+
+def read_shape(path: Path) -> dict[str, Any]:
+    """checkpoint_shape of a local safetensors file, from its header only."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if not 2 <= n <= MAX_HEADER_BYTES:
+            return {"kind": "unknown", "keys": []}
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return {"kind": "unknown", "keys": []}
+    meta = header.pop("__metadata__", None)
+    shapes = {k: tuple(v.get("shape", ())) for k, v in header.items() if isinstance(v, dict)}
+    return checkpoint_shape(meta, shapes)
+
+
+def _check_shape(what: str, found: dict[str, Any], model: ModelSpecT) -> None:
+    want = spec_shape(model)
+    # A checkpoint without num_heads metadata fits any head count of its width.
+    comparable = {**found, "num_heads": want.get("num_heads")} if found.get("num_heads") is None and \
+        found["kind"] == "attention" else found
+    if comparable != want:
+        raise InvalidInput(
+            f"init_from {what} holds a model of another shape: {describe_shape(found)}; this job's model is "
+            f"{describe_shape(want)}", code="init_from_mismatch")
+
+
+def resolve(init: InitFrom, model: ModelSpecT, *, jobs: JobStore, store: artifacts.ArtifactStore,
+            weights: WeightsRecord | None, app: str | None, app_model: ModelConfig | None) -> Resolved:
+    """Resolve and check `init` for a job of `model` (blocking: store and database reads).
+    Raises the errors of the module docstring; StateUnavailable / StorageUnavailable (503)."""
+    if init.job_id is not None:
+        source = jobs.get_job(init.job_id, with_history=False)
+        if source is None:
+            raise InvalidInput(f"init_from job {init.job_id!r} does not exist (see GET /train)",
+                               code="init_from_not_found")
+        if source.status != "SUCCEEDED" or not source.checkpoint:
+            raise Conflict(f"init_from job {init.job_id} has no final checkpoint: it is {source.status}"
+                           + (" (wait until it SUCCEEDED)" if source.active else ""), code="init_from_not_ready")
+        try:
+            local, sha = store.fetch(source.checkpoint["path"])
+        except FileNotFoundError:
+            raise Conflict(f"init_from job {init.job_id}: its final checkpoint {source.checkpoint['path']} is gone "
+                           f"from {store.url}", code="init_from_not_ready") from None
+        _check_shape(f"job {init.job_id}", read_shape(local), model)
+        return Resolved({"job_id": init.job_id, "sha256": sha}, local)
+
+    version = _version(init.weights_version, weights, app)
+    what = f"weights version {version.version}"
+    record = {"weights_version": version.version, "sha256": version.sha256, "source": version.source}
+    if init.weights_version == "current":
+        record["requested"] = "current"
+    if version.checkpoint is not None:
+        try:
+            local = store.materialize(version.checkpoint, version.sha256)  # verified against the record
+        except (FileNotFoundError, artifacts.ArtifactCorrupt) as exc:
+            raise Conflict(f"init_from {what} cannot be read as recorded: {exc}", code="init_from_not_ready") from None
+        _check_shape(what, read_shape(local), model)
+        return Resolved(record, local)
+    # Generated by the app's `init`: the same config generates the same tensors (checked).
+    if app_model is None:
+        raise Conflict(f"init_from {what} was generated by the app's init, and this JobManager was not given "
+                       "the app's model config", code="init_from_not_ready")
+    dense = seed_weights(app_model.embed_dim) if app_model.init == "seed" else \
+        random_weights(app_model.embed_dim, app_model.seed)
+    if dense_sha256(dense) != version.sha256:
+        raise Conflict(f"init_from {what} ({version.description}) was generated by an earlier config of the app; "
+                       "the current config no longer generates it", code="init_from_not_ready")
+    _check_shape(what, {"kind": "attention", "embed_dim": app_model.embed_dim, "num_heads": app_model.num_heads},
+                 model)
+    fd, name = tempfile.mkstemp(prefix="gangserve-init-", suffix=".safetensors")
+    os.close(fd)
+    save_checkpoint(name, dense, app_model.num_heads)  # overwrites the empty file
+    return Resolved(record, Path(name), temp=True)
+
+
+def _version(wanted: int | str | None, weights: WeightsRecord | None, app: str | None) -> ServedWeights:
+    recorded = weights.history(app) if weights is not None and app is not None else []
+    if not recorded:
+        raise InvalidInput(f"init_from weights_version {wanted!r}: the app {app!r} has no recorded weights "
+                           "versions", code="init_from_not_found")
+    if wanted == "current":
+        return recorded[-1]  # the newest version is the one every gang serves
+    for v in recorded:
+        if v.version == wanted:
+            return v
+    raise InvalidInput(f"init_from weights_version {wanted} is not recorded for app {app!r}: versions are "
+                       f"1..{recorded[-1].version} (see GET /weights)", code="init_from_not_found")
