@@ -66,6 +66,17 @@ def jobs(app_url: str) -> dict[str, str]:
     return ids
 
 
+def registered_checkpoint(job_id: str) -> bool:
+    """Whether Ray Train has registered an epoch checkpoint of the job's run (its checkpoint
+    manager's snapshot in the run dir names one): what a restarted worker group resumes from.
+    Epoch checkpoints upload in the background, so a reported epoch alone does not say so."""
+    try:
+        doc = json.loads((state_dir() / "runs" / job_id / "checkpoint_manager_snapshot.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(doc.get("latest_checkpoint_result"))
+
+
 # ---- units (no Ray) ------------------------------------------------------------------------
 
 @pytest.mark.unit
@@ -356,11 +367,11 @@ def test_linear_seed_example_trains(app_url: str, jobs: dict[str, str]) -> None:
 @pytest.mark.slow
 def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[str, str]) -> None:
     job_id = jobs["kill"]
-    # Epoch e's history entry is written once rank 0's report (with its checkpoint) returned,
-    # but Ray Train's controller registers that checkpoint asynchronously: a worker group
-    # killed right then restarts from scratch. Three epochs in, the first is registered.
+    # Epoch checkpoints upload in the background (and Ray Train's controller registers them
+    # after that): wait until one is registered, else the worker group restarts from scratch.
     job = wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 3
-                   and len(j["workers"]) == 2, 240, "reached epoch 3")
+                   and len(j["workers"]) == 2 and registered_checkpoint(job_id), 240,
+                   "reached epoch 3 with a registered checkpoint")
     victim = next(w for w in job["workers"] if w["rank"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
     done = wait_done(app_url, job_id)
@@ -661,7 +672,8 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
         assert orphan["status"] == "FAILED" and "service restarted" in orphan["error"], orphan
         assert f"already resumed {MAX_RESUMES} time(s)" in orphan["error"], orphan
         assert orphan["history"] == [{"epoch": 1, "loss": 1.0, "eval_loss": None}]
-        wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 2, 240, "reached epoch 2")
+        wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 2
+                 and registered_checkpoint(job_id), 240, "reached epoch 2 with a registered checkpoint")
     finally:
         serve.delete("jobs-restart")
     # The service is gone; now its run dies too (a head restart takes every actor).
@@ -704,6 +716,7 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
     waits = sorted(int(m.group(2)) for m in found if m)
     epoch_s = sorted(float(m.group(1)) for line in logs if (m := re.search(r"step \d+, ([0-9.]+)s", line)))
     assert writes, logs[-40:]
-    print(f"rank 0 on the step path per epoch: writing the checkpoint median {writes[len(writes) // 2]} ms "
-          f"(max {writes[-1]}), waiting for the previous upload median {waits[len(waits) // 2]} ms (max {waits[-1]}); "
-          f"epoch median {epoch_s[len(epoch_s) // 2]:.2f}s")
+    skipped = sum("no checkpoint: the previous one is still uploading" in line for line in logs)
+    print(f"rank 0 on the step path per checkpointed epoch: writing median {writes[len(writes) // 2]} ms "
+          f"(max {writes[-1]}), waiting for the previous upload max {waits[-1]} ms; {len(writes)} epoch(s) "
+          f"checkpointed, {skipped} skipped (upload still running); epoch median {epoch_s[len(epoch_s) // 2]:.2f}s")

@@ -278,7 +278,8 @@ class TrainRun:
                   + (f", eval_loss {eval_loss:.6g}" if eval_loss is not None else "")
                   + f", step {step}, {epoch_s:.2f}s"
                   + (f" (+{checkpoint_s * 1000:.0f} ms writing its checkpoint, +{(checkpoint_wait_s or 0) * 1000:.0f} ms "
-                     "waiting for the previous upload)" if checkpoint_s is not None else ""))
+                     "waiting for the previous upload)" if checkpoint_s is not None
+                     else " (no checkpoint: the previous one is still uploading)"))
 
     # ---- called by the JobManager -------------------------------------------------------
 
