@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,17 @@ def jobs(app_url: str) -> dict[str, str]:
         assert job["status"] == "PENDING" and job["spec"]["epochs"] == spec["epochs"]
         ids[name] = job["id"]
     return ids
+
+
+def registered_checkpoint(job_id: str) -> bool:
+    """Whether Ray Train has registered an epoch checkpoint of the job's run (its checkpoint
+    manager's snapshot in the run dir names one): what a restarted worker group resumes from.
+    Epoch checkpoints upload in the background, so a reported epoch alone does not say so."""
+    try:
+        doc = json.loads((state_dir() / "runs" / job_id / "checkpoint_manager_snapshot.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(doc.get("latest_checkpoint_result"))
 
 
 # ---- units (no Ray) ------------------------------------------------------------------------
@@ -355,11 +367,11 @@ def test_linear_seed_example_trains(app_url: str, jobs: dict[str, str]) -> None:
 @pytest.mark.slow
 def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[str, str]) -> None:
     job_id = jobs["kill"]
-    # Epoch e's history entry is written once rank 0's report (with its checkpoint) returned,
-    # but Ray Train's controller registers that checkpoint asynchronously: a worker group
-    # killed right then restarts from scratch. Three epochs in, the first is registered.
+    # Epoch checkpoints upload in the background (and Ray Train's controller registers them
+    # after that): wait until one is registered, else the worker group restarts from scratch.
     job = wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 3
-                   and len(j["workers"]) == 2, 240, "reached epoch 3")
+                   and len(j["workers"]) == 2 and registered_checkpoint(job_id), 240,
+                   "reached epoch 3 with a registered checkpoint")
     victim = next(w for w in job["workers"] if w["rank"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
     done = wait_done(app_url, job_id)
@@ -435,12 +447,21 @@ def test_dataset_upload_validation(app_url: str) -> None:
 def test_cli_trains_on_an_uploaded_dataset(app_url: str) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 10), dtype=np.float32)
-    y = (x @ rng.standard_normal((10, 1), dtype=np.float32) + 0.5).astype(np.float32)
-    reply = httpx.post(app_url + "/datasets", content=st_save({"inputs": x, "targets": y}), timeout=30,
-                       headers={**AUTH, "content-type": "application/x-safetensors"})
+    w = rng.standard_normal((10, 1), dtype=np.float32)
+    y = (x @ w + 0.5).astype(np.float32)
+    # Its own held-out set: evaluated every epoch, never trained on.
+    vx = rng.standard_normal((40, 10), dtype=np.float32)
+    vy = (vx @ w + 0.5).astype(np.float32)
+    reply = httpx.post(app_url + "/datasets", timeout=30, headers={**AUTH, "content-type": "application/x-safetensors"},
+                       content=st_save({"inputs": x, "targets": y, "val_inputs": vx, "val_targets": vy}))
     assert reply.status_code == 201, reply.text
     ds = reply.json()
     assert ds["kind"] == "linear" and ds["samples"] == 256 and ds["inputs_shape"] == [256, 10]
+    assert ds["validation_samples"] == 40
+    # A fraction would hold out training samples too: refused, naming both.
+    doc = assert_error(post(app_url, "/train", {"model": {"kind": "linear"}, "dataset": {
+        "kind": "uploaded", "id": ds["id"], "validation_fraction": 0.2}}), 422, "invalid_spec")
+    assert "40 samples" in doc["error"] and "validation_fraction=0.2" in doc["error"], doc
     listed = httpx.get(app_url + "/datasets", headers=AUTH, timeout=30).json()["datasets"]
     assert ds["id"] in [d["id"] for d in listed]
 
@@ -453,6 +474,13 @@ def test_cli_trains_on_an_uploaded_dataset(app_url: str) -> None:
     result = json.loads(run.stdout)
     assert result["status"] == "SUCCEEDED" and len(result["losses"]) == 3
     assert "3/3 epochs" in run.stderr and "loss" in run.stderr
+    # final_eval_loss is the trained Linear's loss on the uploaded val set (computed here in numpy).
+    job = get_job(app_url, result["id"])
+    trained = st_load_torch(httpx.get(f"{app_url}/train/{job['id']}/checkpoint", headers=AUTH, timeout=60).content)
+    pred = vx @ trained["weight"].numpy().T + trained["bias"].numpy()
+    expected = float(((pred - vy) ** 2).sum(-1).mean())
+    assert job["final_eval_loss"] == pytest.approx(expected, rel=1e-4), (job["final_eval_loss"], expected)
+    assert all(isinstance(h["eval_loss"], float) for h in job["history"])
     listing = subprocess.run(cmd + ["jobs"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and result["id"] in listing.stdout
     refused = subprocess.run(cmd + ["train", "--world-size", "8", "--gpu", "--follow"], cwd=ROOT, env=env,
@@ -754,7 +782,8 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
         assert orphan["status"] == "FAILED" and "service restarted" in orphan["error"], orphan
         assert f"already resumed {MAX_RESUMES} time(s)" in orphan["error"], orphan
         assert orphan["history"] == [{"epoch": 1, "loss": 1.0, "eval_loss": None}]
-        wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 2, 240, "reached epoch 2")
+        wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 2
+                 and registered_checkpoint(job_id), 240, "reached epoch 2 with a registered checkpoint")
     finally:
         serve.delete("jobs-restart")
     # The service is gone; now its run dies too (a head restart takes every actor).
@@ -791,3 +820,13 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
     assert httpx.get(f"{app_url}/train/{job_id}/checkpoint", headers=AUTH, timeout=60).status_code == 200
     logs = httpx.get(f"{app_url}/train/{job_id}/logs", params={"tail": 2000}, headers=AUTH, timeout=30).json()["lines"]
     assert any(f"resume 1/{MAX_RESUMES}" in line for line in logs), logs[-40:]
+    # Checkpoints are uploaded off the step path: what rank 0 spent on them per epoch, printed.
+    found = [re.search(r"\+(\d+) ms writing its checkpoint, \+(\d+) ms waiting", line) for line in logs]
+    writes = sorted(int(m.group(1)) for m in found if m)
+    waits = sorted(int(m.group(2)) for m in found if m)
+    epoch_s = sorted(float(m.group(1)) for line in logs if (m := re.search(r"step \d+, ([0-9.]+)s", line)))
+    assert writes, logs[-40:]
+    skipped = sum("no checkpoint: the previous one is still uploading" in line for line in logs)
+    print(f"rank 0 on the step path per checkpointed epoch: writing median {writes[len(writes) // 2]} ms "
+          f"(max {writes[-1]}), waiting for the previous upload max {waits[-1]} ms; {len(writes)} epoch(s) "
+          f"checkpointed, {skipped} skipped (upload still running); epoch median {epoch_s[len(epoch_s) // 2]:.2f}s")

@@ -266,7 +266,7 @@ class TrainRun:
             self._current_loss = loss
 
     def epoch_done(self, epoch: int, loss: float, step: int, epoch_s: float, eval_loss: float | None = None,
-                   checkpoint_s: float | None = None) -> None:
+                   checkpoint_s: float | None = None, checkpoint_wait_s: float | None = None) -> None:
         with self._lock:
             # A resumed attempt re-reports epochs after its checkpoint: keep one entry per epoch.
             self._history = [h for h in self._history if h["epoch"] < epoch]
@@ -277,7 +277,9 @@ class TrainRun:
         self._log(f"epoch {epoch}/{self._spec.epochs}: loss {loss:.6g}"
                   + (f", eval_loss {eval_loss:.6g}" if eval_loss is not None else "")
                   + f", step {step}, {epoch_s:.2f}s"
-                  + (f" (+{checkpoint_s * 1000:.0f} ms checkpoint on the step path)" if checkpoint_s is not None else ""))
+                  + (f" (+{checkpoint_s * 1000:.0f} ms writing its checkpoint, +{(checkpoint_wait_s or 0) * 1000:.0f} ms "
+                     "waiting for the previous upload)" if checkpoint_s is not None
+                     else " (no checkpoint: the previous one is still uploading)"))
 
     # ---- called by the JobManager -------------------------------------------------------
 

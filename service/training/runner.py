@@ -33,11 +33,14 @@ training). None when the job holds out nothing.
 Checkpoints off the step path: rank 0 writes the epoch's files to a local temp dir (a
 memory-speed write of the model and optimizer state) and reports them with
 `CheckpointUploadMode.ASYNC`: Ray Train's single upload thread copies them to storage while
-the next epoch trains, then deletes the temp dir. The queue is bounded at one: before
-writing the next epoch's checkpoint rank 0 waits (at most CHECKPOINT_WAIT_S) for the
-previous upload to finish, so at most one epoch's checkpoint is in flight and a crash loses
-at most the epoch being uploaded on top of the epoch being trained. `checkpoint_s` in each
-epoch's metrics is the time rank 0 spent on checkpoints on the step path (wait included).
+the next epoch trains, then deletes the temp dir. At most one upload is in flight: an epoch
+that ends while the previous upload still runs reports no checkpoint (the steps never wait
+for storage), except the last epoch, which waits for it (at most CHECKPOINT_WAIT_S) and
+writes the final one. Bound on lost work: a crash loses the epochs since the newest
+uploaded checkpoint, at most ceil(upload time / epoch time) + 1 epochs. Each epoch's
+metrics carry rank 0's time on the step path: `checkpoint_s` writing the local files and
+`checkpoint_wait_s` waiting for the previous upload (non-zero only at the last epoch),
+both None for an epoch without a checkpoint.
 """
 from __future__ import annotations
 
@@ -196,9 +199,13 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
               f"samples in {epoch_steps} steps, {epoch_s:.2f}s; all ranks {epoch_loss:.6g}"
               + (f", eval {eval_loss:.6g}" if eval_loss is not None else ""), flush=True)
         if rank == 0:
-            t_ckpt = time.monotonic()
-            checkpoint = writer.write(bare, optimizer, epoch + 1, step)
-            metrics["checkpoint_s"] = time.monotonic() - t_ckpt
+            # Skipped while the previous upload still runs (never the last epoch's: the
+            # final checkpoint must be this epoch's), so uploads never hold the steps back.
+            checkpoint = None
+            if epoch + 1 == spec.epochs or not writer.busy():
+                checkpoint = writer.write(bare, optimizer, epoch + 1, step)
+            metrics["checkpoint_s"] = writer.write_s if checkpoint is not None else None
+            metrics["checkpoint_wait_s"] = writer.wait_s if checkpoint is not None else None
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
                              delete_local_checkpoint_after_upload=True)
             send_output(reporter, rank, capture)
@@ -258,14 +265,23 @@ class CheckpointWriter:
     def __init__(self, spec: ModelSpecT) -> None:
         self._spec = spec
         self._pending: Path | None = None  # the previous epoch's dir until its upload deletes it
+        self.wait_s = 0.0   # the last write's wait for the previous upload
+        self.write_s = 0.0  # the last write's own time (local files)
 
     def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int) -> ray.train.Checkpoint:
+        t0 = time.monotonic()
         self.wait()
+        t1 = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f"gangserve-ckpt-e{epoch}-"))
         save_model(model, self._spec, tmp / MODEL_FILE)
         torch.save({"epoch": epoch, "step": step, "optimizer": optimizer.state_dict()}, tmp / TRAIN_STATE_FILE)
         self._pending = tmp
+        self.wait_s, self.write_s = t1 - t0, time.monotonic() - t1
         return ray.train.Checkpoint.from_directory(str(tmp))
+
+    def busy(self) -> bool:
+        """Whether the previous checkpoint is still being uploaded."""
+        return self._pending is not None and self._pending.exists()
 
     def wait(self) -> None:
         """Until the previous upload finished (Ray Train deletes the dir after uploading it)."""
