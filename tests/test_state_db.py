@@ -172,13 +172,15 @@ def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path:
 
     store = JobStore(path)
     record = WeightsRecord(tmp_path)
-    assert store.database.schema_version("jobs") == 1 and store.database.schema_version("served_weights") == 1
+    # served_weights: step 1 (the old schema, in place), then step 2 (eval_loss, rollback_of).
+    assert store.database.schema_version("jobs") == 1 and store.database.schema_version("served_weights") == 2
     job = store.get_job("job-old")
     assert job is not None and job.status == "SUCCEEDED" and job.history == [{"epoch": 1, "loss": 0.5}]
     assert job.checkpoint == {"path": "checkpoints/job-old.safetensors"}
     assert store.tail_logs("job-old", 10) == [(1.5, "old line")]
     assert [d["id"] for d in store.list_datasets()] == ["ds-old"] and store.dataset_usage() == (1, 123)
-    assert [(w.version, w.source) for w in record.history("app")] == [(1, "config"), (2, "swap")]
+    assert [(w.version, w.source, w.eval_loss, w.rollback_of) for w in record.history("app")] == [
+        (1, "config", None, None), (2, "swap", None, None)]
     # New rows continue the old sequences.
     assert store.create_job(_job(7)).seq == 2
     assert record.record("app", "swap", "x", sha256="cc", fingerprint="fp", checkpoint=None).version == 3
@@ -191,7 +193,7 @@ def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path:
     check = sqlite3.connect(path)
     assert check.execute("SELECT COUNT(*) FROM gangs").fetchone()[0] == 1
     assert check.execute("SELECT store, version FROM schema_version ORDER BY store").fetchall() == [
-        ("jobs", 1), ("served_weights", 1)]
+        ("jobs", 1), ("served_weights", 2)]
     check.close()
 
 

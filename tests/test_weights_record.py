@@ -123,3 +123,45 @@ def test_concurrent_writers_never_reuse_a_version(tmp_path: Path, store_url: str
     for t in threads:
         t.join(timeout=60)
     assert sorted(versions) == list(range(1, 41))
+
+
+def test_versions_keep_eval_loss_and_rollbacks_name_what_they_served_again(tmp_path: Path, store_url: str) -> None:
+    record = WeightsRecord(tmp_path, store_url)
+    config = describe_config_weights(ModelConfig(embed_dim=16, num_heads=4, init="random", seed=1))
+    first = record.reconcile("app", config)
+    stored, sha = store_immutable_copy(_checkpoint(tmp_path / "a.safetensors", 0), tmp_path)
+    swap = record.record("app", "swap", "job job-a", sha256=sha, fingerprint=config.fingerprint,
+                         checkpoint=stored, job_id="job-a", eval_loss=0.25)
+    back = record.record("app", "config", f"rollback of 1: {first.description}", sha256=first.sha256,
+                         fingerprint=config.fingerprint, checkpoint=None, rollback_of=1)
+    assert (swap.version, swap.eval_loss, swap.rollback_of) == (2, 0.25, None)
+    assert (back.version, back.rollback_of, back.sha256) == (3, 1, first.sha256)
+    assert record.version("app", 2) == swap and record.version("app", 9) is None and record.version("other", 1) is None
+    assert record.current("app") == back
+    # A restart with the same config serves the rollback (the newest row), as any swap.
+    reopened = WeightsRecord(tmp_path, store_url)
+    assert reopened.reconcile("app", config) == back
+    reopened.close()
+    record.close()
+
+
+@pytest.mark.parametrize(("job", "bound", "refused"), [
+    ({"id": "job-a", "final_eval_loss": 0.5}, None, None),            # no gate
+    ({"id": "job-a", "final_eval_loss": 0.5}, 0.5, None),             # at the bound: passes
+    ({"id": "job-a", "final_eval_loss": 0.5}, 0.75, None),
+    ({"id": "job-a", "final_eval_loss": 0.5}, 0.25, "final eval loss 0.5 is above max_eval_loss=0.25"),
+    ({"id": "job-a", "final_eval_loss": None}, 1e9, "job job-a has no eval loss"),
+    ({"id": "job-a"}, 1e9, "job job-a has no eval loss"),             # a record from before validation
+    ({"id": "job-a", "final_eval_loss": float("nan")}, 1e9, "nan is above"),
+])
+def test_the_eval_gate_refuses_above_the_bound_and_without_an_eval_loss(
+        job: dict, bound: float | None, refused: str | None) -> None:
+    from service.errors import Conflict
+    from service.weights.gate import check_eval_gate
+
+    if refused is None:
+        check_eval_gate(job, bound)
+        return
+    with pytest.raises(Conflict, match=refused) as info:
+        check_eval_gate(job, bound)
+    assert (info.value.status, info.value.code) == (409, "eval_gate")

@@ -4,6 +4,9 @@
     gangserve train --epochs 3 --follow        # submit, show progress, exit 1 unless SUCCEEDED
     gangserve jobs                             # newest first
     gangserve weights JOB_ID                   # serve what JOB_ID trained ("reset": the config's weights)
+    gangserve weights JOB_ID --max-eval-loss 0.5   # only if its final eval loss is at most 0.5
+    gangserve weights list                     # the recorded versions, newest first (* = in force)
+    gangserve weights rollback 3               # serve version 3 again (recorded as a new version)
 
 Every route here needs the API token: `token=` / --token, else $GANGSERVE_API_TOKEN, else
 $GANGSERVE_STATE_DIR/api_token (default .gangserve/api_token), the places the service takes
@@ -101,12 +104,24 @@ class TrainingClient:
         return send(self._http, self._policy, "DELETE", f"/datasets/{dataset_id}", idempotent=False).json()
 
     def load_weights(self, job_id: str | None = None, checkpoint: str | None = None,
-                     reset: bool = False) -> dict[str, Any]:
+                     reset: bool = False, max_eval_loss: float | None = None) -> dict[str, Any]:
         """POST /weights: hot-swap the serving gang to a job's (or a state-dir path's) checkpoint,
         or with `reset=True` back to the app's configured weights. The new version is recorded
-        and survives replica loss and restarts."""
+        and survives replica loss and restarts. `max_eval_loss` (with `job_id`): the server
+        refuses (ConflictError, code `eval_gate`) unless the job's final eval loss is at most it."""
         body: dict[str, Any] = {"reset": True} if reset else {"job_id": job_id} if job_id else {"checkpoint": checkpoint}
+        if max_eval_loss is not None:
+            body["max_eval_loss"] = max_eval_loss
         return self._post("/weights", json=body, timeout=330).json()
+
+    def weights(self, limit: int = 100) -> list[dict[str, Any]]:
+        """GET /weights: the app's recorded weights versions, newest first (`current`: in force)."""
+        return self._get("/weights", params={"limit": limit}).json()["versions"]
+
+    def rollback_weights(self, version: int) -> dict[str, Any]:
+        """POST /weights {"version": N}: serve recorded version N again on every gang,
+        recorded as a new version (`source`: "rollback of N")."""
+        return self._post("/weights", json={"version": int(version)}, timeout=330).json()
 
     def wait(self, job_id: str, timeout_s: float = 3600.0, poll_s: float = 0.5,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -226,13 +241,31 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 def _cmd_weights(args: argparse.Namespace) -> int:
     with TrainingClient(args.url, token=args.token) as client:
-        if args.job_id == "reset":
+        if args.target == "list":
+            versions = client.weights(limit=args.limit)
+            print(f"  {'VERSION':>7} {'SOURCE':<16} {'EVAL_LOSS':>10} {'SHA256':<16} {'CREATED':<29} DESCRIPTION")
+            for v in versions:
+                loss = "-" if v.get("eval_loss") is None else f"{v['eval_loss']:.4g}"
+                print(f"{'*' if v['current'] else ' '} {v['version']:>7} {v['source']:<16} {loss:>10} "
+                      f"{v['sha256'][:16]:<16} {v['created_at']:<29} {v['description']}")
+            return 0
+        if args.target == "rollback":
+            if args.version is None or not args.version.isdigit():
+                print(f"error: 'weights rollback' needs a version number (see 'weights list'), got {args.version!r}",
+                      file=sys.stderr)
+                return 2
+            reply = client.rollback_weights(int(args.version))
+        elif args.version is not None:
+            print(f"error: unexpected argument {args.version!r} after {args.target!r}", file=sys.stderr)
+            return 2
+        elif args.target == "reset":
             reply = client.load_weights(reset=True)
         else:
-            reply = client.load_weights(job_id=args.job_id)
+            reply = client.load_weights(job_id=args.target, max_eval_loss=args.max_eval_loss)
     gang = reply.get("gang", {})
     print(f"serving weights_version {reply['weights_version']} ({gang.get('weights_source')}: "
-          f"{gang.get('weights_description')}, sha256 {str(gang.get('weights_sha256'))[:16]}...)")
+          f"{gang.get('weights_description')}, sha256 {str(gang.get('weights_sha256'))[:16]}...)"
+          + ("" if reply.get("rolled_out", True) else "; not every gang has it yet (see /gangs)"))
     return 0
 
 
@@ -282,5 +315,11 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     p = parser("logs", "a job's recent log lines", _cmd_logs)
     p.add_argument("job_id")
     p.add_argument("--tail", type=int, default=200)
-    parser("weights", "serve what a SUCCEEDED attention job trained (POST /weights); "
-           "'weights reset' serves the app's configured weights again", _cmd_weights).add_argument("job_id")
+    p = parser("weights", "serve what a SUCCEEDED attention job trained (POST /weights); 'weights list' shows the "
+               "recorded versions (* = in force), 'weights rollback N' serves version N again, 'weights reset' "
+               "the app's configured weights", _cmd_weights)
+    p.add_argument("target", metavar="JOB_ID|list|rollback|reset")
+    p.add_argument("version", nargs="?", metavar="N", help="with rollback: the version to serve again")
+    p.add_argument("--max-eval-loss", dest="max_eval_loss", type=float,
+                   help="with JOB_ID: refuse unless the job's final eval loss is at most this (409 eval_gate)")
+    p.add_argument("--limit", type=int, default=100, help="with list: at most this many versions, newest first")

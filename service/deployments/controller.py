@@ -85,16 +85,26 @@ class Controller:
             return await asyncio.to_thread(self._record.reconcile, self._app, config)
 
     async def record_weights(self, source: Source, description: str, sha256: str, fingerprint: str,
-                             checkpoint: str | None, job_id: str | None = None) -> ServedWeights:
-        """Record the app's next weights version (a swap or a reset), before any rank serves it."""
+                             checkpoint: str | None, job_id: str | None = None, eval_loss: float | None = None,
+                             rollback_of: int | None = None) -> ServedWeights:
+        """Record the app's next weights version (a swap, a reset or a rollback), before any
+        rank serves it."""
         async with self._record_lock:
             return await asyncio.to_thread(
                 self._record.record, self._app, source, description, sha256=sha256, fingerprint=fingerprint,
-                checkpoint=checkpoint, job_id=job_id,
+                checkpoint=checkpoint, job_id=job_id, eval_loss=eval_loss, rollback_of=rollback_of,
             )
 
     async def current_weights(self) -> ServedWeights | None:
         return await asyncio.to_thread(self._record.current, self._app)
+
+    async def weights_version(self, version: int) -> ServedWeights | None:
+        """Recorded version `version` of the app (what a rollback serves again), or None."""
+        return await asyncio.to_thread(self._record.version, self._app, version)
+
+    async def weights_history(self) -> list[ServedWeights]:
+        """Every recorded version of the app, oldest first (GET /weights); the newest is in force."""
+        return await asyncio.to_thread(self._record.history, self._app)
 
     # -- watching the gangs ---------------------------------------------------------------------
     async def _watch(self) -> None:

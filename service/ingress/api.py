@@ -58,7 +58,8 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     # dependencies or body parsing (only the metrics middleware is outside it).
     app.add_middleware(AuthMiddleware, api_token=app.state.api_token, infer_token=app.state.infer_token)
     # Outside auth: refused requests are counted too (service.ingress.observe).
-    app.state.metrics_publisher = make_publisher(fleet or FleetClient(None))
+    app.state.fleet = fleet or FleetClient(None)  # the Controller: fleet view, weights record
+    app.state.metrics_publisher = make_publisher(app.state.fleet)
     app.add_middleware(RequestMetrics, publisher=app.state.metrics_publisher)
     app.include_router(health.router)
     app.include_router(infer.router)

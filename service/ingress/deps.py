@@ -11,6 +11,7 @@ from fastapi import Request
 
 from service.config import AppConfig
 from service.errors import BadRequest, GangUnavailable, Overloaded, PayloadTooLarge
+from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 
 T = TypeVar("T")
@@ -31,6 +32,10 @@ async def get_config(request: Request) -> AppConfig:
 
 async def get_gang(request: Request) -> GangClient:
     return request.app.state.gang
+
+
+async def get_fleet(request: Request) -> FleetClient:
+    return request.app.state.fleet
 
 
 async def get_decode_pool(request: Request) -> "DecodePool":

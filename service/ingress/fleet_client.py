@@ -64,6 +64,14 @@ class FleetClient:
             return []
         return await self._call("metrics", exclude)
 
+    async def weights_history(self) -> list[Any]:
+        """Every recorded weights version of the app (service.weights.record.ServedWeights),
+        oldest first; 503 `controller_*` when it cannot answer."""
+        if self._handle is None:
+            raise GangUnavailable("this application was deployed without a Controller; no weights record",
+                                  code="controller_unreachable")
+        return await self._call("weights_history")
+
     async def _call(self, method: str, *args: Any, timeout_s: float = FLEET_TIMEOUT_S,
                     skip_after_failure: bool = False) -> Any:
         assert self._handle is not None

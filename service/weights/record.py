@@ -11,6 +11,11 @@ Every version an app serves is a row of `served_weights` in the state dir's SQLi
   store (service.state.artifacts: the state dir, or object storage), so deleting or
   rewriting the job or file it came from cannot change what is served; the row stores
   that key, and every rank loads it through the store (a node-local verified copy on S3);
+  a swap from a job also keeps the job's final eval loss (`eval_loss`, None without one);
+- a rollback (`POST /weights {"version": N}`) records a new version that serves version N's
+  file (or, for a `config` row of the current config, its `init` weights) again, with
+  `rollback_of = N` and N's sha256, job and eval loss: versions only ever grow, so the
+  history says what was served when, and every bring-up serves the rollback;
 - every bring-up (first start, in-replica rebuild, a replica Serve replaced, a restart of
   the app) serves the newest row, *unless* the app's declared weights config differs from
   the row's `fingerprint`: then the config wins, a new `config` row is recorded and the
@@ -63,6 +68,10 @@ MIGRATIONS = (
             PRIMARY KEY (app, version)
         )""",
     )),
+    Migration(2, "eval_loss, rollback_of", (
+        "ALTER TABLE served_weights ADD COLUMN eval_loss {float}",  # the job's final held-out loss, if any
+        "ALTER TABLE served_weights ADD COLUMN rollback_of INTEGER",  # the version a rollback served again
+    )),
 )
 STORE = "served_weights"
 LOCK = "served_weights"  # the transaction lock every version allocation takes
@@ -88,6 +97,8 @@ class ServedWeights:
     job_id: str | None = None
     recorded_at: float = 0.0
     superseded_at: float | None = None
+    eval_loss: float | None = None
+    rollback_of: int | None = None
 
     def model_config(self, declared: ModelConfig) -> ModelConfig:
         """What the ranks load: the declared shape and init, with this version's checkpoint
@@ -224,6 +235,12 @@ class WeightsRecord:
             row = s.one("SELECT * FROM served_weights WHERE app = ? ORDER BY version DESC LIMIT 1", (app,))
         return _weights(row) if row else None
 
+    def version(self, app: str, version: int) -> ServedWeights | None:
+        """Version `version` of `app`, or None when it was never recorded."""
+        with self._db.session() as s:
+            row = s.one("SELECT * FROM served_weights WHERE app = ? AND version = ?", (app, int(version)))
+        return _weights(row) if row else None
+
     def history(self, app: str) -> list[ServedWeights]:
         """Every recorded version of `app`, oldest first."""
         with self._db.session() as s:
@@ -248,22 +265,26 @@ class WeightsRecord:
             return new
 
     def record(self, app: str, source: Source, description: str, *, sha256: str, fingerprint: str,
-               checkpoint: str | None, job_id: str | None = None) -> ServedWeights:
-        """Append the next version of `app` (a swap, or a reset to the config's weights)."""
+               checkpoint: str | None, job_id: str | None = None, eval_loss: float | None = None,
+               rollback_of: int | None = None) -> ServedWeights:
+        """Append the next version of `app` (a swap, a reset to the config's weights, or a
+        rollback: `rollback_of` names the version served again)."""
         with self._db.transaction(LOCK) as s:
-            return self._insert(s, app, source, description, job_id, checkpoint, sha256, fingerprint, time.time())
+            return self._insert(s, app, source, description, job_id, checkpoint, sha256, fingerprint, time.time(),
+                                eval_loss, rollback_of)
 
     # -- internals ------------------------------------------------------------------------
     @staticmethod
     def _insert(s: Session, app: str, source: Source, description: str,
                 job_id: str | None, checkpoint: str | None, sha256: str, fingerprint: str,
-                now: float) -> ServedWeights:
+                now: float, eval_loss: float | None = None, rollback_of: int | None = None) -> ServedWeights:
         # Inside the caller's transaction, which holds LOCK: no other writer can take the
         # same max(version) + 1 (the primary key would refuse it anyway).
         top = s.value("SELECT MAX(version) AS top FROM served_weights WHERE app = ?", (app,))
         weights = ServedWeights(
             app=app, version=int(top or 0) + 1, source=source, description=description, sha256=sha256,
             fingerprint=fingerprint, checkpoint=checkpoint, job_id=job_id, recorded_at=now,
+            eval_loss=None if eval_loss is None else float(eval_loss), rollback_of=rollback_of,
         )
         row = asdict(weights)
         cols = ", ".join(row)
