@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -352,9 +353,36 @@ def print_equal_compute(eq: dict[str, dict], load_s: float) -> dict[str, float]:
     return ratios
 
 
+def steady_rate(samples_per_epoch: int, epoch_ends: list[float]) -> float:
+    """Samples/s over epochs 2..N (the first epoch carries start-up: workers, rendezvous)."""
+    if len(epoch_ends) < 2:
+        raise ValueError(f"steady state needs at least 2 epochs, got {len(epoch_ends)}")
+    return samples_per_epoch * (len(epoch_ends) - 1) / (epoch_ends[-1] - epoch_ends[0])
+
+
+def run_torchrun_reference(spec_doc: dict, timeout_s: float = 900) -> dict:
+    """bench/ddp_torchrun.py under `torchrun --nproc_per_node <world_size>`: the same DDP loop
+    on the same model, data, batch and CPUs, without Ray; rank 0's timings."""
+    from service.training.spec import JobSpec
+
+    world = JobSpec.model_validate(spec_doc).world_size
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ddp.json"
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(world), str(ROOT / "bench" / "ddp_torchrun.py"),
+               "--spec", json.dumps(spec_doc), "--out", str(out)]
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        if run.returncode != 0:
+            raise RuntimeError(f"torchrun exited {run.returncode}: {run.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
 def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float = 600) -> dict[str, float]:
-    """The default DDP job (`POST /train {}`: world_size 2) next to a plain single-process
-    loop on the same data; plus the time from POST to the first reported epoch."""
+    """The default DDP job (`POST /train {}`: world_size 2) next to the same DDP loop under
+    `torchrun --nproc_per_node 2` (bench/ddp_torchrun.py) and a plain single-process loop on
+    the same data, one after the other in this run; plus the time from POST to the first
+    reported epoch. Steady state = epochs 2..N: the job's from its history's `at` (when each
+    epoch's checkpoint was reported), torchrun's from its rank 0's epoch ends."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from service.training.datasets import synthetic
@@ -377,9 +405,15 @@ def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float
             break
         time.sleep(0.2)
     assert job["status"] == "SUCCEEDED", job
-    ddp_rate = samples * (len(epoch_times) - 1) / (epoch_times[-1] - epoch_times[0])
+    at = [h.get("at") for h in job["history"]]
+    ddp_rate = steady_rate(samples, at if all(isinstance(t, (int, float)) for t in at) else epoch_times)
+    done_s = time.monotonic() - t_post
+
+    reference = run_torchrun_reference({})
+    torchrun_rate = steady_rate(reference["samples_per_epoch"], reference["epoch_end_s"])
 
     # Plain loop: same model, data, batch size, optimizer and loss, one process, all cores.
+    threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     x, y = synthetic(spec.model, spec.dataset)
     model = build_model(spec.model, spec.seed)
@@ -392,12 +426,28 @@ def bench_training(client: httpx.Client, base: str, token: str, timeout_s: float
             vector_sq_error(model(xb), yb).backward()
             opt.step()
     plain_rate = samples * spec.epochs / (time.perf_counter() - t0)
+    torch.set_num_threads(threads)
     return {
         "POST to first epoch s": epoch_times[0] - t_post,
-        "POST to SUCCEEDED s": time.monotonic() - t_post,
-        "DDP ws2 samples/s (epochs 2..N, incl. per-epoch checkpoint)": ddp_rate,
+        "POST to SUCCEEDED s": done_s,
+        "DDP ws2 job samples/s (epochs 2..N, incl. per-epoch checkpoint)": ddp_rate,
+        "same DDP loop under torchrun --nproc_per_node 2 samples/s (epochs 2..N)": torchrun_rate,
+        "torchrun start to SUCCEEDED s (its first epoch)": reference["epoch_end_s"][0] - reference["start_s"],
         "plain single-process loop samples/s": plain_rate,
     }
+
+
+def print_training(rows: dict[str, float]) -> dict[str, float]:
+    print("\ntraining: the default job (POST /train {}: attention, 1024 samples, world_size 2, 5 epochs)\n")
+    print("| measure | value |")
+    print("|---|---:|")
+    for name, value in rows.items():
+        print(f"| {name} | {value:.1f} |")
+    ratios = {"DDP job / torchrun samples/s (goal >= 0.85)":
+              rows["DDP ws2 job samples/s (epochs 2..N, incl. per-epoch checkpoint)"]
+              / rows["same DDP loop under torchrun --nproc_per_node 2 samples/s (epochs 2..N)"]}
+    print_ratios("ratio", ratios)
+    return ratios
 
 
 def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None) -> dict[str, dict]:
@@ -430,6 +480,11 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             return results
         if only == "mixed":
             results["mixed"] = bench_mixed(base, n, load_s)
+            return results
+        if only == "train":
+            # The default app (its JobManager runs the job; its gang idles, as in the full run).
+            serve.run(build_app(local_yaml_args()), name="gangserve", route_prefix="/")
+            results["training"] = bench_training(httpx.Client(timeout=120), base, token)
             return results
         if only == "steploop":
             from bench.peers import NaivePeer as _Naive
@@ -693,11 +748,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop"], default=None,
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "train"], default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
                         "mask's latency; steploop: world size 2 with the peers' step loop vs a Ray call per step, "
-                        "against Serve echo + the bare TP step, also part of equal) and print its table")
+                        "against Serve echo + the bare TP step, also part of equal; train: the default DDP job vs the same "
+                        "loop under torchrun --nproc_per_node 2) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -709,6 +765,13 @@ def main() -> None:
         ratios = print_mixed(mixed, args.load_seconds)
         out = ROOT / "bench" / "results" / "mixed.json"
         out.write_text(json.dumps({"mixed": mixed, "ratios": ratios, "time": time.time()}, indent=2))
+        print(f"\nwritten to {out.relative_to(ROOT)}")
+        return
+    if args.only == "train":
+        rows = bench_serving(x.numpy(), args.requests, args.load_seconds, only="train")["training"]
+        ratios = print_training(rows)
+        out = ROOT / "bench" / "results" / "train.json"
+        out.write_text(json.dumps({"training": rows, "ratios": ratios, "time": time.time()}, indent=2))
         print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     if args.only == "steploop":
@@ -758,11 +821,7 @@ def main() -> None:
     print("|---|---:|")
     for name, ms in serving["breakdown"].items():
         print(f"| {name} | {ms:.1f} |")
-    print("\ntraining: the default job (POST /train {}: attention, 1024 samples, world_size 2, 5 epochs)\n")
-    print("| measure | value |")
-    print("|---|---:|")
-    for name, value in serving["training"].items():
-        print(f"| {name} | {value:.1f} |")
+    training_ratios = print_training(serving["training"])
     print_gangs(serving["gangs"], args.load_seconds)
     equal_ratios = print_equal_compute(serving["equal"], args.load_seconds)
     mixed_ratios = print_mixed(serving["mixed"], args.load_seconds)
@@ -774,6 +833,7 @@ def main() -> None:
         "direct ingress: gangserve p50 / (echo + in-process) (goal <= 1)": ours_d / (echo_d + floor),
         "direct ingress: small-request throughput gangserve / naive (goal >= 2)":
             small["gangserve ws2, direct ingress"]["c16_req_per_s"] / small["naive peer, direct ingress"]["c16_req_per_s"],
+        **training_ratios,
     }
     print_ratios("ratio", goals)
     out = ROOT / "bench" / "results" / "latest.json"

@@ -445,6 +445,116 @@ def test_weights_refuses_paths_outside_the_state_dir(app_url: str, jobs: dict[st
     assert_error(post(app_url, "/weights", {"job_id": jobs["kill"], "path": "x"}), 422)
 
 
+def _weights_listing(url: str) -> dict[str, Any]:
+    reply = httpx.get(url + "/weights", headers=AUTH, timeout=30)
+    assert reply.status_code == 200, reply.text
+    doc = reply.json()
+    versions = doc["versions"]
+    assert [v["version"] for v in versions] == sorted((v["version"] for v in versions), reverse=True), versions
+    assert [v["current"] for v in versions].count(True) == 1 and versions[0]["current"], versions
+    assert doc["total"] == len(versions)  # this app has far fewer than the default limit of 100
+    return doc
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_weights_list_gate_and_rollback(app_url: str, jobs: dict[str, str]) -> None:
+    """GET /weights, the eval gate, rollback to a recorded version (outputs checked against the
+    dense reference of that version's weights), and bad input that changes nothing. Leaves
+    the app serving the notes' seed weights, as the other modules expect."""
+    job = wait_done(app_url, jobs["serve"])
+    assert job["status"] == "SUCCEEDED", job
+    trained = st_load_torch(httpx.get(f"{app_url}/train/{job['id']}/checkpoint", headers=AUTH, timeout=60).content)
+    x = np.random.default_rng(11).standard_normal((2, 4, 512), dtype=np.float32)
+
+    def served() -> torch.Tensor:
+        reply = httpx.post(app_url + "/infer", json={"hidden_states": x.tolist()}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return torch.from_numpy(np.asarray(reply.json()["output"], dtype=np.float32))
+
+    before = _weights_listing(app_url)
+    assert before["versions"][0]["version"] == httpx.get(app_url + "/gang", timeout=30).json()["weights_version"]
+    assert_error(httpx.get(app_url + "/weights", timeout=30), 401, "missing_token")
+
+    # Bad input: each a clear 4xx, and none changes the record.
+    pending = post(app_url, "/train", {**SMALL, "dataset": {"samples": 64, "seq_len": 4}, "epochs": 1})
+    assert pending.status_code == 202, pending.text
+    wait_done(app_url, jobs["attention"])  # E=64: a checkpoint of another shape
+    try:
+        for body, status, code in (
+            ({"version": 10**6}, 404, "weights_version_not_found"),
+            ({"job_id": "job-doesnotexist"}, 404, "job_not_found"),
+            ({"job_id": pending.json()["id"]}, 409, "no_checkpoint"),  # not finished
+            ({"job_id": jobs["attention"]}, 409, "checkpoint_mismatch"),
+            ({"version": 1, "job_id": job["id"]}, 422, "invalid_request"),
+            ({"version": 1, "max_eval_loss": 1.0}, 422, "invalid_request"),
+            ({"version": 0}, 422, None),
+        ):
+            doc = assert_error(post(app_url, "/weights", body), status, code)
+            assert code != "checkpoint_mismatch" or "embed_dim=64, the model needs 512" in doc["error"], doc
+    finally:
+        post(app_url, f"/train/{pending.json()['id']}/cancel")
+
+    # The gate: the job's final eval loss (null until validation records one) against the bound.
+    eval_loss = job.get("final_eval_loss")
+    swapped = None
+    if eval_loss is None:
+        doc = assert_error(post(app_url, "/weights", {"job_id": job["id"], "max_eval_loss": 1e9}), 409, "eval_gate")
+        assert f"job {job['id']} has no eval loss" in doc["error"], doc
+    else:
+        bound = eval_loss / 2
+        doc = assert_error(post(app_url, "/weights", {"job_id": job["id"], "max_eval_loss": bound}), 409, "eval_gate")
+        assert repr(float(eval_loss)) in doc["error"] and repr(bound) in doc["error"], doc
+    assert _weights_listing(app_url) == before, "a refused POST /weights changed the record"
+    if eval_loss is not None:
+        ok = post(app_url, "/weights", {"job_id": job["id"], "max_eval_loss": eval_loss * 2}, timeout=330)
+        assert ok.status_code == 200, ok.text
+        swapped = ok.json()["weights_version"]
+
+    # A version serving the job's weights (the hot-swap test records one; else swap now).
+    listing = _weights_listing(app_url)["versions"]
+    if swapped is None and not any(v["job_id"] == job["id"] and v["rollback_of"] is None for v in listing):
+        ok = post(app_url, "/weights", {"job_id": job["id"]}, timeout=330)
+        assert ok.status_code == 200, ok.text
+        listing = _weights_listing(app_url)["versions"]
+    from_job = next(v for v in listing if v["job_id"] == job["id"] and v["rollback_of"] is None)
+    assert (from_job["source"], from_job["description"]) == ("swap", f"job {job['id']}"), from_job
+    assert from_job["eval_loss"] == eval_loss, from_job
+    seed = next(v for v in reversed(listing) if v["source"] == "config" and v["description"] == "init=seed")
+    assert seed["version"] == 1 and seed["rollback_of"] is None and seed["job_id"] is None, seed
+
+    try:
+        # Roll back to the job's version: a new version serving exactly its file.
+        reply = post(app_url, "/weights", {"version": from_job["version"]}, timeout=330)
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["rolled_out"] and body["rollback_of"] == from_job["version"], body
+        now = _weights_listing(app_url)["versions"][0]
+        assert now["version"] == body["weights_version"] > listing[0]["version"], (now, listing[0])
+        assert (now["source"], now["rollback_of"], now["sha256"], now["job_id"], now["eval_loss"], now["current"]) == (
+            f"rollback of {from_job['version']}", from_job["version"], from_job["sha256"], job["id"], eval_loss, True)
+        gang = httpx.get(app_url + "/gang", timeout=30).json()
+        assert (gang["weights_version"], gang["weights_sha256"], gang["weights_source"]) == (
+            now["version"], from_job["sha256"], "swap"), gang
+        assert relative_error(served(), dense_attention(trained, 8, torch.from_numpy(x))) < 1e-5
+    finally:
+        # Back to version 1 (the config's init=seed weights) through the CLI: `weights
+        # rollback` and `weights list`; the other modules expect the notes' seed weights.
+        env = {**os.environ, "GANGSERVE_API_TOKEN": TEST_API_TOKEN}
+        cmd = [sys.executable, "-m", "gangserve_client", "--url", app_url, "weights"]
+        run = subprocess.run(cmd + ["rollback", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
+        assert run.returncode == 0, run.stderr
+        assert "serving weights_version" in run.stdout and "rollback of 1: init=seed" in run.stdout, run.stdout
+    listed = subprocess.run(cmd + ["list"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    top = _weights_listing(app_url)["versions"][0]
+    assert (top["source"], top["sha256"]) == ("rollback of 1", seed["sha256"]), top
+    assert listed.stdout.splitlines()[1].split()[:3] == ["*", str(top["version"]), "rollback"], listed.stdout
+    assert relative_error(served(), dense_attention(notes_seed_weights(512), 8, torch.from_numpy(x))) < 1e-5
+    bad = subprocess.run(cmd + ["rollback", "x"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "needs a version number" in bad.stderr, bad.stderr
+
+
 # ---- records survive -----------------------------------------------------------------------
 
 @pytest.mark.ray
