@@ -368,8 +368,8 @@ def run_torchrun_reference(spec_doc: dict, timeout_s: float = 900) -> dict:
     world = JobSpec.model_validate(spec_doc).world_size
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
-        torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(world), str(ROOT / "bench" / "ddp_torchrun.py"),
+        # `python -m torch.distributed.run` is the `torchrun` console script, with this interpreter.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), str(ROOT / "bench" / "ddp_torchrun.py"),
                "--spec", json.dumps(spec_doc), "--out", str(out)]
         run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         if run.returncode != 0:
