@@ -212,9 +212,10 @@ class GangServer:
                 except (ValueError, OSError) as exc:
                     raise Conflict(f"weights version {version} ({target.description}): {exc}",
                                    code="checkpoint_mismatch") from None
-            # A rollback to a config row serves the config's weights (source `config`, as a
-            # reset does); any other is a swap to a recorded file.
-            source: Source = "config" if target.source == "config" else "swap"
+            # A rollback to a config row of the current config serves the config's weights
+            # (source `config`, as a reset does); any other is a swap to a recorded file.
+            source: Source = "config" if target.source == "config" and target.fingerprint == config.fingerprint \
+                else "swap"
             await self._swap_to(target.model_config(self._model), source,
                                 f"rollback of {version}: {target.description}", target.sha256, target.checkpoint,
                                 target.job_id, target.eval_loss, rollback_of=version)
