@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.reference import dense_attention, notes_seed_weights, relative_error
-from tests.test_metrics import scrape, total
+from tests.helpers import scrape, total
 
 pytestmark = pytest.mark.ray
 

@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import deploy, local_yaml_args
 from tests.faults import RequestLoop, gang_info, pid_alive, wait_for_new_gang
-from tests.test_metrics import poll, scrape, total
+from tests.helpers import poll, scrape, total
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
