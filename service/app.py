@@ -26,6 +26,10 @@ class InvalidAppArgs(ValueError):
     """build_app arguments failed validation; the message lists every problem."""
 
 
+# How long Serve lets a stopping ingress replica finish its requests (see build_app).
+INGRESS_DRAIN_TIMEOUT_S = 90.0
+
+
 def parse_args(args: dict[str, Any]) -> AppConfig:
     try:
         return AppConfig.model_validate(dict(args))
@@ -115,6 +119,10 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         spread["max_replicas_per_node"] = -(-cfg.ingress_replicas // nodes)
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
+        # A replica being replaced (redeploy, scale-down) holds requests that wait for a gang
+        # (issue 23: one gang is replaced by stopping it first): give them the time a new
+        # gang takes to come up before Serve kills the replica (default: 20 s).
+        graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
         ray_actor_options={"num_cpus": 0, **event_loop_options(cfg)}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
         **spread, **logs,
     ).bind(server, cfg.model_dump(), jobs, controller)

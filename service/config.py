@@ -197,10 +197,9 @@ class ServingConfig(BaseModel):
         256, ge=-1, description="Requests queued in front of the gang before 503 (-1: unbounded)."
     )
     request_timeout_s: float = Field(
-        120.0, gt=0,
-        description="The default deadline of an inference request (one without "
-        "X-Request-Timeout-Seconds or OIP parameters.timeout): 504 deadline_exceeded after it; "
-        "in-service retries and waits for a gang end there.",
+        120.0, gt=0, description="The default deadline of an inference request (one without "
+        "X-Request-Timeout-Seconds or OIP parameters.timeout): 504 `deadline_exceeded` after it; "
+        "in-service retries and waits for a gang end there."
     )
     log_encoding: Literal["TEXT", "JSON"] | None = Field(
         None,

@@ -72,6 +72,7 @@ def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
 
 
 def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
+    from service.config import ModelConfig
     from service.training.limits import TrainingLimits
 
     defaults = parse_args({})
@@ -83,10 +84,12 @@ def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
     with pytest.raises(InvalidAppArgs, match="max_active_jobs"):
         parse_args({"max_active_jobs": 0})
     cfg = parse_args({"max_active_jobs": "3", "max_runtime_s": "60", "max_seq_len": 128})
-    # The JobManager deployment is bound with exactly these limits and the serving max_seq_len.
+    # The JobManager deployment is bound with exactly these limits, the serving max_seq_len and
+    # the served model's config (init_from regenerates config weights from it).
     ingress = compose_app(cfg)._bound_deployment
-    limits, max_seq_len = ingress.init_args[2]._bound_deployment.init_args
+    limits, max_seq_len, model = ingress.init_args[2]._bound_deployment.init_args
     assert TrainingLimits.model_validate(limits) == cfg.part(TrainingLimits)
+    assert ModelConfig.model_validate(model) == cfg.part(ModelConfig)
     assert (limits["max_active_jobs"], limits["max_runtime_s"], max_seq_len) == (3, 60.0, 128)
 
 

@@ -354,3 +354,50 @@ def test_mask_and_causal_travel_on_the_channel(tmp_path: Path, monkeypatch: pyte
     np.testing.assert_array_equal(x1, x)
     np.testing.assert_array_equal(m1, mask)
     assert c1 is True and m2 is None and c2 is False
+
+
+@pytest.mark.unit
+def test_deadline_travels_a_gone_client_cancels_and_a_drain_finishes_accepted_requests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23: the request's seconds left reach the server's infer as `timeout_s`; a client
+    that goes away mid-request cancels it there (counted); drain() stops new requests but
+    answers the one already accepted."""
+    seen: list[float | None] = []
+    cancelled: list[bool] = []
+    gate = asyncio.Event()
+
+    async def infer(x: np.ndarray, mask=None, causal=None, timeout_s: float | None = None) -> np.ndarray:
+        seen.append(timeout_s)
+        try:
+            if x.shape[0] == 3:  # the "slow" request
+                await asyncio.sleep(30)
+            if x.shape[0] == 4:  # the one accepted before the drain
+                await gate.wait()
+            return _affine(x)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def body(server: ChannelServer, client: ChannelClient) -> None:
+        out = await client.infer(rand(1, 2, 8), timeout_s=2.5)
+        assert np.array_equal(out, _affine(rand(1, 2, 8))) and 2.0 < seen[-1] <= 2.5
+        gone = asyncio.ensure_future(client.infer(rand(3, 2, 8), timeout_s=10.0))
+        await asyncio.sleep(0.2)
+        gone.cancel()  # the client closes its connection
+        for _ in range(100):
+            if cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert cancelled and server.stats()["disconnected"] == 1
+        accepted = asyncio.ensure_future(client.infer(rand(4, 2, 8), timeout_s=10.0))
+        await asyncio.sleep(0.2)
+        draining = asyncio.ensure_future(server.drain(timeout_s=10.0))
+        await asyncio.sleep(0.1)
+        assert not draining.done()  # it waits for the accepted request
+        gate.set()
+        assert np.array_equal(await accepted, _affine(rand(4, 2, 8)))
+        assert await draining is True
+        with pytest.raises(ChannelUnavailable):  # no new requests after the drain
+            await client.infer(rand(1, 2, 8), timeout_s=1.0)
+
+    _run_with_server(tmp_path, monkeypatch, body, infer=infer)

@@ -150,6 +150,9 @@ def test_kill_rank0_replica_under_load_recovers(fault_url: str) -> None:
         time.sleep(1.5)
     print(f"kill -9 rank 0 (replica): recovered in {recovery_s:.1f}s")
     _assert_loop_outcomes(loop, recovered_at)
+    # Issue 23: the requests the dead replica held, and those that came meanwhile, wait for
+    # Serve's new replica (within their deadline) and are answered.
+    assert set(loop.summary()["statuses"]) == {200}, [o.body for o in loop.outcomes if o.status != 200][:3]
     # The old peers die with their owner (the dead replica): no orphans.
     deadline = time.monotonic() + 30
     while any(pid_alive(p) for p in old_pids) and time.monotonic() < deadline:

@@ -130,6 +130,7 @@ def test_stop_peer_under_load_gives_bounded_errors_and_a_rebuild(loop_url: str) 
     with RequestLoop(loop_url + "/infer", WEIGHTS) as loop:
         time.sleep(1.0)
         os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
         try:
             new, recovery_s = wait_for_new_gang(loop_url, {victim}, timeout_s=60)
         finally:
@@ -137,10 +138,13 @@ def test_stop_peer_under_load_gives_bounded_errors_and_a_rebuild(loop_url: str) 
                 os.kill(victim, signal.SIGCONT)
         recovered_at = time.monotonic()
         time.sleep(1.5)
-    print(f"SIGSTOP peer under load: rebuilt in {recovery_s:.1f}s")
+    outage_s = recovered_at - stopped_at
+    print(f"SIGSTOP peer under load: rebuilt in {recovery_s:.1f}s; {loop.summary()}")
     _assert_outcomes(loop, recovered_at)
-    slow = [o for o in loop.outcomes if o.latency_s > COLLECTIVE_TIMEOUT_S + 5]
-    assert not slow, f"requests waited past the deadline: {[(o.status, round(o.latency_s, 1)) for o in slow]}"
+    # With the default deadline (request_timeout_s) the requests caught by the stuck step are
+    # retried once the gang is rebuilt (issue 23): they wait out the outage, never longer.
+    slow = [o for o in loop.outcomes if o.latency_s > outage_s + 5]
+    assert not slow, f"requests waited past the outage ({outage_s:.1f}s): {[(o.status, round(o.latency_s, 1)) for o in slow]}"
 
 
 @pytest.mark.ray

@@ -28,8 +28,8 @@ in flight). A connection that fails in any way is closed, never reused. A client
 closes its connection while its request is queued or computing (the HTTP client went
 away, or the ingress gave up) cancels the request: queued, it is dropped uncomputed.
 
-Drain (`drain()`, the replica's shutdown): stop listening, close idle connections, and
-close any connection that sends a new request without answering it (the client falls back
+Drain (`drain()`, the replica's shutdown): stop listening, and close any connection
+that sends a new request without answering it (the client falls back
 to the Serve handle, which routes to another replica); requests already accepted finish
 and get their answers.
 
