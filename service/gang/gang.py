@@ -95,8 +95,13 @@ class Gang:
         self.generation = 0  # bumps on every successful bring-up
         self.rank_infos: list[RankInfo] = []
         self.param_bytes_per_rank: list[int] = []
+        # The last (re)build's stages, ms (GET /gang `last_bring_up`): where a rebuild's time goes.
+        self.last_bring_up: dict[str, float] = {}
         self._root: RankWorker | None = None
         self._actors: list[Any] = []
+        # The warm spare (see _start_spare): an idle rank process, adopted by a rebuild.
+        self._spare: Any | None = None
+        self._spare_ref: Any | None = None  # its describe(): ready once the spare is warm
         self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
         self._loop_on = False  # the peers' loops run: steps go as headers, not Ray calls
@@ -210,6 +215,8 @@ class Gang:
             "reason": self.reason,
             **(self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}),
             "generation": self.generation,
+            "last_bring_up": self.last_bring_up,
+            "spare": self.spare_status(),
             "param_bytes_per_rank": list(self.param_bytes_per_rank),
             "batching": self._batcher.stats(),
             "ranks": [info.public() for info in self.rank_infos],
@@ -226,7 +233,7 @@ class Gang:
         for actor in self._actors:
             _kill_quietly(actor)
         try:
-            self._sequencer.submit(self._teardown).result(timeout=SHUTDOWN_TIMEOUT_S)
+            self._sequencer.submit(lambda: (self._teardown(), self._drop_spare())).result(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:
             log.exception("gang teardown did not finish within %.0fs", SHUTDOWN_TIMEOUT_S)
         self._sequencer.shutdown(wait=False, cancel_futures=True)
@@ -298,17 +305,32 @@ class Gang:
             return f"(placement unknown: {type(exc).__name__})"
 
     # -- sequencer-side steps ------------------------------------------------------------
-    def _bring_up(self, weights: ServedWeights) -> None:
+    def _bring_up(self, weights: ServedWeights, prior: dict[str, float] | None = None) -> None:
+        """Bring every rank up serving `weights`; `prior`: stage timings already spent
+        (the rebuild's teardown), reported with this bring-up's in `last_bring_up`."""
         cfg, ws = self.cfg, self.cfg.world_size
         model = weights.model_config(self.declared_model)
         started = time.monotonic()
+        stages = _StageClock()
         try:
-            # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1.
+            # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1, one of
+            # them the warm spare when it is warm and on that rank's node.
             self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank)
-            self._actors = [self._spawn_actor(rank) for rank in range(1, ws)]
-            peer_infos = self._get([a.describe.remote() for a in self._actors], "create", cfg.stage_timeout_s)
+            previous_nodes = {info.rank: info.node_id for info in self.rank_infos}  # bundles stay put
+            self._actors, refs = [], []
+            for rank in range(1, ws):
+                spare = self._take_spare(previous_nodes.get(rank))
+                if spare is not None:
+                    self._actors.append(spare)
+                    refs.append(spare.adopt.remote(rank))
+                    stages.adopted = rank
+                else:
+                    self._actors.append(self._spawn_actor(rank))
+                    refs.append(self._actors[-1].describe.remote())
+            peer_infos = self._get(refs, "create", cfg.stage_timeout_s)
             self.rank_infos = [self._root.describe(), *peer_infos]
             self.backend = self._choose_backend(self.rank_infos)
+            stages.done("create")
 
             # Stage 2: rendezvous at rank 0's node IP and an OS-chosen port.
             port = self._root.open_store(cfg.collective_timeout_s) if ws > 1 else 0
@@ -316,12 +338,14 @@ class Gang:
             refs = [a.rendezvous.remote(host, port, self.backend, cfg.collective_timeout_s) for a in self._actors]
             self._root.rendezvous(host, port, self.backend, cfg.collective_timeout_s)
             self._get(refs, "rendezvous", cfg.stage_timeout_s)
+            stages.done("rendezvous")
 
             # Stage 3: load. Each rank reads only its own slice of the recorded version.
             refs = [a.load_weights.remote(model, weights.version) for a in self._actors]
             root_bytes = self._root.load_weights(model, weights.version)
             self.param_bytes_per_rank = [root_bytes, *self._get(refs, "load", cfg.stage_timeout_s)]
             self.weights = weights
+            stages.done("load")
 
             # Stage 4: the peers' step loops (from here on a peer's wait is bounded by the
             # control group's timeout, so heartbeats start with them).
@@ -329,24 +353,91 @@ class Gang:
                 self._get([a.start_loop.remote() for a in self._actors], "start step loop", cfg.stage_timeout_s)
                 self._loop_on, self._seq, self._last_header = True, 0, time.monotonic()
                 self._start_heartbeats()
+                stages.done("start_loop")
 
             # Stage 5: warmup. One tiny request proves every collective path works.
             self._compute(np.zeros((1, 1, model.embed_dim), dtype=np.float32))
+            stages.done("warmup")
         except Exception as exc:
             self._teardown()
             self.state, self.reason = GangState.BROKEN, f"bring-up failed: {exc}"
             raise
         self.generation += 1
         self.state, self.reason = GangState.READY, "ready"
+        self.last_bring_up = {"ms": {**(prior or {}), **stages.ms}, "spare_adopted_as_rank": stages.adopted}
+        self._start_spare()  # after READY: its start never delays serving
         log.info(
-            "gang ready (generation %d): world_size=%d backend=%s in %.1fs; weights version %d (%s, %s); pids %s",
-            self.generation, ws, self.backend, time.monotonic() - started, weights.version,
-            weights.source, weights.description, [i.pid for i in self.rank_infos],
+            "gang ready (generation %d): world_size=%d backend=%s in %.1fs (stages, ms: %s); weights version %d "
+            "(%s, %s); pids %s", self.generation, ws, self.backend, time.monotonic() - started,
+            self.last_bring_up, weights.version, weights.source, weights.description, [i.pid for i in self.rank_infos],
         )
 
     def _rebuild(self, weights: ServedWeights) -> None:
+        stages = _StageClock()
         self._teardown()
-        self._bring_up(weights)
+        stages.done("teardown")
+        self._bring_up(weights, prior=stages.ms)
+
+    # -- the warm spare (sequencer thread) -------------------------------------------------
+    def _spare_wanted(self) -> bool:
+        """One spare per gang of peers on CPUs. A GPU gang gets none: each bundle holds one
+        GPU that its rank already holds, and a spare without it has no CUDA device to adopt."""
+        return self.cfg.warm_spare and self.cfg.world_size > 1 and not self.cfg.use_gpu
+
+    def _start_spare(self) -> None:
+        """Start the spare if wanted and none exists: a RankWorker (rank -1) in the last peer
+        bundle, reserving no resources of its own (Ray still pins it to the bundle's node, and
+        the bundle's CPU is held by the placement group either way; the adopted rank then
+        uses the lost rank's share). Non-blocking: `_take_spare` uses it once warm."""
+        if not self._spare_wanted() or self._spare is not None:
+            return
+        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
+        if self.placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=self.cfg.world_size - 1
+            )
+        self._spare = RankActor.options(**options).remote(
+            -1, self.cfg.world_size, use_gpu=False, torch_threads=self.cfg.threads_per_rank
+        )
+        self._spare_ref = self._spare.describe.remote()
+
+    def _take_spare(self, node_id: str | None) -> Any | None:
+        """The spare, handed over, if it is warm (answered its describe) and on `node_id`
+        (the node of the bundle the rank goes to); else None (still starting, elsewhere:
+        the rank starts a process of its own). A dead spare is dropped."""
+        if self._spare is None or node_id is None:
+            return None
+        ready, _ = ray.wait([self._spare_ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            info: RankInfo = ray.get(self._spare_ref, timeout=1.0)
+        except RayError as exc:
+            log.warning("the warm spare is gone (%s); starting a new one after this bring-up", _first_line(exc))
+            self._drop_spare()
+            return None
+        if info.node_id != node_id:
+            return None
+        spare, self._spare, self._spare_ref = self._spare, None, None
+        return spare
+
+    def _drop_spare(self) -> None:
+        if self._spare is not None:
+            _kill_quietly(self._spare)
+        self._spare = self._spare_ref = None
+
+    def spare_status(self) -> dict[str, object]:
+        """GET /gang `spare`: none, starting or warm (with its pid)."""
+        spare, ref = self._spare, self._spare_ref
+        if spare is None or ref is None:
+            return {"state": "none" if not self._spare_wanted() else "starting" if self.state is GangState.READY else "none"}
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return {"state": "starting"}
+        try:
+            return {"state": "warm", "pid": ray.get(ref, timeout=0.5).pid}
+        except RayError:
+            return {"state": "dead"}
 
     def _teardown(self) -> None:
         self._loop_on = False  # no more headers: the group is going
@@ -649,6 +740,20 @@ class Gang:
         if self.state in (GangState.READY, GangState.STARTING):
             log.error("gang broken: %s", reason)
             self.state, self.reason = GangState.BROKEN, reason
+
+
+class _StageClock:
+    """Milliseconds per named stage, each measured from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self.adopted: int | None = None  # the rank the warm spare became, if any
+        self._last = time.monotonic()
+
+    def done(self, stage: str) -> None:
+        now = time.monotonic()
+        self.ms[stage] = round((now - self._last) * 1000, 1)
+        self._last = now
 
 
 def _first_token(mask: np.ndarray | None, width: int) -> int:
