@@ -55,21 +55,45 @@ def _assert_loop_outcomes(loop: RequestLoop, recovered_at: float) -> None:
     assert any(o.status == 200 and o.at > recovered_at for o in loop.outcomes), "no success after recovery"
 
 
+def _wait_for_warm_spare(base: str, timeout_s: float = 60) -> dict:
+    """/gang once the gang's warm spare answered (it starts after bring-up, in the background)."""
+    deadline, info = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        info = gang_info(base) or {}
+        if info.get("state") == "ready" and info.get("spare", {}).get("state") == "warm":
+            return info
+        time.sleep(0.25)
+    raise AssertionError(f"no warm spare within {timeout_s:.0f}s; last /gang: {info}")
+
+
 def test_kill_nonzero_rank_under_load_rebuilds(fault_url: str) -> None:
-    info = gang_info(fault_url)
-    victim = info["ranks"][1]["pid"]
+    """kill -9 of rank 1 under load: the warm spare becomes rank 1, the gang serves again in
+    about a second (the 1.5 s goal is `make bench`'s: bench/run.py --only rebuild)."""
+    info = _wait_for_warm_spare(fault_url)
+    victim, spare = info["ranks"][1]["pid"], info["spare"]["pid"]
     with RequestLoop(fault_url + "/infer", WEIGHTS) as loop:
         time.sleep(1.0)
         os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
         # Rank 0 lives in the replica and survives an in-process rebuild; rank 1 is new.
         new, recovery_s = wait_for_new_gang(fault_url, {victim}, timeout_s=60)
         recovered_at = time.monotonic()
         time.sleep(1.5)
-    print(f"kill -9 rank 1: recovered in {recovery_s:.1f}s, generation {new['generation']}")
-    assert recovery_s < 60
+    # Serving again: the first 200 sent after the last failed request (the loop's own view).
+    failed = [o.at for o in loop.outcomes if o.status != 200 and o.at >= killed_at - 0.5]
+    back = min((o.at + o.latency_s for o in loop.outcomes if o.status == 200 and failed and o.at > max(failed)),
+               default=float("nan"))
+    print(f"kill -9 rank 1: /gang ready again after {recovery_s:.2f}s, the request loop served again "
+          f"{back - killed_at:.2f}s after the kill ({len(failed)} failed), generation "
+          f"{new['generation']}; stages {new['last_bring_up']}; rank 1 is the spare: {new['ranks'][1]['pid'] == spare}")
+    assert new["ranks"][1]["pid"] == spare and new["last_bring_up"]["spare_adopted_as_rank"] == 1, new
+    # Loose (the suite runs under heavy load): the goal is ~1 s.
+    assert recovery_s < 10, f"rebuild with a warm spare took {recovery_s:.1f}s"
     _assert_loop_outcomes(loop, recovered_at)
     assert not pid_alive(victim)
     _check_one_request(fault_url)
+    # A new spare is started for the next loss.
+    assert _wait_for_warm_spare(fault_url)["spare"]["pid"] not in (spare, victim)
 
 
 def test_stopped_rank_gives_504_within_deadline_then_rebuild(fault_url: str) -> None:

@@ -83,7 +83,10 @@ class Gang:
     def __init__(
         self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None, state_dir: Path,
         on_step: StepObserver | None = None,  # told of every step (the GangServer's metrics)
+        on_broken: Callable[[], None] | None = None,  # told (from any thread) when the gang turns BROKEN
     ) -> None:
+        self._on_broken = on_broken
+        self._broken_at: float | None = None  # when the gang last turned BROKEN (rebuild timings)
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
         self.cfg = gang
         self.placement_group = placement_group
@@ -144,6 +147,11 @@ class Gang:
 
     async def _batched_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         received_ns = time.time_ns()
+        # Before queueing on the sequencer: a group the batcher forms after the gang broke
+        # must not wait behind the rebuild (its create stage may wait out stage_timeout_s
+        # for a lost node), only to be refused then. Checked and submitted in one go on the
+        # event loop, where the supervisor submits the rebuild, so no rebuild slips between.
+        self._require_ready()
         return await self._run(self._infer_step, x, mask, causal, received_ns,
                                deadline_s=self.cfg.collective_timeout_s)
 
@@ -374,6 +382,9 @@ class Gang:
 
     def _rebuild(self, weights: ServedWeights) -> None:
         stages = _StageClock()
+        if self._broken_at is not None:  # detection -> the supervisor's decision -> this thread
+            stages.ms["broken_to_rebuild"] = round((stages.started - self._broken_at) * 1000, 1)
+            self._broken_at = None
         self._teardown()
         stages.done("teardown")
         self._bring_up(weights, prior=stages.ms)
@@ -740,6 +751,9 @@ class Gang:
         if self.state in (GangState.READY, GangState.STARTING):
             log.error("gang broken: %s", reason)
             self.state, self.reason = GangState.BROKEN, reason
+            self._broken_at = time.monotonic()
+            if self._on_broken is not None:
+                self._on_broken()  # the supervisor starts the rebuild now, not at its next tick
 
 
 class _StageClock:
@@ -748,7 +762,7 @@ class _StageClock:
     def __init__(self) -> None:
         self.ms: dict[str, float] = {}
         self.adopted: int | None = None  # the rank the warm spare became, if any
-        self._last = time.monotonic()
+        self.started = self._last = time.monotonic()
 
     def done(self, stage: str) -> None:
         now = time.monotonic()

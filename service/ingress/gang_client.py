@@ -40,6 +40,7 @@ log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
 
 STATUS_MAX_AGE_S = 1.0  # how stale the cached gang status may be on the request path
+NOT_READY_STATUS_MAX_AGE_S = 0.1  # the same while the gang was last seen not ready (rebuilding)
 DESCRIBE_TIMEOUT_S = 2.0
 INGRESS_CALLS_IN_FLIGHT = 2  # one batch crossing the hop while the gang computes another
 SHM_RETRY_AFTER_S = 30.0  # after a shared-memory failure, send by value for this long
@@ -85,7 +86,10 @@ class GangClient:
     async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
         """x [batch, seq, E] float32, key mask [batch, seq] bool (None: all tokens), causal
         (None: the served model's default) -> [batch, seq, E] float32."""
-        status = await self.status(max_age_s=STATUS_MAX_AGE_S)
+        # A gang seen not ready is looked at again sooner: a rebuild takes about a second,
+        # and a 1 s old "broken" would refuse requests for as long again after it.
+        ready = (self._status or {}).get("state") == "ready"
+        status = await self.status(max_age_s=STATUS_MAX_AGE_S if ready else NOT_READY_STATUS_MAX_AGE_S)
         # The status is one gang's. With several gangs, one broken or rebuilding gang says
         # nothing about the others (the router sends to ready ones; a broken one answers 503
         # at once), so only app-wide conditions refuse here.
