@@ -502,6 +502,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             serve.delete(f"ws{ws}")
         results["gangs"] = bench_gangs(client, base, x, n, load_s)
         results["mixed"] = bench_mixed(base, n, load_s)
+        results["rebuild"] = bench_rebuild(base)
         return results
     finally:
         serve.shutdown()
@@ -870,6 +871,7 @@ def main() -> None:
     print_gangs(serving["gangs"], args.load_seconds)
     equal_ratios = print_equal_compute(serving["equal"], args.load_seconds)
     mixed_ratios = print_mixed(serving["mixed"], args.load_seconds)
+    rebuild_ratios = print_rebuild(serving["rebuild"])
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -884,7 +886,8 @@ def main() -> None:
     out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "gangs": serving["gangs"], "breakdown": serving["breakdown"], "training": serving["training"],
                                "direct_ingress": serving["direct_ingress"], "ratios": goals,
                                "equal": serving["equal"], "equal_ratios": equal_ratios, "mixed": serving["mixed"],
-                               "mixed_ratios": mixed_ratios, "codecs": codec_rows, "time": time.time()}, indent=2))
+                               "mixed_ratios": mixed_ratios, "rebuild": serving["rebuild"], "rebuild_ratios": rebuild_ratios,
+                               "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 
