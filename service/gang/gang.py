@@ -104,7 +104,9 @@ class Gang:
         self._actors: list[Any] = []
         # The warm spare (see _start_spare): an idle rank process, adopted by a rebuild.
         self._spare: Any | None = None
-        self._spare_ref: Any | None = None  # its describe(): ready once the spare is warm
+        # Its describe() as a concurrent future: done once the spare is warm (read without a
+        # Ray call, so GET /gang never blocks the replica's event loop on it).
+        self._spare_ready: Future | None = None
         self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
         self._loop_on = False  # the peers' loops run: steps go as headers, not Ray calls
@@ -410,45 +412,42 @@ class Gang:
         self._spare = RankActor.options(**options).remote(
             -1, self.cfg.world_size, use_gpu=False, torch_threads=self.cfg.threads_per_rank
         )
-        self._spare_ref = self._spare.describe.remote()
+        self._spare_ready = self._spare.describe.remote().future()
 
     def _take_spare(self, node_id: str | None) -> Any | None:
         """The spare, handed over, if it is warm (answered its describe) and on `node_id`
         (the node of the bundle the rank goes to); else None (still starting, elsewhere:
         the rank starts a process of its own). A dead spare is dropped."""
-        if self._spare is None or node_id is None:
+        if self._spare is None or self._spare_ready is None or node_id is None:
             return None
-        ready, _ = ray.wait([self._spare_ref], timeout=0)
-        if not ready:
+        if not self._spare_ready.done():
             return None
         try:
-            info: RankInfo = ray.get(self._spare_ref, timeout=1.0)
-        except RayError as exc:
+            info: RankInfo = self._spare_ready.result(timeout=0)
+        except Exception as exc:  # RayActorError & co: its process is gone
             log.warning("the warm spare is gone (%s); starting a new one after this bring-up", _first_line(exc))
             self._drop_spare()
             return None
         if info.node_id != node_id:
             return None
-        spare, self._spare, self._spare_ref = self._spare, None, None
+        spare, self._spare, self._spare_ready = self._spare, None, None
         return spare
 
     def _drop_spare(self) -> None:
         if self._spare is not None:
             _kill_quietly(self._spare)
-        self._spare = self._spare_ref = None
+        self._spare = self._spare_ready = None
 
     def spare_status(self) -> dict[str, object]:
         """GET /gang `spare`: none, starting or warm (with its pid)."""
-        spare, ref = self._spare, self._spare_ref
-        if spare is None or ref is None:
-            return {"state": "none" if not self._spare_wanted() else "starting" if self.state is GangState.READY else "none"}
-        ready, _ = ray.wait([ref], timeout=0)
-        if not ready:
+        ready = self._spare_ready
+        if self._spare is None or ready is None:
+            return {"state": "none"}
+        if not ready.done():
             return {"state": "starting"}
-        try:
-            return {"state": "warm", "pid": ray.get(ref, timeout=0.5).pid}
-        except RayError:
+        if ready.exception() is not None:
             return {"state": "dead"}
+        return {"state": "warm", "pid": ready.result().pid}
 
     def _teardown(self) -> None:
         self._loop_on = False  # no more headers: the group is going
