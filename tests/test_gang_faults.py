@@ -119,8 +119,8 @@ def test_stopped_rank_gives_504_within_deadline_then_rebuild(fault_url: str) -> 
 
 
 def test_kill_rank0_replica_under_load_recovers(fault_url: str) -> None:
-    info = gang_info(fault_url)
-    old_pids = {r["pid"] for r in info["ranks"]}
+    info = _wait_for_warm_spare(fault_url)
+    old_pids = {r["pid"] for r in info["ranks"]} | {info["spare"]["pid"]}  # the spare dies with it too
     rank0 = info["ranks"][0]["pid"]
     with RequestLoop(fault_url + "/infer", WEIGHTS) as loop:
         time.sleep(1.0)
