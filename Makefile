@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: install serve test test-unit bench lint clean chromium postgresql
+.PHONY: install serve test test-unit bench docs lint clean chromium postgresql
 
 install: $(STAMP) chromium postgresql
 
@@ -50,6 +50,10 @@ test-unit: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# The builder-argument reference is generated from AppConfig's field descriptions.
+docs: $(STAMP)
+	$(PY) -m service.config > docs/builder-arguments.md
 
 clean:
 	rm -rf $(VENV) .gangserve .pytest_cache

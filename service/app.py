@@ -13,7 +13,7 @@ from ray.serve.config import RequestRouterConfig
 
 from service.config import AppConfig
 from service.errors import describe_validation_errors
-from service.placement import check_feasible, cluster_snapshot, gang_request
+from service.cluster.placement import check_feasible, cluster_snapshot, gang_request
 from service.gang.router import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S, ReadyGangRouter
 from service.deployments.controller import Controller
 from service.deployments.ingress import Ingress

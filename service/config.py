@@ -106,9 +106,11 @@ class GangConfig(BaseModel):
     )
     step_loop: bool = Field(
         True,
-        description="Peer ranks take their steps from rank 0's headers on the gang's own control "
+        description="Peer ranks take their steps from rank 0's headers on the gang's own gloo control "
         "group (a persistent step loop, see service.gang.control) instead of one Ray actor call "
-        "per step. Ray calls remain for bring-up, weights, probes and teardown.",
+        "per step; heartbeats every collective_timeout_s / 4 while idle; a peer whose loop fails "
+        "exits within 2 s. Ray calls remain for bring-up, weights, probes and teardown. "
+        "false: one Ray actor call per peer per step (the previous path).",
     )
 
     max_batch_size: int = Field(
@@ -170,8 +172,9 @@ class ServingConfig(BaseModel):
     )
     ingress_replicas: int = Field(
         1, ge=1, le=64,
-        description="Replicas of the HTTP ingress (no logical CPU each). Serve spreads them over the "
-        "nodes, so on a multi-node cluster the loss of one node leaves the others answering.",
+        description="Replicas of the HTTP ingress (no logical CPU each), spread over the nodes: at "
+        "most ceil(replicas / alive nodes at deploy time) per node, so on a multi-node cluster the "
+        "loss of one node leaves the others answering (2 in gpu.yaml and kuberay.yaml).",
     )
     max_json_bytes: int = Field(
         8 * 1024 * 1024, ge=1024,
@@ -268,10 +271,55 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
 
     @property
     def uses_data_channel(self) -> bool:
-        """Requests may reach rank 0 over the data channel (service.channel): asked for, and
+        """Requests may reach rank 0 over the data channel (service.transport.channel): asked for, and
         one gang only (with several, Serve's router picks the gang)."""
         return self.data_channel and self.single_gang
 
     def part(self, cls: type[_Part]) -> _Part:
         """The sub-config of one concern, e.g. `cfg.part(GangConfig)`."""
         return cls.model_validate(self.model_dump(include=set(cls.model_fields)))
+
+
+# -- the builder-argument reference (docs/builder-arguments.md is generated from this) ------
+_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("Model", ModelConfig), ("Gang", GangConfig), ("Serving", ServingConfig), ("Training quotas", TrainingLimits),
+)
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int) and value >= 1024 * 1024 and value % (1024 * 1024) == 0:
+        mib = value // (1024 * 1024)
+        return f"{mib // 1024} GiB" if mib % 1024 == 0 else f"{mib} MiB"
+    return str(value)
+
+
+def builder_args_markdown() -> str:
+    """The builder-argument reference as Markdown: one table per concern, each argument with
+    its default and its field description (the text `AppConfig` validates against)."""
+    lines = [
+        "# Builder arguments",
+        "",
+        "Generated from `service/config.py` (`make docs`; `tests/test_config.py` checks it is current).",
+        "`service.app:build_app` validates these with `AppConfig`; unknown keys are rejected with the",
+        "list of valid ones. Set them in a config's `args:` or on the command line:",
+        "",
+        "```bash",
+        "serve run deployments/local.yaml",
+        "serve run service.app:build_app world_size=4 cpus_per_rank=0.25 init=random seed=3",
+        "```",
+    ]
+    for title, cls in _SECTIONS:
+        lines += ["", f"## {title}", "", (cls.__doc__ or "").strip().splitlines()[0], "",
+                  "| arg | default | meaning |", "|---|---|---|"]
+        for name, field in cls.model_fields.items():
+            text = " ".join((field.description or "").split()).replace("|", "\\|")
+            lines.append(f"| `{name}` | {_default_text(field.default)} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m service.config > docs/builder-arguments.md
+    print(builder_args_markdown(), end="")

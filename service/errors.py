@@ -124,7 +124,7 @@ class GangStartupError(GangServeError):
 
 
 def error_to_wire(exc: GangServeError) -> dict[str, object]:
-    """A GangServeError as a JSON-able dict (for the gang's data channel, service.channel)."""
+    """A GangServeError as a JSON-able dict (for the gang's data channel, service.transport.channel)."""
     return {"type": type(exc).__name__, "message": exc.message, "code": exc.code,
             "status": exc.status, "retry_after_s": exc.retry_after_s}
 

@@ -29,7 +29,7 @@ import httpx
 import yaml
 
 from service.app import InvalidAppArgs, parse_args
-from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
+from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
 from service.state import artifacts
 from service.state.db import StateUnavailable, connect
 

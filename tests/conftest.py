@@ -40,6 +40,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             wrong.append(f"{item.nodeid}: marked unit but uses {sorted(RAY_FIXTURES & set(item.fixturenames))}")
     if wrong:
         raise pytest.UsageError("test markers:\n  " + "\n  ".join(wrong))
+    # GANGSERVE_TEST_ORDER=reverse runs the modules in reverse file order (tests within a
+    # module keep theirs): how the suite is checked for tests that depend on file order.
+    if os.environ.get("GANGSERVE_TEST_ORDER") == "reverse":
+        modules: dict[str, list[pytest.Item]] = {}
+        for item in items:
+            modules.setdefault(str(item.path), []).append(item)
+        items[:] = [item for path in reversed(modules) for item in modules[path]]
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +66,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # inherits them: a throwaway state dir and a known API token.
     os.environ["GANGSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("gangserve-state"))
     os.environ["GANGSERVE_API_TOKEN"] = TEST_API_TOKEN
-    os.environ["GANGSERVE_FAILPOINTS"] = "1"  # fault tests arm one-shot failpoints (service.failpoints)
+    os.environ["GANGSERVE_FAILPOINTS"] = "1"  # fault tests arm one-shot failpoints (service.gang.failpoints)
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster

@@ -46,6 +46,7 @@ from gangserve_client import tokens
 from harness.local import free_port
 from harness.reference import dense_attention, notes_seed_weights, relative_error
 from tests.conftest import ROOT, TEST_API_TOKEN
+from tests.helpers import rand
 
 CLIENT_DIR = ROOT / "clients"
 CLIENT_PACKAGE = CLIENT_DIR / "gangserve_client"
@@ -55,10 +56,6 @@ SEED_WEIGHTS = notes_seed_weights(512)
 
 def reference(x: np.ndarray) -> torch.Tensor:
     return dense_attention(SEED_WEIGHTS, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
-
-
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -84,14 +81,14 @@ def test_the_client_imports_nothing_of_the_server() -> None:
 
 @pytest.mark.unit
 def test_the_service_codecs_and_token_rule_are_the_clients() -> None:
-    from service import auth, codecs
+    from service.ingress import auth, codecs
 
     assert codecs.wire is wire
-    # service/codecs.py parses no format itself: no header parsing, no orjson, no struct.
-    text = (ROOT / "service" / "codecs.py").read_text()
-    assert not {"ast", "struct", "orjson", "io", "reprlib"} & imported_modules(ROOT / "service" / "codecs.py")
+    # service/ingress/codecs.py parses no format itself: no header parsing, no orjson, no struct.
+    text = (ROOT / "service" / "ingress" / "codecs.py").read_text()
+    assert not {"ast", "struct", "orjson", "io", "reprlib"} & imported_modules(ROOT / "service" / "ingress" / "codecs.py")
     assert "literal_eval" not in text and "frombuffer(view" not in text
-    assert auth.tokens is tokens and "os.environ" not in (ROOT / "service" / "auth.py").read_text()
+    assert auth.tokens is tokens and "os.environ" not in (ROOT / "service" / "ingress" / "auth.py").read_text()
 
 
 @pytest.mark.unit
@@ -102,7 +99,7 @@ def test_bench_does_not_import_tests() -> None:
 
 @pytest.mark.unit
 def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.auth import load_api_token
+    from service.ingress.auth import load_api_token
 
     monkeypatch.delenv("GANGSERVE_API_TOKEN", raising=False)
     monkeypatch.setenv("GANGSERVE_STATE_DIR", str(tmp_path / "state"))
@@ -115,7 +112,7 @@ def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("GANGSERVE_API_TOKEN", "  from-env  ")  # the environment wins, stripped, on both sides
     assert load_api_token()[0] == tokens.api_token().value == "from-env"
     monkeypatch.setenv("GANGSERVE_INFER_TOKEN", " infer ")
-    from service.auth import load_infer_token
+    from service.ingress.auth import load_infer_token
 
     assert load_infer_token() == tokens.infer_token() == "infer"
 

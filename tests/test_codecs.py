@@ -21,7 +21,7 @@ from safetensors.numpy import save as st_save_np
 from safetensors.torch import load as st_load_torch
 from safetensors.torch import save as st_save_torch
 
-from service import codecs
+from service.ingress import codecs
 from service.errors import BadRequest, GangServeError, InvalidInput
 
 pytestmark = pytest.mark.unit

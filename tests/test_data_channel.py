@@ -1,8 +1,8 @@
-"""The data channel: ingress -> rank 0 over a Unix socket (service.channel).
+"""The data channel: ingress -> rank 0 over a Unix socket (service.transport.channel).
 
 Unit tests run a real ChannelServer and ChannelClient over a real socket in a temporary
 directory, with a real computation behind the server (numpy arithmetic, and the real
-service.shm hand-off); Ray tests drive the ingress's GangClient against the deployed
+service.transport.shm hand-off); Ray tests drive the ingress's GangClient against the deployed
 gang, whose results are checked against the independent dense reference.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from service import channel, shm
-from service.channel import ChannelClient, ChannelServer, ChannelUnavailable
+from service.transport import channel, shm
+from service.transport.channel import ChannelClient, ChannelServer, ChannelUnavailable
 from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
 from tests.reference import dense_attention, notes_seed_weights, relative_error
-from tests.test_service import rand
+from tests.helpers import rand
 
 
 def reference(x: np.ndarray) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Served weights are durable state: swaps survive replica loss and restarts, and are atomic.
 
 Real Ray, Serve and HTTP; faults are real (kill -9 of rank 0's process, a truncated file)
-or one-shot failpoints armed on one rank (service.failpoints). Every answer is compared
+or one-shot failpoints armed on one rank (service.gang.failpoints). Every answer is compared
 with torch.nn.MultiheadAttention holding the weights it must have come from.
 """
 from __future__ import annotations
@@ -239,7 +239,7 @@ def test_swap_survives_an_app_restart_and_a_changed_config_wins(serve_url: str) 
     from ray import serve
 
     from service.parallel.weights import random_weights
-    from service.served_weights import WeightsRecord
+    from service.weights.record import WeightsRecord
     from service.state.paths import state_dir
 
     app, prefix = "restart", "/restart"

@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save as st_save
 
-from service import codecs
-from service.auth import load_api_token, redact_paths, required_token
+from service.ingress import codecs
+from service.ingress.auth import load_api_token, redact_paths, required_token
 from service.errors import MAX_MESSAGE_CHARS, GangServeError, Overloaded
 from service.ingress.deps import DecodePool
 from service.ingress.routes import oip

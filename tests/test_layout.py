@@ -5,7 +5,7 @@ The house rules, each a test:
 - the Serve deployments (service.deployments) sit on top: only the app builder imports them;
 - the three subsystems below them do not import each other sideways: the gang (rank
   processes), the ingress (HTTP) and training share code only through modules below all
-  three (service.placement, service.batching, service.config, ...). The one exception is
+  three (service.cluster.placement, service.batching, service.config, ...). The one exception is
   the training job spec, a plain pydantic model the ingress validates bodies against;
 - service.parallel (the tensor-parallel math) depends on torch only.
 """
@@ -22,6 +22,11 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 SUBSYSTEMS = ("service.gang", "service.ingress", "service.training")
 ALLOWED_SIDEWAYS = {("service.ingress.routes.train", "service.training.spec")}
+FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state",
+               "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics")
+# AppConfig declares every builder argument once; the training quotas are one of its sections
+# (a plain pydantic model that training owns and validates jobs against).
+ALLOWED_UPWARD = {("service.config", "service.training.limits")}
 
 
 def _modules() -> dict[str, Path]:
@@ -95,6 +100,16 @@ def test_subsystems_do_not_import_each_other() -> None:
     assert not offenders, f"sideways or upward imports: {sorted(offenders)}"
 
 
+def test_shared_packages_import_no_subsystem() -> None:
+    offenders = sorted(
+        f"{src} -> {dst}" for src, dsts in _imports().items()
+        if any(_inside(src, p) for p in FOUNDATIONS)
+        for dst in dsts if any(_inside(dst, p) for p in (*SUBSYSTEMS, "service.deployments", "service.app"))
+        and (src, dst) not in ALLOWED_UPWARD
+    )
+    assert not offenders, f"a shared package imports a subsystem or a deployment: {offenders}"
+
+
 def test_parallel_math_depends_on_nothing_else_in_service() -> None:
     offenders = sorted(
         f"{src} -> {dst}" for src, dsts in _imports().items() if _inside(src, "service.parallel")
@@ -108,7 +123,9 @@ def test_the_rules_see_the_tree() -> None:
     edges = _imports()
     assert "service.deployments.gang_server" in _modules()
     assert "service.gang.gang" in edges["service.deployments.gang_server"]
-    assert "service.placement" in edges["service.gang.gang"]
+    assert "service.cluster.placement" in edges["service.gang.gang"]
+    assert "service.transport.channel" in edges["service.deployments.gang_server"]
+    assert "service.weights.record" in edges["service.deployments.controller"]
 
 
 def test_request_dependencies_never_run_in_a_thread_pool() -> None:
@@ -141,3 +158,16 @@ def test_request_dependencies_never_run_in_a_thread_pool() -> None:
                 walk(route.dependant, f"{sorted(route.methods)} {route.path}")
     assert routes > 20, f"found only {routes} routes: the walk missed the routers"
     assert not sync, "sync dependencies/endpoints (run in a thread pool per request):\n" + "\n".join(sync)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in tests/helpers.py, faults.py, reference.py, ... (no `test_`
+    prefix): a test module that imports another runs that module's fixtures and globals
+    in a different order than pytest would, and cannot be run alone."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name} -> {n}" for n in names if n.startswith("tests.test_")]
+    assert not offenders, f"test modules importing test modules: {offenders}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -22,6 +22,7 @@ from safetensors.numpy import save as st_save
 from gangserve_client import codecs as wire
 from service.parallel.weights import random_weights
 from tests.conftest import deploy, local_yaml_args
+from tests.helpers import AUTH, post, rand, wait_done
 from tests.reference import dense_attention_masked, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -35,10 +36,6 @@ TOL = 1e-5
 def reference(x: np.ndarray, mask: np.ndarray | None, causal: bool) -> torch.Tensor:
     m = None if mask is None else torch.from_numpy(np.asarray(mask, dtype=np.int64))
     return dense_attention_masked(WEIGHTS, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)), m, causal)
-
-
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 def padding_mask(lengths: list[int], seq: int) -> np.ndarray:
@@ -67,15 +64,36 @@ def app_args(world_size: int, **extra: object) -> dict:
             "cpus_per_rank": 0.25, **extra}
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda ws: f"ws{ws}")
-def masked_app(request: pytest.FixtureRequest, serve_url: str) -> Iterator[str]:
+# One app per world size, shared by every test of the module (a Serve app costs 15-30 s). Each
+# also carries the settings one test is about: ws2 batches mixed lengths with a padding bound,
+# ws4 has the data channel off (the handle and /dev/shm paths; ws1 and ws2 use the channel).
+EXTRA_ARGS: dict[int, dict] = {
+    1: {},
+    2: {"max_padding_fraction": 0.5, "batch_wait_timeout_s": 0.02},
+    4: {"data_channel": False},
+}
+
+
+@pytest.fixture(scope="module")
+def apps(serve_url: str) -> Iterator[Callable[[int], str]]:
+    """world size -> the base URL of that module app, deployed on first use."""
     from ray import serve
 
-    ws = request.param
-    name = f"masks{ws}"
-    base = deploy(serve_url, name, f"/{name}", app_args(ws))
-    yield base
-    serve.delete(name)
+    deployed: dict[int, str] = {}
+
+    def get(ws: int) -> str:
+        if ws not in deployed:
+            deployed[ws] = deploy(serve_url, f"masks{ws}", f"/masks{ws}", app_args(ws, **EXTRA_ARGS[ws]))
+        return deployed[ws]
+
+    yield get
+    for ws in deployed:
+        serve.delete(f"masks{ws}")
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda ws: f"ws{ws}")
+def masked_app(request: pytest.FixtureRequest, apps: Callable[[int], str]) -> str:
+    return apps(request.param)
 
 
 CASES = [("mask", True, False), ("causal", False, True), ("mask+causal", True, True)]
@@ -175,47 +193,41 @@ def test_bad_masks_are_422(app_url: str) -> None:
     assert_invalid(httpx.post(app_url + INFER_OIP, json=oip, timeout=60), "causal")
 
 
-def test_mixed_lengths_batched_under_concurrency(serve_url: str) -> None:
+def test_mixed_lengths_batched_under_concurrency(apps: Callable[[int], str]) -> None:
     """Requests of lengths 1..40, some masked, some causal, sent concurrently: each reply equals
     its own reference, and /gang shows steps that padded mixed lengths within the bound."""
-    from ray import serve
+    base = apps(2)  # max_padding_fraction=0.5, batch_wait_timeout_s=0.02
+    rng = random.Random(7)
+    jobs = []
+    for i in range(48):
+        seq = rng.randint(1, 40)
+        x = rand(1 + i % 2, seq, 512, seed=100 + i)
+        mask = None
+        if i % 3 == 0 and seq > 1:
+            mask = padding_mask([rng.randint(1, seq)] * x.shape[0], seq)
+        jobs.append((x, mask, i % 4 == 1))
 
-    base = deploy(serve_url, "masks_mixed", "/masks_mixed",
-                  app_args(2, max_padding_fraction=0.5, batch_wait_timeout_s=0.02))
-    try:
-        rng = random.Random(7)
-        jobs = []
-        for i in range(48):
-            seq = rng.randint(1, 40)
-            x = rand(1 + i % 2, seq, 512, seed=100 + i)
-            mask = None
-            if i % 3 == 0 and seq > 1:
-                mask = padding_mask([rng.randint(1, seq)] * x.shape[0], seq)
-            jobs.append((x, mask, i % 4 == 1))
+    def send(job: tuple) -> tuple:
+        x, mask, causal = job
+        tensors = {"hidden_states": x, **({"attention_mask": mask} if mask is not None else {})}
+        with httpx.Client(timeout=120) as client:
+            r = client.post(base + "/infer", content=wire.encode_safetensors(tensors),
+                            params={"causal": "true"} if causal else {}, headers={"content-type": wire.SAFETENSORS})
+        assert r.status_code == 200, r.text
+        return st_load(r.content)["output"], job
 
-        def send(job: tuple) -> tuple:
-            x, mask, causal = job
-            tensors = {"hidden_states": x, **({"attention_mask": mask} if mask is not None else {})}
-            with httpx.Client(timeout=120) as client:
-                r = client.post(base + "/infer", content=wire.encode_safetensors(tensors),
-                                params={"causal": "true"} if causal else {}, headers={"content-type": wire.SAFETENSORS})
-            assert r.status_code == 200, r.text
-            return st_load(r.content)["output"], job
-
-        for _ in range(2):  # a second wave: the gang is warm, batches form for sure
-            with ThreadPoolExecutor(16) as pool:
-                for out, (x, mask, causal) in pool.map(send, jobs):
-                    check(out, x, mask, causal, f"mixed seq {x.shape[1]} causal={causal} masked={mask is not None}")
-        gang = httpx.get(base + "/gang", timeout=30).json()
-        batching = [gang["batching"], gang["ingress_transport"]["batching"]]
-        assert any(b["mixed_length_steps"] >= 1 for b in batching), batching
-        assert any(b["steps"] < b["requests"] for b in batching), batching  # requests did share steps
-        for b in batching:
-            assert 0 <= b["padded_token_share"] <= 0.5, b
-        metrics = httpx.get(base + "/metrics", timeout=30).text
-        assert "gangserve_step_padded_share_bucket" in metrics
-    finally:
-        serve.delete("masks_mixed")
+    for _ in range(2):  # a second wave: the gang is warm, batches form for sure
+        with ThreadPoolExecutor(16) as pool:
+            for out, (x, mask, causal) in pool.map(send, jobs):
+                check(out, x, mask, causal, f"mixed seq {x.shape[1]} causal={causal} masked={mask is not None}")
+    gang = httpx.get(base + "/gang", timeout=30).json()
+    batching = [gang["batching"], gang["ingress_transport"]["batching"]]
+    assert any(b["mixed_length_steps"] >= 1 for b in batching), batching
+    assert any(b["steps"] < b["requests"] for b in batching), batching  # requests did share steps
+    for b in batching:
+        assert 0 <= b["padded_token_share"] <= 0.5, b
+    metrics = httpx.get(base + "/metrics", timeout=30).text
+    assert "gangserve_step_padded_share_bucket" in metrics
 
 
 def test_bfloat16_compute_dtype_end_to_end(serve_url: str) -> None:
@@ -274,7 +286,6 @@ def test_causal_job_on_a_masked_dataset_trains_and_records_causal(app_url: str) 
     """POST /datasets with attention_mask, then a causal attention job on it: it learns, the
     loss counts token positions only, and the checkpoint records causal=true."""
     from service.training.models import SelfAttention, load_dense_into
-    from tests.test_training import AUTH, post, wait_done
 
     rng = np.random.default_rng(1)
     n, seq, e = 128, 6, 32
@@ -317,24 +328,19 @@ def test_client_sends_mask_and_causal(masked_app: str) -> None:
             client.infer(x, "npy", attention_mask=mask)
 
 
-def test_mask_and_causal_on_the_handle_and_shared_memory_paths(serve_url: str) -> None:
+def test_mask_and_causal_on_the_handle_and_shared_memory_paths(apps: Callable[[int], str]) -> None:
     """data_channel off: small requests go by value in the handle call, large ones through
     /dev/shm (infer_shared); the mask and the flag travel on both."""
-    from ray import serve
-
-    base = deploy(serve_url, "masks_handle", "/masks_handle", app_args(2, data_channel=False))
-    try:
-        for shape, lengths in (((1, 3, 512), [2]), ((4, 40, 512), [40, 17, 1, 30])):  # 6 KiB, 320 KiB
-            x = rand(*shape, seed=shape[1])
-            mask = padding_mask(lengths, shape[1])
-            body = wire.encode_safetensors({"hidden_states": x, "attention_mask": mask})
-            r = httpx.post(base + "/infer?causal=true", content=body, headers={"content-type": wire.SAFETENSORS},
-                           timeout=60)
-            assert r.status_code == 200, r.text
-            check(st_load(r.content)["output"], x, mask, True, f"handle path {shape}")
-        transport = httpx.get(base + "/gang", timeout=30).json()["ingress_transport"]
-        assert transport["data_channel"] == 0 and transport["object_store"] >= 1, transport
-        if transport["shm_enabled"] and transport["node_id"] == httpx.get(base + "/gang", timeout=30).json()["ranks"][0]["node_id"]:
-            assert transport["shared_memory"] >= 1, transport  # rank 0 on the ingress's node: the big one used /dev/shm
-    finally:
-        serve.delete("masks_handle")
+    base = apps(4)  # data_channel=False
+    for shape, lengths in (((1, 3, 512), [2]), ((4, 40, 512), [40, 17, 1, 30])):  # 6 KiB, 320 KiB
+        x = rand(*shape, seed=shape[1])
+        mask = padding_mask(lengths, shape[1])
+        body = wire.encode_safetensors({"hidden_states": x, "attention_mask": mask})
+        r = httpx.post(base + "/infer?causal=true", content=body, headers={"content-type": wire.SAFETENSORS},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        check(st_load(r.content)["output"], x, mask, True, f"handle path {shape}")
+    transport = httpx.get(base + "/gang", timeout=30).json()["ingress_transport"]
+    assert transport["data_channel"] == 0 and transport["object_store"] >= 1, transport
+    if transport["shm_enabled"] and transport["node_id"] == httpx.get(base + "/gang", timeout=30).json()["ranks"][0]["node_id"]:
+        assert transport["shared_memory"] >= 1, transport  # rank 0 on the ingress's node: the big one used /dev/shm

@@ -14,7 +14,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import numpy as np
@@ -22,42 +22,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, TEST_API_TOKEN, deploy, local_yaml_args
+from tests.helpers import poll, scrape, total
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
 DASHBOARD = ROOT / "deployments" / "grafana-dashboard.json"
 
 
 # ---------------------------------------------------------------- helpers
-
-def scrape(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """One scrape of base/metrics: {(sample name, sorted labels): value}."""
-    reply = httpx.get(base + "/metrics", timeout=30)
-    assert reply.status_code == 200, reply.text
-    assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
-    samples = {}
-    for family in text_string_to_metric_families(reply.text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    """Sum of the samples called `name` whose labels include `labels`."""
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
-
-
-def poll(base: str, pred: Callable[[dict], bool], timeout_s: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout_s
-    samples: dict = {}
-    while time.monotonic() < deadline:
-        samples = scrape(base)
-        if pred(samples):
-            return samples
-        time.sleep(0.5)
-    gangserve = {k: v for k, v in samples.items() if "gang" in k[0] or "training" in k[0]}
-    raise AssertionError(f"{what} not seen within {timeout_s:.0f}s; last gang/training samples: {gangserve}")
-
 
 def npy(x: np.ndarray) -> bytes:
     buf = io.BytesIO()

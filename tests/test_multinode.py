@@ -15,7 +15,7 @@ import torch
 from ray import serve
 
 from service.app import build_app, compose_app, parse_args
-from service.placement import GangUnschedulable
+from service.cluster.placement import GangUnschedulable
 from tests.conftest import deploy, local_yaml_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 

@@ -1,9 +1,9 @@
-"""Interface selection for the process groups (service.netif), on this machine's real interfaces."""
+"""Interface selection for the process groups (service.cluster.netif), on this machine's real interfaces."""
 from __future__ import annotations
 
 import pytest
 
-from service import netif
+from service.cluster import netif
 
 pytestmark = pytest.mark.unit
 

@@ -17,6 +17,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.helpers import rand
 
 pytestmark = pytest.mark.ray
 
@@ -26,10 +27,6 @@ INFER = "/v2/models/attention/infer"
 
 def reference(x: np.ndarray) -> torch.Tensor:
     return dense_attention(SEED_WEIGHTS, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
-
-
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""Feasibility rules of service.placement (pure functions, no Ray)."""
+"""Feasibility rules of service.cluster.placement (pure functions, no Ray)."""
 from __future__ import annotations
 
 import pytest
 
-from service.placement import (
+from service.cluster.placement import (
     ClusterSnapshot,
     GangRequest,
     GangUnschedulable,

@@ -3,7 +3,7 @@
 The original notes' shape: 2 nodes x 1 GPU (logical GPUs: ranks get the GPU resource, find no
 CUDA device and use gloo on the node's own interface). This machine's hostname resolves to
 127.0.0.1, so a rank that bound its collectives by hostname would advertise loopback to the
-other node and the gang would never form: these tests fail without service.netif.
+other node and the gang would never form: these tests fail without service.cluster.netif.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
-from tests.test_training import AUTH, assert_error, post, state_dir
+from tests.helpers import AUTH, assert_error, post, state_dir
 
 # ---- units: limits --------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from service.config import AppConfig
-from service.placement import ClusterSnapshot, GangUnschedulable, check_feasible, fits, gang_request
+from service.cluster.placement import ClusterSnapshot, GangUnschedulable, check_feasible, fits, gang_request
 from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args
 from tests.faults import RequestLoop
 from tests.reference import dense_attention, notes_seed_weights, relative_error

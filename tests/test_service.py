@@ -22,6 +22,7 @@ from safetensors.numpy import save as st_save
 from gangserve_client import GangServeClient
 from tests.conftest import ROOT, deploy, local_yaml_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.helpers import assert_error, npy_bytes, rand
 
 pytestmark = pytest.mark.ray
 
@@ -30,24 +31,6 @@ SEED_WEIGHTS = notes_seed_weights(512)
 
 def reference(x: np.ndarray, weights: dict = SEED_WEIGHTS) -> torch.Tensor:
     return dense_attention(weights, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
-
-
-def npy_bytes(x: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, x, allow_pickle=False)
-    return buf.getvalue()
-
-
-def assert_error(reply: httpx.Response, status: int, code: str | None = None) -> None:
-    assert reply.status_code == status, (reply.status_code, reply.text)
-    doc = reply.json()
-    assert isinstance(doc.get("error"), str) and doc["error"], doc
-    if code is not None:
-        assert doc["code"] == code, doc
-
-
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 @pytest.mark.parametrize("shape", [(3, 8, 512), (5, 512)])

@@ -1,4 +1,4 @@
-"""The same-node shared-memory hand-off between the ingress and the GangServer (service.shm).
+"""The same-node shared-memory hand-off between the ingress and the GangServer (service.transport.shm).
 
 Unit tests of the file lifecycle, the GangServer side through a real Serve handle (the test
 process shares /dev/shm with every raylet of the local test cluster), and the full HTTP
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from service import shm
+from service.transport import shm
 from tests.reference import dense_attention, notes_seed_weights, relative_error
-from tests.test_service import npy_bytes, rand
+from tests.helpers import npy_bytes, rand
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm (Linux)")
 
@@ -116,7 +116,7 @@ def test_http_requests_use_shared_memory_on_one_node_and_leave_no_files(app_url:
     assert after["shm_enabled"] is True
     # The small request always goes by value; the big one through /dev/shm iff the ingress
     # and the GangServer (rank 0) share a node, and then both over the data channel
-    # (service.channel) instead of a handle call.
+    # (service.transport.channel) instead of a handle call.
     assert after["shared_memory"] - transport["shared_memory"] == (1 if same_node else 0), (transport, after)
     assert after["data_channel"] - transport["data_channel"] == (2 if same_node else 0), (transport, after)
     assert after["object_store"] - transport["object_store"] == (0 if same_node else 2), (transport, after)

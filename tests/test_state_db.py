@@ -66,7 +66,7 @@ def test_redact_never_shows_a_password(url: str, shown: str) -> None:
 # ---- start-up errors -------------------------------------------------------------------------
 
 def test_an_unreachable_postgres_is_a_clear_error_naming_the_redacted_url() -> None:
-    from service.served_weights import WeightsRecord
+    from service.weights.record import WeightsRecord
     from service.state.db import StateUnavailable, connect
     from service.training.store import JobStore
 
@@ -152,7 +152,7 @@ CREATE TABLE IF NOT EXISTS gangs (
 
 
 def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path: Path) -> None:
-    from service.served_weights import WeightsRecord
+    from service.weights.record import WeightsRecord
     from service.training.store import JobStore
 
     path = tmp_path / "jobs.sqlite"
@@ -242,7 +242,7 @@ def test_numbered_steps_run_once_in_order_and_a_newer_schema_is_refused(store_ur
 
 def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_back(
         tmp_path: Path, postgres_server: Any) -> None:
-    from service.served_weights import WeightsRecord
+    from service.weights.record import WeightsRecord
     from service.state.db import POOL_TIMEOUT_S, StateUnavailable
     from service.training.limits import TrainingLimits, check_job_fits
     from service.training.store import JobStore

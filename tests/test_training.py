@@ -25,12 +25,9 @@ from safetensors.numpy import save as st_save
 from safetensors.torch import load as st_load_torch
 
 from tests.conftest import ROOT, TEST_API_TOKEN
+from tests.helpers import AUTH, SMALL, assert_error, get_job, post, state_dir, wait_done, wait_for
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
-AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
-# Tests reserve a quarter CPU per worker so the overlapping jobs fit next to the gang.
-SMALL = {"cpus_per_worker": 0.25}
 
 # Job specs submitted together at module start (see `jobs`).
 SPECS: dict[str, dict[str, Any]] = {
@@ -47,57 +44,6 @@ SPECS: dict[str, dict[str, Any]] = {
     "kill": {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 4000}, "epochs": 20,
              "max_failures": 1},
 }
-
-
-def post(url: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers=kw.pop("headers", AUTH), timeout=kw.pop("timeout", 60), **kw)
-
-
-def get_job(url: str, job_id: str) -> dict[str, Any]:
-    # Polling only: once in ~10 full runs the Serve proxy closed a fresh connection without
-    # answering (httpx.RemoteProtocolError, nothing in the proxy's or ingress's log); the
-    # job's state is what these tests check, so one transport-level retry is allowed.
-    for attempt in range(2):
-        try:
-            reply = httpx.get(f"{url}/train/{job_id}", headers=AUTH, timeout=30)
-            break
-        except httpx.RemoteProtocolError:
-            if attempt:
-                raise
-            time.sleep(0.5)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def wait_for(url: str, job_id: str, pred: Any, timeout_s: float, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = get_job(url, job_id)
-        if pred(job):
-            return job
-        if job["status"] in TERMINAL:
-            break
-        time.sleep(0.25)
-    logs = httpx.get(f"{url}/train/{job_id}/logs", headers=AUTH, timeout=30).json().get("lines", [])
-    raise AssertionError(f"job {job_id} never {what}; last: {json.dumps(job)[:1500]}\nlogs:\n" + "\n".join(logs[-40:]))
-
-
-def wait_done(url: str, job_id: str, timeout_s: float = 300) -> dict[str, Any]:
-    return wait_for(url, job_id, lambda j: j["status"] in TERMINAL, timeout_s, "ended")
-
-
-def assert_error(reply: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
-    assert reply.status_code == status, (reply.status_code, reply.text)
-    doc = reply.json()
-    assert isinstance(doc.get("error"), str) and doc["error"], doc
-    if code is not None:
-        assert doc["code"] == code, doc
-    return doc
-
-
-def state_dir() -> Path:
-    return Path(os.environ["GANGSERVE_STATE_DIR"])
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +108,7 @@ def test_store_pages_newest_first_and_terminal_states_stick(store_url: str) -> N
 
 @pytest.mark.unit
 def test_token_file_is_created_once_with_mode_0600(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.auth import load_api_token, token_matches
+    from service.ingress.auth import load_api_token, token_matches
 
     monkeypatch.delenv("GANGSERVE_API_TOKEN", raising=False)
     token, where = load_api_token(tmp_path)

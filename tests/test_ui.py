@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, TEST_API_TOKEN
-from tests.test_training import AUTH, SMALL, post, wait_done
+from tests.helpers import AUTH, SMALL, post, wait_done
 
 pytestmark = pytest.mark.ray
 

@@ -62,7 +62,7 @@ def test_nothing_but_the_page_is_reachable_under_ui(client: TestClient) -> None:
 
 
 def test_token_rules_are_unchanged_by_the_page(client: TestClient) -> None:
-    from service.auth import required_token
+    from service.ingress.auth import required_token
 
     for path in ("/ui", "/ui/", "/ui/app.js", "/ui/index.html"):
         assert required_token(path) is None, path

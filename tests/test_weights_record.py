@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from service.config import ModelConfig
-from service.served_weights import (
+from service.weights.record import (
     WeightsRecord,
     WeightsRecordError,
     describe_config_weights,

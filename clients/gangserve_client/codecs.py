@@ -1,7 +1,7 @@
 """Tensor wire formats of the gangserve HTTP API: safetensors, npy and JSON.
 
 The one implementation of these formats: the client encodes requests and decodes replies
-with it, and the service (`service.codecs`) decodes requests and encodes replies with it,
+with it, and the service (`service.ingress.codecs`) decodes requests and encodes replies with it,
 adding its own limits, negotiation and validation on top. Pure numpy (+ orjson for JSON);
 bfloat16 needs `ml_dtypes` (`pip install 'gangserve-client[bfloat16]'`; the service
 always has it).

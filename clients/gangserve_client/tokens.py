@@ -2,7 +2,7 @@
 
 - The **API token** (training, datasets, weights; the full /gang): `$GANGSERVE_API_TOKEN`,
   else the file `$GANGSERVE_STATE_DIR/api_token` (state dir default `.gangserve`), which
-  the service creates once (mode 0600) when neither exists. `service.auth` reads it with
+  the service creates once (mode 0600) when neither exists. `service.ingress.auth` reads it with
   `api_token()` below, then creates the file if that found nothing.
 - The optional **inference token** (`POST /infer`, OIP `.../infer`): `$GANGSERVE_INFER_TOKEN`.
   When the service has one, inference needs it or the API token.

@@ -5,6 +5,6 @@
     JobManager   (job_manager.py)  training jobs: the SQLite job store, Ray Train run actors
 
 `service.app.compose_app` binds them together. Everything they use lives below them
-(service.ingress, service.gang, service.training, service.placement, service.batching);
+(service.ingress, service.gang, service.training, service.cluster.placement, service.batching);
 nothing below imports from here.
 """

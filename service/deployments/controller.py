@@ -4,7 +4,7 @@ It holds two things, and is the only writer of each:
 - the live fleet view (service.state.fleet), in memory: every GangServer replica reports
   its status to it and every ingress replica reads `/gangs`, `/readyz`, weights rollouts
   and the other replicas' metrics from it;
-- the durable served-weights record (service.served_weights, table `served_weights`):
+- the durable served-weights record (service.weights.record, table `served_weights`):
   every GangServer asks it what to load at bring-up and to record a swapped version.
 
 It also watches every gang it has heard from: a ping (`__ray_ready__`, Ray's built-in
@@ -28,7 +28,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from service.logs import route_logs_to_serve
-from service.served_weights import ConfigWeights, ServedWeights, Source, WeightsRecord
+from service.weights.record import ConfigWeights, ServedWeights, Source, WeightsRecord
 from service.state.fleet import Fleet
 from service.state.paths import state_dir
 

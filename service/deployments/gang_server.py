@@ -13,7 +13,7 @@ Recovery, in two tiers:
    replaces the whole replica (new placement group). If rank 0 itself (this process)
    dies, Serve does the same on its own.
 
-Served weights are durable (service.served_weights), recorded by the app's Controller
+Served weights are durable (service.weights.record), recorded by the app's Controller
 (the record's one writer): every bring-up, at either tier and on every restart of the app,
 loads the app's recorded version; `reload_weights` has the Controller record a new version
 before any rank serves it; the supervisor also moves the gang to a newer recorded version
@@ -36,8 +36,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import get_current_placement_group
 
-from service import shm
-from service.channel import ChannelServer, sweep_stale_sockets
+from service.transport import shm
+from service.transport.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.errors import Conflict, GangStartupError, GangUnavailable
 from service.ingress.handle_errors import awaited, map_handle_error
@@ -46,7 +46,7 @@ from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
 from service.metrics import GangServerMetrics, enable_ray_metrics
 from service.parallel.weights import check_checkpoint
-from service.served_weights import (
+from service.weights.record import (
     ConfigWeights,
     ServedWeights,
     WeightsRecordError,
@@ -94,7 +94,7 @@ class GangServer:
         self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
         self._controller = controller  # the weights record's writer and the fleet view's owner
         self._actor = ray.get_runtime_context().current_actor  # the Controller pings it
-        # Same-node requests from the ingress may skip the handle call (service.channel).
+        # Same-node requests from the ingress may skip the handle call (service.transport.channel).
         self._channel = ChannelServer(
             self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
         )
@@ -137,7 +137,7 @@ class GangServer:
 
     async def infer_shared(self, ref: shm.SharedTensorRef, mask: np.ndarray | None = None,
                            causal: bool | None = None) -> tuple[int, ...]:
-        """Same as `infer`, but the tensor travels through /dev/shm (see service.shm).
+        """Same as `infer`, but the tensor travels through /dev/shm (see service.transport.shm).
 
         Reads the request from the pages `ref` names and writes the output into the same
         pages; only the ref (and the small mask, by value) and the reply's shape cross the handle call. Raises
@@ -196,7 +196,7 @@ class GangServer:
 
     async def arm_failpoint(self, rank: int, name: str) -> None:
         """Tests only (the cluster must run with GANGSERVE_FAILPOINTS=1): make one rank fail
-        once at a named point (see service.failpoints)."""
+        once at a named point (see service.gang.failpoints)."""
         await self._gang.arm_failpoint(rank, name)
 
     async def describe(self) -> dict[str, object]:

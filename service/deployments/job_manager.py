@@ -51,7 +51,7 @@ from service.metrics import EpochClock, enable_ray_metrics, process_metrics, tra
 from service.state import artifacts
 from service.state.db import StateUnavailable, database_url
 from service.state.paths import state_dir
-from service.placement import cluster_snapshot
+from service.cluster.placement import cluster_snapshot
 from service.training import resources
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
 from service.training.limits import (

@@ -6,7 +6,7 @@ reserves all bundles at once, so the gang is placed all-or-nothing).
 
 Bring-up runs in named stages, each bounded: create -> rendezvous -> load -> warmup.
 
-Weights: the gang serves one recorded version (`ServedWeights`, see service.served_weights)
+Weights: the gang serves one recorded version (`ServedWeights`, see service.weights.record)
 at a time. Every rank holds the version number of its weights, and every step message
 carries the version the gang expects: a rank that disagrees poisons its contribution and
 refuses the step, so no answer is ever computed from mixed versions. A swap stages the new
@@ -56,10 +56,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.config import GangConfig, ModelConfig
 from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
 from service.batching import StepBatcher, StepObserver
-from service.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
+from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang import control
 from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
-from service.served_weights import ServedWeights
+from service.weights.record import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
@@ -173,7 +173,7 @@ class Gang:
         return await self._run(self._swap_weights, model, record)
 
     async def arm_failpoint(self, rank: int, name: str) -> None:
-        """Tests only: make `rank` fail once at failpoint `name` (see service.failpoints)."""
+        """Tests only: make `rank` fail once at failpoint `name` (see service.gang.failpoints)."""
         self._require_ready()
         await self._run(self._arm_failpoint, rank, name)
 

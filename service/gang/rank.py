@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from service.config import ModelConfig
-from service.failpoints import Failpoints
+from service.gang.failpoints import Failpoints
 from service.gang import control
-from service.netif import bind_collectives_to
+from service.cluster.netif import bind_collectives_to
 from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.weights import (
     checkpoint_causal,
@@ -52,7 +52,7 @@ class RankInfo:
     device: str
     has_cuda: bool
     gpu_ids: list[str]
-    iface: str | None = None  # the interface its collectives use (see service.netif)
+    iface: str | None = None  # the interface its collectives use (see service.cluster.netif)
     iface_how: str = ""
 
     def public(self) -> dict[str, object]:

@@ -2,7 +2,7 @@
 
 Every error reply is `{"error", "code"}`, its message bounded (service.errors.bounded);
 an unexpected exception is logged with its traceback and answered 500 without its text.
-`AuthMiddleware` (service.auth) checks tokens before any route reads a body.
+`AuthMiddleware` (service.ingress.auth) checks tokens before any route reads a body.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.auth import AuthMiddleware, load_api_token, load_infer_token
+from service.ingress.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.config import AppConfig
 from service.errors import GangServeError, bounded, describe_validation_errors
 from service.ingress.deps import DecodePool

@@ -3,7 +3,7 @@ readiness picture that stays truthful while the gang server itself cannot answer
 
 When the GangServer replica is not answering (Serve still placing its bundles, the
 replica restarting after rank 0 died, or a gang the cluster can never hold), the ingress
-diagnoses why from the cluster's resources (service.placement) and answers 503 at
+diagnoses why from the cluster's resources (service.cluster.placement) and answers 503 at
 once with needed vs available, instead of letting requests queue in Serve's router.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ from ray.exceptions import RayError, RayTaskError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from service import shm
-from service.channel import ChannelClient, ChannelUnavailable, socket_path
+from service.transport import shm
+from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
 from service.config import AppConfig
 from service.errors import CollectiveTimeout, GangServeError, GangUnavailable
 from service.batching import StepBatcher
-from service.placement import (
+from service.cluster.placement import (
     GangRequest,
     GangUnschedulable,
     check_feasible,
@@ -70,7 +70,7 @@ class GangClient:
         self._shm_retry_at = 0.0
         self._transport = {"shared_memory": 0, "object_store": 0, "shared_memory_fallbacks": 0,
                            "data_channel": 0, "data_channel_fallbacks": 0}
-        self._channel_enabled = config.uses_data_channel  # service.channel
+        self._channel_enabled = config.uses_data_channel  # service.transport.channel
         self._channel: ChannelClient | None = None
         self._channel_replica: str | None = None
         self._channel_retry_at = 0.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.auth import redact_paths
+from service.ingress.auth import redact_paths
 from service.errors import GangServeError, GangUnavailable
 from service.ingress.gang_client import GangClient, unavailable_error
 from service.state.fleet import REPORT_INTERVAL_S

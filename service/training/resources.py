@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from service.placement import ClusterSnapshot, GangRequest, bundles_per_node, waiting_reason
+from service.cluster.placement import ClusterSnapshot, GangRequest, bundles_per_node, waiting_reason
 
 Resources = dict[str, float]
 

@@ -149,7 +149,7 @@ class TrainRun:
                     checkpoint_config=CheckpointConfig(num_to_keep=2),
                 ),
                 # Each worker binds its DDP process group to the interface of its own node's
-                # IP before Ray Train creates the group (service.netif).
+                # IP before Ray Train creates the group (service.cluster.netif).
                 torch_config=InterfaceBoundTorchConfig(),
             )
             self._log("TorchTrainer.fit() started; waiting for the worker group")

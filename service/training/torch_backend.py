@@ -2,7 +2,7 @@
 
 Ray Train creates the DDP process group in `_TorchBackend.on_start`, before the train loop
 runs, so the interface must be chosen there: this backend first runs
-`service.netif.bind_ray_worker` on every worker (each on its own node), then does exactly
+`service.cluster.netif.bind_ray_worker` on every worker (each on its own node), then does exactly
 what Ray Train's does. (A `worker_process_setup_hook` in the workers' runtime_env would be
 the declarative way, but Ray 2.60 applies that hook only from the job-level runtime_env.)
 `_TorchBackend` is private Ray API: pinned by constraints.txt, covered by the multi-node tests.
@@ -15,7 +15,7 @@ from typing import Any
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
-from service.netif import bind_ray_worker
+from service.cluster.netif import bind_ray_worker
 
 
 class _InterfaceBoundTorchBackend(_TorchBackend):

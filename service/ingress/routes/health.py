@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from service.auth import has_api_token, optional_api_auth, redact_paths
+from service.ingress.auth import has_api_token, optional_api_auth, redact_paths
 from service.ingress.deps import get_gang
 from service.ingress.gang_client import GangClient
 from service.ingress.readiness import readiness

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 import numpy as np
 
-from service import codecs
-from service.auth import inference_auth
+from service.ingress import codecs
+from service.ingress.auth import inference_auth
 from service.config import AppConfig
 from service.ingress.deps import (
     INLINE_DECODE_BYTES, INLINE_ENCODE_VALUES, DecodePool, check_declared_length, get_config, get_decode_pool,

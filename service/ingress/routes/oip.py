@@ -29,8 +29,8 @@ import orjson
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WithJsonSchema
 
-from service import codecs
-from service.auth import inference_auth
+from service.ingress import codecs
+from service.ingress.auth import inference_auth
 from service.config import AppConfig
 from service.errors import (
     BadRequest,

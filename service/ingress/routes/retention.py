@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from service.auth import require_token
+from service.ingress.auth import require_token
 from service.errors import NotFound
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.routes.train import job_id_param

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
-from service.auth import require_token
+from service.ingress.auth import require_token
 from service.errors import BadRequest, NotFound
 from service.ingress.deps import read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.auth import require_token
+from service.ingress.auth import require_token
 from service.errors import InvalidInput
 from service.ingress.deps import check_declared_length, get_gang
 from service.ingress.gang_client import GangClient

@@ -40,7 +40,7 @@ import ml_dtypes  # noqa: F401  (the service always carries bfloat16: the shared
 import numpy as np
 
 from gangserve_client import codecs as wire
-from gangserve_client.codecs import (  # noqa: F401  (re-exported: the routes and tests use service.codecs.X)
+from gangserve_client.codecs import (  # noqa: F401  (re-exported: the routes and tests use service.ingress.codecs.X)
     DTYPE_NAMES,
     FLOAT_DTYPES,
     INPUT_NAME,

@@ -26,7 +26,7 @@ One request at a time per connection (the client keeps a few connections, one pe
 in flight). A connection that fails in any way is closed, never reused.
 
 Tensors of MIN_SHARED_BYTES or more travel through a shared region the connection keeps
-(service.shm.Arena): the ingress copies the request into it, the gang server maps it on
+(service.transport.shm.Arena): the ingress copies the request into it, the gang server maps it on
 first use and keeps the mapping, computes on it in place and writes the reply into it,
 the ingress copies the reply out. Up to MAX_SHARED_REGION_BYTES; larger (rare) requests
 go inline, so a connection never pins more than that.
@@ -52,7 +52,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 import orjson
 
-from service import shm
+from service.transport import shm
 from service.errors import GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
 
 log = logging.getLogger("gangserve.channel")
