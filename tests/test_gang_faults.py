@@ -92,8 +92,9 @@ def test_kill_nonzero_rank_under_load_rebuilds(fault_url: str) -> None:
     _assert_loop_outcomes(loop, recovered_at)
     assert not pid_alive(victim)
     _check_one_request(fault_url)
-    # A new spare is started for the next loss.
-    assert _wait_for_warm_spare(fault_url)["spare"]["pid"] not in (spare, victim)
+    # A new spare is started for the next loss (not waited for: it warms up in the background).
+    after = gang_info(fault_url)["spare"]
+    assert after["state"] in ("starting", "warm") and after.get("pid") not in (spare, victim), after
 
 
 def test_stopped_rank_gives_504_within_deadline_then_rebuild(fault_url: str) -> None:
