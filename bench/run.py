@@ -485,6 +485,8 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             # The default app (its JobManager runs the job; its gang idles, as in the full run).
             serve.run(build_app(local_yaml_args()), name="gangserve", route_prefix="/")
             results["training"] = bench_training(httpx.Client(timeout=120), base, token)
+        if only == "rebuild":
+            results["rebuild"] = bench_rebuild(base)
             return results
         if only == "steploop":
             from bench.peers import NaivePeer as _Naive
@@ -554,6 +556,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             serve.delete(f"ws{ws}")
         results["gangs"] = bench_gangs(client, base, x, n, load_s)
         results["mixed"] = bench_mixed(base, n, load_s)
+        results["rebuild"] = bench_rebuild(base)
         return results
     finally:
         serve.shutdown()
@@ -715,6 +718,99 @@ def bench_gangs(client: httpx.Client, base: str, x: np.ndarray, n: int, load_s: 
     return rows
 
 
+def bench_rebuild(base: str, rounds: int = 3, clients: int = 4) -> dict[str, dict]:
+    """kill -9 of rank 1 under load, `rounds` times per app, with and without the warm spare
+    (two world-size-2 apps side by side, same cluster, same run): the time from the kill until
+    /gang is ready again with a new rank 1 (polled every 20 ms) and until the load's first
+    200 after its last failure, plus the rebuild's stages (GET /gang last_bring_up)."""
+    import signal
+    import threading
+
+    from ray import serve
+
+    from harness.local import local_yaml_args
+    from service.app import build_app
+
+    small = npy(np.random.default_rng(0).standard_normal((1, 4, 512), dtype=np.float32))
+    client = httpx.Client(timeout=60)
+    rows: dict[str, dict] = {}
+    for spare in (True, False):
+        name = "spare" if spare else "nospare"
+        serve.run(build_app({**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": 5.0,
+                             "warm_spare": spare}), name=name, route_prefix=f"/{name}")
+        url = f"{base}/{name}"
+        ready_s, served_s, stages = [], [], []
+        for _ in range(rounds):
+            deadline = time.monotonic() + 120
+            while True:  # ready, and (with the spare) the spare warm: the state a loss finds
+                info = client.get(url + "/gang").json()
+                if info.get("state") == "ready" and (not spare or info["spare"]["state"] == "warm"):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: not ready with a warm spare after 120 s: {info}")
+                time.sleep(0.2)
+            victim = info["ranks"][1]["pid"]
+            outcomes: list[tuple[float, float, int]] = []  # (sent, answered, status)
+            stop = threading.Event()
+
+            def load() -> None:
+                with httpx.Client(timeout=60) as c:
+                    while not stop.is_set():
+                        t0 = time.monotonic()
+                        try:
+                            status = c.post(url + "/infer", content=small,
+                                            headers={"content-type": "application/x-npy"}).status_code
+                        except httpx.HTTPError:
+                            status = -1
+                        outcomes.append((t0, time.monotonic(), status))
+                        if status != 200:
+                            time.sleep(0.01)
+
+            threads = [threading.Thread(target=load, daemon=True) for _ in range(clients)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            while True:
+                info = client.get(url + "/gang").json()
+                if info.get("state") == "ready" and info["ranks"][1]["pid"] != victim:
+                    ready_s.append(time.monotonic() - killed)
+                    break
+                if time.monotonic() - killed > 120:
+                    raise RuntimeError(f"{name}: not rebuilt 120 s after the kill: {info}")
+                time.sleep(0.02)
+            time.sleep(1.0)
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+            failed = [sent for sent, _, status in outcomes if status != 200 and sent >= killed - 0.5]
+            back = [done for sent, done, status in outcomes if status == 200 and failed and sent > max(failed)]
+            served_s.append((min(back) - killed) if back else float("nan"))
+            stages.append(info["last_bring_up"])
+        rows[name] = {"ready_s": ready_s, "served_s": served_s, "stages": stages,
+                      "ready_median_s": statistics.median(ready_s), "served_median_s": statistics.median(served_s)}
+        serve.delete(name)
+    return rows
+
+
+def print_rebuild(rows: dict[str, dict]) -> dict[str, float]:
+    print("\nkill -9 of rank 1 under load (4 clients), world size 2, one run: medians of the rounds\n")
+    print("| rebuild | kill -> /gang ready s | kill -> load served again s | rounds (ready s) | last rebuild's stages ms |")
+    print("|---|---:|---:|---|---|")
+    for name, r in rows.items():
+        label = "warm spare adopted" if name == "spare" else "new process (warm_spare: false)"
+        print(f"| {label} | {r['ready_median_s']:.2f} | {r['served_median_s']:.2f} | "
+              f"{', '.join(f'{v:.2f}' for v in r['ready_s'])} | {r['stages'][-1]['ms']} |")
+    ratios = {
+        "warm spare: kill -> ready s (goal <= 1.5)": rows["spare"]["ready_median_s"],
+        "ready: new process / warm spare": rows["nospare"]["ready_median_s"] / rows["spare"]["ready_median_s"],
+        "served again: new process / warm spare": rows["nospare"]["served_median_s"] / rows["spare"]["served_median_s"],
+    }
+    print_ratios("rebuild", ratios)
+    return ratios
+
+
 def bench_codecs(x: np.ndarray, n: int = 50) -> dict[str, dict[str, float]]:
     """Encode + decode of one tensor per wire codec (service.ingress.codecs), printed side by side.
 
@@ -748,12 +844,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "train"], default=None,
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "train", "rebuild"], default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
                         "mask's latency; steploop: world size 2 with the peers' step loop vs a Ray call per step, "
                         "against Serve echo + the bare TP step, also part of equal; train: the default DDP job vs the same "
-                        "loop under torchrun --nproc_per_node 2) and print its table")
+                        "loop under torchrun --nproc_per_node 2; rebuild: kill -9 of rank 1 with "
+                        "and without the warm spare) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -772,6 +869,11 @@ def main() -> None:
         ratios = print_training(rows)
         out = ROOT / "bench" / "results" / "train.json"
         out.write_text(json.dumps({"training": rows, "ratios": ratios, "time": time.time()}, indent=2))
+    if args.only == "rebuild":
+        rows = bench_serving(x.numpy(), args.requests, args.load_seconds, only="rebuild")["rebuild"]
+        ratios = print_rebuild(rows)
+        out = ROOT / "bench" / "results" / "rebuild.json"
+        out.write_text(json.dumps({"rebuild": rows, "ratios": ratios, "time": time.time()}, indent=2))
         print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     if args.only == "steploop":
@@ -825,6 +927,7 @@ def main() -> None:
     print_gangs(serving["gangs"], args.load_seconds)
     equal_ratios = print_equal_compute(serving["equal"], args.load_seconds)
     mixed_ratios = print_mixed(serving["mixed"], args.load_seconds)
+    rebuild_ratios = print_rebuild(serving["rebuild"])
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -840,7 +943,8 @@ def main() -> None:
     out.write_text(json.dumps({"shape": SHAPE, "latency": lat, "small": small, "memory": serving["memory"], "gangs": serving["gangs"], "breakdown": serving["breakdown"], "training": serving["training"],
                                "direct_ingress": serving["direct_ingress"], "ratios": goals,
                                "equal": serving["equal"], "equal_ratios": equal_ratios, "mixed": serving["mixed"],
-                               "mixed_ratios": mixed_ratios, "codecs": codec_rows, "time": time.time()}, indent=2))
+                               "mixed_ratios": mixed_ratios, "rebuild": serving["rebuild"], "rebuild_ratios": rebuild_ratios,
+                               "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 

@@ -97,6 +97,13 @@ class GangConfig(BaseModel):
     collective_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Process-group timeout and per-request deadline."
     )
+    warm_spare: bool = Field(
+        True,
+        description="Keep one warm spare rank process per gang (started after bring-up, in a peer "
+        "bundle, reserving no CPU of its own): a rebuild after a lost peer adopts it instead of "
+        "starting a process and importing torch (see README: fast rebuild). CPU gangs only: a spare "
+        "cannot hold a bundle's GPU, so use_gpu gangs always start a new process.",
+    )
     step_loop: bool = Field(
         True,
         description="Peer ranks take their steps from rank 0's headers on the gang's own gloo control "

@@ -57,32 +57,51 @@ def _assert_loop_outcomes(loop: RequestLoop, recovered_at: float) -> None:
     assert any(o.status == 200 and o.at > recovered_at for o in loop.outcomes), "no success after recovery"
 
 
+def _wait_for_warm_spare(base: str, timeout_s: float = 60) -> dict:
+    """/gang once the gang's warm spare answered (it starts after bring-up, in the background)."""
+    deadline, info = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        info = gang_info(base) or {}
+        if info.get("state") == "ready" and info.get("spare", {}).get("state") == "warm":
+            return info
+        time.sleep(0.25)
+    raise AssertionError(f"no warm spare within {timeout_s:.0f}s; last /gang: {info}")
+
+
 def test_kill_nonzero_rank_under_load_rebuilds(fault_url: str) -> None:
-    """Issue 23: one gang, the default deadline, 8 clients, kill -9 of rank 1: every request
-    is answered 200 with the dense reference's rows (the ones the dying gang could not
-    answer are retried inside the service once it is rebuilt)."""
-    info = gang_info(fault_url)
-    victim = info["ranks"][1]["pid"]
+    """Issue 23: one gang, the default deadline, 8 clients, kill -9 of rank 1: the warm spare
+    becomes rank 1 and the gang serves again in about a second (the 1.5 s goal is `make
+    bench`'s: bench/run.py --only rebuild); every request is answered 200 with the dense
+    reference's rows (the ones the dying gang could not answer are retried inside the service)."""
+    info = _wait_for_warm_spare(fault_url)
+    victim, spare = info["ranks"][1]["pid"], info["spare"]["pid"]
     retries_before = total(scrape(fault_url), "gangserve_request_retries_total")
     with RequestLoop(fault_url + "/infer", WEIGHTS, threads=8) as loop:
         time.sleep(1.0)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
         # Rank 0 lives in the replica and survives an in-process rebuild; rank 1 is new.
         new, recovery_s = wait_for_new_gang(fault_url, {victim}, timeout_s=60)
         recovered_at = time.monotonic()
         time.sleep(1.5)
     during = [o.latency_s for o in loop.outcomes if o.at <= recovered_at and o.at + o.latency_s >= killed_at]
     retried = total(scrape(fault_url), "gangserve_request_retries_total") - retries_before
-    print(f"kill -9 rank 1 under 8 clients: recovered in {recovery_s:.1f}s, generation {new['generation']}; "
+    print(f"kill -9 rank 1 under 8 clients: /gang ready again after {recovery_s:.2f}s, generation "
+          f"{new['generation']}; stages {new['last_bring_up']}; rank 1 is the spare: {new['ranks'][1]['pid'] == spare}; "
           f"{loop.summary()}; {len(during)} requests spanned the outage, slowest {max(during, default=0):.2f}s; "
           f"{retried:.0f} retries")
-    assert recovery_s < 60
+    assert new["ranks"][1]["pid"] == spare and new["last_bring_up"]["spare_adopted_as_rank"] == 1, new
+    # Loose (the suite runs under heavy load): the goal is ~1 s.
+    assert recovery_s < 10, f"rebuild with a warm spare took {recovery_s:.1f}s"
     _assert_loop_outcomes(loop, recovered_at)
     assert set(loop.summary()["statuses"]) == {200}, [o.body for o in loop.outcomes if o.status != 200][:3]
     assert retried >= 1, "no request met the broken gang: the kill came too late to test anything"
     assert not pid_alive(victim)
     _check_one_request(fault_url)
+    # A new spare is started for the next loss (not waited for: it warms up in the background).
+    after = gang_info(fault_url)["spare"]
+    assert after["state"] in ("starting", "warm") and after.get("pid") not in (spare, victim), after
 
 
 def test_stopped_rank_gives_504_at_the_request_deadline_then_rebuild(fault_url: str) -> None:
@@ -139,8 +158,8 @@ def test_stopped_rank_gives_504_at_the_request_deadline_then_rebuild(fault_url: 
 
 
 def test_kill_rank0_replica_under_load_recovers(fault_url: str) -> None:
-    info = gang_info(fault_url)
-    old_pids = {r["pid"] for r in info["ranks"]}
+    info = _wait_for_warm_spare(fault_url)
+    old_pids = {r["pid"] for r in info["ranks"]} | {info["spare"]["pid"]}  # the spare dies with it too
     rank0 = info["ranks"][0]["pid"]
     with RequestLoop(fault_url + "/infer", WEIGHTS) as loop:
         time.sleep(1.0)

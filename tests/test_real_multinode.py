@@ -31,6 +31,10 @@ pytestmark = [
 
 SEED = notes_seed_weights(512)
 COLLECTIVE_TIMEOUT_S = 5.0
+PARTITION_S = 8.0  # longer than the collective timeout: the gang must give up on the peer itself
+# The goal: no request waits longer than collective_timeout_s + 1 s because of a node fault;
+# plus 3 s of slack for this 2-core machine under the suite's load (measured: 5.2 s, 3.5 s).
+FAULT_BOUND_S = COLLECTIVE_TIMEOUT_S + 1.0 + 3.0
 APP_ARGS = {
     "world_size": 2, "use_gpu": True, "placement_strategy": "STRICT_SPREAD", "cpus_per_rank": 0.5,
     "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "stage_timeout_s": 20.0, "schedule_timeout_s": 30.0,
@@ -160,6 +164,11 @@ class Load:
                 if status != 200:
                     time.sleep(0.1)
 
+    def slowest(self, since: float, n: int = 5) -> list[tuple[int, float, float]]:
+        """The n slowest requests as (status, latency s, started s after `since`)."""
+        worst = sorted(self.results, key=lambda r: -r[1])[:n]
+        return [(s, round(lat, 2), round(t0 - since, 2)) for s, lat, t0 in worst]
+
     def statuses(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for status, _, _ in self.results:
@@ -174,7 +183,7 @@ def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: Ne
         time.sleep(1.0)
         cut_at = time.monotonic()
         cluster.link(victim, up=False)
-        time.sleep(4.0)
+        time.sleep(PARTITION_S)
         cluster.link(victim, up=True)
         healed_at = time.monotonic()
         deadline = healed_at + 120
@@ -183,15 +192,16 @@ def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: Ne
             recovered_at = next((t0 for s, _, t0 in load.results if s == 200 and t0 > healed_at), None)
             time.sleep(0.2)
     print(f"partition: {load.statuses()}, serving again {recovered_at - healed_at if recovered_at else None:.1f}s "
-          f"after the link came back; slowest request {max(lat for _, lat, _ in load.results):.1f}s")
+          f"after the link came back; slowest (status, s, started s after the cut): {load.slowest(cut_at)}")
     statuses = load.statuses()
     assert -200 not in statuses, "a 200 carried a wrong answer"
     assert set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     assert recovered_at is not None, "not serving again within 120 s of the link coming back"
-    # Requests in flight when the link went down got their answer (an error) within the
-    # collective deadline plus the ingress's own slack, not after a socket timeout.
-    in_flight = [lat for s, lat, t0 in load.results if t0 <= cut_at + 4.0 and s != 200]
-    assert all(lat < COLLECTIVE_TIMEOUT_S + 30 for lat in in_flight), in_flight
+    # The gang gives up on the unreachable peer itself (the group's timeout), so no request
+    # waits longer than collective_timeout_s + 1 s (+ slack for this loaded machine), never
+    # for the partition to end or for Ray's node health check.
+    slowest = max(lat for _, lat, _ in load.results)
+    assert slowest <= FAULT_BOUND_S, f"a request waited {slowest:.1f}s: {load.slowest(cut_at)}"
 
 
 def test_launcher_refuses_the_notes_four_gpu_gang_at_once(cluster: NetnsCluster) -> None:
@@ -246,7 +256,9 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
             time.sleep(0.5)
     statuses = load.statuses()
     print(f"node loss: {statuses}; reason after {diagnosed_at - killed_at:.1f}s: {reason}; "
-          f"serving again {recovered_at - joined_at if recovered_at else float('nan'):.1f}s after the new node joined")
+          f"serving again {recovered_at - joined_at if recovered_at else float('nan'):.1f}s after the new node joined; "
+          f"slowest (status, s, started s after the kill): {load.slowest(killed_at)}; the proxy's 500s took "
+          f"{[round(lat, 2) for s, lat, _ in load.results if s == 500]} s")
     assert reason is not None and "GPU: 1" in reason and "STRICT_SPREAD" in reason, sorted(set(seen))[-5:]
     # The other ingress replica kept answering: health always 200, every request a JSON answer.
     # The only exception is Serve's proxy itself: a request in flight on the ingress replica
@@ -255,6 +267,10 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     assert set(health) == {200}, health
     proxy_500s = statuses.pop(500, 0)
     assert proxy_500s <= 2 and (not proxy_500s or "Actor" in load.bodies[500]), load.bodies
+    # Every answer the service gave (all but the proxy's own 500s) came within the bound: the
+    # gang noticed the lost peer itself (its group's error), without Ray's node health check.
+    ours = [(lat, t0 - killed_at) for s, lat, t0 in load.results if s != 500]
+    assert max(lat for lat, _ in ours) <= FAULT_BOUND_S, f"slowest answers: {sorted(ours, reverse=True)[:5]}"
     assert -200 not in statuses and set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     assert recovered_at is not None, "the gang did not come back on the replacement node"
     info = httpx.get(app + "/gang", timeout=10).json()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,7 @@ from service.state.paths import state_dir
 log = logging.getLogger("gangserve.server")
 
 PROBE_INTERVAL_S = 2.0
+SUPERVISOR_TICK_S = 0.25
 MAX_REBUILD_ATTEMPTS = 5
 MAX_BACKOFF_S = 30.0
 # The Controller starts with the app; a first bring-up may wait this long for it.
@@ -84,8 +86,12 @@ class GangServer:
         self._app, self._replica_id = context.app_name, context.replica_id.unique_id
         enable_ray_metrics()
         self._metrics = GangServerMetrics(self._replica_id)  # here, not in the Gang: survives rebuilds
+        loop = asyncio.get_running_loop()
+        self._publishing: asyncio.Task | None = None  # a state report sent beside a rebuild
+        self._wake = asyncio.Event()  # set when the gang turns BROKEN: the supervisor acts at once
         self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state,
-                          on_step=self._metrics.on_step, on_drop=self._metrics.on_drop)
+                          on_step=self._metrics.on_step, on_drop=self._metrics.on_drop,
+                          on_broken=lambda: loop.call_soon_threadsafe(self._wake.set))
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._step_timings: dict[str, object] = {}
@@ -283,19 +289,26 @@ class GangServer:
 
     async def _supervise(self) -> None:
         """Probe the peers; rebuild a broken gang with exponential backoff."""
-        since_probe, since_publish = PROBE_INTERVAL_S, REPORT_INTERVAL_S
+        probed_at = published_at = 0.0
         published: GangState | None = None
         while self._gang.state is not GangState.STOPPED:
-            await asyncio.sleep(0.25)
-            since_probe += 0.25
-            since_publish += 0.25
+            try:  # a tick, or at once when the gang broke (a rebuild must not wait for the tick)
+                await asyncio.wait_for(self._wake.wait(), timeout=SUPERVISOR_TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            now = time.monotonic()
+            since_probe, since_publish = now - probed_at, now - published_at
             state = self._gang.state
             if since_publish >= REPORT_INTERVAL_S or state is not published:
                 # Periodically, and at once on a state change (so /gangs, /readyz see it).
-                since_publish, published = 0.0, state
-                await self._publish()
+                published_at, published = now, state
+                if state is GangState.BROKEN:  # tell the fleet view beside the rebuild, not before it
+                    self._publishing = asyncio.get_running_loop().create_task(self._publish())
+                else:
+                    await self._publish()
             if state is GangState.READY and since_probe >= PROBE_INTERVAL_S:
-                since_probe = 0.0
+                probed_at = now
                 await self._gang.probe()
                 await self._follow_record()
             elif state is GangState.BROKEN:

@@ -87,7 +87,10 @@ class Gang:
         self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None, state_dir: Path,
         on_step: StepObserver | None = None,  # told of every step (the GangServer's metrics)
         on_drop: DropObserver | None = None,  # told of requests dropped uncomputed (deadline, cancelled)
+        on_broken: Callable[[], None] | None = None,  # told (from any thread) when the gang turns BROKEN
     ) -> None:
+        self._on_broken = on_broken
+        self._broken_at: float | None = None  # when the gang last turned BROKEN (rebuild timings)
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
         self.cfg = gang
         self.placement_group = placement_group
@@ -99,8 +102,15 @@ class Gang:
         self.generation = 0  # bumps on every successful bring-up
         self.rank_infos: list[RankInfo] = []
         self.param_bytes_per_rank: list[int] = []
+        # The last (re)build's stages, ms (GET /gang `last_bring_up`): where a rebuild's time goes.
+        self.last_bring_up: dict[str, float] = {}
         self._root: RankWorker | None = None
         self._actors: list[Any] = []
+        # The warm spare (see _start_spare): an idle rank process, adopted by a rebuild.
+        self._spare: Any | None = None
+        # Its describe() as a concurrent future: done once the spare is warm (read without a
+        # Ray call, so GET /gang never blocks the replica's event loop on it).
+        self._spare_ready: Future | None = None
         self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
         self._watchers: set[asyncio.Task] = set()  # steps past their requests' deadline (see _run)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
@@ -153,6 +163,11 @@ class Gang:
     async def _batched_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                             deadline: float | None = None) -> np.ndarray:
         received_ns = time.time_ns()
+        # Before queueing on the sequencer: a group the batcher forms after the gang broke
+        # must not wait behind the rebuild (its create stage may wait out stage_timeout_s
+        # for a lost node), only to be refused then. Checked and submitted in one go on the
+        # event loop, where the supervisor submits the rebuild, so no rebuild slips between.
+        self._require_ready()
         return await self._run(self._infer_step, x, mask, causal, received_ns,
                                deadline_s=self.cfg.collective_timeout_s, request_deadline=deadline)
 
@@ -224,6 +239,8 @@ class Gang:
             "reason": self.reason,
             **(self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}),
             "generation": self.generation,
+            "last_bring_up": self.last_bring_up,
+            "spare": self.spare_status(),
             "param_bytes_per_rank": list(self.param_bytes_per_rank),
             "batching": self._batcher.stats(),
             "ranks": [info.public() for info in self.rank_infos],
@@ -240,7 +257,7 @@ class Gang:
         for actor in self._actors:
             _kill_quietly(actor)
         try:
-            self._sequencer.submit(self._teardown).result(timeout=SHUTDOWN_TIMEOUT_S)
+            self._sequencer.submit(lambda: (self._teardown(), self._drop_spare())).result(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:
             log.exception("gang teardown did not finish within %.0fs", SHUTDOWN_TIMEOUT_S)
         self._sequencer.shutdown(wait=False, cancel_futures=True)
@@ -348,17 +365,32 @@ class Gang:
             return f"(placement unknown: {type(exc).__name__})"
 
     # -- sequencer-side steps ------------------------------------------------------------
-    def _bring_up(self, weights: ServedWeights) -> None:
+    def _bring_up(self, weights: ServedWeights, prior: dict[str, float] | None = None) -> None:
+        """Bring every rank up serving `weights`; `prior`: stage timings already spent
+        (the rebuild's teardown), reported with this bring-up's in `last_bring_up`."""
         cfg, ws = self.cfg, self.cfg.world_size
         model = weights.model_config(self.declared_model)
         started = time.monotonic()
+        stages = _StageClock()
         try:
-            # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1.
+            # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1, one of
+            # them the warm spare when it is warm and on that rank's node.
             self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank)
-            self._actors = [self._spawn_actor(rank) for rank in range(1, ws)]
-            peer_infos = self._get([a.describe.remote() for a in self._actors], "create", cfg.stage_timeout_s)
+            previous_nodes = {info.rank: info.node_id for info in self.rank_infos}  # bundles stay put
+            self._actors, refs = [], []
+            for rank in range(1, ws):
+                spare = self._take_spare(previous_nodes.get(rank))
+                if spare is not None:
+                    self._actors.append(spare)
+                    refs.append(spare.adopt.remote(rank))
+                    stages.adopted = rank
+                else:
+                    self._actors.append(self._spawn_actor(rank))
+                    refs.append(self._actors[-1].describe.remote())
+            peer_infos = self._get(refs, "create", cfg.stage_timeout_s)
             self.rank_infos = [self._root.describe(), *peer_infos]
             self.backend = self._choose_backend(self.rank_infos)
+            stages.done("create")
 
             # Stage 2: rendezvous at rank 0's node IP and an OS-chosen port.
             port = self._root.open_store(cfg.collective_timeout_s) if ws > 1 else 0
@@ -366,12 +398,14 @@ class Gang:
             refs = [a.rendezvous.remote(host, port, self.backend, cfg.collective_timeout_s) for a in self._actors]
             self._root.rendezvous(host, port, self.backend, cfg.collective_timeout_s)
             self._get(refs, "rendezvous", cfg.stage_timeout_s)
+            stages.done("rendezvous")
 
             # Stage 3: load. Each rank reads only its own slice of the recorded version.
             refs = [a.load_weights.remote(model, weights.version) for a in self._actors]
             root_bytes = self._root.load_weights(model, weights.version)
             self.param_bytes_per_rank = [root_bytes, *self._get(refs, "load", cfg.stage_timeout_s)]
             self.weights = weights
+            stages.done("load")
 
             # Stage 4: the peers' step loops (from here on a peer's wait is bounded by the
             # control group's timeout, so heartbeats start with them).
@@ -379,24 +413,91 @@ class Gang:
                 self._get([a.start_loop.remote() for a in self._actors], "start step loop", cfg.stage_timeout_s)
                 self._loop_on, self._seq, self._last_header = True, 0, time.monotonic()
                 self._start_heartbeats()
+                stages.done("start_loop")
 
             # Stage 5: warmup. One tiny request proves every collective path works.
             self._compute(np.zeros((1, 1, model.embed_dim), dtype=np.float32))
+            stages.done("warmup")
         except Exception as exc:
             self._teardown()
             self.state, self.reason = GangState.BROKEN, f"bring-up failed: {exc}"
             raise
         self.generation += 1
         self.state, self.reason = GangState.READY, "ready"
+        self.last_bring_up = {"ms": {**(prior or {}), **stages.ms}, "spare_adopted_as_rank": stages.adopted}
+        self._start_spare()  # after READY: its start never delays serving
         log.info(
-            "gang ready (generation %d): world_size=%d backend=%s in %.1fs; weights version %d (%s, %s); pids %s",
-            self.generation, ws, self.backend, time.monotonic() - started, weights.version,
-            weights.source, weights.description, [i.pid for i in self.rank_infos],
+            "gang ready (generation %d): world_size=%d backend=%s in %.1fs (stages, ms: %s); weights version %d "
+            "(%s, %s); pids %s", self.generation, ws, self.backend, time.monotonic() - started,
+            self.last_bring_up, weights.version, weights.source, weights.description, [i.pid for i in self.rank_infos],
         )
 
     def _rebuild(self, weights: ServedWeights) -> None:
+        stages = _StageClock()
+        if self._broken_at is not None:  # detection -> the supervisor's decision -> this thread
+            stages.ms["broken_to_rebuild"] = round((stages.started - self._broken_at) * 1000, 1)
+            self._broken_at = None
         self._teardown()
-        self._bring_up(weights)
+        stages.done("teardown")
+        self._bring_up(weights, prior=stages.ms)
+
+    # -- the warm spare (sequencer thread) -------------------------------------------------
+    def _spare_wanted(self) -> bool:
+        """One spare per gang of peers on CPUs. A GPU gang gets none: each bundle holds one
+        GPU that its rank already holds, and a spare without it has no CUDA device to adopt."""
+        return self.cfg.warm_spare and self.cfg.world_size > 1 and not self.cfg.use_gpu
+
+    def _start_spare(self) -> None:
+        """Start the spare if wanted and none exists: a RankWorker (rank -1) in the last peer
+        bundle, reserving no resources of its own (Ray still pins it to the bundle's node, and
+        the bundle's CPU is held by the placement group either way; the adopted rank then
+        uses the lost rank's share). Non-blocking: `_take_spare` uses it once warm."""
+        if not self._spare_wanted() or self._spare is not None:
+            return
+        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
+        if self.placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=self.cfg.world_size - 1
+            )
+        self._spare = RankActor.options(**options).remote(
+            -1, self.cfg.world_size, use_gpu=False, torch_threads=self.cfg.threads_per_rank
+        )
+        self._spare_ready = self._spare.describe.remote().future()
+
+    def _take_spare(self, node_id: str | None) -> Any | None:
+        """The spare, handed over, if it is warm (answered its describe) and on `node_id`
+        (the node of the bundle the rank goes to); else None (still starting, elsewhere:
+        the rank starts a process of its own). A dead spare is dropped."""
+        if self._spare is None or self._spare_ready is None or node_id is None:
+            return None
+        if not self._spare_ready.done():
+            return None
+        try:
+            info: RankInfo = self._spare_ready.result(timeout=0)
+        except Exception as exc:  # RayActorError & co: its process is gone
+            log.warning("the warm spare is gone (%s); starting a new one after this bring-up", _first_line(exc))
+            self._drop_spare()
+            return None
+        if info.node_id != node_id:
+            return None
+        spare, self._spare, self._spare_ready = self._spare, None, None
+        return spare
+
+    def _drop_spare(self) -> None:
+        if self._spare is not None:
+            _kill_quietly(self._spare)
+        self._spare = self._spare_ready = None
+
+    def spare_status(self) -> dict[str, object]:
+        """GET /gang `spare`: none, starting or warm (with its pid)."""
+        ready = self._spare_ready
+        if self._spare is None or ready is None:
+            return {"state": "none"}
+        if not ready.done():
+            return {"state": "starting"}
+        if ready.exception() is not None:
+            return {"state": "dead"}
+        return {"state": "warm", "pid": ready.result().pid}
 
     def _teardown(self) -> None:
         self._loop_on = False  # no more headers: the group is going
@@ -699,6 +800,23 @@ class Gang:
         if self.state in (GangState.READY, GangState.STARTING):
             log.error("gang broken: %s", reason)
             self.state, self.reason = GangState.BROKEN, reason
+            self._broken_at = time.monotonic()
+            if self._on_broken is not None:
+                self._on_broken()  # the supervisor starts the rebuild now, not at its next tick
+
+
+class _StageClock:
+    """Milliseconds per named stage, each measured from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self.adopted: int | None = None  # the rank the warm spare became, if any
+        self.started = self._last = time.monotonic()
+
+    def done(self, stage: str) -> None:
+        now = time.monotonic()
+        self.ms[stage] = round((now - self._last) * 1000, 1)
+        self._last = now
 
 
 def _first_token(mask: np.ndarray | None, width: int) -> int:

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 import numpy as np
@@ -132,6 +132,19 @@ class RankWorker:
 
     # -- stage: create -------------------------------------------------------------------
     def describe(self) -> RankInfo:
+        return self.info
+
+    def adopt(self, rank: int) -> RankInfo:
+        """A warm spare (created with rank -1, see Gang's spare) becomes `rank` of the next
+        generation: its process, torch and interface choice are already up; rendezvous and
+        the weights follow as for any new rank."""
+        if self.rank != -1 or self.group is not None:
+            raise RuntimeError(f"rank {self.rank}: only an unused spare (rank -1) can be adopted")
+        if not 0 < rank < self.world_size:
+            raise ValueError(f"a spare can become a peer rank 1..{self.world_size - 1}, not {rank}")
+        self.rank = rank
+        self.info = replace(self.info, rank=rank)
+        log.info("spare pid %d adopted as rank %d", self.info.pid, rank)
         return self.info
 
     # -- stage: rendezvous ---------------------------------------------------------------

@@ -123,7 +123,10 @@ class GangClient:
             deadline = time.monotonic() + self._cfg.request_timeout_s
         attempt = 0
         while True:
-            status = await self.status(max_age_s=STATUS_MAX_AGE_S if attempt == 0 else WAIT_POLL_S)
+            # A gang seen not ready is looked at again sooner: a rebuild takes about a second,
+            # and a 1 s old "broken" would hold requests for as long again after it.
+            ready = (self._status or {}).get("state") == "ready"
+            status = await self.status(max_age_s=WAIT_POLL_S if attempt or not ready else STATUS_MAX_AGE_S)
             # The status is one gang's. With several gangs, one broken or rebuilding gang says
             # nothing about the others (the router sends to ready ones; a broken one answers 503
             # at once), so only app-wide conditions wait here.
