@@ -172,15 +172,16 @@ def test_loss_history_is_stored_incrementally(store_url: str) -> None:
     store.put_history("job-1", [{"epoch": 3, "loss": 2.0, "at": 3.0}])  # one new epoch
     writes = [s for s in statements if s[0].lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
     assert writes == [("DELETE FROM job_history WHERE job_id = ? AND epoch >= ?", ("job-1", 3)),
-                      ("INSERT INTO job_history (job_id, epoch, loss, at) VALUES (?, ?, ?, ?)",
-                       ("job-1", 3, 2.0, 3.0))], writes
+                      ("INSERT INTO job_history (job_id, epoch, loss, eval_loss, at) VALUES (?, ?, ?, ?, ?)",
+                       ("job-1", 3, 2.0, None, 3.0))], writes
     assert {e: r for e, r in rowids().items() if e < 3} == first  # epochs 1-2 untouched
     assert [h["loss"] for h in store.get_job("job-1").history] == [4.0, 3.0, 2.0]
     store.put_history("job-1", [])  # nothing new: nothing written
     # A worker died after epoch 3; the group resumed from the checkpoint of epoch 1.
     store.put_history("job-1", [{"epoch": 2, "loss": 2.5, "at": 4.0}])
-    assert store.get_job("job-1").history == [{"epoch": 1, "loss": 4.0, "at": 1.0},
-                                              {"epoch": 2, "loss": 2.5, "at": 4.0}]
+    # (no validation reported: each row's eval_loss is null)
+    assert store.get_job("job-1").history == [{"epoch": 1, "loss": 4.0, "eval_loss": None, "at": 1.0},
+                                              {"epoch": 2, "loss": 2.5, "eval_loss": None, "at": 4.0}]
     assert store.list_jobs(10)[0][0].history == store.get_job("job-1").history
     assert store.get_job("job-1", with_history=False).history == []
     store.database.trace = None
