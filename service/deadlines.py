@@ -18,8 +18,9 @@ only error, and it errs on the late side by that much at most.
 Serve's proxy answers **408 in plain text** when the header's time is up (it starts its
 timer when it receives the request, a little before the ingress sees it). So that the
 client gets our JSON 504 `deadline_exceeded` instead, a deadline from the header is set
-PROXY_MARGIN_S earlier than the header says; the other two sources do not arm the proxy's
-timer and get no margin.
+`proxy_margin_s(header)` earlier than the header says: 50 ms plus 2% of the header, at most
+0.5 s (the proxy-to-ingress hop grows under load, and longer deadlines can spare more); the
+other two sources do not arm the proxy's timer and get no margin.
 """
 from __future__ import annotations
 
@@ -30,7 +31,14 @@ from typing import Any
 from service.errors import InvalidInput
 
 HEADER = "x-request-timeout-seconds"
-PROXY_MARGIN_S = 0.05  # answer this much before Serve's proxy would answer 408
+PROXY_MARGIN_S = 0.05  # answer at least this much before Serve's proxy would answer 408
+PROXY_MARGIN_SHARE = 0.02  # ... plus this share of the header's time
+PROXY_MARGIN_MAX_S = 0.5
+
+
+def proxy_margin_s(header_s: float) -> float:
+    """How much earlier than a header deadline of `header_s` seconds we answer."""
+    return min(PROXY_MARGIN_MAX_S, PROXY_MARGIN_S + PROXY_MARGIN_SHARE * header_s)
 MAX_TIMEOUT_S = 86400.0
 
 
@@ -74,7 +82,7 @@ def request_deadline(started: float, default_s: float, header_s: float | None,
     """The monotonic instant a request started at `started` must be answered by."""
     candidates = [started + default_s] if header_s is None and oip_s is None else []
     if header_s is not None:
-        candidates.append(started + max(0.0, header_s - PROXY_MARGIN_S))
+        candidates.append(started + max(0.0, header_s - proxy_margin_s(header_s)))
     if oip_s is not None:
         candidates.append(started + oip_s)
     return min(candidates)

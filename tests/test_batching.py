@@ -286,8 +286,10 @@ def test_deadline_sources_and_bad_values() -> None:
     for bad in (-5, 0, "100", True, float("nan"), [1]):
         with pytest.raises(InvalidInput):
             deadlines.oip_timeout({"timeout": bad})
-    # The header's deadline comes PROXY_MARGIN_S early (Serve's proxy would answer 408 at it);
-    # the earliest source wins; without any, request_timeout_s.
+    # The header's deadline comes 50 ms + 2% early, at most 0.5 s (Serve's proxy would answer
+    # 408 at it); the earliest source wins; without any, request_timeout_s.
     assert deadlines.request_deadline(100.0, 120.0, None) == 220.0
-    assert deadlines.request_deadline(100.0, 120.0, 1.0) == pytest.approx(101.0 - deadlines.PROXY_MARGIN_S)
+    assert deadlines.request_deadline(100.0, 120.0, 1.0) == pytest.approx(101.0 - 0.07)
+    assert deadlines.request_deadline(100.0, 120.0, 6.0) == pytest.approx(106.0 - 0.17)
+    assert deadlines.request_deadline(100.0, 120.0, 100.0) == pytest.approx(200.0 - 0.5)
     assert deadlines.request_deadline(100.0, 120.0, 1.0, 0.5) == 100.5
