@@ -83,3 +83,18 @@ def test_deadlines_are_honoured_and_expired_requests_never_reach_the_gang(app_ur
     assert dropped == 2, dropped
     # The gang computed the two good requests only.
     assert httpx.get(app_url + "/gang", timeout=30).json()["batching"]["requests"] - steps_before == 2
+
+
+def test_the_client_sends_a_deadline(app_url: str) -> None:
+    """GangServeClient.infer(deadline_s=...) / `gangserve infer --deadline`: a roomy deadline
+    gives the dense reference's answer; a deadline that is not a positive number is refused
+    before anything is sent."""
+    from gangserve_client import GangServeClient
+
+    x = np.random.default_rng(4).standard_normal((2, 3, 512), dtype=np.float32)
+    with GangServeClient(app_url) as client:
+        out = client.infer(x, "npy", deadline_s=30.0)
+        assert relative_error(torch.from_numpy(out), dense_attention(WEIGHTS, 8, torch.from_numpy(x))) < 1e-5
+        for bad in (0.0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match="deadline_s"):
+                client.infer(x, "npy", deadline_s=bad)

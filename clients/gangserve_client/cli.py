@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p_infer.add_argument("--output-dtype", choices=list(codecs.DTYPE_NAMES),
                          help="reply dtype (default: the input's dtype)")
     p_infer.add_argument("--token", help="inference token (default: $GANGSERVE_INFER_TOKEN)")
+    p_infer.add_argument("--deadline", type=float, metavar="SECONDS",
+                         help="the request's deadline (X-Request-Timeout-Seconds; default: the service's)")
     sub.add_parser("gang", help="print GET /gang")
     sub.add_parser("ready", help="exit 0 if the gang is ready")
     training.add_commands(sub)
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with GangServeClient(args.url, infer_token=getattr(args, "token", None)) as client:
             if args.command == "infer":
-                out = client.infer(read_tensor(args.input), fmt=args.format, output_dtype=args.output_dtype)
+                out = client.infer(read_tensor(args.input), fmt=args.format, output_dtype=args.output_dtype,
+                                   deadline_s=args.deadline)
                 if args.output:
                     write_tensor(args.output, out)
                 print(f"output shape {list(out.shape)} dtype {codecs.dtype_name(out.dtype)} "

@@ -28,6 +28,7 @@ FORMATS = {
     "json": codecs.JSON,
 }
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEADLINE_HEADER = "X-Request-Timeout-Seconds"  # the service's (and Ray Serve's proxy's) deadline header
 
 
 def encode_request(x: np.ndarray, fmt: str, attention_mask: np.ndarray | None = None) -> tuple[bytes, str]:
@@ -88,15 +89,24 @@ class _Base:
         self._policy = RetryPolicy(retries=retries, timeout_s=retry_timeout_s)
 
     def _infer_args(self, x: np.ndarray, fmt: str, output_dtype: str | None, accept: str | None,
-                    attention_mask: np.ndarray | None = None, causal: bool | None = None) -> dict[str, Any]:
+                    attention_mask: np.ndarray | None = None, causal: bool | None = None,
+                    deadline_s: float | None = None) -> dict[str, Any]:
         body, media = encode_request(x, fmt, attention_mask)
         headers = {"content-type": media, **_bearer(self._infer_token)}
+        extra: dict[str, Any] = {}
+        if deadline_s is not None:
+            if not deadline_s > 0:
+                raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+            # The service answers 504 deadline_exceeded at the deadline; the HTTP wait ends a
+            # second later, so that answer (not a client-side timeout) is what the caller sees.
+            headers[DEADLINE_HEADER] = f"{deadline_s:.6g}"
+            extra["timeout"] = deadline_s + 1.0
         if accept is not None:
             headers["accept"] = FORMATS.get(accept, accept)
         params: dict[str, str] = {"output_dtype": output_dtype} if output_dtype else {}
         if causal is not None:
             params["causal"] = "true" if causal else "false"
-        return {"content": body, "headers": headers, "params": params or None}
+        return {"content": body, "headers": headers, "params": params or None, **extra}
 
 
 class GangServeClient(_Base):
@@ -123,15 +133,19 @@ class GangServeClient(_Base):
 
     def infer(self, x: np.ndarray, fmt: str = "safetensors", *, output_dtype: str | None = None,
               accept: str | None = None, attention_mask: np.ndarray | None = None,
-              causal: bool | None = None) -> np.ndarray:
+              causal: bool | None = None, deadline_s: float | None = None) -> np.ndarray:
         """Self-attention of x [batch, seq, E] or [seq, E].
 
         fmt: request format (safetensors | npy | json); accept: reply format (default: fmt);
         output_dtype: float32 | float16 | bfloat16 | float64 (default: x's dtype);
         attention_mask: [batch, seq] (or [seq]) of 1 = token, 0 = padding (safetensors, json);
-        causal: causal attention (default: the served model's).
+        causal: causal attention (default: the served model's);
+        deadline_s: the request's deadline (header X-Request-Timeout-Seconds; default: the
+        service's request_timeout_s): the service answers 504 `deadline_exceeded`
+        (GatewayTimeoutError) once it passes and never computes the request afterwards. Each
+        retry attempt carries the full deadline; retry_timeout_s bounds them all together.
         """
-        args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal)
+        args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal, deadline_s)
         return decode_reply(self._request("POST", "/infer", **args))
 
     def gang(self) -> dict[str, Any]:
@@ -170,9 +184,9 @@ class AsyncGangServeClient(_Base):
 
     async def infer(self, x: np.ndarray, fmt: str = "safetensors", *, output_dtype: str | None = None,
                     accept: str | None = None, attention_mask: np.ndarray | None = None,
-                    causal: bool | None = None) -> np.ndarray:
+                    causal: bool | None = None, deadline_s: float | None = None) -> np.ndarray:
         """As GangServeClient.infer."""
-        args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal)
+        args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal, deadline_s)
         return decode_reply(await self._request("POST", "/infer", **args))
 
     async def gang(self) -> dict[str, Any]:
