@@ -29,7 +29,10 @@ SEED = notes_seed_weights(512)
 
 @pytest.fixture(scope="module")
 def two_gangs(serve_url: str):
-    args = {**local_yaml_args(), "num_replicas": 2, "cpus_per_rank": 0.25, "collective_timeout_s": 10.0}
+    # No warm spare: a broken gang's rebuild then takes seconds (a new process), the window in
+    # which these tests see one gang serve while the other is down (with a spare: ~0.5 s).
+    args = {**local_yaml_args(), "num_replicas": 2, "cpus_per_rank": 0.25, "collective_timeout_s": 10.0,
+            "warm_spare": False}
     base = deploy(serve_url, "scaleout", "/scaleout", args)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and httpx.get(base + "/gangs", timeout=10).json()["ready"] < 2:
