@@ -101,7 +101,13 @@ def serve_url(ray_cluster: Any) -> str:
 
 
 def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -> str:
-    """Deploy build_app(args) as app `name`; return its base URL once /readyz says ready."""
+    """Deploy build_app(args) as app `name`; return its base URL once /readyz says ready.
+
+    Apps run without the warm spare rank unless `args` asks for it (`warm_spare`, default on
+    in the product): a spare is one more torch process per gang, and on this 2-core machine
+    the suite's ~30 apps would start them all for nothing; the fault tests that are about it
+    (tests/test_gang_faults.py) turn it on."""
+    args = {"warm_spare": False, **args}
     from ray import serve
 
     from service.app import build_app

@@ -29,7 +29,8 @@ ALLOWED = {200, 503, 504}
 
 @pytest.fixture(scope="module")
 def fault_url(serve_url: str) -> str:
-    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S}
+    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+            "warm_spare": True}  # the product's default, which the kill tests are about
     base = deploy(serve_url, "faults", "/faults", args)
     yield base
     from ray import serve

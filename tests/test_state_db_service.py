@@ -48,7 +48,7 @@ def test_a_job_manager_on_postgres_answers_503_while_the_database_is_gone(
     async def scenario() -> None:
         listed = await jobs.call("list_jobs", 20)
         assert [j["id"] for j in listed["jobs"]] == ["job-pg0000000001"]
-        assert listed["jobs"][0]["history"] == [{"epoch": 1, "loss": 0.25}]
+        assert listed["jobs"][0]["history"] == [{"epoch": 1, "loss": 0.25, "eval_loss": None}]
         postgres_server.stop()
         try:
             calls = [
