@@ -585,3 +585,29 @@ def connect(url: str | None = None, *, state: Path | None = None) -> Database:
     raw = url if url is not None else database_url(state)
     dialect_of(raw)  # a clear ValueError before anything else
     return Database(raw)
+
+
+class DatabaseStore:
+    """Base of a store over the state database (the job store, the served-weights record):
+    `_open` connects to a URL (or borrows an open Database, which `close` then leaves open)
+    and applies the store's migrations; a failure there closes what it opened."""
+
+    _db: Database
+    _owned: bool
+
+    def _open(self, database: str | Database, store: str, migrations: Sequence[Migration]) -> None:
+        self._owned = not isinstance(database, Database)
+        self._db = connect(database) if not isinstance(database, Database) else database
+        try:
+            self._db.migrate(store, migrations)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def database(self) -> Database:
+        return self._db
+
+    def close(self) -> None:
+        if self._owned:
+            self._db.close()

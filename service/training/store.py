@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from service.state.db import Database, Migration, Row, Session, connect, sqlite_url
+from service.state.db import Database, DatabaseStore, Migration, Row, Session, sqlite_url
 from service.training.limits import ActiveUsage
 from service.training.spec import ACTIVE_STATUSES
 
@@ -166,7 +166,7 @@ class JobRecord:
         }
 
 
-class JobStore:
+class JobStore(DatabaseStore):
     """Thread-safe access to the job tables; every method is one short statement or
     transaction. Raises service.state.db.StateUnavailable (503) when the database cannot be
     reached, at construction or later; nothing is half-written then."""
@@ -174,28 +174,13 @@ class JobStore:
     def __init__(self, database: str | Path | Database) -> None:
         """`database`: a SQLite file path, a database URL (sqlite:/// or postgresql://), or an
         open Database (then not closed by `close`)."""
-        if isinstance(database, Database):
-            self._db, self._owned = database, False
-        else:
-            url = str(database) if "://" in str(database) else sqlite_url(database)
-            self._db, self._owned = connect(url), True
-        try:
-            self._db.migrate(STORE, MIGRATIONS)
-        except BaseException:
-            self.close()
-            raise
+        if not isinstance(database, Database):
+            database = str(database) if "://" in str(database) else sqlite_url(database)
+        self._open(database, STORE, MIGRATIONS)
         self.path = self._db.path  # the SQLite file (None on PostgreSQL)
         self.journal_mode = self._db.journal_mode
         log.info("job store on %s%s", self._db.url,
                  f" (journal_mode {self.journal_mode})" if self.journal_mode else "")
-
-    @property
-    def database(self) -> Database:
-        return self._db
-
-    def close(self) -> None:
-        if self._owned:
-            self._db.close()
 
     # ---- jobs ---------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ import torch
 from service.config import ModelConfig
 from service.parallel.weights import DENSE_KEYS, random_weights, seed_weights
 from service.state import artifacts
-from service.state.db import Database, Migration, Row, Session, connect, database_url
+from service.state.db import Database, DatabaseStore, Migration, Row, Session, database_url
 
 WEIGHTS_SUBDIR = "weights"
 
@@ -203,7 +203,7 @@ def describe_config_weights(model: ModelConfig) -> ConfigWeights:
 
 # ---- the record ------------------------------------------------------------------------------
 
-class WeightsRecord:
+class WeightsRecord(DatabaseStore):
     """The `served_weights` table of the state database; every method is one short
     transaction (thread-safe). Raises service.state.db.StateUnavailable (503) when the
     database cannot be reached, at construction or later."""
@@ -212,22 +212,7 @@ class WeightsRecord:
         """`database`: a URL or an open Database (not closed by `close`); default the one
         GANGSERVE_DATABASE_URL names, else the SQLite file in `state`."""
         self.state = state
-        self._owned = not isinstance(database, Database)
-        self._db = database if isinstance(database, Database) else connect(database or database_url(state))
-        try:
-            self._db.migrate(STORE, MIGRATIONS)
-        except BaseException:
-            if self._owned:
-                self._db.close()
-            raise
-
-    @property
-    def database(self) -> Database:
-        return self._db
-
-    def close(self) -> None:
-        if self._owned:
-            self._db.close()
+        self._open(database or database_url(state), STORE, MIGRATIONS)
 
     def current(self, app: str) -> ServedWeights | None:
         """The newest version of `app` (what every gang of it must serve), or None."""
