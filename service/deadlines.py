@@ -34,12 +34,12 @@ HEADER = "x-request-timeout-seconds"
 PROXY_MARGIN_S = 0.05  # answer at least this much before Serve's proxy would answer 408
 PROXY_MARGIN_SHARE = 0.02  # ... plus this share of the header's time
 PROXY_MARGIN_MAX_S = 0.5
+MAX_TIMEOUT_S = 86400.0
 
 
 def proxy_margin_s(header_s: float) -> float:
     """How much earlier than a header deadline of `header_s` seconds we answer."""
     return min(PROXY_MARGIN_MAX_S, PROXY_MARGIN_S + PROXY_MARGIN_SHARE * header_s)
-MAX_TIMEOUT_S = 86400.0
 
 
 def _timeout(value: float, what: str) -> float:
