@@ -106,6 +106,7 @@ class GangClient:
         self._waiting = 0  # requests waiting for a gang to serve (bounded by max_queued_requests)
         self._outage_since: float | None = None  # first failure of the current outage
         self._last_outage_s: float | None = None  # how long the last one lasted
+        self.retries = 0  # requests this client retried (tests read it; the metric counts them too)
         for reason in ("deadline", "disconnected"):
             process_metrics().inc("gangserve_requests_dropped", ("ingress", reason), 0.0)
         if self._shm_enabled:
@@ -145,6 +146,7 @@ class GangClient:
                     self._check_wait(exc.message, deadline)
                 delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
                 attempt += 1
+                self.retries += 1
                 process_metrics().inc("gangserve_request_retries", (exc.code,))
                 log.info("retrying a request (attempt %d) after %s: %s", attempt + 1, exc.code, exc.message)
                 await _pause(delay, deadline, f"retrying after {exc.code}: {exc.message}")
