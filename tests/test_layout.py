@@ -6,8 +6,8 @@ The house rules, each a test:
 - the three subsystems below them do not import each other sideways: the gang (rank
   processes), the ingress (HTTP) and training share code only through modules below all
   three (service.cluster.placement, service.batching, service.config, service.gang_status, ...).
-  The one exception is
-  the training job spec, a plain pydantic model the ingress validates bodies against;
+  The one exception is the training job spec, a plain pydantic model the ingress validates
+  bodies against;
 - service.parallel (the tensor-parallel math) depends on torch only.
 """
 from __future__ import annotations

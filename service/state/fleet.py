@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from service.gang_status import GangStatus, LostGangStatus, dump
 from service.metrics import merge, to_snapshot
 
@@ -70,10 +72,15 @@ class Fleet:
     def report(self, replica_id: str, info: dict[str, Any], now: float,
                metrics: dict[str, list] | None = None) -> None:
         """A gang's `/gang` description (and its metric snapshot), as of `now`. Raises
-        pydantic's ValidationError (the reporter logs it) when `info` is not a GangStatus."""
+        ValueError (the reporting gang logs it) when `info` is not a GangStatus."""
         if replica_id in self.lost:
             return  # a late report from a process already seen dead never revives it
-        self.gangs[replica_id] = GangReport(replica_id, GangStatus.model_validate(info), now)
+        try:
+            status = GangStatus.model_validate(info)
+        except ValidationError as exc:  # one line: which gang, which field, what it was
+            raise ValueError(f"gang {replica_id}'s report is not a GangStatus (service.gang_status): "
+                             f"{_errors(exc)}") from None
+        self.gangs[replica_id] = GangReport(replica_id, status, now)
         if metrics is not None:
             self.report_metrics(gang_source(replica_id), metrics, now)
 
@@ -153,6 +160,11 @@ class Fleet:
         entry = self._metrics.pop(source, None)
         if entry is not None:
             self._retired = to_snapshot(merge([self._retired, entry[1]], kinds=("counter", "histogram")))
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'report'}: {e['msg']} (found {e.get('input')!r:.60})"
+                     for e in exc.errors())
 
 
 def gang_source(replica_id: str) -> str:
