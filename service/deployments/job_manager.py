@@ -7,7 +7,8 @@ actors; it only calls this deployment.
 
 Life of a job: PENDING (record written, run actor created, Ray Train waiting for its
 workers; `reason` says what it waits for) -> RUNNING (rank 0 entered the train loop) ->
-SUCCEEDED | FAILED | CANCELLED. A PENDING job that outlives `schedule_timeout_s`, or that
+SUCCEEDED | FAILED | CANCELLED (the allowed moves: service.training.status, which the
+store's writes obey). A PENDING job that outlives `schedule_timeout_s`, or that
 the cluster can no longer ever hold (a node left), is stopped and FAILED with the numbers;
 so is any job past its `max_runtime_s` (wall clock since submission).
 
