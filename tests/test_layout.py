@@ -6,8 +6,9 @@ The house rules, each a test:
 - the three subsystems below them do not import each other sideways: the gang (rank
   processes), the ingress (HTTP) and training share code only through modules below all
   three (service.cluster.placement, service.batching, service.config, service.gang_status, ...).
-  The one exception is the training job spec, a plain pydantic model the ingress validates
-  bodies against;
+  The exceptions are the training job spec, a plain pydantic model the ingress validates
+  bodies against, and the jobs' response models (service.training.public, over
+  service.training.status);
 - service.parallel (the tensor-parallel math) depends on torch only.
 """
 from __future__ import annotations
@@ -22,7 +23,12 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSYSTEMS = ("service.gang", "service.ingress", "service.training")
-ALLOWED_SIDEWAYS = {("service.ingress.routes.train", "service.training.spec")}
+ALLOWED_SIDEWAYS = {
+    ("service.ingress.routes.train", "service.training.spec"),
+    # The response models of the /train routes: plain pydantic over the JobStatus table
+    # (service.training.status), the shape the JobManager's dicts have; no training code runs.
+    ("service.ingress.routes.train", "service.training.public"),
+}
 FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state",
                "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics",
                "service.deadlines", "service.gang_status")
