@@ -5,7 +5,7 @@ import pytest
 
 from service.state import fleet as f
 
-READY = {"state": "ready", "world_size": 2, "backend": "gloo", "weights_version": 3}
+READY = {"state": "ready", "reason": "ready", "world_size": 2, "backend": "gloo", "weights_version": 3}
 
 
 @pytest.mark.unit

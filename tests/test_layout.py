@@ -5,8 +5,10 @@ The house rules, each a test:
 - the Serve deployments (service.deployments) sit on top: only the app builder imports them;
 - the three subsystems below them do not import each other sideways: the gang (rank
   processes), the ingress (HTTP) and training share code only through modules below all
-  three (service.cluster.placement, service.batching, service.config, ...). The one exception is
-  the training job spec, a plain pydantic model the ingress validates bodies against;
+  three (service.cluster.placement, service.batching, service.config, service.gang_status, ...).
+  The exceptions are the training job spec, a plain pydantic model the ingress validates
+  bodies against, and the jobs' response models (service.training.public, over
+  service.training.status);
 - service.parallel (the tensor-parallel math) depends on torch only.
 """
 from __future__ import annotations
@@ -21,10 +23,15 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSYSTEMS = ("service.gang", "service.ingress", "service.training")
-ALLOWED_SIDEWAYS = {("service.ingress.routes.train", "service.training.spec")}
+ALLOWED_SIDEWAYS = {
+    ("service.ingress.routes.train", "service.training.spec"),
+    # The response models of the /train routes: plain pydantic over the JobStatus table
+    # (service.training.status), the shape the JobManager's dicts have; no training code runs.
+    ("service.ingress.routes.train", "service.training.public"),
+}
 FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state",
                "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics",
-               "service.deadlines")
+               "service.deadlines", "service.gang_status")
 # AppConfig declares every builder argument once; the training quotas are one of its sections
 # (a plain pydantic model that training owns and validates jobs against).
 ALLOWED_UPWARD = {("service.config", "service.training.limits")}
@@ -127,6 +134,7 @@ def test_the_rules_see_the_tree() -> None:
     assert "service.cluster.placement" in edges["service.gang.gang"]
     assert "service.transport.channel" in edges["service.deployments.gang_server"]
     assert "service.weights.record" in edges["service.deployments.controller"]
+    assert "service.gang_status" in edges["service.state.fleet"]  # the status contract, below the state
 
 
 def test_request_dependencies_never_run_in_a_thread_pool() -> None:

@@ -89,7 +89,7 @@ def test_counters_survive_replicas_that_go_away() -> None:
     t0 = 1000.0
     fleet.report_metrics("gang:A", a.snapshot(), t0)
     fleet.report_metrics("gang:B", b.snapshot(), t0)
-    fleet.report("C", {"state": "ready"}, t0, metrics=c.snapshot())
+    fleet.report("C", {"state": "ready", "reason": "ready"}, t0, metrics=c.snapshot())
 
     def service_wide(now: float) -> dict:
         return m.merge(fleet.metrics(now))

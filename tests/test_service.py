@@ -20,6 +20,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from gangserve_client import GangServeClient
+from service.gang_status import GangStatus, RankStatus
 from tests.conftest import ROOT, deploy, local_yaml_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 from tests.helpers import assert_error, npy_bytes, rand
@@ -98,6 +99,11 @@ def test_gang_shows_world_size_distinct_live_rank_processes(app_url: str) -> Non
     # Each rank holds half of the projection weights (+ the replicated out bias).
     e = 512
     assert info["param_bytes_per_rank"] == [4 * (4 * e * e // 2 + 3 * e // 2 + e)] * 2
+    # The typed contract (service.gang_status) declares every key a live gang answers, and
+    # the answer has every one of them (a ready gang behind an ingress sets them all).
+    declared = set(GangStatus.model_fields) - {"code", "reported_s_ago"}  # synthesized / fleet-only
+    assert set(info) == declared, (set(info) ^ declared)
+    assert set(ranks[0]) == set(RankStatus.model_fields)
     assert httpx.get(app_url + "/healthz").status_code == 200
     assert httpx.get(app_url + "/readyz").json()["status"] == "ready"
 

@@ -42,7 +42,8 @@ from service.config import AppConfig, GangConfig, ModelConfig
 from service.deadlines import local_deadline
 from service.errors import Conflict, GangStartupError, GangUnavailable, NotFound
 from service.ingress.handle_errors import awaited, map_handle_error
-from service.gang.gang import Gang, GangState
+from service.gang.gang import Gang
+from service.gang_status import DataChannelStatus, GangState, dump
 from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
 from service.metrics import GangServerMetrics, enable_ray_metrics
@@ -258,18 +259,19 @@ class GangServer:
         await self._gang.arm_failpoint(rank, name)
 
     async def describe(self) -> dict[str, object]:
-        info = self._gang.describe()
-        info["failed_rebuilds"] = self._failed_rebuilds
-        info["replica_id"] = self._replica_id
+        """GET /gang (a service.gang_status.GangStatus, as the dict a handle call carries)."""
+        status = self._gang.describe()
+        status.failed_rebuilds = self._failed_rebuilds
+        status.replica_id = self._replica_id
         # The ingress connects to channel.socket_path(replica_id) when this is true.
-        info["data_channel"] = {"listening": self._channel.path is not None, **self._channel.stats()}
+        status.data_channel = DataChannelStatus(listening=self._channel.path is not None, **self._channel.stats())
         # Per-step timestamps of every rank (the control cost and the skew): the last
         # summary, refreshed in the background (readiness calls describe too, and must never
         # wait on a peer).
-        info["step_timings"] = self._step_timings
+        status.step_timings = self._step_timings
         if self._gang.state is GangState.READY and (self._timings_task is None or self._timings_task.done()):
             self._timings_task = asyncio.get_running_loop().create_task(self._refresh_step_timings())
-        return info
+        return dump(status)
 
     async def _refresh_step_timings(self) -> None:
         self._step_timings = await self._gang.step_loop_stats(timeout_s=2.0)

@@ -7,7 +7,8 @@ actors; it only calls this deployment.
 
 Life of a job: PENDING (record written, run actor created, Ray Train waiting for its
 workers; `reason` says what it waits for) -> RUNNING (rank 0 entered the train loop) ->
-SUCCEEDED | FAILED | CANCELLED. A PENDING job that outlives `schedule_timeout_s`, or that
+SUCCEEDED | FAILED | CANCELLED (the allowed moves: service.training.status, which the
+store's writes obey). A PENDING job that outlives `schedule_timeout_s`, or that
 the cluster can no longer ever hold (a node left), is stopped and FAILED with the numbers;
 so is any job past its `max_runtime_s` (wall clock since submission).
 
@@ -81,7 +82,8 @@ from service.training.run import (
     run_actor_name,
     run_prefix,
 )
-from service.training.spec import ACTIVE_STATUSES, TERMINAL_STATUSES, AttentionModel, JobSpec, UploadedDataset
+from service.training.spec import AttentionModel, JobSpec, UploadedDataset
+from service.training.status import TERMINAL, JobStatus, can_move
 from service.training.store import DatasetInUse, JobRecord, JobStore, iso
 
 log = logging.getLogger("gangserve.training")
@@ -212,7 +214,7 @@ class JobManager:
         now = time.time()
         record = JobRecord(
             id=job_id,
-            status="PENDING",
+            status=JobStatus.PENDING,
             spec=spec.model_dump(),
             created_at=now,
             updated_at=now,
@@ -281,10 +283,10 @@ class JobManager:
         """Stop the run (kill its actor; Ray Train's cleaner frees the workers' placement group
         within seconds) and mark it CANCELLED. 409 if it already ended."""
         record = await self._record(job_id, with_history=False)
-        if not record.active:
+        if not can_move(record.status, JobStatus.CANCELLED):
             raise Conflict(f"job {job_id} already ended with status {record.status}", code="job_finished")
         changed = await self._io(
-            self._store.update_job, job_id, status="CANCELLED", finished_at=time.time(),
+            self._store.update_job, job_id, status=JobStatus.CANCELLED, finished_at=time.time(),
             reason="cancelled by request",
         )
         if not changed:  # it ended between the read and the write
@@ -301,7 +303,7 @@ class JobManager:
         record = await self._record(job_id, with_history=False)
         if record.active:
             await self._io(
-                self._store.update_job, job_id, status="CANCELLED", finished_at=time.time(),
+                self._store.update_job, job_id, status=JobStatus.CANCELLED, finished_at=time.time(),
                 reason="deleted by request",
             )
             await self._kill_run(job_id)
@@ -341,7 +343,7 @@ class JobManager:
         """The artifact key of a finished job's final checkpoint (GET /train/{id}/checkpoint
         streams it from the store; POST /weights copies it)."""
         record = await self._record(job_id, with_history=False)
-        if record.status != "SUCCEEDED" or not record.checkpoint:
+        if record.status != JobStatus.SUCCEEDED or not record.checkpoint:
             raise Conflict(
                 f"job {job_id} has no final checkpoint: status {record.status}"
                 + (f" ({record.error})" if record.error else ""),
@@ -441,7 +443,7 @@ class JobManager:
                 losses[job_id] = float(last["loss"])
             if last.get("eval_loss") is not None:
                 eval_losses[job_id] = float(last["eval_loss"])
-        return training_snapshot((*ACTIVE_STATUSES, *TERMINAL_STATUSES), counts, losses, process_metrics(),
+        return training_snapshot(tuple(s.value for s in JobStatus), counts, losses, process_metrics(),
                                  eval_losses)
 
     # ---- Serve hooks --------------------------------------------------------------------
@@ -493,7 +495,7 @@ class JobManager:
         record = await self._io(self._store.get_job, job_id, False)
         if record is None or not record.active or record.owner != self._id:
             # Ended elsewhere (cancelled, adopted): stop polling; a run that ended must be gone.
-            if record is None or record.status in TERMINAL_STATUSES:
+            if record is None or record.status in TERMINAL:
                 await self._kill_run(job_id)
             self._runs.pop(job_id, None)
             return
@@ -517,10 +519,10 @@ class JobManager:
             return
         run.missed_polls = 0
         await self._apply(record, snap, run)
-        if snap["status"] in TERMINAL_STATUSES:
+        if snap["status"] in TERMINAL:
             await self._kill_run(job_id)  # its outcome is persisted: release the actor
             return
-        if snap["status"] == "PENDING":
+        if snap["status"] == JobStatus.PENDING:
             await self._check_pending(record, run)
 
     async def _apply(self, record: JobRecord, snap: dict[str, Any], run: _Run | None) -> None:
@@ -531,7 +533,12 @@ class JobManager:
                     "attempts", "checkpoint", "resumed_from_epoch"):
             if key in snap and snap[key] != getattr(record, key):
                 fields[key] = snap[key]
-        if snap["status"] != "PENDING" and record.reason and record.reason.startswith("waiting"):
+        if "status" in fields and not can_move(record.status, fields["status"]):
+            # The table refuses it (e.g. RUNNING back to PENDING); the store would refuse the
+            # whole update, so keep the stored status and still persist the rest.
+            log.warning("job %s: run reported %s while the job is %s; the status stays", record.id,
+                        fields.pop("status"), record.status)
+        if snap["status"] != JobStatus.PENDING and record.reason and record.reason.startswith("waiting"):
             fields["reason"] = None
         logs = snap.get("logs") or []
         if logs:
@@ -645,7 +652,7 @@ class JobManager:
         async def write() -> None:
             nonlocal failed
             if not failed:
-                failed = await self._io(self._store.update_job, job_id, status="FAILED", error=error,
+                failed = await self._io(self._store.update_job, job_id, status=JobStatus.FAILED, error=error,
                                         finished_at=finished_at)
                 if not failed:
                     return  # it had ended already (e.g. CANCELLED): nothing to log

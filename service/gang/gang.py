@@ -38,7 +38,6 @@ kills the peers, leaves the group and brings the gang up again in the same bundl
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import statistics
 import threading
@@ -61,20 +60,13 @@ from service.errors import (
 from service.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang import control
+from service.gang_status import GangState, GangStatus, SpareStatus
 from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
 from service.weights.record import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
 SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class GangState(str, enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    BROKEN = "broken"
-    REBUILDING = "rebuilding"
-    STOPPED = "stopped"
 
 
 RankActor = ray.remote(max_restarts=0, max_task_retries=0)(RankWorker)
@@ -230,21 +222,22 @@ class Gang:
             "reply_ms": med([mine[s][5] - mine[s][4] for s in seqs]),
         }
 
-    def describe(self) -> dict[str, object]:
-        return {
-            "world_size": self.cfg.world_size,
-            "backend": self.backend,
-            "step_loop": self._loop_on,
-            "state": self.state.value,
-            "reason": self.reason,
+    def describe(self) -> GangStatus:
+        """The gang's part of GET /gang (the GangServer adds its own fields)."""
+        return GangStatus(
+            world_size=self.cfg.world_size,
+            backend=self.backend,
+            step_loop=self._loop_on,
+            state=self.state.value,
+            reason=self.reason,
             **(self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}),
-            "generation": self.generation,
-            "last_bring_up": self.last_bring_up,
-            "spare": self.spare_status(),
-            "param_bytes_per_rank": list(self.param_bytes_per_rank),
-            "batching": self._batcher.stats(),
-            "ranks": [info.public() for info in self.rank_infos],
-        }
+            generation=self.generation,
+            last_bring_up=self.last_bring_up,
+            spare=self.spare_status(),
+            param_bytes_per_rank=list(self.param_bytes_per_rank),
+            batching=self._batcher.stats(),
+            ranks=[info.public() for info in self.rank_infos],
+        )
 
     def shutdown(self) -> None:
         """Leave the process group and kill the peer actors. Safe to call twice."""
@@ -488,16 +481,16 @@ class Gang:
             _kill_quietly(self._spare)
         self._spare = self._spare_ready = None
 
-    def spare_status(self) -> dict[str, object]:
-        """GET /gang `spare`: none, starting or warm (with its pid)."""
+    def spare_status(self) -> SpareStatus:
+        """GET /gang `spare`: none, starting, warm (with its pid) or dead."""
         ready = self._spare_ready
         if self._spare is None or ready is None:
-            return {"state": "none"}
+            return SpareStatus(state="none")
         if not ready.done():
-            return {"state": "starting"}
+            return SpareStatus(state="starting")
         if ready.exception() is not None:
-            return {"state": "dead"}
-        return {"state": "warm", "pid": ready.result().pid}
+            return SpareStatus(state="dead")
+        return SpareStatus(state="warm", pid=ready.result().pid)
 
     def _teardown(self) -> None:
         self._loop_on = False  # no more headers: the group is going

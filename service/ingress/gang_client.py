@@ -48,6 +48,7 @@ from service.cluster.placement import (
     waiting_reason,
 )
 from service.metrics import process_metrics
+from service.gang_status import GangStatus, IngressTransport, dump
 from service.ingress.fleet_client import FleetClient
 from service.ingress.handle_errors import awaited, map_handle_error
 
@@ -225,6 +226,7 @@ class GangClient:
                        for i in range(len(rows), desired)]
         missing += [f"gang {g['replica_id']}: {g.get('state')}: {g.get('reason')}" for g in rows
                     if g.get("state") != "ready"]
+        # The rows are already GangStatus dicts (the fleet view validated each report).
         return {"desired": desired, "ready": ready, "gangs": rows, "missing": missing, "lost": lost,
                 "controller_up_s": view.get("controller_up_s")}
 
@@ -263,10 +265,10 @@ class GangClient:
         """GangServer.describe, or a synthesized status explaining why it cannot answer;
         plus how this ingress replica has been handing tensors to the gang."""
         status = await self.status(max_age_s=0.0)
-        return {**status, "ingress_transport": {
-            "node_id": self._node_id, "shm_enabled": self._shm_enabled,
-            "data_channel_enabled": self._channel_enabled, **self._transport,
-            "batching": self._batcher.stats()}}
+        transport = IngressTransport(node_id=self._node_id, shm_enabled=self._shm_enabled,
+                                     data_channel_enabled=self._channel_enabled, **self._transport,
+                                     batching=self._batcher.stats())
+        return {**status, "ingress_transport": dump(transport)}
 
     async def status(self, max_age_s: float) -> dict[str, Any]:
         """The gang's status, at most `max_age_s` old (refreshed in the background when stale)."""
@@ -396,19 +398,19 @@ class GangClient:
         try:
             check_feasible(snapshot, self._request)
         except GangUnschedulable as unschedulable:
-            return {"state": "unschedulable", "code": "unschedulable", "reason": unschedulable.message}
+            return dump(GangStatus(state="unschedulable", code="unschedulable", reason=unschedulable.message))
         if waited > self._cfg.schedule_timeout_s:
-            return {
-                "state": "unschedulable",
-                "code": "schedule_timeout",
-                "reason": f"gave up after {waited:.0f}s (schedule_timeout_s={self._cfg.schedule_timeout_s:g}): "
+            return dump(GangStatus(
+                state="unschedulable",
+                code="schedule_timeout",
+                reason=f"gave up after {waited:.0f}s (schedule_timeout_s={self._cfg.schedule_timeout_s:g}): "
                 f"{waiting_reason(snapshot, self._request)}",
-            }
-        return {
-            "state": "scheduling",
-            "code": "gang_scheduling",
-            "reason": f"{what}, {waited:.0f}s without a ready gang; {waiting_reason(snapshot, self._request)}",
-        }
+            ))
+        return dump(GangStatus(
+            state="scheduling",
+            code="gang_scheduling",
+            reason=f"{what}, {waited:.0f}s without a ready gang; {waiting_reason(snapshot, self._request)}",
+        ))
 
     async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False,
                     deadline: float | None = None) -> Any:

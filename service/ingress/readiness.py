@@ -17,6 +17,7 @@ from typing import Any
 
 from service.ingress.auth import redact_paths
 from service.errors import GangServeError, GangUnavailable
+from service.gang_status import Readiness, dump
 from service.ingress.gang_client import GangClient, unavailable_error
 from service.state.fleet import REPORT_INTERVAL_S
 
@@ -25,7 +26,7 @@ WARM_UP_S = 3 * REPORT_INTERVAL_S
 
 
 async def readiness(gang: GangClient) -> dict[str, Any]:
-    """The 200 body {status, world_size, backend, ready, desired, missing}; raises the 503
+    """The 200 body (service.gang_status.Readiness, as a dict); raises the 503
     (a GangServeError naming why) when no gang can serve now."""
     try:
         fleet = await gang.gangs(for_readiness=True)
@@ -60,6 +61,6 @@ async def _why_not(gang: GangClient, fleet: dict[str, Any]) -> GangServeError:
 
 
 def _ready(info: dict[str, Any], *, ready: int, desired: int | None, missing: list[str]) -> dict[str, Any]:
-    return {"status": "ready", "world_size": info["world_size"], "backend": info["backend"],
-            "ready": ready, "desired": desired if desired is not None else ready,
-            "missing": redact_paths(missing)}
+    return dump(Readiness(status="ready", world_size=info["world_size"], backend=info["backend"],
+                          ready=ready, desired=desired if desired is not None else ready,
+                          missing=redact_paths(missing)))

@@ -27,6 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from service.gang_status import GangStatus, LostGangStatus, dump
 from service.metrics import merge, to_snapshot
 
 REPORT_INTERVAL_S = 1.0  # a gang's report period (it also reports at once on any state change)
@@ -44,7 +47,7 @@ class GangReport:
     """One gang's latest report, as the fleet holds it."""
 
     replica_id: str
-    info: dict[str, Any]
+    info: GangStatus  # validated when reported: a malformed report is refused, never shown
     reported_at: float
     unreachable_since: float | None = None  # the controller's pings fail (node cut off)
 
@@ -68,10 +71,16 @@ class Fleet:
     # -- gangs ------------------------------------------------------------------------------
     def report(self, replica_id: str, info: dict[str, Any], now: float,
                metrics: dict[str, list] | None = None) -> None:
-        """A gang's `/gang` description (and its metric snapshot), as of `now`."""
+        """A gang's `/gang` description (and its metric snapshot), as of `now`. Raises
+        ValueError (the reporting gang logs it) when `info` is not a GangStatus."""
         if replica_id in self.lost:
             return  # a late report from a process already seen dead never revives it
-        self.gangs[replica_id] = GangReport(replica_id, dict(info), now)
+        try:
+            status = GangStatus.model_validate(info)
+        except ValidationError as exc:  # one line: which gang, which field, what it was
+            raise ValueError(f"gang {replica_id}'s report is not a GangStatus (service.gang_status): "
+                             f"{_errors(exc)}") from None
+        self.gangs[replica_id] = GangReport(replica_id, status, now)
         if metrics is not None:
             self.report_metrics(gang_source(replica_id), metrics, now)
 
@@ -97,7 +106,7 @@ class Fleet:
         self._retire(gang_source(replica_id))
 
     def serving(self, gang: GangReport, now: float) -> bool:
-        return (gang.info.get("state") == "ready" and now - gang.reported_at <= STALE_AFTER_S
+        return (gang.info.state == "ready" and now - gang.reported_at <= STALE_AFTER_S
                 and gang.unreachable_since is None)
 
     def view(self, now: float) -> dict[str, Any]:
@@ -110,15 +119,14 @@ class Fleet:
         rows = []
         for rid in sorted(self.gangs):
             gang = self.gangs[rid]
-            row = {**gang.info, "replica_id": rid, "reported_s_ago": round(now - gang.reported_at, 1)}
-            if row.get("state") == "ready" and not self.serving(gang, now):
-                row["state"], row["code"] = "unreachable", "gang_unreachable"
-                row["reason"] = (
+            update: dict[str, Any] = {"replica_id": rid, "reported_s_ago": round(now - gang.reported_at, 1)}
+            if gang.info.state == "ready" and not self.serving(gang, now):
+                update.update(state="unreachable", code="gang_unreachable", reason=(
                     f"the controller cannot reach this gang's replica for {now - gang.unreachable_since:.1f}s"
                     if gang.unreachable_since is not None else
-                    f"no report for {now - gang.reported_at:.1f}s (a gang reports every {REPORT_INTERVAL_S:g}s)")
-            rows.append(row)
-        lost = [{"replica_id": g.replica_id, "reason": g.reason, "s_ago": round(now - g.at, 1)}
+                    f"no report for {now - gang.reported_at:.1f}s (a gang reports every {REPORT_INTERVAL_S:g}s)"))
+            rows.append(dump(gang.info.model_copy(update=update)))
+        lost = [dump(LostGangStatus(replica_id=g.replica_id, reason=g.reason, s_ago=round(now - g.at, 1)))
                 for g in sorted(self.lost.values(), key=lambda g: -g.at)]
         return {"gangs": rows, "ready": sum(1 for r in rows if r.get("state") == "ready"), "lost": lost}
 
@@ -152,6 +160,11 @@ class Fleet:
         entry = self._metrics.pop(source, None)
         if entry is not None:
             self._retired = to_snapshot(merge([self._retired, entry[1]], kinds=("counter", "histogram")))
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'report'}: {e['msg']} (found {e.get('input')!r:.60})"
+                     for e in exc.errors())
 
 
 def gang_source(replica_id: str) -> str:

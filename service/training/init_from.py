@@ -32,6 +32,7 @@ from service.weights.record import ServedWeights, WeightsRecord, dense_sha256
 from service.state import artifacts
 from service.training.models import ModelSpecT, checkpoint_shape, describe_shape, spec_shape
 from service.training.spec import InitFrom
+from service.training.status import JobStatus
 from service.training.store import JobStore
 
 INIT_FILE = "init.safetensors"
@@ -99,7 +100,7 @@ def resolve(init: InitFrom, model: ModelSpecT, *, jobs: JobStore, store: artifac
         if source is None:
             raise InvalidInput(f"init_from job {init.job_id!r} does not exist (see GET /train)",
                                code="init_from_not_found")
-        if source.status != "SUCCEEDED" or not source.checkpoint:
+        if source.status != JobStatus.SUCCEEDED or not source.checkpoint:
             raise Conflict(f"init_from job {init.job_id} has no final checkpoint: it is {source.status}"
                            + (" (wait until it SUCCEEDED)" if source.active else ""), code="init_from_not_ready")
         try:

@@ -48,6 +48,7 @@ from service.state import artifacts
 from service.training.models import MODEL_FILE
 from service.training.runner import train_loop_per_worker
 from service.training.spec import AttentionModel, JobSpec
+from service.training.status import JobStatus, check_transition
 
 RUN_NAMESPACE = "gangserve"
 RESULT_FILE = "result.json"
@@ -106,7 +107,7 @@ class TrainRun:
         self._store = artifacts.store()  # from this actor's environment (inherited from the JobManager)
         self._dataset_path = dataset_key
         self._lock = threading.Lock()
-        self._status = "PENDING"
+        self._status = JobStatus.PENDING
         self._error: str | None = None
         self._started_at: float | None = None
         self._finished_at: float | None = None
@@ -129,7 +130,7 @@ class TrainRun:
             self._attempts = int(resume.get("attempts") or 0)
             self._started_at = resume.get("started_at")
             if self._started_at is not None:
-                self._status = "RUNNING"
+                self._status = JobStatus.RUNNING
             progress = resume.get("progress") or {}
             self._epoch, self._step = int(progress.get("epoch") or 0), int(progress.get("step") or 0)
             self._current_loss = progress.get("loss")
@@ -195,24 +196,28 @@ class TrainRun:
             }
             with self._lock:
                 self._checkpoint = checkpoint
-            self._finish("SUCCEEDED", None)
+            self._finish(JobStatus.SUCCEEDED, None)
         except BaseException as exc:  # noqa: BLE001 - every outcome must be recorded
             self._log("training failed:\n" + "".join(traceback.format_exception(exc)).strip())
             with self._lock:
                 attempts = max(self._attempts, 1)
             self._finish(
-                "FAILED",
+                JobStatus.FAILED,
                 f"training failed after {attempts} attempt(s) (max_failures={spec.max_failures}): {_short_error(exc)}",
             )
 
-    def _finish(self, status: str, error: str | None) -> None:
+    def _finish(self, status: JobStatus, error: str | None) -> None:
         """Record the outcome: result.json first, then the live status the manager polls
         (the manager kills this actor once it sees a terminal status, so the file must
-        already be complete by then)."""
+        already be complete by then). The move is checked against the one transition table
+        (service.training.status): a run ends once."""
+        with self._lock:
+            status = check_transition(self._status, status, self._job_id)
         finished_at = time.time()
         took = finished_at - (self._started_at or finished_at)
         self._log(f"run {status}" + (f": {error}" if error else "") + f" ({took:.1f}s after the first worker started)")
-        outcome = {**self.snapshot(0, touch=False), "status": status, "error": error, "finished_at": finished_at}
+        outcome = {**self.snapshot(0, touch=False), "status": status.value, "error": error,
+                   "finished_at": finished_at}
         try:
             self._store.write_bytes(f"{run_prefix(self._job_id)}/{RESULT_FILE}", json.dumps(outcome).encode())
         except Exception as exc:  # noqa: BLE001 - the live status below still reaches the manager
@@ -242,8 +247,8 @@ class TrainRun:
             self._ranks_this_attempt.add(rank)
             if rank == 0 and resumed_epoch is not None:
                 self._resumed_from_epoch = int(resumed_epoch)
-            if self._status == "PENDING":
-                self._status, self._started_at = "RUNNING", time.time()
+            if self._status == JobStatus.PENDING:
+                self._status, self._started_at = JobStatus.RUNNING, time.time()
             self._workers[rank] = {"rank": rank, "pid": pid, "node_id": node_id, "node_ip": node_ip,
                                    "iface": iface, "attempt": self._attempts}
             attempt = self._attempts
@@ -292,7 +297,7 @@ class TrainRun:
             if touch:
                 self._last_poll = time.monotonic()
             return {
-                "status": self._status,
+                "status": self._status.value,
                 "error": self._error,
                 "started_at": self._started_at,
                 "finished_at": self._finished_at,

@@ -10,9 +10,6 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 # = 256 MiB, generated in every worker.
 MAX_SYNTHETIC_ELEMENTS = 64 * 1024 * 1024
 
-ACTIVE_STATUSES = ("PENDING", "RUNNING")
-TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "CANCELLED")
-
 
 def _kind(value: object, default: str) -> str | None:
     """The union tag: `kind`, defaulting when omitted (so {"samples": 64} is a synthetic dataset).

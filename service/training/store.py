@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 from service.state.db import Database, DatabaseStore, Migration, Row, Session, sqlite_url
 from service.training.limits import ActiveUsage
-from service.training.spec import ACTIVE_STATUSES
+from service.training.status import ACTIVE, JobStatus, parse, sources
 
 log = logging.getLogger("gangserve.training")
 
@@ -101,7 +101,8 @@ _UPDATABLE = {
     "status", "reason", "error", "progress", "checkpoint", "workers", "attempts",
     "started_at", "finished_at", "owner", "resumes", "resumed_from_epoch",
 }
-_ACTIVE_MARKS = ", ".join("?" for _ in ACTIVE_STATUSES)
+_ACTIVE_MARKS = ", ".join("?" for _ in ACTIVE)
+_ACTIVE_VALUES = tuple(s.value for s in ACTIVE)  # bound as plain str on every driver
 
 
 def iso(ts: float | None) -> str | None:
@@ -111,7 +112,7 @@ def iso(ts: float | None) -> str | None:
 @dataclass
 class JobRecord:
     id: str
-    status: str
+    status: JobStatus  # a str: compares equal to "PENDING" etc.
     spec: dict[str, Any]
     created_at: float
     updated_at: float
@@ -130,14 +131,17 @@ class JobRecord:
     resumed_from_epoch: int | None = None
     seq: int = 0
 
+    def __post_init__(self) -> None:
+        self.status = parse(self.status)  # a plain str (a row, a test) becomes the enum
+
     @property
     def active(self) -> bool:
-        return self.status in ACTIVE_STATUSES
+        return self.status.active
 
     @property
     def final_eval_loss(self) -> float | None:
         """The held-out loss of the final checkpoint (the last epoch's), once SUCCEEDED."""
-        if self.status != "SUCCEEDED" or not self.history:
+        if self.status != JobStatus.SUCCEEDED or not self.history:
             return None
         last = self.history[-1].get("eval_loss")
         return None if last is None else float(last)
@@ -146,7 +150,7 @@ class JobRecord:
         """The contract's job shape (plus reason, timings, attempts and workers)."""
         return {
             "id": self.id,
-            "status": self.status,
+            "status": self.status.value,
             "spec": self.spec,
             "created_at": iso(self.created_at),
             "updated_at": iso(self.updated_at),
@@ -200,6 +204,7 @@ class JobStore(DatabaseStore):
         for k in _JSON_FIELDS:
             if k in row:
                 row[k] = json.dumps(row[k])
+        row["status"] = record.status.value
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         with self._db.transaction(LOCK) as s:
@@ -267,20 +272,31 @@ class JobStore(DatabaseStore):
         return records, nxt
 
     def update_job(self, job_id: str, *, only_active: bool = True, **fields: Any) -> bool:
-        """Apply `fields` (and updated_at = now). With only_active, a job that already reached
-        a terminal status is left alone (so a late progress update cannot undo a cancel).
-        Returns whether a row changed."""
+        """Apply `fields` (and updated_at = now) in one atomic UPDATE, guarded by the job's
+        current status (service.training.status, the one transition table):
+        - with a `status`, only from the statuses that may move to it (`sources`): a terminal
+          job is never rewritten, RUNNING never goes back to PENDING;
+        - without one, with only_active (the default), only while the job is active (so a
+          late progress update cannot undo a cancel).
+        Returns whether a row changed: False for an unknown job or a refused move (the
+        caller reads the job again to say which). ValueError for an unknown field or status."""
         unknown = set(fields) - _UPDATABLE
         if unknown:
             raise ValueError(f"not updatable job fields: {sorted(unknown)}")
+        guard: tuple[JobStatus, ...] | None = ACTIVE if only_active else None
+        if "status" in fields:
+            fields["status"] = parse(fields["status"]).value  # the plain str is what is stored
+            guard = sources(fields["status"])
         values = {k: (json.dumps(v) if k in _JSON_FIELDS else v) for k, v in fields.items()}
         values["updated_at"] = time.time()
         sets = ", ".join(f"{k} = ?" for k in values)
         where = "id = ?"
         params: list[Any] = [*values.values(), job_id]
-        if only_active:
-            where += f" AND status IN ({_ACTIVE_MARKS})"
-            params.extend(ACTIVE_STATUSES)
+        if guard is not None:
+            # The IN list is derived from the table; the check and the write are one statement,
+            # so two writers racing (poller vs cancel) cannot both win.
+            where += f" AND status IN ({', '.join('?' for _ in guard)})"
+            params.extend(g.value for g in guard)
         with self._db.session() as s:  # one statement: atomic on its own
             return s.execute(f"UPDATE jobs SET {sets} WHERE {where}", params) > 0
 
@@ -340,7 +356,7 @@ class JobStore(DatabaseStore):
             rows = s.all(
                 f"SELECT * FROM jobs WHERE status IN ({_ACTIVE_MARKS}) AND (owner IS NULL OR (owner != ? AND owner "
                 "NOT IN (SELECT id FROM managers WHERE heartbeat_at >= ?)))",
-                (*ACTIVE_STATUSES, owner, cutoff),
+                (*_ACTIVE_VALUES, owner, cutoff),
             )
             for row in rows:
                 s.execute("UPDATE jobs SET owner = ? WHERE id = ?", (owner, row["id"]))
@@ -381,7 +397,7 @@ class JobStore(DatabaseStore):
             if row is None:
                 raise KeyError(dataset_id)
             active = s.all(f"SELECT id, spec FROM jobs WHERE status IN ({_ACTIVE_MARKS}) ORDER BY seq",
-                           ACTIVE_STATUSES)
+                           _ACTIVE_VALUES)
             users = [r["id"] for r in active if _spec_dataset_id(r["spec"]) == dataset_id]
             if users:
                 raise DatasetInUse(users)
@@ -408,7 +424,7 @@ def _active_usage(s: Session) -> ActiveUsage:
     """Jobs, workers and GPUs held by the active jobs. Summed here from each spec (active jobs
     are few: the quota bounds them), so no dialect's JSON functions are needed."""
     jobs = workers = gpus = 0
-    for row in s.all(f"SELECT spec FROM jobs WHERE status IN ({_ACTIVE_MARKS})", ACTIVE_STATUSES):
+    for row in s.all(f"SELECT spec FROM jobs WHERE status IN ({_ACTIVE_MARKS})", _ACTIVE_VALUES):
         spec = json.loads(row["spec"])
         size = int(spec.get("world_size") or 0)
         jobs += 1

@@ -1,5 +1,9 @@
 """Liveness, readiness and the gang's description.
 
+The bodies are declared (service.gang_status): `response_model` gives /openapi.json their
+schemas, and `response_model_exclude_unset` keeps a key absent where the producer did not
+set it (a synthesized `scheduling` status has no `ranks`), rather than a null.
+
 /gang is public, but shows file-system paths (checkpoint locations, in weights_source or a
 reason) only to callers with the API token; everyone else gets them as '<path>'.
 """
@@ -9,6 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from service.gang_status import GangsView, GangStatus, Readiness
 from service.ingress.auth import has_api_token, optional_api_auth, redact_paths
 from service.ingress.deps import get_gang
 from service.ingress.gang_client import GangClient
@@ -25,6 +30,8 @@ async def healthz() -> dict[str, str]:
 @router.get(
     "/readyz",
     summary="200 when the gang can serve; 503 {error, code} naming why not",
+    response_model=Readiness,
+    response_model_exclude_unset=True,
     responses={503: {"description": "gang not ready: starting, rebuilding, broken or unschedulable"}},
 )
 async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
@@ -40,6 +47,8 @@ async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
     "each desired gang that is not serving, what it waits for. Paths only with the API token.",
     dependencies=[Depends(optional_api_auth)],
     openapi_extra={"security": [{}]},
+    response_model=GangsView,
+    response_model_exclude_unset=True,
 )
 async def gangs_info(request: Request, gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
     info = await gang.gangs()
@@ -52,6 +61,8 @@ async def gangs_info(request: Request, gang: GangClient = Depends(get_gang)) -> 
     description="File-system paths (e.g. a checkpoint's location) are shown only with the API token.",
     dependencies=[Depends(optional_api_auth)],
     openapi_extra={"security": [{}]},  # the token is optional here
+    response_model=GangStatus,
+    response_model_exclude_unset=True,
 )
 async def gang_info(request: Request, gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
     info = await gang.describe()

@@ -21,6 +21,7 @@ from service.ingress.deps import read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, inline_defs
 from service.state import artifacts
+from service.training.public import JobList, JobView
 from service.training.spec import JobSpec
 
 router = APIRouter(tags=["training"], dependencies=[Depends(require_token)], responses=AUTH_RESPONSES)
@@ -48,7 +49,8 @@ async def job_id_param(job_id: str) -> str:
     openapi_extra={"requestBody": {"content": {"application/json": {"schema": _spec_schema()}}}},
     responses={422: {"description": "invalid spec, infeasible job, or an init_from that does not exist "
                                     "(init_from_not_found) or has another shape (init_from_mismatch)"},
-               409: {"description": "init_from names a job that has not SUCCEEDED (init_from_not_ready)"}},
+               409: {"description": "init_from names a job that has not SUCCEEDED (init_from_not_ready)"},
+               202: {"model": JobView, "description": "The new job, PENDING"}},
 )
 async def submit(request: Request, jobs: JobsClient = Depends(get_jobs)) -> JSONResponse:
     body = await read_body_capped(request, MAX_SPEC_BYTES)
@@ -62,7 +64,7 @@ async def submit(request: Request, jobs: JobsClient = Depends(get_jobs)) -> JSON
     return JSONResponse(job, status_code=202, headers={"Location": f"/train/{job['id']}"})
 
 
-@router.get("/train", summary="Jobs, newest first: {jobs, next}")
+@router.get("/train", summary="Jobs, newest first: {jobs, next}", response_model=JobList)
 async def list_jobs(
     limit: int = Query(20, ge=1, le=200), cursor: str | None = Query(None, max_length=32),
     jobs: JobsClient = Depends(get_jobs),
@@ -70,12 +72,14 @@ async def list_jobs(
     return await jobs.call("list_jobs", limit, cursor)
 
 
-@router.get("/train/{job_id}", summary="One job: status, progress, history, error, checkpoint")
+@router.get("/train/{job_id}", summary="One job: status, progress, history, error, checkpoint",
+            response_model=JobView)
 async def get_job(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
     return await jobs.call("get_job", job_id)
 
 
-@router.post("/train/{job_id}/cancel", summary="Stop a job and free its resources")
+@router.post("/train/{job_id}/cancel", summary="Stop a job and free its resources", response_model=JobView,
+             responses={409: {"description": "the job already ended (job_finished)"}})
 async def cancel(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
     return await jobs.call("cancel", job_id)
 
