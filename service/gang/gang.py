@@ -34,6 +34,11 @@ unblocks rank 0 at the latest then; independently, a request whose step has *exe
 longer than the deadline gets 504 at once. Either way the gang is marked BROKEN, later
 requests get 503 immediately, and `rebuild()` (driven by the GangServer's supervisor)
 kills the peers, leaves the group and brings the gang up again in the same bundles.
+
+Its parts live beside it: the sequencer thread and its deadlines (service.gang.sequencer),
+the bounded lifecycle calls to the peers (service.gang.rpc), the warm spare
+(service.gang.spare), the reading of failures (service.gang.failures), the step loop's
+header protocol (service.gang.control), the rank itself (service.gang.rank).
 """
 from __future__ import annotations
 
@@ -42,26 +47,26 @@ import logging
 import statistics
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
-from service.errors import (
-    CollectiveTimeout, Conflict, DeadlineExceeded, DeadlineExceededBeforeStep, GangServeError, GangStartupError,
-    GangUnavailable,
-)
+from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
 from service.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
-from service.gang import control
-from service.gang_status import GangState, GangStatus, SpareStatus
-from service.gang.rank import RankInfo, RankWorker, WeightsVersionMismatch
+from service.gang import control, rpc
+from service.gang.failures import WeightsVersionMismatch, cause, first_line, is_timeout, is_version_mismatch, kill_quietly
+from service.gang.rank import RankInfo, RankWorker
+from service.gang.sequencer import Sequencer
+from service.gang.spare import WarmSpare
+from service.gang_status import GangState, GangStatus
 from service.weights.record import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
@@ -98,13 +103,9 @@ class Gang:
         self.last_bring_up: dict[str, float] = {}
         self._root: RankWorker | None = None
         self._actors: list[Any] = []
-        # The warm spare (see _start_spare): an idle rank process, adopted by a rebuild.
-        self._spare: Any | None = None
-        # Its describe() as a concurrent future: done once the spare is warm (read without a
-        # Ray call, so GET /gang never blocks the replica's event loop on it).
-        self._spare_ready: Future | None = None
+        # An idle rank process, adopted by a rebuild (service.gang.spare).
+        self._spare = WarmSpare(gang, placement_group, RankActor)
         self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
-        self._watchers: set[asyncio.Task] = set()  # steps past their requests' deadline (see _run)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
         self._loop_on = False  # the peers' loops run: steps go as headers, not Ray calls
         self._seq = 0  # last header sequence number sent
@@ -114,8 +115,8 @@ class Gang:
         self._heartbeats_stop: threading.Event | None = None  # set to end this generation's timer
         # rank 0's (seq, received, header sent, broadcast done, forward done, reply), ns
         self._timings: list[tuple[int, int, int, int, int, int]] = []
-        # One thread = one global order of collectives.
-        self._sequencer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gang-sequencer")
+        # One thread = one global order of collectives (service.gang.sequencer).
+        self._sequencer = Sequencer(on_stuck=self._mark_broken)
         self._batcher = StepBatcher(
             self._batched_step, max_batch_size=gang.max_batch_size, wait_s=gang.batch_wait_timeout_s,
             on_step=on_step, max_padding_fraction=gang.max_padding_fraction, on_drop=on_drop,
@@ -128,7 +129,7 @@ class Gang:
 
     async def start(self, weights: ServedWeights) -> None:
         """Bring the gang up serving `weights` (the app's recorded version)."""
-        await self._run(self._bring_up, weights)
+        await self._sequencer.run(self._bring_up, weights)
 
     async def rebuild(self, weights: ServedWeights) -> None:
         """Tear the gang down and bring it up again in the same bundles (new group, new pids),
@@ -136,7 +137,7 @@ class Gang:
         if self.state is GangState.STOPPED:
             return
         self.state = GangState.REBUILDING
-        await self._run(self._rebuild, weights)
+        await self._sequencer.run(self._rebuild, weights)
 
     async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                     deadline: float | None = None) -> np.ndarray:
@@ -160,8 +161,8 @@ class Gang:
         # for a lost node), only to be refused then. Checked and submitted in one go on the
         # event loop, where the supervisor submits the rebuild, so no rebuild slips between.
         self._require_ready()
-        return await self._run(self._infer_step, x, mask, causal, received_ns,
-                               deadline_s=self.cfg.collective_timeout_s, request_deadline=deadline)
+        return await self._sequencer.run(self._infer_step, x, mask, causal, received_ns,
+                                         step_timeout_s=self.cfg.collective_timeout_s, request_deadline=deadline)
 
     async def swap_weights(
         self, model: ModelConfig, record: Callable[[], ServedWeights]
@@ -176,17 +177,17 @@ class Gang:
         marks the gang BROKEN: the rebuild loads the recorded version, never a mix.
         """
         self._require_ready()
-        return await self._run(self._swap_weights, model, record)
+        return await self._sequencer.run(self._swap_weights, model, record)
 
     async def arm_failpoint(self, rank: int, name: str) -> None:
         """Tests only: make `rank` fail once at failpoint `name` (see service.gang.failpoints)."""
         self._require_ready()
-        await self._run(self._arm_failpoint, rank, name)
+        await self._sequencer.run(self._arm_failpoint, rank, name)
 
     async def probe(self) -> None:
         """Ask every peer for a sign of life; a dead or stopped peer marks the gang BROKEN."""
         if self.state is GangState.READY and self._actors:
-            await self._run(self._probe_step)
+            await self._sequencer.run(self._probe_step)
 
     async def step_loop_stats(self, timeout_s: float = 2.0, window: int = 32) -> dict[str, object]:
         """Where the last `window` steps' time went, from every rank's timestamps (medians, ms):
@@ -202,7 +203,7 @@ class Gang:
             peers = await asyncio.wait_for(
                 asyncio.gather(*(a.loop_timings.remote() for a in self._actors)), timeout=timeout_s)
         except Exception as exc:  # a stats read must never fail /gang
-            return {"enabled": True, "error": f"{type(exc).__name__}: {_first_line(exc)}"}
+            return {"enabled": True, "error": f"{type(exc).__name__}: {first_line(exc)}"}
         by_peer = [{t[0]: t for t in p} for p in peers]
         seqs = [s for s in mine if all(s in p for p in by_peer)]
         if not seqs:
@@ -233,7 +234,7 @@ class Gang:
             **(self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}),
             generation=self.generation,
             last_bring_up=self.last_bring_up,
-            spare=self.spare_status(),
+            spare=self._spare.status(),
             param_bytes_per_rank=list(self.param_bytes_per_rank),
             batching=self._batcher.stats(),
             ranks=[info.public() for info in self.rank_infos],
@@ -248,85 +249,14 @@ class Gang:
         # Killing the peers first unblocks rank 0 if it is inside a collective; then rank 0
         # leaves the group on the sequencer thread, never concurrently with a step.
         for actor in self._actors:
-            _kill_quietly(actor)
+            kill_quietly(actor)
         try:
-            self._sequencer.submit(lambda: (self._teardown(), self._drop_spare())).result(timeout=SHUTDOWN_TIMEOUT_S)
+            self._sequencer.submit(lambda: (self._teardown(), self._spare.drop())).result(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:
             log.exception("gang teardown did not finish within %.0fs", SHUTDOWN_TIMEOUT_S)
-        self._sequencer.shutdown(wait=False, cancel_futures=True)
+        self._sequencer.shutdown()
 
-    # -- sequencing ----------------------------------------------------------------------
-    async def _run(self, fn: Callable[..., T], *args: Any, deadline_s: float | None = None,
-                   request_deadline: float | None = None) -> T:
-        """Run fn on the sequencer thread.
-
-        Time spent queued behind other steps is not the gang's fault, so `deadline_s`
-        counts from the moment fn starts executing. Past it the gang is marked BROKEN and
-        the caller gets CollectiveTimeout (504) while the stuck thread waits out the
-        process group's own timeout.
-
-        `request_deadline` (time.monotonic(); the step's requests' own deadline): fn is
-        never started after it (DeadlineExceededBeforeStep, at the deadline even while the
-        sequencer is busy with an earlier step), and once started the caller stops waiting
-        at it (DeadlineExceeded; the gang is not blamed, the step finishes on its own).
-        """
-        loop = asyncio.get_running_loop()
-        started: asyncio.Future[float] = loop.create_future()
-
-        def timed() -> T:
-            if request_deadline is not None and time.monotonic() >= request_deadline:
-                raise DeadlineExceededBeforeStep(
-                    "the request's deadline passed while it waited for the gang's sequencer; it was not computed")
-            loop.call_soon_threadsafe(_set_if_pending, started, time.monotonic())
-            return fn(*args)
-
-        work: Future[T] = self._sequencer.submit(timed)
-        result = asyncio.wrap_future(work)
-        if deadline_s is None:
-            return await result
-        try:
-            until = None if request_deadline is None else max(0.0, request_deadline - time.monotonic())
-            await asyncio.wait({started, result}, timeout=until, return_when=asyncio.FIRST_COMPLETED)
-            if not started.done() and not result.done():  # still queued at the request's deadline
-                if work.cancel():
-                    raise DeadlineExceededBeforeStep(
-                        "the request's deadline passed while an earlier gang step ran; it was not computed")
-                await asyncio.wait({started, result}, return_when=asyncio.FIRST_COMPLETED)  # it just started
-            if not started.done():  # finished (or failed) before `started` was delivered
-                return await result
-            remaining = deadline_s - (time.monotonic() - started.result())
-            if request_deadline is not None and request_deadline - time.monotonic() < remaining:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(result),
-                                                  timeout=max(0.0, request_deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    # The step goes on: keep watching it for collective_timeout_s (a stuck
-                    # rank must still break the gang) without holding up this answer.
-                    watcher = loop.create_task(self._watch_step(result, started.result(), deadline_s))
-                    self._watchers.add(watcher)
-                    watcher.add_done_callback(self._watchers.discard)
-                    raise DeadlineExceeded(
-                        "the request's deadline passed while the gang was computing it") from None
-            return await asyncio.wait_for(asyncio.shield(result), timeout=max(0.0, remaining))
-        except asyncio.TimeoutError:
-            self._mark_broken(f"a step exceeded collective_timeout_s={deadline_s:.1f}s (stuck rank?)")
-            raise CollectiveTimeout(
-                f"the gang did not finish the request within collective_timeout_s={deadline_s:.1f}s; "
-                "the gang is being rebuilt"
-            ) from None
-        except asyncio.CancelledError:
-            work.cancel()  # drop it if it has not started yet
-            raise
-
-    async def _watch_step(self, result: asyncio.Future, started: float, deadline_s: float) -> None:
-        """A step nobody waits for any more still breaks the gang past collective_timeout_s."""
-        try:
-            await asyncio.wait_for(asyncio.shield(result), timeout=max(0.0, deadline_s - (time.monotonic() - started)))
-        except asyncio.TimeoutError:
-            self._mark_broken(f"a step exceeded collective_timeout_s={deadline_s:.1f}s (stuck rank?)")
-        except BaseException:  # noqa: BLE001 - the step's own failure was handled where it ran
-            pass
-
+    # -- helpers -------------------------------------------------------------------------
     def _require_ready(self) -> None:
         if self.state is not GangState.READY:
             raise GangUnavailable(
@@ -334,16 +264,9 @@ class Gang:
             )
 
     def _get(self, refs: list, stage: str, timeout_s: float) -> list:
-        """ray.get bounded by timeout_s; a failure names the stage and the late ranks."""
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except GetTimeoutError:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            late = [i + 1 for i, r in enumerate(refs) if r not in ready]
-            why = f"stage {stage!r}: ranks {late} did not answer within {timeout_s:.0f}s"
-            if stage == "create":  # most likely their bundles are not placed (e.g. a node was lost)
-                why += f"; {self._placement_diagnosis()}"
-            raise GangStartupError(why) from None
+        """Every peer's answer within timeout_s (service.gang.rpc.get_all); a late `create`
+        is most likely an unplaced bundle (e.g. a node was lost), so it says needed vs free."""
+        return rpc.get_all(refs, stage, timeout_s, self._placement_diagnosis if stage == "create" else None)
 
     def _placement_diagnosis(self) -> str:
         """Needed vs free, in the words of the fail-fast check (best effort)."""
@@ -372,7 +295,7 @@ class Gang:
             previous_nodes = {info.rank: info.node_id for info in self.rank_infos}  # bundles stay put
             self._actors, refs = [], []
             for rank in range(1, ws):
-                spare = self._take_spare(previous_nodes.get(rank))
+                spare = self._spare.take(previous_nodes.get(rank))
                 if spare is not None:
                     self._actors.append(spare)
                     refs.append(spare.adopt.remote(rank))
@@ -418,7 +341,7 @@ class Gang:
         self.generation += 1
         self.state, self.reason = GangState.READY, "ready"
         self.last_bring_up = {"ms": {**(prior or {}), **stages.ms}, "spare_adopted_as_rank": stages.adopted}
-        self._start_spare()  # after READY: its start never delays serving
+        self._spare.start()  # after READY: its start never delays serving
         log.info(
             "gang ready (generation %d): world_size=%d backend=%s in %.1fs (stages, ms: %s); weights version %d "
             "(%s, %s); pids %s", self.generation, ws, self.backend, time.monotonic() - started,
@@ -434,69 +357,11 @@ class Gang:
         stages.done("teardown")
         self._bring_up(weights, prior=stages.ms)
 
-    # -- the warm spare (sequencer thread) -------------------------------------------------
-    def _spare_wanted(self) -> bool:
-        """One spare per gang of peers on CPUs. A GPU gang gets none: each bundle holds one
-        GPU that its rank already holds, and a spare without it has no CUDA device to adopt."""
-        return self.cfg.warm_spare and self.cfg.world_size > 1 and not self.cfg.use_gpu
-
-    def _start_spare(self) -> None:
-        """Start the spare if wanted and none exists: a RankWorker (rank -1) in the last peer
-        bundle, reserving no resources of its own (Ray still pins it to the bundle's node, and
-        the bundle's CPU is held by the placement group either way; the adopted rank then
-        uses the lost rank's share). Non-blocking: `_take_spare` uses it once warm."""
-        if not self._spare_wanted() or self._spare is not None:
-            return
-        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
-        if self.placement_group is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=self.cfg.world_size - 1
-            )
-        self._spare = RankActor.options(**options).remote(
-            -1, self.cfg.world_size, use_gpu=False, torch_threads=self.cfg.threads_per_rank
-        )
-        self._spare_ready = self._spare.describe.remote().future()
-
-    def _take_spare(self, node_id: str | None) -> Any | None:
-        """The spare, handed over, if it is warm (answered its describe) and on `node_id`
-        (the node of the bundle the rank goes to); else None (still starting, elsewhere:
-        the rank starts a process of its own). A dead spare is dropped."""
-        if self._spare is None or self._spare_ready is None or node_id is None:
-            return None
-        if not self._spare_ready.done():
-            return None
-        try:
-            info: RankInfo = self._spare_ready.result(timeout=0)
-        except Exception as exc:  # RayActorError & co: its process is gone
-            log.warning("the warm spare is gone (%s); starting a new one after this bring-up", _first_line(exc))
-            self._drop_spare()
-            return None
-        if info.node_id != node_id:
-            return None
-        spare, self._spare, self._spare_ready = self._spare, None, None
-        return spare
-
-    def _drop_spare(self) -> None:
-        if self._spare is not None:
-            _kill_quietly(self._spare)
-        self._spare = self._spare_ready = None
-
-    def spare_status(self) -> SpareStatus:
-        """GET /gang `spare`: none, starting, warm (with its pid) or dead."""
-        ready = self._spare_ready
-        if self._spare is None or ready is None:
-            return SpareStatus(state="none")
-        if not ready.done():
-            return SpareStatus(state="starting")
-        if ready.exception() is not None:
-            return SpareStatus(state="dead")
-        return SpareStatus(state="warm", pid=ready.result().pid)
-
     def _teardown(self) -> None:
         self._loop_on = False  # no more headers: the group is going
         self._stop_heartbeats()
         for actor in self._actors:
-            _kill_quietly(actor)
+            kill_quietly(actor)
         self._actors = []
         self._unacked = []
         if self._root is not None:
@@ -574,17 +439,17 @@ class Gang:
                 if len(self._timings) > 2 * control.TIMINGS_KEPT:
                     del self._timings[:control.TIMINGS_KEPT]
         except (RayError, RuntimeError) as exc:
-            if _is_version_mismatch(exc):
-                self._mark_broken(f"weights versions disagree: {_first_line(_cause(exc))}")
+            if is_version_mismatch(exc):
+                self._mark_broken(f"weights versions disagree: {first_line(cause(exc))}")
                 raise GangUnavailable(
                     f"a rank did not hold the expected weights version {version} "
-                    f"({_first_line(_cause(exc))}); no answer was computed from mixed weights; "
+                    f"({first_line(cause(exc))}); no answer was computed from mixed weights; "
                     "the gang is being rebuilt with the recorded version",
                     code="weights_version_mismatch",
                 ) from exc
             # A peer died or a collective failed or timed out: the group is unusable now.
-            self._mark_broken(f"collective failed: {type(exc).__name__}: {_first_line(exc)}")
-            if _is_timeout(exc):
+            self._mark_broken(f"collective failed: {type(exc).__name__}: {first_line(exc)}")
+            if is_timeout(exc):
                 raise CollectiveTimeout(
                     f"a collective timed out after collective_timeout_s={self.cfg.collective_timeout_s:.1f}s "
                     "(a rank is stuck); the gang is being rebuilt"
@@ -617,7 +482,7 @@ class Gang:
             try:
                 self._send_header(control.op_header(control.OP_HEARTBEAT, self._seq + 1, time.time_ns()))
             except RuntimeError as exc:  # a peer's connection is gone
-                self._mark_broken(f"heartbeat to the step loops failed: {_first_line(exc)}")
+                self._mark_broken(f"heartbeat to the step loops failed: {first_line(exc)}")
 
     def _queued_heartbeat(self) -> None:
         self._heartbeat_queued = False
@@ -700,7 +565,7 @@ class Gang:
             refs = [a.describe.remote() for a in self._actors]
             self._wait_heartbeating(lambda: ray.get(refs, timeout=timeout_s))
         except (RayError, RuntimeError, GangServeError) as exc:
-            self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {_first_line(exc)}")
+            self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {first_line(exc)}")
 
     def _swap_weights(self, model: ModelConfig, record: Callable[[], ServedWeights]) -> ServedWeights:
         assert self._root is not None
@@ -713,7 +578,7 @@ class Gang:
         try:  # (staging never touches a group, so it may run beside the heartbeats)
             root_bytes = self._wait_heartbeating(lambda: root.stage_weights(model))
         except Exception as exc:
-            failures.append(f"rank 0: {type(exc).__name__}: {_first_line(exc)}")
+            failures.append(f"rank 0: {type(exc).__name__}: {first_line(exc)}")
         peer_bytes = self._wait_heartbeating(lambda: self._settle(refs, "stage weights", failures))
         if failures:
             self._discard_staged()
@@ -739,7 +604,7 @@ class Gang:
         try:
             self._root.commit_weights(weights.version)
         except Exception as exc:
-            failures.append(f"rank 0: {type(exc).__name__}: {_first_line(exc)}")
+            failures.append(f"rank 0: {type(exc).__name__}: {first_line(exc)}")
         self._wait_heartbeating(lambda: self._settle(refs, "commit weights", failures))
         self.weights = weights  # the version every step now expects (and a rebuild would load)
         if failures:
@@ -754,21 +619,10 @@ class Gang:
         return weights
 
     def _settle(self, refs: list, stage: str, failures: list[str]) -> list:
-        """Each peer's result of `stage`, bounded; appends 'rank r: why' for every failure."""
-        results: list = []
-        deadline = time.monotonic() + self.cfg.stage_timeout_s
-        for rank, ref in enumerate(refs, start=1):
-            try:
-                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-            except GetTimeoutError:
-                failures.append(f"rank {rank}: no answer within stage_timeout_s={self.cfg.stage_timeout_s:.0f}s")
-            except RayActorError as exc:
-                failures.append(f"rank {rank}: its process died ({_first_line(exc)})")
-                self._mark_broken(f"rank {rank} died during {stage}")
-            except RayError as exc:
-                cause = _cause(exc)
-                failures.append(f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}")
-        return results
+        """Each peer's result of `stage` within stage_timeout_s (service.gang.rpc.settle); a
+        peer that died marks the gang BROKEN."""
+        return rpc.settle(refs, stage, self.cfg.stage_timeout_s, failures,
+                          on_died=lambda rank: self._mark_broken(f"rank {rank} died during {stage}"))
 
     def _discard_staged(self) -> None:
         assert self._root is not None
@@ -777,7 +631,7 @@ class Gang:
             refs = [a.discard_staged.remote() for a in self._actors]
             self._wait_heartbeating(lambda: ray.get(refs, timeout=self.cfg.stage_timeout_s))
         except RayError as exc:
-            self._mark_broken(f"a rank failed while discarding staged weights: {_first_line(exc)}")
+            self._mark_broken(f"a rank failed while discarding staged weights: {first_line(exc)}")
 
     def _arm_failpoint(self, rank: int, name: str) -> None:
         if not 0 <= rank < self.cfg.world_size:
@@ -818,54 +672,3 @@ def _first_token(mask: np.ndarray | None, width: int) -> int:
     if mask is None:
         return 0
     return int(np.argmax(mask.reshape(-1))) * width  # argmax of bool: the first True
-
-
-def _kill_quietly(actor: Any) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # already dead
-        pass
-
-
-def _set_if_pending(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The exception a Ray task raised (RayTaskError wraps it), else exc itself."""
-    return getattr(exc, "cause", None) or exc
-
-
-def _is_version_mismatch(exc: BaseException) -> bool:
-    return isinstance(_cause(exc), WeightsVersionMismatch)
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    """504 (a collective or a peer's ack ran out of time) vs 503 (a rank failed).
-
-    Decided by type wherever a type exists: Ray's GetTimeoutError (a bounded ray.get on
-    the peers' acks) and Python's TimeoutError mean out of time; RayActorError means a
-    peer process died. The collective's own failure has no distinguishing type: with
-    torch 2.13, gloo raises a plain RuntimeError both for its timeout ("Timed out waiting
-    2000ms for recv operation to complete", then "Application timeout caused pair
-    closure") and for a dead peer ("Connection closed by peer"), and NCCL raises
-    DistBackendError for both as well (checked with a 2-process gloo group). Only there
-    the first line of the error's own message decides, never a RayTaskError's rendered
-    traceback (its source lines can contain "timeout" whatever happened).
-    """
-    cause = _cause(exc)
-    for e in (exc, cause):
-        if isinstance(e, (GetTimeoutError, TimeoutError)):
-            return True
-        if isinstance(e, RayActorError):
-            return False
-    if not isinstance(cause, RuntimeError):  # torch.distributed.DistError subclasses RuntimeError
-        return False
-    text = _first_line(cause).lower()
-    return "timed out" in text or "timeout" in text

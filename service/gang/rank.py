@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from service.config import ModelConfig
 from service.gang.failpoints import Failpoints
+from service.gang.failures import WeightsVersionMismatch, first_line
 from service.gang import control
 from service.cluster.netif import bind_collectives_to
 from service.parallel import ParallelGroup, TensorParallelAttention
@@ -35,10 +36,6 @@ from service.state import artifacts
 log = logging.getLogger("gangserve.rank")
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class WeightsVersionMismatch(RuntimeError):
-    """A step expected another weights version than the one this rank holds."""
 
 
 @dataclass(frozen=True)
@@ -335,7 +332,7 @@ class RankWorker:
                 dist.broadcast(header, src=0, group=self._control)
             except Exception as exc:  # rank 0 gone (connection closed) or stopped (timeout)
                 self._loop_failed(f"waiting for rank 0's next header failed: {type(exc).__name__}: "
-                                  f"{_first_line(exc)}")
+                                  f"{first_line(exc)}")
                 return
             woke = time.time_ns()
             h = header.tolist()
@@ -364,7 +361,7 @@ class RankWorker:
             except WeightsVersionMismatch:
                 pass  # took part in every collective on NaN; recorded for rank 0 (step_error)
             except Exception as exc:  # the group is out of step now: only a rebuild helps
-                self._loop_failed(f"step {h[control.SEQ]} failed: {type(exc).__name__}: {_first_line(exc)}")
+                self._loop_failed(f"step {h[control.SEQ]} failed: {type(exc).__name__}: {first_line(exc)}")
                 return
             self._timings.append((h[control.SEQ], h[control.SENT_NS], woke, self.last_bcast_ns,
                                   self.last_forward_ns))
@@ -386,8 +383,3 @@ class RankWorker:
         self.group = None
         self._control = None
         self._store = None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
