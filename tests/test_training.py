@@ -12,9 +12,7 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,8 @@ from safetensors.numpy import save as st_save
 from safetensors.torch import load as st_load_torch
 
 from tests.conftest import ROOT, TEST_API_TOKEN
-from tests.helpers import AUTH, SMALL, TERMINAL, assert_error, get_job, post, state_dir, wait_done, wait_for
+from tests.faults import RequestLoop
+from tests.helpers import AUTH, SMALL, TERMINAL, assert_error, eventually, get_job, post, state_dir, wait_done, wait_for
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 
@@ -396,11 +395,9 @@ def test_cancel_stops_the_run_and_frees_its_workers(app_url: str) -> None:
     assert reply.status_code == 200, reply.text
     assert reply.json()["status"] == "CANCELLED"
     pids = [w["pid"] for w in job["workers"]]
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), f"workers {pids} still alive {time.monotonic() - t0:.1f}s after cancel"
-    time.sleep(2)
+    eventually(lambda: not any(_alive(p) for p in pids), 15, f"the cancelled job's workers {pids} gone")
+    print(f"workers gone {time.monotonic() - t0:.1f}s after the cancel")
+    time.sleep(2)  # by design: room for a late update from the dying run, which must not land
     assert get_job(app_url, job_id)["status"] == "CANCELLED"  # no late update overrides it
     assert_error(post(app_url, f"/train/{job_id}/cancel"), 409, "job_finished")
     assert_error(post(app_url, "/train/job-doesnotexist/cancel"), 404, "job_not_found")
@@ -507,32 +504,24 @@ def test_weights_hot_swap_under_traffic(app_url: str, jobs: dict[str, str]) -> N
         assert reply.status_code == 200, reply.text
         return np.asarray(reply.json()["output"], dtype=np.float32)
 
-    stop = threading.Event()
-    failures: list[str] = []
-    counts = [0]
-
-    def traffic() -> None:
-        while not stop.is_set():
-            try:
-                infer()
-                counts[0] += 1
-            except AssertionError as exc:
-                failures.append(str(exc))
-
     restore = state_dir() / "checkpoints" / "seed-weights-restore.safetensors"
     from service.parallel.weights import save_checkpoint
     save_checkpoint(restore, notes_seed_weights(512), 8)
     try:
-        with ThreadPoolExecutor(4) as pool:
-            for _ in range(4):
-                pool.submit(traffic)
-            time.sleep(1)
+        # 4 clients; every answer is checked: the seed weights' dense reference (source 0) or
+        # the trained checkpoint's (source 1), never a mix, and only the trained once the swap returned.
+        with RequestLoop(app_url + "/infer", notes_seed_weights(512), threads=4, alternatives=[trained]) as loop:
+            loop.wait_answered(4)
             reply = post(app_url, "/weights", {"job_id": job["id"]}, timeout=330)
-            time.sleep(1)
-            stop.set()
+            swapped_at = time.monotonic()
+            loop.wait_answered(4, after=swapped_at)
+        summary = loop.summary()
+        print("swap under traffic:", summary)
         assert reply.status_code == 200, reply.text
-        assert not failures, failures[:3]
-        assert counts[0] > 4
+        assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, \
+            (summary, [o.body for o in loop.outcomes if o.status != 200][:3])
+        late = [o.source for o in loop.outcomes if o.at > swapped_at]
+        assert late and set(late) == {1}, f"requests sent after the swap returned answered from sources {late}"
         assert reply.json()["weights_version"] > before
         assert httpx.get(app_url + "/gang", timeout=30).json()["weights_version"] == reply.json()["weights_version"]
         got = torch.from_numpy(infer())
