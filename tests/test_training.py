@@ -47,8 +47,6 @@ SPECS: dict[str, dict[str, Any]] = {
     "kill": {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 4000}, "epochs": 16,
              "max_failures": 1},
 }
-# Jobs submitted by one test and checked by a later one (so they overlap with the tests between).
-LATE: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +61,18 @@ def jobs(app_url: str) -> dict[str, str]:
         assert job["status"] == "PENDING" and job["spec"]["epochs"] == spec["epochs"]
         ids[name] = job["id"]
     return ids
+
+
+@pytest.fixture(scope="module")
+def fine_tune(app_url: str, jobs: dict[str, str]) -> str:
+    """A one-epoch fine-tune of the attention job, submitted once that job ended; its id. The
+    attention test asks for it too, so it starts then and overlaps with the tests between;
+    test_fine_tune_starts_at_its_sources_loss checks it (and alone, submits it itself)."""
+    source = wait_done(app_url, jobs["attention"])
+    assert source["status"] == "SUCCEEDED", source
+    reply = post(app_url, "/train", {**SPECS["attention"], "epochs": 1, "init_from": {"job_id": source["id"]}})
+    assert reply.status_code == 202, reply.text
+    return reply.json()["id"]
 
 
 def registered_checkpoint(job_id: str) -> bool:
@@ -292,7 +302,8 @@ def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str, jobs: dict[str, str]) -> None:
+def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(
+        app_url: str, jobs: dict[str, str], fine_tune: str) -> None:
     job_id = jobs["attention"]
     job = wait_done(app_url, job_id)
     assert job["status"] == "SUCCEEDED", job
@@ -337,12 +348,6 @@ def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str
           f"reference on the held-out samples {held_out:.6g}")
     assert job["final_eval_loss"] == job["history"][-1]["eval_loss"]
     assert abs(job["final_eval_loss"] - held_out) <= 1e-4 * held_out, (job["final_eval_loss"], held_out)
-
-    # Fine-tuning from this job (checked in test_fine_tune_starts_at_its_sources_loss, so it
-    # overlaps with the tests in between).
-    reply = post(app_url, "/train", {**SPECS["attention"], "epochs": 1, "init_from": {"job_id": job_id}})
-    assert reply.status_code == 202, reply.text
-    LATE["fine_tune"] = reply.json()["id"]
 
 
 @pytest.mark.ray
@@ -663,9 +668,9 @@ def test_weights_list_gate_and_rollback(app_url: str, jobs: dict[str, str]) -> N
 @pytest.mark.ray
 @pytest.mark.slow
 def test_fine_tune_starts_at_its_sources_loss_and_bad_init_from_changes_nothing(
-        app_url: str, jobs: dict[str, str]) -> None:
+        app_url: str, jobs: dict[str, str], fine_tune: str) -> None:
     source = wait_done(app_url, jobs["attention"])
-    job = wait_done(app_url, LATE["fine_tune"])
+    job = wait_done(app_url, fine_tune)
     assert job["status"] == "SUCCEEDED", job
     fresh, tuned = [h["loss"] for h in source["history"]], [h["loss"] for h in job["history"]]
     print(f"first-epoch loss: fresh {fresh[0]:.6g}, fine-tuned {tuned[0]:.6g} (source's last epoch {fresh[-1]:.6g})")
