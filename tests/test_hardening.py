@@ -45,7 +45,7 @@ from service.errors import MAX_MESSAGE_CHARS, GangServeError, Overloaded
 from service.ingress.deps import DecodePool
 from service.ingress.routes import oip
 from service.state.paths import state_dir
-from tests.conftest import TEST_API_TOKEN, local_yaml_args
+from tests.conftest import TEST_API_TOKEN, local_yaml_args, wait_ready
 from tests.helpers import eventually, eventually_async
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
@@ -790,17 +790,7 @@ def hard_url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                      "runtime_env": {"env_vars": {"GANGSERVE_INFER_TOKEN": INFER_TOKEN}}}
     serve.run(Application(ingress.options(ray_actor_options=actor_options)), name="hardened",
               route_prefix="/hardened", blocking=False)
-    base = serve_url + "/hardened"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/readyz", timeout=10).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        raise TimeoutError("app 'hardened' not ready after 180 s")
+    base = wait_ready(serve_url + "/hardened", 180, "app 'hardened'")
     yield base
     serve.delete("hardened")
 
