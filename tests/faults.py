@@ -166,7 +166,7 @@ def gang_client_around_kill(client: object, x: np.ndarray, want: torch.Tensor, v
 
     async def scenario() -> None:
         requests = asyncio.ensure_future(loop())
-        await asyncio.sleep(kill_after_s)
+        await asyncio.sleep(kill_after_s)  # pacing: the requests flow for a set time before the kill
         os.kill(victim, signal.SIGKILL)
         await requests
 
