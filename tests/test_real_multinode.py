@@ -197,7 +197,8 @@ def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: Ne
     info = httpx.get(app + "/gang", timeout=10).json()
     victim = next(n for n in cluster.nodes if not n.head and n.ip in [r["node_ip"] for r in info["ranks"]])
     with Load(app) as load:
-        load.wait_answered()  # the clients are sending before the cut
+        load.wait_answered()  # the clients are sending ...
+        time.sleep(1.0)  # ... for a second before the cut: cut at the first answer, a request got Serve's 408 (twice)
         cut_at = time.monotonic()
         cluster.link(victim, up=False)
         time.sleep(PARTITION_S)  # by design: a partition longer than the collective timeout
@@ -249,7 +250,8 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     reason, seen, health = None, [], []
     assert victim.ip in ingress_node_ips(cluster)  # it also holds one of the two ingress replicas
     with Load(app) as load:
-        load.wait_answered()  # the clients are sending before the kill
+        load.wait_answered()  # the clients are sending ...
+        time.sleep(1.0)  # ... for a second before the kill, as before the cut above
         killed_at = time.monotonic()
         cluster.kill_node(victim)
         deadline = killed_at + 120
