@@ -55,6 +55,9 @@ class Outcome:
     correct: bool | None
     at: float
     body: str = ""
+    # Which weights a 200 equals: 0 the loop's `weights`, i the i-th of its `alternatives`
+    # (1-based); None for a wrong answer or no 200.
+    source: int | None = None
 
 
 @dataclass
@@ -98,27 +101,46 @@ class RequestLoop:
                 except httpx.HTTPError as exc:
                     status, text, content = -1, repr(exc), b""
                 latency = time.monotonic() - t0
-                correct = None
+                correct, source = None, None
                 if status == 200:
                     out = np.load(io.BytesIO(content))
                     got = torch.from_numpy(out)
-                    correct = any(
-                        relative_error(got, dense_attention(w, 8, torch.from_numpy(x))) < 1e-5
-                        for w in (self.weights, *self.alternatives)
-                    )
+                    source = next((i for i, w in enumerate((self.weights, *self.alternatives))
+                                   if relative_error(got, dense_attention(w, 8, torch.from_numpy(x))) < 1e-5), None)
+                    correct = source is not None
                 with self._lock:
-                    self.outcomes.append(Outcome(status, latency, correct, t0, text))
+                    self.outcomes.append(Outcome(status, latency, correct, t0, text, source))
                 if status != 200:
                     time.sleep(0.05)
 
+    def answered(self, after: float = 0.0) -> int:
+        """How many requests started at or after `after` (time.monotonic()) were answered 200."""
+        with self._lock:
+            return sum(1 for o in self.outcomes if o.status == 200 and o.at >= after)
+
+    def wait_answered(self, count: int = 1, after: float | None = None, timeout_s: float = 60) -> int:
+        """Block until `count` requests started at or after `after` (default: now) were answered
+        200: the load is really flowing (before a fault) or flows again (after a recovery).
+        AssertionError with the outcomes so far after timeout_s."""
+        since = time.monotonic() if after is None else after
+        deadline = time.monotonic() + timeout_s
+        while (n := self.answered(since)) < count:
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{n} of {count} requests answered 200 within {timeout_s:g}s "
+                                     f"(loop on {self.url}); so far {self.summary()}")
+            time.sleep(0.05)
+        return n
+
     def summary(self) -> dict[str, object]:
+        with self._lock:
+            outcomes = list(self.outcomes)
         statuses: dict[int, int] = {}
-        for o in self.outcomes:
+        for o in outcomes:
             statuses[o.status] = statuses.get(o.status, 0) + 1
         return {
             "statuses": statuses,
-            "max_latency_s": round(max((o.latency_s for o in self.outcomes), default=0.0), 3),
-            "wrong": sum(1 for o in self.outcomes if o.correct is False),
+            "max_latency_s": round(max((o.latency_s for o in outcomes), default=0.0), 3),
+            "wrong": sum(1 for o in outcomes if o.correct is False),
         }
 
 
@@ -144,7 +166,7 @@ def gang_client_around_kill(client: object, x: np.ndarray, want: torch.Tensor, v
 
     async def scenario() -> None:
         requests = asyncio.ensure_future(loop())
-        await asyncio.sleep(kill_after_s)
+        await asyncio.sleep(kill_after_s)  # pacing: the requests flow for a set time before the kill
         os.kill(victim, signal.SIGKILL)
         await requests
 

@@ -5,6 +5,7 @@ of fixed sleeps, and random request tensors.
 """
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -42,6 +43,17 @@ def eventually(probe: Callable[[], T | None], timeout_s: float, what: str, inter
         if time.monotonic() >= deadline:
             raise AssertionError(f"{what}: not within {timeout_s:g}s; last: {str(last)[:1500]}")
         time.sleep(interval_s)
+
+
+async def eventually_async(probe: Callable[[], T | None], timeout_s: float, what: str,
+                           interval_s: float = 0.01) -> T:
+    """`eventually` inside an event loop: the loop runs (other tasks progress) between probes."""
+    deadline = time.monotonic() + timeout_s
+    while not (last := probe()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g}s; last: {str(last)[:1500]}")
+        await asyncio.sleep(interval_s)
+    return last
 
 
 def rand(*shape: int, seed: int = 0) -> np.ndarray:

@@ -131,7 +131,7 @@ def test_materialize_downloads_once_and_verifies(store: ArtifactStore, tmp_path:
         return
     assert first.parent == store.cache_dir and first.name == f"{sha}.safetensors"
     stamp = first.stat().st_mtime_ns
-    time.sleep(0.01)
+    time.sleep(0.01)  # by design: a re-download now would show as a newer mtime
     assert store.materialize(key) == first and first.stat().st_mtime_ns == stamp  # not downloaded again
     # A tampered cache file is never served: it is replaced by a fresh, verified download.
     first.write_bytes(b"tampered cache")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from service.batching import StepBatcher
+from tests.helpers import eventually_async
 
 pytestmark = pytest.mark.unit
 
@@ -81,12 +82,12 @@ def test_a_cancelled_request_is_dropped_before_it_runs() -> None:
         batcher = StepBatcher(step, max_batch_size=1, wait_s=0.0)
         first = asyncio.ensure_future(batcher.submit(_x(1, 2, 0)))
         second = asyncio.ensure_future(batcher.submit(_x(1, 2, 1)))
-        await asyncio.sleep(0.01)
+        await eventually_async(lambda: len(step.shapes) == 1, 5, "the first request's step running")
         second.cancel()
         await first
         with pytest.raises(asyncio.CancelledError):
             await second
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # by design: room for a step the cancelled request must not get
         return step
 
     assert len(asyncio.run(scenario()).shapes) == 1
@@ -263,10 +264,11 @@ def test_cancelled_queued_request_is_dropped_and_counted() -> None:
         first = asyncio.ensure_future(batcher.submit(_x(1, 2, 0)))
         await asyncio.sleep(0)
         gone = asyncio.ensure_future(batcher.submit(_x(1, 7, 1)))
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: len(step.shapes) == 1, 5, "the first request's step running")
+        await asyncio.sleep(0)  # `gone` reaches the queue behind it
         gone.cancel()  # the client disconnected
         await first
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # by design: longer than a step (0.2 s), room for one it must not get
         return step
 
     step = asyncio.run(scenario())

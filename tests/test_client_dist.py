@@ -98,7 +98,8 @@ def test_bench_does_not_import_tests() -> None:
 
 
 @pytest.mark.unit
-def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    script: Any) -> None:
     from service.ingress.auth import load_api_token
 
     monkeypatch.delenv("GANGSERVE_API_TOKEN", raising=False)
@@ -108,7 +109,10 @@ def test_client_and_service_find_the_same_api_token(tmp_path: Path, monkeypatch:
     created, where = load_api_token()  # the service creates it ...
     found = tokens.api_token()  # ... and the client reads that one
     assert found is not None and (found.value, found.source) == (created, where)
-    assert TrainingClient("http://127.0.0.1:9")._http.headers["authorization"] == f"Bearer {created}"
+    server = script([(200, {}, b'{"jobs": [], "next": null}')])
+    with TrainingClient(server.url) as client:  # what it sends, as a server sees it
+        client.jobs()
+    assert server.authorization == [f"Bearer {created}"], server.authorization
     monkeypatch.setenv("GANGSERVE_API_TOKEN", "  from-env  ")  # the environment wins, stripped, on both sides
     assert load_api_token()[0] == tokens.api_token().value == "from-env"
     monkeypatch.setenv("GANGSERVE_INFER_TOKEN", " infer ")
@@ -143,6 +147,7 @@ class Script:
 
     def __init__(self, steps: list[Any], port: int = 0) -> None:
         self.steps, self.seen = list(steps), []
+        self.authorization: list[str | None] = []  # each request's Authorization header
         script = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -152,6 +157,7 @@ class Script:
                 length = int(self.headers.get("content-length") or 0)
                 self.rfile.read(length)
                 script.seen.append((self.command, self.path))
+                script.authorization.append(self.headers.get("authorization"))
                 step = script.steps.pop(0) if script.steps else (200, {}, b"{}")
                 if step == "drop":
                     self.close_connection = True
@@ -301,12 +307,15 @@ def test_training_calls_raise_typed_errors(app_url: str) -> None:
 
 
 @pytest.mark.ray
-def test_inference_sends_the_inference_token(app_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inference_sends_the_inference_token(app_url: str, monkeypatch: pytest.MonkeyPatch, script: Any) -> None:
     """The client sends $GANGSERVE_INFER_TOKEN on inference (a service without one ignores it)."""
     monkeypatch.setenv("GANGSERVE_INFER_TOKEN", "some-inference-token")
     x = rand(1, 3, 512, seed=3)
+    server = script([npy_reply(x)])  # what it sends, as a server sees it
+    with GangServeClient(server.url) as client:
+        client.infer(x, "npy")
+    assert server.authorization == ["Bearer some-inference-token"], server.authorization
     with GangServeClient(app_url) as client:
-        assert client._infer_args(x, "npy", None, None)["headers"]["authorization"] == "Bearer some-inference-token"
         assert relative_error(torch.from_numpy(np.array(client.infer(x, "json"))), reference(x)) < 1e-5
 
 

@@ -23,7 +23,7 @@ from service.transport import channel, shm
 from service.transport.channel import ChannelClient, ChannelServer, ChannelUnavailable
 from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
 from tests.reference import dense_attention, notes_seed_weights, relative_error
-from tests.helpers import rand
+from tests.helpers import eventually_async, rand
 
 
 def reference(x: np.ndarray) -> torch.Tensor:
@@ -146,8 +146,7 @@ def test_more_calls_than_max_in_flight_are_refused_as_overloaded(tmp_path: Path,
 
     async def body(server: ChannelServer, client: ChannelClient) -> None:
         first = asyncio.ensure_future(client.infer(rand(1, 2, 8)))
-        while server._in_flight < 1:  # the first call holds the only slot
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: server.stats()["in_flight"] >= 1, 5, "the first call holding the only slot")
         with pytest.raises(Overloaded) as refused:
             await client.infer(rand(1, 2, 8))
         assert refused.value.status == 503 and refused.value.retry_after_s
@@ -251,6 +250,12 @@ def _driver_side_client(app_url: str, **overrides: Any) -> Any:
     return client
 
 
+def _transport(client: Any) -> dict[str, Any]:
+    """How the client handed tensors to the gang: its describe()'s ingress_transport (what
+    GET /gang shows for an ingress replica)."""
+    return asyncio.run(client.describe())["ingress_transport"]
+
+
 @pytest.mark.ray
 def test_requests_take_the_data_channel_and_match_the_reference(app_url: str) -> None:
     client = _driver_side_client(app_url)
@@ -290,7 +295,8 @@ def test_data_channel_off_uses_the_handle(app_url: str) -> None:
     x = rand(1, 4, 512, seed=24)
     out = np.array(asyncio.run(client.infer(x)))
     assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
-    assert (client._transport["data_channel"], client._transport["object_store"]) == (0, 1)
+    used = _transport(client)
+    assert (used["data_channel"], used["object_store"]) == (0, 1), used
 
 
 @pytest.mark.ray
@@ -311,7 +317,8 @@ def test_rank_death_during_channel_requests_is_a_clean_error_then_channel_again(
     wait_for_new_gang(app_url, {victim}, timeout_s=60)
     fresh = _driver_side_client(app_url)
     assert relative_error(torch.from_numpy(np.array(asyncio.run(fresh.infer(x)))), want) < 1e-5
-    assert fresh._transport["data_channel"] == 1 and fresh._transport["data_channel_fallbacks"] == 0
+    used = _transport(fresh)
+    assert used["data_channel"] == 1 and used["data_channel_fallbacks"] == 0, used
 
 
 @pytest.mark.ray
@@ -382,17 +389,14 @@ def test_deadline_travels_a_gone_client_cancels_and_a_drain_finishes_accepted_re
         out = await client.infer(rand(1, 2, 8), timeout_s=2.5)
         assert np.array_equal(out, _affine(rand(1, 2, 8))) and 2.0 < seen[-1] <= 2.5
         gone = asyncio.ensure_future(client.infer(rand(3, 2, 8), timeout_s=10.0))
-        await asyncio.sleep(0.2)
+        await eventually_async(lambda: len(seen) == 2, 5, "the slow request reached the server's infer")
         gone.cancel()  # the client closes its connection
-        for _ in range(100):
-            if cancelled:
-                break
-            await asyncio.sleep(0.02)
-        assert cancelled and server.stats()["disconnected"] == 1
+        await eventually_async(lambda: cancelled, 5, "the gone client's request cancelled on the server")
+        assert server.stats()["disconnected"] == 1
         accepted = asyncio.ensure_future(client.infer(rand(4, 2, 8), timeout_s=10.0))
-        await asyncio.sleep(0.2)
+        await eventually_async(lambda: len(seen) == 3, 5, "the accepted request reached the server's infer")
         draining = asyncio.ensure_future(server.drain(timeout_s=10.0))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # by design: time in which a drain that did not wait would have ended
         assert not draining.done()  # it waits for the accepted request
         gate.set()
         assert np.array_equal(await accepted, _affine(rand(4, 2, 8)))

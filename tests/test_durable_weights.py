@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,7 +21,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
-from tests.helpers import scrape, total
+from tests.helpers import eventually, scrape, total
 from tests.reference import dense_attention, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -73,14 +72,23 @@ def _arm(rank: int, name: str, app: str = APP) -> None:
 
 
 def _wait_ready_version(base: str, version: int, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    info = None
-    while time.monotonic() < deadline:
+    def ready() -> dict | None:
         info = gang_info(base)
-        if info and info.get("state") == "ready" and info.get("weights_version") == version:
-            return info
-        time.sleep(0.25)
-    raise AssertionError(f"gang not ready with weights version {version} within {timeout_s}s: {info}")
+        return info if info and info.get("state") == "ready" and info.get("weights_version") == version else None
+
+    return eventually(ready, timeout_s, f"the gang ready with weights version {version} (/gang)")
+
+
+def _start_from(base: str, seed: int) -> dict[str, torch.Tensor]:
+    """Make the app serve _weights(seed) (a swap, unless it already does: then nothing) and
+    return them, so that each test starts from known weights whichever tests ran before."""
+    weights = _weights(seed)
+    rel, sha = _write(f"durable-start-{seed}.safetensors", weights)
+    if gang_info(base)["weights_sha256"] != sha:
+        reply = _swap(base, {"checkpoint": rel})
+        assert reply.status_code == 200, reply.text
+    _assert_serves(base, weights)
+    return weights
 
 
 def _args(seed: int) -> dict:
@@ -121,9 +129,8 @@ def test_swap_survives_the_loss_of_rank_0(durable_url: str) -> None:
 
 def test_unreadable_checkpoint_leaves_the_old_weights_everywhere(durable_url: str) -> None:
     base = durable_url
+    current = _start_from(base, 1)
     before = gang_info(base)
-    current = _weights(1)  # what the previous test left served
-    _assert_serves(base, current)
 
     # A file whose data is cut short: refused, nothing changes.
     rel, _ = _write("durable-truncated.safetensors", _weights(2))
@@ -150,11 +157,11 @@ def test_unreadable_checkpoint_leaves_the_old_weights_everywhere(durable_url: st
 
 def test_commit_failure_rebuilds_with_the_recorded_version_never_mixed(durable_url: str) -> None:
     base = durable_url
-    old, new = _weights(1), _weights(4)
+    old, new = _start_from(base, 1), _weights(4)
     rel, sha = _write("durable-c.safetensors", new)
     before = gang_info(base)
     with RequestLoop(base + "/infer", old, alternatives=[new]) as loop:
-        time.sleep(1.0)
+        loop.wait_answered(2)  # both clients are sending before the swap
         _arm(1, "commit_weights")
         reply = _swap(base, {"checkpoint": rel})
         assert reply.status_code == 503, reply.text
@@ -162,7 +169,7 @@ def test_commit_failure_rebuilds_with_the_recorded_version_never_mixed(durable_u
         recorded = before["weights_version"] + 1
         assert f"version {recorded}" in reply.json()["error"]
         info = _wait_ready_version(base, recorded)
-        time.sleep(1.0)
+        loop.wait_answered(2, after=time.monotonic())  # the rebuilt gang answers the load
     summary = loop.summary()
     print("request loop:", summary)
     assert summary["wrong"] == 0, "an answer came from mixed or unknown weights"
@@ -176,7 +183,7 @@ def test_a_rank_on_another_version_refuses_the_step(durable_url: str) -> None:
     refused (weights_version_mismatch), never answered from mixed weights; the gang is
     rebuilt and the request, retried inside the service, is answered from the new weights."""
     base = durable_url
-    old, new = _weights(4), _weights(5)
+    old, new = _start_from(base, 4), _weights(5)
     rel, _ = _write("durable-d.safetensors", new)
     retries_before = total(scrape(base), "gangserve_request_retries_total", code="weights_version_mismatch")
     _arm(1, "commit_weights_noop")
@@ -196,7 +203,7 @@ def test_a_rank_on_another_version_refuses_the_step(durable_url: str) -> None:
 
 def test_concurrent_swaps_under_load_serialize_and_every_answer_is_one_version(durable_url: str) -> None:
     base = durable_url
-    current, f, g = _weights(5), _weights(6), _weights(7)
+    current, f, g = _start_from(base, 5), _weights(6), _weights(7)
     rel_f, sha_f = _write("durable-f.safetensors", f)
     rel_g, sha_g = _write("durable-g.safetensors", g)
     start = gang_info(base)["weights_version"]
@@ -206,13 +213,13 @@ def test_concurrent_swaps_under_load_serialize_and_every_answer_is_one_version(d
         replies[name] = _swap(base, {"checkpoint": rel})
 
     with RequestLoop(base + "/infer", current, alternatives=[f, g]) as loop:
-        time.sleep(1.0)
+        loop.wait_answered(2)  # both clients are sending before the swaps
         threads = [threading.Thread(target=swap, args=a) for a in (("f", rel_f), ("g", rel_g))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=330)
-        time.sleep(1.0)
+        loop.wait_answered(2, after=time.monotonic())  # and after them
     summary = loop.summary()
     print("request loop:", summary)
     assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, summary

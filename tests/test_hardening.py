@@ -45,7 +45,8 @@ from service.errors import MAX_MESSAGE_CHARS, GangServeError, Overloaded
 from service.ingress.deps import DecodePool
 from service.ingress.routes import oip
 from service.state.paths import state_dir
-from tests.conftest import TEST_API_TOKEN, local_yaml_args
+from tests.conftest import TEST_API_TOKEN, local_yaml_args, wait_ready
+from tests.helpers import eventually, eventually_async
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 SEED_WEIGHTS = notes_seed_weights(512)
@@ -503,21 +504,18 @@ def test_decode_pool_admission_is_bounded_by_work_really_running() -> None:
         release = threading.Event()
         first = asyncio.ensure_future(pool.run(release.wait, 30))
         second = asyncio.ensure_future(pool.run(release.wait, 30))
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: pool.pending == 2, 5, "both submissions admitted")
         with pytest.raises(Overloaded) as info:
             await pool.run(sum, [1, 2])
         assert info.value.status == 503 and info.value.code == "overloaded" and info.value.retry_after_s
         first.cancel()  # a disconnected client: its work still occupies the thread ...
-        await asyncio.sleep(0.05)
+        await eventually_async(first.done, 5, "the first submission's waiter cancelled")
         with pytest.raises(Overloaded):  # ... so its slot is not free yet
             await pool.run(sum, [1, 2])
         release.set()
         assert await second is True
-        for _ in range(100):
-            if pool.pending == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert pool.pending == 0 and await pool.run(sum, [1, 2]) == 3 and pool.refused == 2
+        await eventually_async(lambda: pool.pending == 0, 5, "every slot free once the work ended")
+        assert await pool.run(sum, [1, 2]) == 3 and pool.refused == 2
         pool.shutdown()
 
     asyncio.run(main())
@@ -676,7 +674,9 @@ def test_json_bombs_in_flight_leave_small_requests_served(app_url: str) -> None:
     with ThreadPoolExecutor(len(bombs)) as pool:
         futures = [pool.submit(fire, body) for body in bombs]
         try:
-            time.sleep(1.0)
+            # The bomb streams are flowing (as many answered as there are streams) before the small requests.
+            eventually(lambda: len(bomb_statuses) >= len(bombs) or any(f.done() for f in futures), 60,
+                       f"{len(bombs)} JSON bombs answered")
             x = np.random.default_rng(3).standard_normal((1, 4, 512)).astype(np.float32)
             body = valid_bodies(x)[codecs.NPY]
             with httpx.Client(timeout=60) as client:
@@ -790,17 +790,7 @@ def hard_url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                      "runtime_env": {"env_vars": {"GANGSERVE_INFER_TOKEN": INFER_TOKEN}}}
     serve.run(Application(ingress.options(ray_actor_options=actor_options)), name="hardened",
               route_prefix="/hardened", blocking=False)
-    base = serve_url + "/hardened"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/readyz", timeout=10).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        raise TimeoutError("app 'hardened' not ready after 180 s")
+    base = wait_ready(serve_url + "/hardened", 180, "app 'hardened'")
     yield base
     serve.delete("hardened")
 

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, TEST_API_TOKEN, deploy, local_yaml_args
-from tests.helpers import poll, scrape, total
+from tests.helpers import poll, scrape, total, wait_done
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
 DASHBOARD = ROOT / "deployments" / "grafana-dashboard.json"
@@ -204,14 +204,8 @@ def test_finished_training_job_is_counted(obs_url: str) -> None:
     spec = {"cpus_per_worker": 0.25, "model": {"kind": "linear"}, "dataset": {"samples": 64}, "epochs": 2}
     reply = httpx.post(obs_url + "/train", json=spec, headers=AUTH, timeout=60)
     assert reply.status_code == 202, reply.text
-    job_id = reply.json()["id"]
-    deadline = time.monotonic() + 240
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = httpx.get(f"{obs_url}/train/{job_id}", headers=AUTH, timeout=30).json()
-        if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            break
-        time.sleep(1.0)
+    job = wait_done(obs_url, reply.json()["id"], 240)
+    job_id = job["id"]
     assert job["status"] == "SUCCEEDED", job
     after = poll(obs_url, lambda s: succeeded(s) >= succeeded(before) + 1, 30, "a SUCCEEDED job")
     assert total(after, "gangserve_training_epoch_seconds_count") >= total(

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_ready
+from tests.helpers import eventually
 from tests.netns_cluster import NetnsCluster
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
@@ -171,6 +172,15 @@ class Load:
                 if status != 200:
                     time.sleep(0.1)
 
+    def first_answered(self, after: float) -> float | None:
+        """When the first request started after `after` that was answered right began (or None)."""
+        return next((t0 for s, _, t0 in list(self.results) if s == 200 and t0 > after), None)
+
+    def wait_answered(self, timeout_s: float = 60) -> None:
+        """Block until a request started from now on is answered right: the load flows."""
+        since = time.monotonic()
+        eventually(lambda: self.first_answered(since) is not None, timeout_s, f"a right answer to the load on {self.url}")
+
     def slowest(self, since: float, n: int = 5) -> list[tuple[int, float, float]]:
         """The n slowest requests as (status, latency s, started s after `since`)."""
         worst = sorted(self.results, key=lambda r: -r[1])[:n]
@@ -187,16 +197,17 @@ def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: Ne
     info = httpx.get(app + "/gang", timeout=10).json()
     victim = next(n for n in cluster.nodes if not n.head and n.ip in [r["node_ip"] for r in info["ranks"]])
     with Load(app) as load:
-        time.sleep(1.0)
+        load.wait_answered()  # the clients are sending ...
+        time.sleep(1.0)  # ... for a second before the cut: cut at the first answer, a request got Serve's 408 (twice)
         cut_at = time.monotonic()
         cluster.link(victim, up=False)
-        time.sleep(PARTITION_S)
+        time.sleep(PARTITION_S)  # by design: a partition longer than the collective timeout
         cluster.link(victim, up=True)
         healed_at = time.monotonic()
         deadline = healed_at + 120
         recovered_at = None
         while time.monotonic() < deadline and recovered_at is None:
-            recovered_at = next((t0 for s, _, t0 in load.results if s == 200 and t0 > healed_at), None)
+            recovered_at = load.first_answered(healed_at)
             time.sleep(0.2)
     print(f"partition: {load.statuses()}, serving again {recovered_at - healed_at if recovered_at else None:.1f}s "
           f"after the link came back; slowest (status, s, started s after the cut): {load.slowest(cut_at)}")
@@ -239,7 +250,8 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     reason, seen, health = None, [], []
     assert victim.ip in ingress_node_ips(cluster)  # it also holds one of the two ingress replicas
     with Load(app) as load:
-        time.sleep(1.0)
+        load.wait_answered()  # the clients are sending ...
+        time.sleep(1.0)  # ... for a second before the kill, as before the cut above
         killed_at = time.monotonic()
         cluster.kill_node(victim)
         deadline = killed_at + 120
@@ -259,7 +271,7 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
         joined_at = time.monotonic()
         recovered_at = None
         while time.monotonic() < joined_at + 240 and recovered_at is None:
-            recovered_at = next((t0 for s, _, t0 in load.results if s == 200 and t0 > joined_at), None)
+            recovered_at = load.first_answered(joined_at)
             time.sleep(0.5)
     statuses = load.statuses()
     print(f"node loss: {statuses}; reason after {diagnosed_at - killed_at:.1f}s: {reason}; "
@@ -302,12 +314,12 @@ def test_ddp_job_across_both_nodes_is_served_and_survives_a_full_restart_with_em
     r = httpx.post(app + "/train", json=spec, headers=auth, timeout=60)
     assert r.status_code == 202, r.text
     job_id = r.json()["id"]
-    deadline, job = time.monotonic() + 420, {}
-    while time.monotonic() < deadline:
+
+    def ended() -> dict | None:
         job = httpx.get(f"{app}/train/{job_id}", headers=auth, timeout=30).json()
-        if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            break
-        time.sleep(2)
+        return job if job["status"] in ("SUCCEEDED", "FAILED", "CANCELLED") else None
+
+    job = eventually(ended, 420, f"job {job_id} ended", 0.5)
     logs = httpx.get(f"{app}/train/{job_id}/logs", headers=auth, timeout=30).text
     assert job["status"] == "SUCCEEDED", (job, logs[-3000:])
     alive = sorted(n.ip for n in cluster.nodes if n.alive)
@@ -354,12 +366,8 @@ def test_two_gangs_strict_spread_over_three_nodes(cluster: NetnsCluster, app: st
     args = {**APP_ARGS, "use_gpu": False, "cpus_per_rank": 0.25, "num_replicas": 2, "ingress_replicas": 1}
     url = deploy(cluster, args, name="gangs2", route_prefix="/gangs2")
     try:
-        deadline, info = time.monotonic() + 180, {}
-        while time.monotonic() < deadline:
-            info = httpx.get(url + "/gangs", timeout=10).json()
-            if info["ready"] == 2:
-                break
-            time.sleep(1.0)
+        info = eventually(lambda: (g := httpx.get(url + "/gangs", timeout=10).json())["ready"] == 2 and g, 180,
+                          "both gangs of the 3-node app ready (/gangs)", 0.5)
         assert info["ready"] == 2 and info["desired"] == 2, info
         for gang in info["gangs"]:
             ips = [r["node_ip"] for r in gang["ranks"]]

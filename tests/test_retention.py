@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
-from tests.helpers import AUTH, assert_error, post, state_dir
+from tests.helpers import AUTH, assert_error, post, state_dir, wait_done
 
 # ---- units: limits --------------------------------------------------------------------------
 
@@ -418,11 +418,7 @@ def test_deleting_a_finished_job_removes_its_record_logs_run_and_checkpoint(app_
     assert reply.status_code == 202, reply.text
     job_id = reply.json()["id"]
     assert reply.json()["spec"]["max_runtime_s"] == 21600  # the default limit, recorded with the job
-    deadline = time.monotonic() + 300
-    while (job := httpx.get(f"{app_url}/train/{job_id}", headers=AUTH, timeout=30).json())["status"] in (
-            "PENDING", "RUNNING"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.5)
+    job = wait_done(app_url, job_id, 300)
     assert job["status"] == "SUCCEEDED" and [h["epoch"] for h in job["history"]] == [1, 2], job
     checkpoint, run = state_dir() / "checkpoints" / f"{job_id}.safetensors", state_dir() / "runs" / job_id
     assert checkpoint.is_file() and run.is_dir()

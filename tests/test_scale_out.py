@@ -21,6 +21,7 @@ from service.config import AppConfig
 from service.cluster.placement import ClusterSnapshot, GangUnschedulable, check_feasible, fits, gang_request
 from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args
 from tests.faults import RequestLoop
+from tests.helpers import eventually
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
@@ -34,9 +35,7 @@ def two_gangs(serve_url: str):
     args = {**local_yaml_args(), "num_replicas": 2, "cpus_per_rank": 0.25, "collective_timeout_s": 10.0,
             "warm_spare": False}
     base = deploy(serve_url, "scaleout", "/scaleout", args)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and httpx.get(base + "/gangs", timeout=10).json()["ready"] < 2:
-        time.sleep(0.5)
+    eventually(lambda: _gangs(base)["ready"] == 2, 120, "both gangs of the two-gang app ready (/gangs)", 0.5)
     yield base
     from ray import serve
 
@@ -85,13 +84,18 @@ def test_requests_spread_over_both_gangs_and_are_all_correct(two_gangs: str) -> 
         t.start()
     for t in threads:
         t.join(timeout=300)
+    served_weights = _served(two_gangs)
     for x, out in zip(inputs, outs):
-        assert relative_error(out, dense_attention(SEED, 8, torch.from_numpy(x))) < 1e-5
-    time.sleep(2.5)  # one publish interval
-    after = {g["replica_id"]: g["batching"]["requests"] for g in _gangs(two_gangs)["gangs"]}
-    served = {rid: after[rid] - before.get(rid, 0) for rid in after}
+        assert relative_error(out, dense_attention(served_weights, 8, torch.from_numpy(x))) < 1e-5
+
+    def per_gang() -> dict[str, int] | None:
+        # The gangs' counters reach /gangs with their next report (every REPORT_INTERVAL_S).
+        after = {g["replica_id"]: g["batching"]["requests"] for g in _gangs(two_gangs)["gangs"]}
+        served = {rid: after[rid] - before.get(rid, 0) for rid in after}
+        return served if len(served) == 2 and all(n > 0 for n in served.values()) else None
+
+    served = eventually(per_gang, 30, "both gangs' request counters (/gangs) grown by the 48 requests")
     print("handle calls per gang:", served)
-    assert all(n > 0 for n in served.values()), served
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -100,20 +104,54 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
             for p in ("q_proj", "k_proj", "v_proj", "out_proj") for k in ("weight", "bias")}
 
 
+def _candidates() -> list[dict[str, torch.Tensor]]:
+    """Every set of weights a test of this module may have left served: the config's and the swaps'."""
+    return [SEED, _weights(1), _weights(2)]
+
+
+def _served(base: str) -> dict[str, torch.Tensor]:
+    """The weights the app serves now (the candidate whose dense reference one request's answer
+    equals): each test starts from what the app has, whichever tests ran before it."""
+    x = np.random.default_rng(99).standard_normal((1, 3, 512), dtype=np.float32)
+    r = httpx.post(base + "/infer", json={"hidden_states": x.tolist()}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = torch.tensor(r.json()["output"])
+    matches = [w for w in _candidates() if relative_error(got, dense_attention(w, 8, torch.from_numpy(x))) < 1e-5]
+    assert len(matches) == 1, f"the answer matches {len(matches)} of the module's candidate weights"
+    return matches[0]
+
+
+def _swap_to(base: str, seed: int) -> httpx.Response:
+    """POST /weights with _weights(seed), saved as a checkpoint in the state dir."""
+    from service.state.paths import state_dir
+
+    rel = f"checkpoints/scaleout-{seed}.safetensors"
+    path = state_dir() / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(_weights(seed), str(path), metadata={"embed_dim": "512", "num_heads": "8"})
+    return httpx.post(base + "/weights", json={"checkpoint": rel}, headers=AUTH, timeout=330)
+
+
+def _swapped(base: str) -> dict[str, torch.Tensor]:
+    """The served weights, after a swap made here when the app still serves its config's."""
+    current = _served(base)
+    if current is SEED:
+        reply = _swap_to(base, 1)
+        assert reply.status_code == 200 and reply.json()["rolled_out"] is True, reply.text
+        current = _weights(1)
+    return current
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_weights_swap_reaches_every_gang_and_no_answer_mixes_versions(two_gangs: str) -> None:
-    from service.state.paths import state_dir
-
-    new = _weights(1)
-    path = state_dir() / "checkpoints" / "scaleout-a.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(new, str(path), metadata={"embed_dim": "512", "num_heads": "8"})
-    with RequestLoop(two_gangs + "/infer", SEED, threads=3, alternatives=[new]) as loop:
-        time.sleep(1.0)
-        reply = httpx.post(two_gangs + "/weights", json={"checkpoint": "checkpoints/scaleout-a.safetensors"},
-                           headers=AUTH, timeout=330)
-        time.sleep(1.0)
+    old = _served(two_gangs)
+    seed = 2 if torch.equal(old["q_proj.weight"], _weights(1)["q_proj.weight"]) else 1  # a change, whatever was served
+    new = _weights(seed)
+    with RequestLoop(two_gangs + "/infer", old, threads=3, alternatives=[new]) as loop:
+        loop.wait_answered(3)  # the 3 clients are sending before the swap starts
+        reply = _swap_to(two_gangs, seed)
+        loop.wait_answered(3, after=time.monotonic())  # and after it ends
     assert reply.status_code == 200, reply.text
     body = reply.json()
     print("rollout:", body["rolled_out"], body["gangs"], "loop:", loop.summary())
@@ -132,9 +170,9 @@ def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: 
     info = _gangs(two_gangs)
     victim_gang = info["gangs"][0]
     victim = victim_gang["ranks"][1]["pid"]
-    current = _weights(1)  # what the previous test left served
+    current = _served(two_gangs)
     with RequestLoop(two_gangs + "/infer", current, threads=2) as loop:
-        time.sleep(1.0)
+        loop.wait_answered(2)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         # /readyz stays 200 (one gang is ready) and says how many are.
@@ -148,11 +186,9 @@ def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: 
                 break
             time.sleep(0.2)
         # ... and the broken gang is rebuilt.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and _gangs(two_gangs)["ready"] < 2:
-            time.sleep(0.5)
+        eventually(lambda: _gangs(two_gangs)["ready"] == 2, 120, "the broken gang rebuilt (/gangs ready == 2)", 0.5)
         back_at = time.monotonic()
-        time.sleep(1.0)
+        loop.wait_answered(2, after=back_at)
     summary = loop.summary()
     print(f"one gang down: {summary}; /readyz while degraded: {degraded}; rebuilt after {back_at - killed_at:.1f}s")
     assert degraded is not None and degraded["desired"] == 2 and degraded["missing"], degraded
@@ -186,14 +222,14 @@ def test_preflight_counts_every_gangs_bundles() -> None:
 def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swapped_weights(two_gangs: str) -> None:
     """kill -9 of one gang's GangServer replica (its rank 0): Serve replaces the replica with a
     new gang, which loads the recorded (swapped) version before it takes traffic."""
+    current = _swapped(two_gangs)
     info = _gangs(two_gangs)
     version = info["gangs"][0]["weights_version"]
     victim = info["gangs"][0]["ranks"][0]["pid"]
     victim_id = info["gangs"][0]["replica_id"]
     old_ids = {g["replica_id"] for g in info["gangs"]}
-    current = _weights(1)  # swapped in by the rollout test
     with RequestLoop(two_gangs + "/infer", current, threads=2) as loop:
-        time.sleep(1.0)
+        loop.wait_answered(2)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         # Within 2 s the dead gang is no longer counted; the app stays ready on the other.
@@ -209,15 +245,14 @@ def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swa
         assert seen["ready"] == len(ready_ids) == 1, seen
         ready = httpx.get(two_gangs + "/readyz", timeout=10)
         assert ready.status_code == 200 and ready.json()["ready"] == 1, ready.text
-        deadline, now = killed_at + 180, {}
-        while time.monotonic() < deadline:
+        def replaced() -> dict | None:
             now = _gangs(two_gangs)
             ids = {g["replica_id"] for g in now["gangs"] if g["state"] == "ready"}
-            if len(ids) == 2 and ids != old_ids:
-                break
-            time.sleep(0.5)
+            return now if len(ids) == 2 and ids != old_ids else None
+
+        now = eventually(replaced, 180, "two ready gangs, one of them the dead one's replacement (/gangs)", 0.5)
         back_at = time.monotonic()
-        time.sleep(1.0)
+        loop.wait_answered(2, after=back_at)
     summary = loop.summary()
     ok = summary["statuses"].get(200, 0)
     print(f"rank 0 of one gang killed: {summary}; uncounted after {uncounted_after:.2f}s, "
@@ -244,22 +279,14 @@ def test_autoscaling_adds_a_gang_under_load_and_drains_it_without_failures(serve
     try:
         assert _gangs(base)["desired"] == 1
         with RequestLoop(base + "/infer", SEED, threads=8) as busy:
-            deadline, peak = time.monotonic() + 120, {}
-            while time.monotonic() < deadline:
-                peak = _gangs(base)
-                if peak["ready"] == 2:
-                    break
-                time.sleep(0.5)
+            peak = eventually(lambda: (g := _gangs(base))["ready"] == 2 and g, 120,
+                              "a second gang added under 8 clients (/gangs ready == 2)", 0.5)
         print("scaled up:", peak.get("desired"), peak.get("ready"), busy.summary())
         assert peak["ready"] == 2 and peak["desired"] == 2, peak
         with RequestLoop(base + "/infer", SEED, threads=1) as light:
-            deadline, now = time.monotonic() + 120, {}
-            while time.monotonic() < deadline:
-                now = _gangs(base)
-                if len(now["gangs"]) == 1 and now["desired"] == 1:
-                    break
-                time.sleep(0.5)
-            time.sleep(2.0)
+            now = eventually(lambda: (g := _gangs(base))["desired"] == 1 and len(g["gangs"]) == 1 and g, 120,
+                             "back to one gang with one client (/gangs)", 0.5)
+            light.wait_answered(3, after=time.monotonic())  # the one gang left serves on
         print("scaled down:", now.get("desired"), len(now.get("gangs", [])), light.summary())
         assert len(now["gangs"]) == 1 and now["desired"] == 1, now
         assert set(busy.summary()["statuses"]) == {200} and busy.summary()["wrong"] == 0, busy.summary()

@@ -8,7 +8,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from gangserve_client import GangServeClient
 from service.gang_status import GangStatus, RankStatus
 from tests.conftest import ROOT, deploy, local_yaml_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
-from tests.helpers import assert_error, npy_bytes, rand
+from tests.helpers import assert_error, eventually, npy_bytes, rand
 
 pytestmark = pytest.mark.ray
 
@@ -237,10 +236,7 @@ def test_other_world_sizes_serve_the_same_function(serve_url: str, tmp_path: Pat
         serve.delete(name)
     # Graceful shutdown: every rank process is gone.
     pids = [r["pid"] for r in info["ranks"]]
-    deadline = time.monotonic() + 60
-    while _pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _pids_alive(pids), f"rank processes still alive after serve.delete: {_pids_alive(pids)}"
+    eventually(lambda: not _pids_alive(pids), 60, f"rank processes {pids} gone after serve.delete")
 
 
 def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> None:

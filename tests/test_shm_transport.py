@@ -147,8 +147,10 @@ def _driver_side_client(app_url: str) -> tuple[object, str]:
 
 
 def _paths(client: object) -> dict[str, int]:
-    """The handle-call counters of a GangClient's transport stats."""
-    return {k: client._transport[k] for k in ("shared_memory", "object_store", "shared_memory_fallbacks")}
+    """The handle-call counters of a GangClient's transport stats (its describe()'s
+    ingress_transport, what GET /gang shows for an ingress replica)."""
+    used = asyncio.run(client.describe())["ingress_transport"]  # type: ignore[attr-defined]
+    return {k: used[k] for k in ("shared_memory", "object_store", "shared_memory_fallbacks")}
 
 
 @pytest.mark.ray
@@ -200,4 +202,4 @@ def test_rank_death_during_shared_memory_requests_is_a_clean_error_and_leaves_no
     wait_for_new_gang(app_url, {victim}, timeout_s=60)
     fresh, _ = _driver_side_client(app_url)
     assert relative_error(torch.from_numpy(np.array(asyncio.run(fresh.infer(x)))), want) < 1e-5
-    assert fresh._transport["shared_memory"] == 1
+    assert _paths(fresh)["shared_memory"] == 1

@@ -18,6 +18,7 @@ import torch
 from service.gang import control
 from tests.conftest import deploy, local_yaml_args
 from tests.faults import RequestLoop, gang_info, pid_alive, wait_for_new_gang
+from tests.helpers import eventually
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 WEIGHTS = notes_seed_weights(512)
@@ -90,10 +91,10 @@ def test_idle_gang_outlives_its_group_timeout_and_then_serves(loop_url: str) -> 
     assert after["generation"] == before["generation"], after["reason"]
     assert [r["pid"] for r in after["ranks"]] == [r["pid"] for r in before["ranks"]]
     _check_one_request(loop_url, timeout_s=0)
-    # The instrumentation: every rank's timestamps for the steps (refreshed in the background).
-    gang_info(loop_url)
-    time.sleep(0.5)
-    timings = gang_info(loop_url)["step_timings"]
+    # The instrumentation: every rank's timestamps for the steps (refreshed in the background,
+    # so a /gang right after the request may still show the previous ones).
+    timings = eventually(lambda: (t := gang_info(loop_url)["step_timings"]) and t["steps"] >= 1 and t,
+                         10, "/gang step_timings with the request's step")
     print("step timings:", timings)
     assert timings["enabled"] and timings["steps"] >= 1 and len(timings["peer_wake_ms"]) == 1
 
@@ -128,7 +129,7 @@ def test_stop_peer_while_idle_is_noticed_and_rebuilt(loop_url: str) -> None:
 def test_stop_peer_under_load_gives_bounded_errors_and_a_rebuild(loop_url: str) -> None:
     victim = gang_info(loop_url)["ranks"][1]["pid"]
     with RequestLoop(loop_url + "/infer", WEIGHTS) as loop:
-        time.sleep(1.0)
+        loop.wait_answered(2)  # both clients are sending
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
@@ -137,7 +138,7 @@ def test_stop_peer_under_load_gives_bounded_errors_and_a_rebuild(loop_url: str) 
             if pid_alive(victim):
                 os.kill(victim, signal.SIGCONT)
         recovered_at = time.monotonic()
-        time.sleep(1.5)
+        loop.wait_answered(2, after=recovered_at)
     outage_s = recovered_at - stopped_at
     print(f"SIGSTOP peer under load: rebuilt in {recovery_s:.1f}s; {loop.summary()}")
     _assert_outcomes(loop, recovered_at)

@@ -13,7 +13,6 @@ refused delete leaves its record), while inference keeps serving the weights alr
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +24,7 @@ from safetensors.numpy import save as st_save
 from safetensors.torch import load as st_load_torch
 
 from tests.conftest import TEST_API_TOKEN, local_yaml_args, wait_ready
+from tests.helpers import wait_done
 from tests.reference import dense_attention, relative_error
 from tests.s3 import MotoS3
 
@@ -32,7 +32,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
 APP, PREFIX, BUCKET, ROOT = "s3store", "/s3", "gangserve-e2e", "svc"
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 def with_env(app: Any, env: dict[str, str], _done: dict[int, Any] | None = None) -> Any:
@@ -83,35 +82,32 @@ def _objects(s3: MotoS3, prefix: str) -> dict[str, int]:
     return {o["Key"][len(ROOT) + 1:]: o["Size"] for o in listed.get("Contents", [])}
 
 
-def _wait_done(base: str, job_id: str, timeout_s: float = 420) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = httpx.get(f"{base}/train/{job_id}", headers=AUTH, timeout=30).json()
-        if job["status"] in TERMINAL:
-            return job
-        time.sleep(0.5)
-    logs = httpx.get(f"{base}/train/{job_id}/logs", headers=AUTH, timeout=30).json().get("lines", [])
-    raise AssertionError(f"job {job_id} did not end: {job}\n" + "\n".join(logs[-30:]))
-
-
-def test_dataset_training_and_served_weights_live_in_the_bucket(s3_app: tuple[str, Path], s3: MotoS3) -> None:
-    base, state = s3_app
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((32, 4, 512), dtype=np.float32)
+@pytest.fixture(scope="module")
+def trained(s3_app: tuple[str, Path]) -> dict[str, Any]:
+    """An uploaded dataset and a finished one-epoch job trained on it, through the app:
+    {"dataset": id, "job": the job's record}. What both tests start from."""
+    base, _ = s3_app
+    x = np.random.default_rng(3).standard_normal((32, 4, 512), dtype=np.float32)
     body = st_save({"inputs": x, "targets": np.tanh(x)})
     reply = httpx.post(base + "/datasets", content=body, timeout=60,
                        headers={**AUTH, "content-type": "application/x-safetensors"})
     assert reply.status_code == 201, reply.text
     dataset = reply.json()["id"]
-    assert f"datasets/{dataset}.safetensors" in _objects(s3, "datasets/")
-
     spec = {"cpus_per_worker": 0.25, "dataset": {"kind": "uploaded", "id": dataset}, "epochs": 1,
             "optimizer": "adam", "lr": 0.001, "batch_size": 8}
     reply = httpx.post(base + "/train", json=spec, headers=AUTH, timeout=60)
     assert reply.status_code == 202, reply.text
-    job = _wait_done(base, reply.json()["id"])
+    job = wait_done(base, reply.json()["id"], 420)
     assert job["status"] == "SUCCEEDED", job
+    return {"dataset": dataset, "job": job}
+
+
+def test_dataset_training_and_served_weights_live_in_the_bucket(
+        s3_app: tuple[str, Path], s3: MotoS3, trained: dict[str, Any]) -> None:
+    base, state = s3_app
+    rng = np.random.default_rng(4)
+    dataset, job = trained["dataset"], trained["job"]
+    assert f"datasets/{dataset}.safetensors" in _objects(s3, "datasets/")
     key = f"checkpoints/{job['id']}.safetensors"
     assert job["checkpoint"]["path"] == key
     # Ray Train's own run directory (storage_path/storage_filesystem) is in the bucket too.
@@ -142,13 +138,14 @@ def test_dataset_training_and_served_weights_live_in_the_bucket(s3_app: tuple[st
     assert (state / "cache" / f"{sha}.safetensors").is_file()
 
 
-def test_a_store_lost_mid_run_answers_503_not_500(s3_app: tuple[str, Path], s3: MotoS3) -> None:
+def test_a_store_lost_mid_run_answers_503_not_500(s3_app: tuple[str, Path], s3: MotoS3,
+                                                  trained: dict[str, Any]) -> None:
+    """Stops the store for good: the module's last test (the module fixture's server is its own)."""
     base, _ = s3_app
-    jobs = httpx.get(base + "/train", headers=AUTH, timeout=30).json()["jobs"]
-    finished = [j["id"] for j in jobs if j["status"] == "SUCCEEDED"]
-    assert finished, "runs after the training test"
+    finished = [trained["job"]["id"]]
     datasets = httpx.get(base + "/datasets", headers=AUTH, timeout=30).json()["datasets"]
-    assert datasets, "runs after the training test"
+    assert trained["dataset"] in [d["id"] for d in datasets], datasets
+    datasets = [d for d in datasets if d["id"] == trained["dataset"]]
     s3.stop()
     body = st_save({"inputs": np.zeros((2, 3), np.float32), "targets": np.zeros((2, 1), np.float32)})
     for reply in (

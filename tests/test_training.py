@@ -12,9 +12,7 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,8 @@ from safetensors.numpy import save as st_save
 from safetensors.torch import load as st_load_torch
 
 from tests.conftest import ROOT, TEST_API_TOKEN
-from tests.helpers import AUTH, SMALL, TERMINAL, assert_error, get_job, post, state_dir, wait_done, wait_for
+from tests.faults import RequestLoop
+from tests.helpers import AUTH, SMALL, TERMINAL, assert_error, eventually, get_job, post, state_dir, wait_done, wait_for
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 
@@ -48,8 +47,6 @@ SPECS: dict[str, dict[str, Any]] = {
     "kill": {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 4000}, "epochs": 16,
              "max_failures": 1},
 }
-# Jobs submitted by one test and checked by a later one (so they overlap with the tests between).
-LATE: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +61,18 @@ def jobs(app_url: str) -> dict[str, str]:
         assert job["status"] == "PENDING" and job["spec"]["epochs"] == spec["epochs"]
         ids[name] = job["id"]
     return ids
+
+
+@pytest.fixture(scope="module")
+def fine_tune(app_url: str, jobs: dict[str, str]) -> str:
+    """A one-epoch fine-tune of the attention job, submitted once that job ended; its id. The
+    attention test asks for it too, so it starts then and overlaps with the tests between;
+    test_fine_tune_starts_at_its_sources_loss checks it (and alone, submits it itself)."""
+    source = wait_done(app_url, jobs["attention"])
+    assert source["status"] == "SUCCEEDED", source
+    reply = post(app_url, "/train", {**SPECS["attention"], "epochs": 1, "init_from": {"job_id": source["id"]}})
+    assert reply.status_code == 202, reply.text
+    return reply.json()["id"]
 
 
 def registered_checkpoint(job_id: str) -> bool:
@@ -293,7 +302,8 @@ def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str, jobs: dict[str, str]) -> None:
+def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(
+        app_url: str, jobs: dict[str, str], fine_tune: str) -> None:
     job_id = jobs["attention"]
     job = wait_done(app_url, job_id)
     assert job["status"] == "SUCCEEDED", job
@@ -338,12 +348,6 @@ def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(app_url: str
           f"reference on the held-out samples {held_out:.6g}")
     assert job["final_eval_loss"] == job["history"][-1]["eval_loss"]
     assert abs(job["final_eval_loss"] - held_out) <= 1e-4 * held_out, (job["final_eval_loss"], held_out)
-
-    # Fine-tuning from this job (checked in test_fine_tune_starts_at_its_sources_loss, so it
-    # overlaps with the tests in between).
-    reply = post(app_url, "/train", {**SPECS["attention"], "epochs": 1, "init_from": {"job_id": job_id}})
-    assert reply.status_code == 202, reply.text
-    LATE["fine_tune"] = reply.json()["id"]
 
 
 @pytest.mark.ray
@@ -396,11 +400,9 @@ def test_cancel_stops_the_run_and_frees_its_workers(app_url: str) -> None:
     assert reply.status_code == 200, reply.text
     assert reply.json()["status"] == "CANCELLED"
     pids = [w["pid"] for w in job["workers"]]
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), f"workers {pids} still alive {time.monotonic() - t0:.1f}s after cancel"
-    time.sleep(2)
+    eventually(lambda: not any(_alive(p) for p in pids), 15, f"the cancelled job's workers {pids} gone")
+    print(f"workers gone {time.monotonic() - t0:.1f}s after the cancel")
+    time.sleep(2)  # by design: room for a late update from the dying run, which must not land
     assert get_job(app_url, job_id)["status"] == "CANCELLED"  # no late update overrides it
     assert_error(post(app_url, f"/train/{job_id}/cancel"), 409, "job_finished")
     assert_error(post(app_url, "/train/job-doesnotexist/cancel"), 404, "job_not_found")
@@ -507,32 +509,24 @@ def test_weights_hot_swap_under_traffic(app_url: str, jobs: dict[str, str]) -> N
         assert reply.status_code == 200, reply.text
         return np.asarray(reply.json()["output"], dtype=np.float32)
 
-    stop = threading.Event()
-    failures: list[str] = []
-    counts = [0]
-
-    def traffic() -> None:
-        while not stop.is_set():
-            try:
-                infer()
-                counts[0] += 1
-            except AssertionError as exc:
-                failures.append(str(exc))
-
     restore = state_dir() / "checkpoints" / "seed-weights-restore.safetensors"
     from service.parallel.weights import save_checkpoint
     save_checkpoint(restore, notes_seed_weights(512), 8)
     try:
-        with ThreadPoolExecutor(4) as pool:
-            for _ in range(4):
-                pool.submit(traffic)
-            time.sleep(1)
+        # 4 clients; every answer is checked: the seed weights' dense reference (source 0) or
+        # the trained checkpoint's (source 1), never a mix, and only the trained once the swap returned.
+        with RequestLoop(app_url + "/infer", notes_seed_weights(512), threads=4, alternatives=[trained]) as loop:
+            loop.wait_answered(4)
             reply = post(app_url, "/weights", {"job_id": job["id"]}, timeout=330)
-            time.sleep(1)
-            stop.set()
+            swapped_at = time.monotonic()
+            loop.wait_answered(4, after=swapped_at)
+        summary = loop.summary()
+        print("swap under traffic:", summary)
         assert reply.status_code == 200, reply.text
-        assert not failures, failures[:3]
-        assert counts[0] > 4
+        assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, \
+            (summary, [o.body for o in loop.outcomes if o.status != 200][:3])
+        late = [o.source for o in loop.outcomes if o.at > swapped_at]
+        assert late and set(late) == {1}, f"requests sent after the swap returned answered from sources {late}"
         assert reply.json()["weights_version"] > before
         assert httpx.get(app_url + "/gang", timeout=30).json()["weights_version"] == reply.json()["weights_version"]
         got = torch.from_numpy(infer())
@@ -674,9 +668,9 @@ def test_weights_list_gate_and_rollback(app_url: str, jobs: dict[str, str]) -> N
 @pytest.mark.ray
 @pytest.mark.slow
 def test_fine_tune_starts_at_its_sources_loss_and_bad_init_from_changes_nothing(
-        app_url: str, jobs: dict[str, str]) -> None:
+        app_url: str, jobs: dict[str, str], fine_tune: str) -> None:
     source = wait_done(app_url, jobs["attention"])
-    job = wait_done(app_url, LATE["fine_tune"])
+    job = wait_done(app_url, fine_tune)
     assert job["status"] == "SUCCEEDED", job
     fresh, tuned = [h["loss"] for h in source["history"]], [h["loss"] for h in job["history"]]
     print(f"first-epoch loss: fresh {fresh[0]:.6g}, fine-tuned {tuned[0]:.6g} (source's last epoch {fresh[-1]:.6g})")
