@@ -194,9 +194,12 @@ class IngressTunables:
         "check cost less than a hop to a decode thread); larger ones, and every compressed one, go to "
         "the decode pool. Replies of as many float32 values are encoded inline (inline_encode_values)."))
     proxy_margin_s: float = knob(0.05, (
-        "A request's deadline answers at least this much before Serve's proxy would answer its own "
-        "408 (request_timeout_s), so the JSON 504 gets there first..."))
-    proxy_margin_share: float = knob(0.02, "... plus this share of the header's time ...")
+        "A deadline from X-Request-Timeout-Seconds is set this much earlier than the header says (plus "
+        "proxy_margin_share of it, at most proxy_margin_max_s): Serve's proxy answers a plain-text 408 "
+        "when the header's time is up, and the client must get our JSON 504 first."))
+    proxy_margin_share: float = knob(0.02, (
+        "... plus this share of the header's time (the proxy-to-ingress hop grows under load, and "
+        "longer deadlines can spare more) ..."))
     proxy_margin_max_s: float = knob(0.5, "... at most this much in all.")
 
     @property
@@ -250,7 +253,9 @@ class TrainingTunables:
     max_output_lines_per_call: int = knob(500, (
         "Lines the run actor takes from one worker_output call; more than a worker's ring holds, so "
         "nothing a worker sends is cut here."))
-    max_run_log_lines: int = knob(1000, "Log lines a run actor keeps for the JobManager's next poll.")
+    max_run_log_lines: int = knob(1000, (
+        "Newest log lines a run actor keeps for the JobManager's polls (each poll takes those it has not "
+        "seen; the job store keeps max_log_lines_per_job)."))
     finished_linger_s: float = knob(600.0, (
         "A finished run whose manager never collects it (manager gone) exits after this long; its outcome "
         "stays in result.json."))
