@@ -71,7 +71,7 @@ SUPERVISOR_TICK_S = TUNABLES.gang.supervisor_tick_s
 MAX_REBUILD_ATTEMPTS = TUNABLES.gang.max_rebuild_attempts
 MAX_BACKOFF_S = TUNABLES.gang.max_backoff_s
 CONTROLLER_TIMEOUT_S = TUNABLES.gang.controller_timeout_s
-DRAIN_TIMEOUT_S = TUNABLES.gang.drain_timeout_s  # inside gang.graceful_shutdown_timeout_s (checked there)
+DRAIN_TIMEOUT_S = TUNABLES.gang.drain_timeout_s  # inside graceful_shutdown_timeout_s (service.tunables checks it)
 
 
 @serve.deployment(name="GangServer", health_check_period_s=TUNABLES.gang.health_check_period_s,
