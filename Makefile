@@ -51,9 +51,10 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 
-# The builder-argument reference is generated from AppConfig's field descriptions.
+# The builder-argument and tunables references are generated from their field descriptions.
 docs: $(STAMP)
 	$(PY) -m service.config > docs/builder-arguments.md
+	$(PY) -m service.tunables > docs/tunables.md
 
 clean:
 	rm -rf $(VENV) .gangserve .pytest_cache

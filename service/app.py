@@ -20,6 +20,7 @@ from service.deployments.ingress import Ingress
 from service.deployments.gang_server import GangServer
 from service.training.limits import TrainingLimits
 from service.deployments.job_manager import JobManager
+from service.tunables import TUNABLES
 
 
 class InvalidAppArgs(ValueError):
@@ -27,7 +28,7 @@ class InvalidAppArgs(ValueError):
 
 
 # How long Serve lets a stopping ingress replica finish its requests (see build_app).
-INGRESS_DRAIN_TIMEOUT_S = 90.0
+INGRESS_DRAIN_TIMEOUT_S = TUNABLES.ingress.drain_timeout_s
 
 
 def parse_args(args: dict[str, Any]) -> AppConfig:
@@ -107,6 +108,8 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), **event_loop_options(cfg)},
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
+        # Serve's default, explicit: the gang server's own drain must fit inside it (service.tunables).
+        graceful_shutdown_timeout_s=TUNABLES.gang.graceful_shutdown_timeout_s,
     ).bind(cfg.model_dump(), controller)
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
     jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len,

@@ -57,7 +57,7 @@ StepFn = Callable[[np.ndarray, "np.ndarray | None", "bool | None", "float | None
 # (reason: "deadline" | "cancelled", requests) when queued requests are dropped uncomputed
 DropObserver = Callable[[str, int], None]
 # (rows, seconds, error or None, padded share of the step's tokens) after each step: the
-# metrics' hook (service.metrics).
+# metrics' hook (service.metrics.recorders).
 StepObserver = Callable[[int, float, "BaseException | None", float], None]
 
 

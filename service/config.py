@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.training.limits import TrainingLimits
+from service.tunables import TUNABLES
 
 _Part = TypeVar("_Part", bound=BaseModel)
 
@@ -108,8 +109,9 @@ class GangConfig(BaseModel):
         True,
         description="Peer ranks take their steps from rank 0's headers on the gang's own gloo control "
         "group (a persistent step loop, see service.gang.control) instead of one Ray actor call "
-        "per step; heartbeats every collective_timeout_s / 4 while idle; a peer whose loop fails "
-        "exits within 2 s. Ray calls remain for bring-up, weights, probes and teardown. "
+        f"per step; heartbeats every collective_timeout_s / {TUNABLES.gang.heartbeats_per_timeout} while "
+        f"idle; a peer whose loop fails exits within {TUNABLES.gang.peer_exit_grace_s:g} s. Ray calls "
+        "remain for bring-up, weights, probes and teardown. "
         "false: one Ray actor call per peer per step (the previous path).",
     )
 
@@ -216,7 +218,8 @@ class ServingConfig(BaseModel):
     )
     shm_transport: bool = Field(
         True,
-        description="Hand request/reply tensors of 64 KiB or more between the ingress and the "
+        description=f"Hand request/reply tensors of {TUNABLES.transport.min_shared_bytes // 1024} KiB "
+        "or more between the ingress and the "
         "GangServer through /dev/shm when both run on one node, instead of through Ray's object "
         "store; falls back to the object store otherwise (or when /dev/shm is missing or full).",
     )

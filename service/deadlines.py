@@ -29,11 +29,13 @@ import time
 from typing import Any
 
 from service.errors import InvalidInput
+from service.tunables import TUNABLES
 
 HEADER = "x-request-timeout-seconds"
-PROXY_MARGIN_S = 0.05  # answer at least this much before Serve's proxy would answer 408
-PROXY_MARGIN_SHARE = 0.02  # ... plus this share of the header's time
-PROXY_MARGIN_MAX_S = 0.5
+# Answer this much before Serve's proxy would answer 408 (service.tunables says why).
+PROXY_MARGIN_S = TUNABLES.ingress.proxy_margin_s
+PROXY_MARGIN_SHARE = TUNABLES.ingress.proxy_margin_share  # ... plus this share of the header's time
+PROXY_MARGIN_MAX_S = TUNABLES.ingress.proxy_margin_max_s
 MAX_TIMEOUT_S = 86400.0
 
 

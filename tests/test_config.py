@@ -103,3 +103,54 @@ def test_the_builder_argument_reference_is_generated_and_current() -> None:
     text = path.read_text()
     for name in AppConfig.model_fields:
         assert f"| `{name}` |" in text, name
+
+
+# ---------------------------------------------------------------- tunables (service.tunables)
+
+def test_the_tunables_reference_is_generated_and_current() -> None:
+    """docs/tunables.md is `python -m service.tunables` (make docs): every tunable, with its
+    value and what it bounds."""
+    import dataclasses
+
+    from service.tunables import TUNABLES, tunables_markdown
+
+    path = ROOT / "docs" / "tunables.md"
+    assert path.read_text() == tunables_markdown(), "docs/tunables.md is stale: run `make docs`"
+    for section in dataclasses.fields(TUNABLES):
+        for field in dataclasses.fields(getattr(TUNABLES, section.name)):
+            assert len(field.metadata["doc"]) > 20, f"{section.name}.{field.name} says what it bounds"
+            assert f"| `{section.name}.{field.name}` |" in path.read_text()
+
+
+def test_tunables_are_frozen_and_their_relations_checked() -> None:
+    import dataclasses
+
+    from service.tunables import TUNABLES, IngressTunables, StateTunables, Tunables
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TUNABLES.gang.probe_interval_s = 0.1  # type: ignore[misc]
+    # A store's lock wait must end before the ingress's call to the JobManager gives up.
+    with pytest.raises(ValueError, match=r"state.sqlite_busy_timeout_s \(40\) must be below "
+                                         r"ingress.jobs_call_timeout_s \(30\)"):
+        Tunables(state=StateTunables(sqlite_busy_timeout_s=40.0))
+    assert Tunables(state=StateTunables(sqlite_busy_timeout_s=40.0),
+                    ingress=IngressTunables(jobs_call_timeout_s=45.0)).state.sqlite_busy_timeout_s == 40.0
+
+
+def test_values_that_must_agree_are_one_tunable() -> None:
+    """Pairs once kept equal by a comment now read one value (or one derived in code)."""
+    from service.config import GangConfig, ServingConfig
+    from service.ingress import deps
+    from service.training import run, worker_output
+    from service.transport import shm
+    from service.tunables import TUNABLES
+
+    # The worker cuts a captured line where the run actor cuts it again.
+    assert worker_output.MAX_CHARS == run.MAX_OUTPUT_LINE_CHARS == TUNABLES.training.output_line_chars
+    # Replies of as many float32 values as an inline-decoded body are encoded inline.
+    assert deps.INLINE_ENCODE_VALUES * 4 == deps.INLINE_DECODE_BYTES
+    # The builder arguments' descriptions quote the values the code runs on.
+    assert f"tensors of {shm.MIN_SHARED_BYTES // 1024} KiB or more" in ServingConfig.model_fields["shm_transport"].description
+    step_loop = GangConfig.model_fields["step_loop"].description
+    assert f"collective_timeout_s / {TUNABLES.gang.heartbeats_per_timeout} while idle" in step_loop
+    assert f"exits within {TUNABLES.gang.peer_exit_grace_s:g} s" in step_loop

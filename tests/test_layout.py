@@ -9,7 +9,9 @@ The house rules, each a test:
   The exceptions are the training job spec, a plain pydantic model the ingress validates
   bodies against, and the jobs' response models (service.training.public, over
   service.training.status);
-- service.parallel (the tensor-parallel math) depends on torch only.
+- service.parallel (the tensor-parallel math) depends on torch only;
+- service.tunables (every timing and sizing knob) imports nothing from service, so any
+  module may read it.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ ALLOWED_SIDEWAYS = {
 }
 FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state",
                "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics",
-               "service.deadlines", "service.gang_status")
+               "service.deadlines", "service.gang_status", "service.tunables")
 # AppConfig declares every builder argument once; the training quotas are one of its sections
 # (a plain pydantic model that training owns and validates jobs against).
 ALLOWED_UPWARD = {("service.config", "service.training.limits")}
@@ -126,6 +128,10 @@ def test_parallel_math_depends_on_nothing_else_in_service() -> None:
     assert not offenders, f"service.parallel must stay torch-only: {offenders}"
 
 
+def test_the_tunables_import_nothing_from_service() -> None:
+    assert not _imports().get("service.tunables"), f"service.tunables imports {sorted(_imports()['service.tunables'])}"
+
+
 def test_the_rules_see_the_tree() -> None:
     """Guard against a vacuous pass: the walk finds the modules and edges the rules are about."""
     edges = _imports()
@@ -135,6 +141,8 @@ def test_the_rules_see_the_tree() -> None:
     assert "service.transport.channel" in edges["service.deployments.gang_server"]
     assert "service.weights.record" in edges["service.deployments.controller"]
     assert "service.gang_status" in edges["service.state.fleet"]  # the status contract, below the state
+    assert "service.tunables" in edges["service.deployments.gang_server"]
+    assert "service.metrics.recorders" in edges["service.deployments.gang_server"]
 
 
 def test_request_dependencies_never_run_in_a_thread_pool() -> None:

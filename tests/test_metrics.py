@@ -50,7 +50,7 @@ def obs_url(serve_url: str) -> Iterator[str]:
 
 @pytest.mark.unit
 def test_dashboard_references_only_exported_metrics() -> None:
-    from service.metrics import SPECS, exported_names
+    from service.metrics.specs import SPECS, exported_names
 
     doc = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in doc["panels"] for t in p.get("targets", [])]
@@ -74,11 +74,12 @@ def test_dashboard_references_only_exported_metrics() -> None:
 @pytest.mark.unit
 def test_counters_survive_replicas_that_go_away() -> None:
     """A gone replica's counters keep counting (folded into the retired snapshot); its gauges do not."""
-    from service import metrics as m
+    from service.metrics.exposition import exposition, merge
+    from service.metrics.process import MetricSet
     from service.state import fleet as f
 
     fleet = f.Fleet()
-    a, b, c = m.MetricSet(), m.MetricSet(), m.MetricSet()
+    a, b, c = MetricSet(), MetricSet(), MetricSet()
     for _ in range(3):
         a.inc("gangserve_gang_rebuilds")
     b.inc("gangserve_gang_rebuilds")
@@ -92,7 +93,7 @@ def test_counters_survive_replicas_that_go_away() -> None:
     fleet.report("C", {"state": "ready", "reason": "ready"}, t0, metrics=c.snapshot())
 
     def service_wide(now: float) -> dict:
-        return m.merge(fleet.metrics(now))
+        return merge(fleet.metrics(now))
 
     before = service_wide(t0)
     assert before["gangserve_gang_rebuilds"][()] == 6
@@ -107,7 +108,7 @@ def test_counters_survive_replicas_that_go_away() -> None:
         assert now["gangserve_gang_step_seconds"][()]["c"] == 1
         assert ("A",) not in now.get("gangserve_gang_ready", {})
         assert ("C",) not in now.get("gangserve_gang_ready", {})
-    text = m.exposition(service_wide(t0 + f.FOLD_AFTER_S + 2)).decode()
+    text = exposition(service_wide(t0 + f.FOLD_AFTER_S + 2)).decode()
     families = {fam.name: fam for fam in text_string_to_metric_families(text)}
     assert families["gangserve_gang_rebuilds"].samples[0].value == 6
 

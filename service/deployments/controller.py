@@ -31,11 +31,12 @@ from service.logs import route_logs_to_serve
 from service.weights.record import ConfigWeights, ServedWeights, Source, WeightsRecord
 from service.state.fleet import Fleet
 from service.state.paths import state_dir
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.controller")
 
-WATCH_INTERVAL_S = 0.5
-PING_TIMEOUT_S = 5.0  # a ping this slow is left to the staleness rule (the gang may be busy)
+WATCH_INTERVAL_S = TUNABLES.fleet.watch_interval_s
+PING_TIMEOUT_S = TUNABLES.fleet.ping_timeout_s
 
 
 @serve.deployment(name="Controller", num_replicas=1, max_ongoing_requests=1000,

@@ -46,7 +46,8 @@ from service.gang.gang import Gang
 from service.gang_status import DataChannelStatus, GangState, dump
 from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
-from service.metrics import GangServerMetrics, enable_ray_metrics
+from service.metrics.process import enable_ray_metrics
+from service.metrics.recorders import GangServerMetrics
 from service.parallel.weights import check_checkpoint
 from service.weights.record import (
     ConfigWeights,
@@ -60,21 +61,21 @@ from service.weights.record import (
 from service.state import artifacts
 from service.state.fleet import REPORT_INTERVAL_S
 from service.state.paths import state_dir
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.server")
 
-PROBE_INTERVAL_S = 2.0
-SUPERVISOR_TICK_S = 0.25
-MAX_REBUILD_ATTEMPTS = 5
-MAX_BACKOFF_S = 30.0
-# The Controller starts with the app; a first bring-up may wait this long for it.
-CONTROLLER_TIMEOUT_S = 60.0
-# How long a shutting-down replica waits for accepted requests (inside Serve's own
-# graceful_shutdown_timeout_s, 20 s by default, which also covers Serve's handle drain).
-DRAIN_TIMEOUT_S = 10.0
+# The supervisor's timing and bounds (service.tunables says why each value).
+PROBE_INTERVAL_S = TUNABLES.gang.probe_interval_s
+SUPERVISOR_TICK_S = TUNABLES.gang.supervisor_tick_s
+MAX_REBUILD_ATTEMPTS = TUNABLES.gang.max_rebuild_attempts
+MAX_BACKOFF_S = TUNABLES.gang.max_backoff_s
+CONTROLLER_TIMEOUT_S = TUNABLES.gang.controller_timeout_s
+DRAIN_TIMEOUT_S = TUNABLES.gang.drain_timeout_s  # inside graceful_shutdown_timeout_s (service.tunables checks it)
 
 
-@serve.deployment(name="GangServer", health_check_period_s=5, health_check_timeout_s=30)
+@serve.deployment(name="GangServer", health_check_period_s=TUNABLES.gang.health_check_period_s,
+                  health_check_timeout_s=TUNABLES.gang.health_check_timeout_s)
 class GangServer:
     """Owns one Gang; answers inference and status calls from the ingress."""
 

@@ -11,7 +11,7 @@ from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
 from service.logs import route_logs_to_serve
-from service.metrics import enable_ray_metrics
+from service.metrics.process import enable_ray_metrics
 
 
 @serve.deployment(name="Ingress")

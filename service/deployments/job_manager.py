@@ -57,7 +57,8 @@ from safetensors.numpy import save as st_save
 from service.config import ModelConfig, ServingConfig
 from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
 from service.logs import route_logs_to_serve
-from service.metrics import EpochClock, enable_ray_metrics, process_metrics, training_snapshot
+from service.metrics.process import enable_ray_metrics, process_metrics
+from service.metrics.recorders import EpochClock, training_snapshot
 from service.state import artifacts
 from service.state.db import StateUnavailable, database_url
 from service.state.paths import state_dir
@@ -85,28 +86,21 @@ from service.training.run import (
 from service.training.spec import AttentionModel, JobSpec, UploadedDataset
 from service.training.status import TERMINAL, JobStatus, can_move
 from service.training.store import DatasetInUse, JobRecord, JobStore, iso
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.training")
 
-POLL_INTERVAL_S = 0.5
-HEARTBEAT_INTERVAL_S = 2.0
-# A manager silent this long is presumed dead; another adopts its active jobs.
-OWNER_STALE_S = 15.0
-ADOPT_INTERVAL_S = 5.0
-SNAPSHOT_TIMEOUT_S = 10.0
-# Consecutive unanswered polls before a run actor is declared hung (~2 minutes).
-MAX_MISSED_POLLS = 12
-PENDING_REASON_INTERVAL_S = 2.0
-# Consecutive failed rounds of the poll loop (store or Ray errors) before check_health
-# fails and Serve restarts the replica (~10 s of rounds at POLL_INTERVAL_S; a fresh
-# replica adopts the jobs once this one's heartbeat is OWNER_STALE_S old).
-MAX_POLL_FAILURES = 20
-# After deleting a job whose run was still active, its files are removed again after these
-# pauses (5 s, then 20 s more): a run being killed may still write a checkpoint or result.json.
-LATE_SWEEP_S = (5.0, 20.0)
-# Runs of one job started again after they died with the service (not worker failures:
-# those are Ray Train's max_failures), before the job FAILS.
-MAX_RESUMES = 3
+# The poll loop's timing and budgets (service.tunables says why each value).
+POLL_INTERVAL_S = TUNABLES.training.poll_interval_s
+HEARTBEAT_INTERVAL_S = TUNABLES.training.heartbeat_interval_s
+OWNER_STALE_S = TUNABLES.training.owner_stale_s
+ADOPT_INTERVAL_S = TUNABLES.training.adopt_interval_s
+SNAPSHOT_TIMEOUT_S = TUNABLES.training.snapshot_timeout_s
+MAX_MISSED_POLLS = TUNABLES.training.max_missed_polls
+PENDING_REASON_INTERVAL_S = TUNABLES.training.pending_reason_interval_s
+MAX_POLL_FAILURES = TUNABLES.training.max_poll_failures
+LATE_SWEEP_S = TUNABLES.training.late_sweep_s
+MAX_RESUMES = TUNABLES.training.max_resumes
 
 _RemoteTrainRun = ray.remote(TrainRun)
 T = TypeVar("T")
@@ -430,7 +424,7 @@ class JobManager:
 
     async def metrics(self) -> dict[str, Any]:
         """For the ingress's /metrics: jobs per status, the last epoch loss and eval loss of
-        every active job this manager runs, the epoch-time histogram (a service.metrics snapshot)."""
+        every active job this manager runs, the epoch-time histogram (a service.metrics.process snapshot)."""
         counts = await self._io(self._store.status_counts)
         losses: dict[str, float] = {}
         eval_losses: dict[str, float] = {}

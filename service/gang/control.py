@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from service.tunables import TUNABLES
+
 HEADER_LEN = 10
 OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS = range(9)
 
@@ -53,16 +55,15 @@ FLAG_CAUSAL = 2
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
-# A peer whose loop failed stays this long (so rank 0 can still ask it why over Ray),
-# then exits its process.
-PEER_EXIT_GRACE_S = 2.0
-TIMINGS_KEPT = 512  # per-step timestamps each rank keeps for GET /gang
+PEER_EXIT_GRACE_S = TUNABLES.gang.peer_exit_grace_s  # a failed peer's wait before it exits
+TIMINGS_KEPT = TUNABLES.gang.timings_kept  # per-step timestamps each rank keeps for GET /gang
 
 
 def heartbeat_interval(collective_timeout_s: float) -> float:
-    """Idle time after which rank 0 sends a heartbeat: a quarter of the group timeout, so
-    two heartbeats may be late (a busy core) before a peer's wait times out."""
-    return max(0.05, collective_timeout_s / 4)
+    """Idle time after which rank 0 sends a heartbeat: a quarter of the group timeout
+    (TUNABLES.gang.heartbeats_per_timeout), so two heartbeats may be late (a busy core)
+    before a peer's wait times out."""
+    return TUNABLES.gang.heartbeat_interval(collective_timeout_s)
 
 
 def step_header(seq: int, shape: tuple[int, ...], flags: int, dtype: torch.dtype, version: int,

@@ -68,10 +68,11 @@ from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
 from service.gang_status import GangState, GangStatus
 from service.weights.record import ServedWeights
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
-SHUTDOWN_TIMEOUT_S = 10.0
+SHUTDOWN_TIMEOUT_S = TUNABLES.gang.shutdown_timeout_s
 
 
 RankActor = ray.remote(max_restarts=0, max_task_retries=0)(RankWorker)

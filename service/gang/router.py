@@ -16,8 +16,10 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-ROUTING_STATS_PERIOD_S = 1.0
-ROUTING_STATS_TIMEOUT_S = 5.0
+from service.tunables import TUNABLES
+
+ROUTING_STATS_PERIOD_S = TUNABLES.gang.routing_stats_period_s
+ROUTING_STATS_TIMEOUT_S = TUNABLES.gang.routing_stats_timeout_s
 READY_STAT = "gang_ready"
 
 

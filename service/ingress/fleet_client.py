@@ -17,18 +17,15 @@ from ray.serve.handle import DeploymentHandle
 
 from service.errors import GangServeError, GangUnavailable
 from service.ingress.handle_errors import awaited, map_handle_error
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.ingress")
 
-# Readiness asks with a short bound and falls back to a gang (the controller answers from
-# memory in milliseconds; slower means it is gone or the machine is overloaded). Status
-# routes (/gangs, rollouts) have no fallback, so they wait longer before answering 503.
-READINESS_TIMEOUT_S = 1.0
-FLEET_TIMEOUT_S = 5.0
-# After a failed readiness call, readiness skips the controller this long (answers at once
-# from the fallback): Serve's router may keep sending to a dead controller replica until it
-# notices.
-SKIP_AFTER_FAILURE_S = 2.0
+# Readiness asks with a short bound and falls back to a gang; status routes (/gangs,
+# rollouts) have no fallback, so they wait longer (service.tunables says why each value).
+READINESS_TIMEOUT_S = TUNABLES.ingress.readiness_timeout_s
+FLEET_TIMEOUT_S = TUNABLES.ingress.fleet_timeout_s
+SKIP_AFTER_FAILURE_S = TUNABLES.ingress.skip_after_failure_s
 
 
 class FleetClient:

@@ -47,28 +47,30 @@ from service.cluster.placement import (
     gang_request,
     waiting_reason,
 )
-from service.metrics import process_metrics
+from service.metrics.process import process_metrics
 from service.gang_status import GangStatus, IngressTransport, dump
 from service.ingress.fleet_client import FleetClient
 from service.ingress.handle_errors import awaited, map_handle_error
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
 
-STATUS_MAX_AGE_S = 1.0  # how stale the cached gang status may be on the request path
-DESCRIBE_TIMEOUT_S = 2.0
-INGRESS_CALLS_IN_FLIGHT = 2  # one batch crossing the hop while the gang computes another
-SHM_RETRY_AFTER_S = 30.0  # after a shared-memory failure, send by value for this long
-CHANNEL_RETRY_AFTER_S = 5.0  # after a data-channel failure, use the handle for this long (same replica)
+# Waits, retries and fallbacks (service.tunables says why each value).
+STATUS_MAX_AGE_S = TUNABLES.ingress.status_max_age_s  # of the cached gang status, on the request path
+DESCRIBE_TIMEOUT_S = TUNABLES.ingress.describe_timeout_s
+INGRESS_CALLS_IN_FLIGHT = TUNABLES.transport.ingress_calls_in_flight
+SHM_RETRY_AFTER_S = TUNABLES.transport.shm_retry_after_s  # by value for this long after a failure
+CHANNEL_RETRY_AFTER_S = TUNABLES.transport.channel_retry_after_s  # the handle for this long after a failure
 # Failures of the gang, not of the request: retried while the deadline allows.
 RETRYABLE_CODES = frozenset({
     "gang_broken", "gang_rebuilding", "gang_starting", "gang_stopped", "gang_restarting", "gang_unreachable",
     "gang_scheduling", "gang_unavailable", "collective_timeout", "weights_version_mismatch",
     "weights_commit_failed",
 })
-RETRY_BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.25)  # then every 0.25 s: a rebuild takes seconds
-WAIT_POLL_S = 0.1  # how often a request waiting for a gang looks at its state
-DEFAULT_OUTAGE_S = 5.0  # expected time to a serving gang before any outage was measured
+RETRY_BACKOFF_S = TUNABLES.ingress.retry_backoff_s  # by attempt, the last one repeated
+WAIT_POLL_S = TUNABLES.ingress.wait_poll_s  # how often a request waiting for a gang looks again
+DEFAULT_OUTAGE_S = TUNABLES.ingress.default_outage_s  # expected outage before one was measured
 
 
 class GangClient:

@@ -9,8 +9,9 @@ from ray.serve.handle import DeploymentHandle
 
 from service.errors import GangServeError, GangUnavailable
 from service.ingress.handle_errors import awaited, map_handle_error
+from service.tunables import TUNABLES
 
-CALL_TIMEOUT_S = 30.0
+CALL_TIMEOUT_S = TUNABLES.ingress.jobs_call_timeout_s  # the state stores' waits stay below it
 
 
 class JobsUnavailable(GangUnavailable):

@@ -24,12 +24,14 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.ingress.fleet_client import FleetClient
-from service.metrics import MetricSet, merge, process_metrics
+from service.metrics.exposition import merge
+from service.metrics.process import MetricSet, process_metrics
 from service.state.fleet import METRICS_REPORT_INTERVAL_S
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.ingress")
 
-JOBS_METRICS_TIMEOUT_S = 5.0  # a scrape must not wait long for the JobManager
+JOBS_METRICS_TIMEOUT_S = TUNABLES.ingress.jobs_metrics_timeout_s  # a scrape must not wait long for the JobManager
 
 _FORMATS = {
     "application/json": "json",

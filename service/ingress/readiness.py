@@ -19,10 +19,10 @@ from service.ingress.auth import redact_paths
 from service.errors import GangServeError, GangUnavailable
 from service.gang_status import Readiness, dump
 from service.ingress.gang_client import GangClient, unavailable_error
-from service.state.fleet import REPORT_INTERVAL_S
+from service.tunables import TUNABLES
 
 # A controller up for less than this may not have heard from every gang yet.
-WARM_UP_S = 3 * REPORT_INTERVAL_S
+WARM_UP_S = TUNABLES.fleet.warm_up_s
 
 
 async def readiness(gang: GangClient) -> dict[str, Any]:

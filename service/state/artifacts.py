@@ -49,21 +49,19 @@ import pyarrow.fs as pafs
 
 from service.errors import GangServeError
 from service.state.paths import resolve_inside, state_dir
+from service.tunables import TUNABLES
 
 STORAGE_URL_ENV = "GANGSERVE_STORAGE_URL"
 # The first one set wins: our own name first, so it can differ from the AWS CLI's.
 ENDPOINT_ENVS = ("GANGSERVE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
 LAYOUT = ("datasets", "checkpoints", "runs", "weights")
 CACHE_SUBDIR = "cache"
-CHUNK = 4 * 1024 * 1024
-# Bounded waits on S3: a dead endpoint fails within seconds instead of the SDK's defaults
-# (minutes of retries); a slow but live one still has request_timeout per socket read.
-S3_CONNECT_TIMEOUT_S = 3.0
-S3_REQUEST_TIMEOUT_S = 30.0
-S3_MAX_ATTEMPTS = 3
-# Whoever does not get a node's download lock within this long reports the wait (a
-# download of a big checkpoint by another rank on the same node may still be running).
-CACHE_LOCK_TIMEOUT_S = 600.0
+CHUNK = TUNABLES.state.copy_chunk_bytes
+# Bounded waits on S3 and on a node's download lock (service.tunables says why each value).
+S3_CONNECT_TIMEOUT_S = TUNABLES.state.s3_connect_timeout_s
+S3_REQUEST_TIMEOUT_S = TUNABLES.state.s3_request_timeout_s
+S3_MAX_ATTEMPTS = TUNABLES.state.s3_max_attempts
+CACHE_LOCK_TIMEOUT_S = TUNABLES.state.cache_lock_timeout_s
 
 _SHA_NAME = re.compile(r"(?:^|/)([0-9a-f]{64})(?:\.[A-Za-z0-9]+)?$")
 _SECRET_ENVS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")

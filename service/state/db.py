@@ -46,6 +46,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from service.errors import GangServeError
 from service.state.paths import state_dir
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.state")
 
@@ -55,21 +56,18 @@ DATABASE_URL_ENV = "GANGSERVE_DATABASE_URL"
 DEFAULT_DB_FILE = "jobs.sqlite"
 JOURNAL_ENV = "GANGSERVE_SQLITE_JOURNAL"
 
-# Every wait is bounded. SQLite's busy wait and PostgreSQL's lock wait stay below the
-# ingress's 30 s call timeout, so the caller gets this module's 503 with a reason, not a
-# timeout of its own.
-SQLITE_BUSY_TIMEOUT_S = 10.0
-CONNECT_TIMEOUT_S = 5.0        # one connection attempt (libpq connect_timeout; whole seconds)
-POOL_TIMEOUT_S = 5.0           # waiting for a pooled connection (the server may be gone)
-# How long the pool retries one failed connection attempt (with doubling back-off) before it
-# gives up; the next request starts a fresh attempt at once. Short, so that the pool's back-off
-# never grows past a few seconds: a server that comes back is used again within seconds.
-POOL_RECONNECT_S = 10.0
-PG_LOCK_TIMEOUT_MS = 10_000    # waiting for the advisory lock / a row lock
-PG_STATEMENT_TIMEOUT_MS = 20_000
-PG_IDLE_IN_TRANSACTION_MS = 60_000  # a writer that died mid-transaction frees its lock
-POOL_MIN_SIZE = 1
-POOL_MAX_SIZE = 4
+# Every wait is bounded. SQLite's busy wait and PostgreSQL's lock and statement waits stay
+# below the ingress's call timeout (service.tunables checks it), so the caller gets this
+# module's 503 with a reason, not a timeout of its own.
+SQLITE_BUSY_TIMEOUT_S = TUNABLES.state.sqlite_busy_timeout_s
+CONNECT_TIMEOUT_S = TUNABLES.state.connect_timeout_s
+POOL_TIMEOUT_S = TUNABLES.state.pool_timeout_s
+POOL_RECONNECT_S = TUNABLES.state.pool_reconnect_s
+PG_LOCK_TIMEOUT_MS = TUNABLES.state.pg_lock_timeout_ms
+PG_STATEMENT_TIMEOUT_MS = TUNABLES.state.pg_statement_timeout_ms
+PG_IDLE_IN_TRANSACTION_MS = TUNABLES.state.pg_idle_in_transaction_ms
+POOL_MIN_SIZE = TUNABLES.state.pool_min_size
+POOL_MAX_SIZE = TUNABLES.state.pool_max_size
 
 Dialect = Literal["sqlite", "postgresql"]
 Row = dict[str, Any]

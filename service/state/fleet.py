@@ -30,16 +30,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.gang_status import GangStatus, LostGangStatus, dump
-from service.metrics import merge, to_snapshot
+from service.metrics.exposition import merge, to_snapshot
+from service.tunables import TUNABLES
 
-REPORT_INTERVAL_S = 1.0  # a gang's report period (it also reports at once on any state change)
-METRICS_REPORT_INTERVAL_S = 2.0  # an ingress replica's metrics report period
-# A gang whose last report is older than this is not counted: it is hung, cut off, or gone.
-STALE_AFTER_S = 5.0
-# Counters of a replica silent this long are folded into `retired`: longer than Serve's
-# health-check timeout (30 s), so such a replica has been replaced and never reports again.
-FOLD_AFTER_S = 60.0
-LOST_KEPT_S = 120.0  # how long a lost gang is still named in `missing`
+# The reporting periods and ages (service.tunables says why each value).
+REPORT_INTERVAL_S = TUNABLES.fleet.report_interval_s  # a gang's (and at once on any state change)
+METRICS_REPORT_INTERVAL_S = TUNABLES.fleet.metrics_report_interval_s  # an ingress replica's
+STALE_AFTER_S = TUNABLES.fleet.stale_after_s  # an older ready report is not counted
+FOLD_AFTER_S = TUNABLES.fleet.fold_after_s  # a replica silent this long: counters into `retired`
+LOST_KEPT_S = TUNABLES.fleet.lost_kept_s  # how long a lost gang is still named in `lost`
 
 
 @dataclass

@@ -49,16 +49,17 @@ from service.training.models import MODEL_FILE
 from service.training.runner import train_loop_per_worker
 from service.training.spec import AttentionModel, JobSpec
 from service.training.status import JobStatus, check_transition
+from service.tunables import TUNABLES
 
 RUN_NAMESPACE = "gangserve"
 RESULT_FILE = "result.json"
-MAX_LOG_LINES = 1000
-# One worker_output call carries at most this many lines (the worker's ring is smaller).
-MAX_OUTPUT_LINES_PER_CALL = 500
-MAX_OUTPUT_LINE_CHARS = 1000
-# A finished run whose manager never collects it (manager gone) exits after this long;
-# its outcome stays in result.json.
-FINISHED_LINGER_S = 600.0
+MAX_LOG_LINES = TUNABLES.training.max_run_log_lines
+# One worker_output call carries at most this many lines (more than the worker's ring holds:
+# service.tunables checks it), each cut as the worker cuts it (one value).
+MAX_OUTPUT_LINES_PER_CALL = TUNABLES.training.max_output_lines_per_call
+MAX_OUTPUT_LINE_CHARS = TUNABLES.training.output_line_chars
+# A finished run whose manager never collects it exits after this long (outcome in result.json).
+FINISHED_LINGER_S = TUNABLES.training.finished_linger_s
 
 
 def run_actor_name(job_id: str) -> str:

@@ -67,15 +67,15 @@ from service.training.datasets import Samples, load_uploaded, split, synthetic
 from service.training.models import MODEL_FILE, ModelSpecT, build_model, load_model, load_tensors, save_model
 from service.training.spec import JobSpec, SyntheticDataset
 from service.training.worker_output import OutputCapture
+from service.tunables import TUNABLES
 
 TRAIN_STATE_FILE = "train_state.pt"
-# Longest rank 0 waits for the previous epoch's checkpoint upload before writing the next.
-CHECKPOINT_WAIT_S = 600.0
-PROGRESS_INTERVAL_S = 0.5
-ACK_TIMEOUT_S = 30.0
-# Captured output lines are sent after each epoch, and within a long epoch at most this often.
-OUTPUT_INTERVAL_S = 5.0
-OUTPUT_ACK_TIMEOUT_S = 10.0
+# The worker's waits and report periods (service.tunables says why each value).
+CHECKPOINT_WAIT_S = TUNABLES.training.checkpoint_wait_s  # for the previous epoch's upload
+PROGRESS_INTERVAL_S = TUNABLES.training.progress_interval_s
+ACK_TIMEOUT_S = TUNABLES.training.ack_timeout_s
+OUTPUT_INTERVAL_S = TUNABLES.training.output_interval_s  # captured output, within a long epoch
+OUTPUT_ACK_TIMEOUT_S = TUNABLES.training.output_ack_timeout_s
 
 
 def vector_sq_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,10 +30,11 @@ from typing import Any, Callable, Iterable
 from service.state.db import Database, DatabaseStore, Migration, Row, Session, sqlite_url
 from service.training.limits import ActiveUsage
 from service.training.status import ACTIVE, JobStatus, parse, sources
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.training")
 
-MAX_LOG_LINES_PER_JOB = 2000
+MAX_LOG_LINES_PER_JOB = TUNABLES.training.max_log_lines_per_job
 STORE = "jobs"
 LOCK = "jobs"  # the transaction lock of every multi-statement write of this store
 

@@ -26,9 +26,11 @@ import sys
 import threading
 from typing import Any, Iterator, TextIO
 
-MAX_LINES = 200
-MAX_CHARS = 1000
-RECENT_STDOUT = 64
+from service.tunables import TUNABLES
+
+MAX_LINES = TUNABLES.training.output_ring_lines
+MAX_CHARS = TUNABLES.training.output_line_chars  # the run actor cuts at the same value
+RECENT_STDOUT = TUNABLES.training.recent_stdout_lines
 # Terminal escapes (colours, cursor moves) mean nothing in a JSON log.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 

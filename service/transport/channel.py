@@ -62,14 +62,15 @@ import orjson
 
 from service.transport import shm
 from service.errors import GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.channel")
 
 FRAME = struct.Struct("<IQ")
-MAX_HEADER_BYTES = 16 * 1024
+MAX_HEADER_BYTES = TUNABLES.transport.channel_max_header_bytes
 SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and pod)
-MAX_SHARED_REGION_BYTES = 64 * 1024 * 1024
-STALE_AFTER_S = 60.0  # a socket file nobody listens on, older than this, is a dead replica's
+MAX_SHARED_REGION_BYTES = TUNABLES.transport.max_shared_region_bytes
+STALE_AFTER_S = TUNABLES.transport.stale_socket_s  # a socket file nobody listens on, older, is a dead replica's
 
 # rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages)[, key mask [b, s]
 # bool or None, causal or None] -> the output (called with x alone when neither is sent)

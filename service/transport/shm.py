@@ -30,13 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
+from service.tunables import TUNABLES
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "gangserve-"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[0-9a-f]{{16}}$")  # PREFIX, creator pid, 64 random bits
 # Smaller tensors go by value in the handle call. Ray sends objects under 100 KiB
 # (max_direct_call_object_size) inline in the RPC, so little is saved below that; the
-# threshold is 64 KiB (the README's shm_transport row), so 64-100 KiB tensors use /dev/shm too.
-MIN_SHARED_BYTES = 64 * 1024
+# threshold (64 KiB) is one tunable, which the shm_transport builder argument's description
+# quotes, so 64-100 KiB tensors use /dev/shm too.
+MIN_SHARED_BYTES = TUNABLES.transport.min_shared_bytes
 
 
 class SharedMemoryUnavailable(RuntimeError):

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from service.ingress.observe import gather
-from service.metrics import exposition
+from service.metrics.exposition import exposition
 
 router = APIRouter(tags=["health"])
 

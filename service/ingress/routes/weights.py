@@ -34,6 +34,7 @@ from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, ErrorBody
 from service.weights.gate import check_eval_gate, job_eval_loss
 from service.weights.record import ServedWeights
+from service.tunables import TUNABLES
 
 router = APIRouter(tags=["training"])
 
@@ -73,7 +74,7 @@ class WeightsVersions(BaseModel):
 
 
 MAX_WEIGHTS_BODY_BYTES = 64 * 1024  # a job id or a path: never more
-ROLLOUT_TIMEOUT_S = 120.0  # the other gangs follow the record within a probe interval or two
+ROLLOUT_TIMEOUT_S = TUNABLES.ingress.rollout_timeout_s  # the other gangs follow within a probe interval or two
 
 
 async def _small_body(request: Request) -> None:

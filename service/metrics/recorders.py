@@ -1,0 +1,110 @@
+"""What the deployments count, over their process's MetricSet: the GangServer's steps,
+drops, rebuilds and gauges, and the JobManager's epoch times and job figures."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from service.metrics.process import MetricSet, process_metrics
+
+log = logging.getLogger("gangserve.metrics")
+
+
+# ---------------------------------------------------------------- training
+
+
+class EpochClock:
+    """Epoch wall times from the reported history: epoch e took at(e) - at(e-1), the first
+    one at(1) - the run's start. Kept by the JobManager (the only reader of the runs)."""
+
+    def __init__(self, metrics: MetricSet) -> None:
+        self._metrics = metrics
+        metrics.declare("gangserve_training_epoch_seconds")
+        self._last: dict[str, tuple[int, float]] = {}  # job -> (epoch, at) of its last report
+
+    def observe(self, job_id: str, started_at: float | None, entries: Iterable[dict[str, Any]]) -> None:
+        for e in entries:
+            epoch, at = int(e.get("epoch", 0)), e.get("at")
+            if at is None:
+                continue
+            prev_epoch, prev_at = self._last.get(job_id, (0, started_at))
+            # A resumed attempt re-reports from its checkpoint: only a next epoch is timed.
+            if prev_at is not None and epoch == prev_epoch + 1 and at >= prev_at:
+                self._metrics.observe("gangserve_training_epoch_seconds", at - prev_at)
+            self._last[job_id] = (epoch, float(at))
+
+    def forget(self, job_id: str) -> None:
+        self._last.pop(job_id, None)
+
+
+def training_snapshot(all_statuses: Iterable[str], status_counts: dict[str, int], losses: dict[str, float],
+                      epoch_metrics: MetricSet, eval_losses: dict[str, float] | None = None) -> dict[str, list]:
+    """The JobManager's answer to a scrape: jobs per status (every status, zeros included),
+    the last epoch's loss (and held-out loss) of each active job, and its epoch-time histogram."""
+    snap = {k: v for k, v in epoch_metrics.snapshot().items() if k == "gangserve_training_epoch_seconds"}
+    statuses = {s: 0 for s in all_statuses} | status_counts
+    snap["gangserve_training_jobs"] = [[[s], float(n)] for s, n in sorted(statuses.items())]
+    snap["gangserve_training_loss"] = [[[job], float(loss)] for job, loss in sorted(losses.items())]
+    snap["gangserve_training_eval_loss"] = [[[job], float(v)] for job, v in sorted((eval_losses or {}).items())]
+    for status, n in statuses.items():  # Ray's gauges (no per-job loss: Ray cannot drop a series)
+        epoch_metrics.set("gangserve_training_jobs", n, (status,))
+    return snap
+
+
+# ---------------------------------------------------------------- the gang server
+
+
+class GangServerMetrics:
+    """What one GangServer replica counts; lives in the replica, so an in-place gang rebuild
+    (same process, new rank actors and process group) never resets it."""
+
+    def __init__(self, replica_id: str, metrics: MetricSet | None = None) -> None:
+        self._m = metrics or process_metrics()
+        self._replica = (replica_id,)
+        self.in_flight = 0
+        self._m.declare("gangserve_gang_rebuilds", "gangserve_collective_timeouts",
+                        "gangserve_gang_step_seconds", "gangserve_batch_size", "gangserve_step_padded_share")
+
+    def on_step(self, rows: int, seconds: float, error: BaseException | None, padded_share: float = 0.0) -> None:
+        """StepBatcher's observer: one gang step finished (or failed with `error`), `padded_share`
+        of its tokens padding added to batch mixed lengths. Never raises (it runs on the
+        batcher's path, before the step's requests get their answers)."""
+        from service.errors import CollectiveTimeout
+
+        try:
+            if error is None:
+                self._m.observe("gangserve_gang_step_seconds", seconds)
+                self._m.observe("gangserve_batch_size", rows)
+                self._m.observe("gangserve_step_padded_share", padded_share)
+            elif isinstance(error, CollectiveTimeout):
+                self._m.inc("gangserve_collective_timeouts")
+        except Exception:  # noqa: BLE001
+            log.exception("step metrics not recorded")
+
+    def on_drop(self, reason: str, n: int) -> None:
+        """StepBatcher's drop observer: `n` queued requests dropped uncomputed."""
+        self._m.inc("gangserve_requests_dropped", ("gang", reason), float(n))
+
+    def rebuilt(self) -> None:
+        self._m.inc("gangserve_gang_rebuilds")
+
+    def queued(self) -> "_InFlight":
+        return _InFlight(self)
+
+    def snapshot(self, info: dict[str, Any]) -> dict[str, list]:
+        """The replica's gauges from its /gang description, then everything it counted."""
+        self._m.set("gangserve_gang_ready", 1.0 if info.get("state") == "ready" else 0.0, self._replica)
+        self._m.set("gangserve_weights_version", float(info.get("weights_version") or 0), self._replica)
+        self._m.set("gangserve_queue_depth", float(self.in_flight), self._replica)
+        return self._m.snapshot()
+
+
+class _InFlight:
+    def __init__(self, owner: GangServerMetrics) -> None:
+        self._owner = owner
+
+    def __enter__(self) -> None:
+        self._owner.in_flight += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner.in_flight -= 1

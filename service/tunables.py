@@ -1,0 +1,375 @@
+"""The service's tunables: every timing and sizing knob of its own machinery, in one place.
+
+Builder arguments (service.config.AppConfig) are what an app is deployed with; tunables are
+the numbers the machinery runs on: how often a gang is probed, how long a rebuild backs off,
+how stale a report may be, how big a shared region gets, how long a store waits for a lock.
+Like torchtitan's config sections, each concern is one frozen, typed dataclass whose every
+field says what it bounds and why that default; `TUNABLES` is the one instance the service
+runs with, and `python -m service.tunables` prints the reference (docs/tunables.md, `make
+docs`; tests/test_config.py checks it is current).
+
+How modules use them: a module binds the values it reads once, at import, on its constant
+line (`PROBE_INTERVAL_S = TUNABLES.gang.probe_interval_s`), so the code that uses a value
+keeps a short name and the value, its type and its reason live here only. Values that must
+agree are one field, or derived from one in code (the properties below); relations between
+sections that must hold (a store's lock wait below the ingress's call timeout, ...) are
+checked when `Tunables` is built, so an edit that breaks one fails at import, naming both
+numbers.
+
+Not here, on purpose: protocol and format constants (the step-loop header layout, frame
+structs, file and key names), input limits that are part of the HTTP API (the deadline cap,
+JSON-bomb and OIP shape bounds, body caps of the small JSON routes, the error-message cap the
+client distribution shares), metric histogram buckets (their `le` labels are exported
+series), and seeds. They stay next to the code they define.
+
+This module imports nothing from `service` (tests/test_layout.py): any module may read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+KIB = 1024
+MIB = 1024 * KIB
+FLOAT32_BYTES = 4  # the wire dtype of request and reply tensors (service.ingress.codecs.MODEL_DTYPE)
+
+
+def knob(default: Any, doc: str) -> Any:
+    """A tunable field: its default and what it bounds (shown in docs/tunables.md)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class GangTunables:
+    """Gang supervision: the GangServer's supervisor, the gang's lifecycle and its step loop
+    (service.deployments.gang_server, service.gang)."""
+
+    probe_interval_s: float = knob(2.0, (
+        "How often the supervisor probes a ready gang's peers (one small Ray call per rank) and asks "
+        "the Controller for a newer weights version. A peer that dies while no request runs is found "
+        "within this; a request that hits it first wakes the supervisor at once."))
+    supervisor_tick_s: float = knob(0.25, (
+        "Longest sleep of the supervisor loop between looks at the gang (it is also woken at once when "
+        "the gang breaks): bounds how late a state change is published or a due probe starts."))
+    max_rebuild_attempts: int = knob(5, (
+        "Failed rebuilds in a row after which check_health fails and Serve replaces the replica (a fresh "
+        "placement group), instead of retrying in place forever."))
+    max_backoff_s: float = knob(30.0, (
+        "Cap of the exponential backoff between failed rebuilds (1, 2, 4 ... s): a cluster that lacks a "
+        "node is not hammered, and a returning one is used within this."))
+    controller_timeout_s: float = knob(60.0, (
+        "Bound on a GangServer's calls to the Controller (the weights record): the Controller starts with "
+        "the app, so a first bring-up may wait this long for it."))
+    drain_timeout_s: float = knob(10.0, (
+        "How long a shutting-down GangServer waits for its accepted requests (data channel and queue) "
+        "before the gang goes; must stay inside graceful_shutdown_timeout_s, which also covers Serve's "
+        "own handle drain."))
+    graceful_shutdown_timeout_s: float = knob(20.0, (
+        "Serve's graceful_shutdown_timeout_s for the GangServer (Serve's default, set explicitly so that "
+        "drain_timeout_s can be checked against it)."))
+    health_check_period_s: float = knob(5.0, "Serve's health_check_period_s for the GangServer.")
+    health_check_timeout_s: float = knob(30.0, (
+        "Serve's health_check_timeout_s for the GangServer: a replica silent this long is replaced "
+        "(fleet.fold_after_s is longer, so a silent replica's counters are folded only once it is gone)."))
+    shutdown_timeout_s: float = knob(10.0, (
+        "Bound on the gang's teardown at shutdown (peers killed, rank 0 leaves the group, the spare "
+        "dropped): a hung teardown is logged, never waited for."))
+    peer_exit_grace_s: float = knob(2.0, (
+        "A peer whose step loop failed stays this long (so rank 0 can still ask it why over Ray), then "
+        "exits its process: nothing outlives a failed gang for longer."))
+    heartbeats_per_timeout: int = knob(4, (
+        "With the step loop, an idle rank 0 sends a heartbeat header every collective_timeout_s / this: "
+        "two heartbeats may be late (a busy core) before a peer's wait for a header times out."))
+    min_heartbeat_s: float = knob(0.05, "Shortest heartbeat period, whatever collective_timeout_s is.")
+    timings_kept: int = knob(512, "Per-step timestamps each rank keeps for GET /gang's step-loop timings.")
+    routing_stats_period_s: float = knob(1.0, (
+        "How often Serve asks each GangServer for its routing stats (is its gang ready): a gang that just "
+        "broke may get requests for up to this long, which fail fast (503), never wait."))
+    routing_stats_timeout_s: float = knob(5.0, "Serve's bound on one routing-stats call.")
+
+    def heartbeat_interval(self, collective_timeout_s: float) -> float:
+        """Idle time after which rank 0 sends a heartbeat header to the step loops."""
+        return max(self.min_heartbeat_s, collective_timeout_s / self.heartbeats_per_timeout)
+
+
+@dataclass(frozen=True)
+class FleetTunables:
+    """Fleet reporting: what the Controller knows of the gangs and the replicas' metrics
+    (service.state.fleet, service.deployments.controller, service.metrics)."""
+
+    report_interval_s: float = knob(1.0, (
+        "A gang's report period to the Controller (it also reports at once on every state change): "
+        "/gangs and the metrics are at most this old."))
+    metrics_report_interval_s: float = knob(2.0, "An ingress replica's metrics report period to the Controller.")
+    stale_after_s: float = knob(5.0, (
+        "A gang whose last report is older than this is not counted as ready: it is hung, cut off, or "
+        "gone. Several report periods, so one late report never flips readiness."))
+    fold_after_s: float = knob(60.0, (
+        "A replica silent this long has its counters folded into the `retired` snapshot: longer than the "
+        "GangServer's health-check timeout, so such a replica has been replaced and never reports again."))
+    lost_kept_s: float = knob(120.0, "How long a lost gang is still named in /gangs' `lost` and readiness reasons.")
+    warm_up_reports: int = knob(3, (
+        "A Controller up for less than this many report periods may not have heard from every gang "
+        "yet: readiness then asks a gang directly (warm_up_s below)."))
+    watch_interval_s: float = knob(0.5, (
+        "The Controller pings every gang's replica actor this often: a dead rank 0 stops counting as "
+        "ready within one period, before Serve's health check or a stale report."))
+    ping_timeout_s: float = knob(5.0, (
+        "A ping slower than this is left to the staleness rule (the gang may be busy), not taken as a loss."))
+    ray_flush_interval_s: float = knob(1.0, (
+        "How often a replica hands its queued observations to Ray's metrics (off the request path: a Ray "
+        "record costs far more than ours). Ray exports every few seconds anyway."))
+    ray_queue_max: int = knob(100_000, (
+        "Observations waiting for that flush; beyond this they are dropped (and counted), so a stuck "
+        "flusher never grows memory."))
+
+    @property
+    def warm_up_s(self) -> float:
+        """warm_up_reports x report_interval_s."""
+        return self.warm_up_reports * self.report_interval_s
+
+
+@dataclass(frozen=True)
+class TransportTunables:
+    """Transport: the ingress -> rank 0 data plane (service.transport, the ingress's GangClient)."""
+
+    min_shared_bytes: int = knob(64 * KIB, (
+        "Tensors of this many bytes or more go through /dev/shm (a shared region or file) instead of by "
+        "value. Ray sends objects under 100 KiB inline in the RPC, so little is saved below; the "
+        "shm_transport builder argument's description quotes this value."))
+    max_shared_region_bytes: int = knob(64 * MIB, (
+        "Largest shared region a data-channel connection keeps in /dev/shm; larger (rare) requests go "
+        "inline on the socket."))
+    channel_max_header_bytes: int = knob(16 * KIB, (
+        "Largest JSON header of one data-channel frame, both sides (also the socket reader's line limit): "
+        "a header is a few hundred bytes, anything near this is not one."))
+    stale_socket_s: float = knob(60.0, (
+        "A data-channel socket file nobody accepts on, older than this, is a dead replica's and is "
+        "removed at start (a replica that is just starting is younger)."))
+    ingress_calls_in_flight: int = knob(2, (
+        "Handle calls one ingress replica keeps in flight to the gang (its batcher): one batch crosses "
+        "the hop while the gang computes the previous one."))
+    shm_retry_after_s: float = knob(30.0, "After a shared-memory hand-off failed, tensors go by value for this long.")
+    channel_retry_after_s: float = knob(5.0, (
+        "After a data-channel failure, requests use the Serve handle for this long (same replica), then "
+        "the channel is tried again."))
+
+
+@dataclass(frozen=True)
+class IngressTunables:
+    """Ingress: its waits on the gang, the Controller and the JobManager, and its request path
+    (service.ingress, service.deadlines, the Ingress deployment)."""
+
+    status_max_age_s: float = knob(1.0, "How stale the cached gang status may be on the request path.")
+    describe_timeout_s: float = knob(2.0, (
+        "Bound on one /gang describe call to a GangServer (status, readiness fallback)."))
+    retry_backoff_s: tuple[float, ...] = knob((0.0, 0.05, 0.1, 0.2, 0.25), (
+        "Pauses before the ingress retries a request after a gang failure, by attempt; the last one "
+        "repeats (a rebuild takes seconds). Every retry stays inside the request's deadline."))
+    wait_poll_s: float = knob(0.1, (
+        "How often a request waiting for a gang (rebuilding, restarting) looks at its state again."))
+    default_outage_s: float = knob(5.0, (
+        "Expected time to a serving gang before any outage was measured: a request whose deadline ends "
+        "sooner gets 503 deadline_unmeetable at once instead of waiting."))
+    readiness_timeout_s: float = knob(1.0, (
+        "Bound on readiness's call to the Controller (it answers from memory in milliseconds); slower, "
+        "readiness asks a gang instead."))
+    fleet_timeout_s: float = knob(5.0, "Bound on the status routes' Controller calls (/gangs, rollouts): no fallback there.")
+    skip_after_failure_s: float = knob(2.0, (
+        "After a failed readiness call, readiness skips the Controller this long (answers from the "
+        "fallback at once): Serve may keep routing to a dead Controller replica until it notices."))
+    jobs_call_timeout_s: float = knob(30.0, (
+        "Bound on the training routes' calls to the JobManager; the state stores' own waits stay below "
+        "it, so the caller gets the store's 503 with a reason, not this timeout."))
+    jobs_metrics_timeout_s: float = knob(5.0, "A /metrics scrape waits at most this long for the JobManager's figures.")
+    rollout_timeout_s: float = knob(120.0, (
+        "POST /weights waits this long for every gang to serve the new version (the others follow the "
+        "record within a probe interval or two), then answers rolled_out: false."))
+    drain_timeout_s: float = knob(90.0, (
+        "Serve's graceful_shutdown_timeout_s for the Ingress: a replica being replaced keeps the requests "
+        "that wait for a gang this long, the time a new gang takes to come up."))
+    inline_decode_bytes: int = knob(64 * KIB, (
+        "Binary bodies up to this size are decoded on the event loop (a zero-copy view and a float32 "
+        "check cost less than a hop to a decode thread); larger ones, and every compressed one, go to "
+        "the decode pool. Replies of as many float32 values are encoded inline (inline_encode_values)."))
+    proxy_margin_s: float = knob(0.05, (
+        "A deadline from X-Request-Timeout-Seconds is set this much earlier than the header says (plus "
+        "proxy_margin_share of it, at most proxy_margin_max_s): Serve's proxy answers a plain-text 408 "
+        "when the header's time is up, and the client must get our JSON 504 first."))
+    proxy_margin_share: float = knob(0.02, (
+        "... plus this share of the header's time (the proxy-to-ingress hop grows under load, and "
+        "longer deadlines can spare more) ..."))
+    proxy_margin_max_s: float = knob(0.5, "... at most this much in all.")
+
+    @property
+    def inline_encode_values(self) -> int:
+        """inline_decode_bytes / 4: replies of as many float32 values as an inline-decoded body."""
+        return self.inline_decode_bytes // FLOAT32_BYTES
+
+
+@dataclass(frozen=True)
+class TrainingTunables:
+    """Training and job polling: the JobManager's loop, the run actors and the workers
+    (service.deployments.job_manager, service.training)."""
+
+    poll_interval_s: float = knob(0.5, "The JobManager's poll loop period (run snapshots, heartbeats, adoption, schedules).")
+    heartbeat_interval_s: float = knob(2.0, "A JobManager replica writes its heartbeat to the job store this often.")
+    owner_stale_s: float = knob(15.0, (
+        "A manager whose heartbeat is this old is presumed dead; another adopts its active jobs. Several "
+        "heartbeat periods, so a slow store write is not a death."))
+    adopt_interval_s: float = knob(5.0, "How often a manager looks for orphaned jobs to adopt.")
+    snapshot_timeout_s: float = knob(10.0, "Bound on one poll of a run actor (its progress, logs and history since the last poll).")
+    max_missed_polls: int = knob(12, (
+        "Unanswered polls in a row before a run actor is declared hung and stopped (about 2 minutes at "
+        "poll_interval_s + snapshot_timeout_s each)."))
+    pending_reason_interval_s: float = knob(2.0, "How often a PENDING job's reason (what the cluster lacks) is recomputed.")
+    max_poll_failures: int = knob(20, (
+        "Failed rounds of the poll loop in a row (store or Ray errors) before check_health fails and Serve "
+        "restarts the replica (about 10 s of rounds at poll_interval_s; the new replica adopts the jobs "
+        "once this one's heartbeat is owner_stale_s old)."))
+    late_sweep_s: tuple[float, ...] = knob((5.0, 20.0), (
+        "After deleting a job whose run was still active, its files are removed again after these pauses: "
+        "a run being killed may still write a checkpoint or result.json."))
+    max_resumes: int = knob(3, (
+        "Times one job's run is started again after it died with the service (not worker failures: those "
+        "are Ray Train's max_failures) before the job FAILS."))
+    checkpoint_wait_s: float = knob(600.0, (
+        "Longest rank 0 waits for the previous epoch's checkpoint upload before writing the next (and "
+        "for the last one at the end): slower storage fails the run, naming it."))
+    progress_interval_s: float = knob(0.5, "Rank 0 reports step progress (fire-and-forget) at most this often.")
+    ack_timeout_s: float = knob(30.0, "Bound on the run actor's acknowledgement of a worker's start and of each finished epoch.")
+    output_interval_s: float = knob(5.0, (
+        "Captured worker output is sent after each epoch and, within a long epoch, at most this often."))
+    output_ack_timeout_s: float = knob(10.0, "Bound on the run actor's acknowledgement of a batch of worker output.")
+    output_ring_lines: int = knob(200, (
+        "Output lines a worker keeps between two sends (older ones are dropped and counted in one line)."))
+    output_line_chars: int = knob(1000, (
+        "A captured output line is cut at this many characters: in the worker, and again in the run "
+        "actor that receives it (one value for both)."))
+    recent_stdout_lines: int = knob(64, (
+        "Recent stdout lines a worker compares stderr lines with, to drop Ray Train's duplicate of a "
+        "printed line."))
+    max_output_lines_per_call: int = knob(500, (
+        "Lines the run actor takes from one worker_output call; more than a worker's ring holds, so "
+        "nothing a worker sends is cut here."))
+    max_run_log_lines: int = knob(1000, (
+        "Newest log lines a run actor keeps for the JobManager's polls (each poll takes those it has not "
+        "seen; the job store keeps max_log_lines_per_job)."))
+    finished_linger_s: float = knob(600.0, (
+        "A finished run whose manager never collects it (manager gone) exits after this long; its outcome "
+        "stays in result.json."))
+    max_log_lines_per_job: int = knob(2000, "Newest log lines the job store keeps per job (GET /train/{id}/logs).")
+
+
+@dataclass(frozen=True)
+class StateTunables:
+    """State: the database (SQLite or PostgreSQL) and the artifact storage (state dir or S3)
+    (service.state.db, service.state.artifacts)."""
+
+    sqlite_busy_timeout_s: float = knob(10.0, (
+        "SQLite's busy wait for another writer's lock; below the ingress's jobs_call_timeout_s, so the "
+        "caller gets the store's 503 with a reason."))
+    connect_timeout_s: float = knob(5.0, "One PostgreSQL connection attempt (libpq connect_timeout; whole seconds).")
+    pool_timeout_s: float = knob(5.0, "Wait for a pooled PostgreSQL connection (the server may be gone).")
+    pool_reconnect_s: float = knob(10.0, (
+        "How long the pool retries one failed connection attempt (doubling back-off) before it gives up; "
+        "short, so a server that comes back is used again within seconds."))
+    pg_lock_timeout_ms: int = knob(10_000, (
+        "PostgreSQL lock_timeout: the wait for the advisory lock or a row lock (below jobs_call_timeout_s)."))
+    pg_statement_timeout_ms: int = knob(20_000, "PostgreSQL statement_timeout (below jobs_call_timeout_s).")
+    pg_idle_in_transaction_ms: int = knob(60_000, (
+        "PostgreSQL idle_in_transaction_session_timeout: a writer that died mid-transaction frees its lock."))
+    pool_min_size: int = knob(1, "PostgreSQL connections a process keeps open.")
+    pool_max_size: int = knob(4, "Most PostgreSQL connections one process opens.")
+    copy_chunk_bytes: int = knob(4 * MIB, "Read size of artifact copies, hashes and downloads.")
+    s3_connect_timeout_s: float = knob(3.0, (
+        "S3 connect timeout: a dead endpoint fails within seconds instead of the SDK's minutes of retries."))
+    s3_request_timeout_s: float = knob(30.0, "S3 timeout per socket read: a slow but live endpoint still gets this.")
+    s3_max_attempts: int = knob(3, "S3 attempts per request (the SDK's standard retry strategy).")
+    cache_lock_timeout_s: float = knob(600.0, (
+        "Whoever does not get a node's download lock within this long reports the wait (another rank on "
+        "the node may still be downloading a big checkpoint)."))
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """Every tunable, by concern. Relations between values are checked when it is built."""
+
+    gang: GangTunables = field(default_factory=GangTunables)
+    fleet: FleetTunables = field(default_factory=FleetTunables)
+    transport: TransportTunables = field(default_factory=TransportTunables)
+    ingress: IngressTunables = field(default_factory=IngressTunables)
+    training: TrainingTunables = field(default_factory=TrainingTunables)
+    state: StateTunables = field(default_factory=StateTunables)
+
+    def __post_init__(self) -> None:
+        problems = [f"{what}: {a_name} ({a:g}) must be below {b_name} ({b:g})"
+                    for what, a_name, a, b_name, b in self._orderings() if not a < b]
+        if problems:
+            raise ValueError("inconsistent tunables: " + "; ".join(problems))
+
+    def _orderings(self) -> list[tuple[str, str, float, str, float]]:
+        """(why, smaller, its value, larger, its value): what the code relies on."""
+        g, f, i, t, s = self.gang, self.fleet, self.ingress, self.training, self.state
+        return [
+            ("a store's wait answers before the caller gives up", "state.sqlite_busy_timeout_s",
+             s.sqlite_busy_timeout_s, "ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
+            ("a store's wait answers before the caller gives up", "state.pg_lock_timeout_ms / 1000",
+             s.pg_lock_timeout_ms / 1000, "ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
+            ("a store's wait answers before the caller gives up", "state.pg_statement_timeout_ms / 1000",
+             s.pg_statement_timeout_ms / 1000, "ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
+            ("the gang server drains inside Serve's shutdown bound", "gang.drain_timeout_s",
+             g.drain_timeout_s, "gang.graceful_shutdown_timeout_s", g.graceful_shutdown_timeout_s),
+            ("a silent replica's counters fold only once Serve replaced it", "gang.health_check_timeout_s",
+             g.health_check_timeout_s, "fleet.fold_after_s", f.fold_after_s),
+            ("one late report never makes a gang stale", "2 x fleet.report_interval_s",
+             2 * f.report_interval_s, "fleet.stale_after_s", f.stale_after_s),
+            ("a slow heartbeat write is not a manager's death", "2 x training.heartbeat_interval_s",
+             2 * t.heartbeat_interval_s, "training.owner_stale_s", t.owner_stale_s),
+            ("the run actor takes every line a worker's ring holds", "training.output_ring_lines",
+             t.output_ring_lines, "training.max_output_lines_per_call", t.max_output_lines_per_call),
+        ]
+
+
+TUNABLES = Tunables()
+
+
+# -- the reference (docs/tunables.md is generated from this) --------------------------------
+def _value_text(name: str, value: Any) -> str:
+    if isinstance(value, tuple):
+        return ", ".join(_value_text(name, v) for v in value)
+    if name.endswith("_bytes") and isinstance(value, int) and value >= KIB and value % KIB == 0:
+        return f"{value // MIB} MiB" if value % MIB == 0 else f"{value // KIB} KiB"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def tunables_markdown(tunables: Tunables = TUNABLES) -> str:
+    """The tunables reference as Markdown: one table per section, each field with its value
+    and description, then the values derived from them and the relations checked."""
+    lines = [
+        "# Tunables",
+        "",
+        "Generated from `service/tunables.py` (`make docs`; `tests/test_config.py` checks it is current).",
+        "These are not builder arguments (those are in [builder-arguments.md](builder-arguments.md)):",
+        "they are the timing and sizing knobs of the service's own machinery, one frozen section per",
+        "concern. Each module reads its values from `service.tunables.TUNABLES`; change one there.",
+    ]
+    for section in dataclasses.fields(tunables):
+        part = getattr(tunables, section.name)
+        doc = " ".join((type(part).__doc__ or "").split())
+        lines += ["", f"## `{section.name}`", "", doc, "", "| tunable | value | what it bounds, and why |", "|---|---|---|"]
+        for f in dataclasses.fields(part):
+            text = " ".join(f.metadata["doc"].split()).replace("|", "\\|")
+            lines.append(f"| `{section.name}.{f.name}` | {_value_text(f.name, getattr(part, f.name))} | {text} |")
+        for name, attr in vars(type(part)).items():
+            if isinstance(attr, property):
+                text = " ".join((attr.__doc__ or "").split()).replace("|", "\\|")
+                lines.append(f"| `{section.name}.{name}` | {_value_text(name, getattr(part, name))} | derived: {text} |")
+    lines += ["", "## Relations checked when the tunables are built", ""]
+    lines += [f"- `{a}` < `{b}`: {why}" for why, a, _, b, _ in tunables._orderings()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m service.tunables > docs/tunables.md
+    print(tunables_markdown(), end="")
