@@ -244,6 +244,43 @@ def test_cli_direct(direct_app: str, tmp_path: Any, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.ray
+def test_a_broken_gang_answers_503_at_once_and_hides_its_url(direct_app: str) -> None:
+    """kill -9 of rank 1: while the gang rebuilds, the direct server answers 503 (JSON, a
+    gang_* code, Retry-After) instead of holding the request, /gang stops advertising the
+    URL, and the client's direct mode still gets the right answer (through the ingress);
+    once rebuilt, the same URL serves again."""
+    import os
+    import signal
+
+    url = data_url(direct_app)
+    victim = httpx.get(direct_app + "/gang", timeout=30).json()["ranks"][1]["pid"]
+    x = rand(1, 3, 512, seed=5)
+    body, headers = npy_bytes(x), {"content-type": codecs.NPY, **BEARER}
+    os.kill(victim, signal.SIGKILL)
+    seen: list[dict[str, Any]] = []
+
+    def refused_503() -> bool:
+        r = httpx.post(url + "/infer", content=body, headers=headers, timeout=60)
+        if r.status_code == 503:
+            seen.append(assert_error(r, 503))
+            assert r.headers.get("retry-after"), r.headers
+            return True
+        assert r.status_code == 200, r.text  # before the loss is noticed
+        return False
+
+    eventually(refused_503, 60, "a 503 from the direct server while the gang is broken", interval_s=0.05)
+    assert seen[0]["code"].startswith("gang_"), seen
+    info = httpx.get(direct_app + "/gang", timeout=30).json()
+    assert info["state"] == "ready" or "data_url" not in info, info
+    with GangServeClient(direct_app, infer_token=INFER_TOKEN, direct=True) as client:
+        check(client.infer(x, fmt="npy"), x)  # the ingress waits for the rebuild
+    assert data_url(direct_app) == url
+    r = httpx.post(url + "/infer", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    check(np.load(io.BytesIO(r.content)), x)
+
+
+@pytest.mark.ray
 def test_the_port_closes_when_the_replica_drains(direct_app: str) -> None:
     """Last in the module: deleting the app drains the replica (GangServer.__del__)."""
     from ray import serve
