@@ -90,10 +90,29 @@ def test_plane_serves_refuses_a_taken_port_and_closes_at_drain(monkeypatch: pyte
             taken = DirectDataPlane(AppConfig(), _double)
             assert await taken.start("127.0.0.1", int(url.rsplit(":", 1)[1])) is None
             assert taken.error and "in use" in taken.error, taken.error
+            await _async_client_direct_mode(url)
             assert await plane.drain(5.0)
         assert plane.url is None and refused(url)
 
     asyncio.run(main())
+
+
+async def _async_client_direct_mode(url: str) -> None:
+    """AsyncGangServeClient's direct mode against a real plane standing in for both ends: its
+    base URL has no /gangs (404), so the request takes the "ingress" (the base URL); given a
+    data URL it goes there; given a refused one it falls back."""
+    from gangserve_client import AsyncGangServeClient
+
+    x = rand(1, 2, 512, seed=9)
+    async with AsyncGangServeClient(url, infer_token=INFER_TOKEN, direct=True, retries=0) as client:
+        assert np.array_equal(await client.infer(x, fmt="npy"), 2.0 * x)
+        assert client.direct_stats == {"direct": 0, "ingress": 1, "fallbacks": 0}
+        client._direct.update({"gangs": [{"state": "ready", "data_url": url}]})  # type: ignore[union-attr]
+        assert np.array_equal(await client.infer(x, fmt="npy"), 2.0 * x)
+        assert client.direct_stats == {"direct": 1, "ingress": 1, "fallbacks": 0}
+        client._direct.update({"gangs": [{"state": "ready", "data_url": f"http://127.0.0.1:{free_port()}"}]})  # type: ignore[union-attr]
+        assert np.array_equal(await client.infer(x, fmt="npy"), 2.0 * x)
+        assert client.direct_stats == {"direct": 1, "ingress": 2, "fallbacks": 1}
 
 
 # -- Ray: one app with the direct data plane and an inference token ------------------------
