@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 import numpy as np
@@ -324,6 +324,129 @@ def print_step_loop(ws2: dict[str, dict], load_s: float) -> dict[str, float]:
     return ratios
 
 
+ECHO_P, ECHO_D = "Serve echo via the proxy", "Serve echo via direct ingress"
+NAIVE_P, NAIVE_D = "naive peer (2 threads) via the proxy", "naive peer (2 threads) via direct ingress"
+OURS_P, OURS_I, OURS_D = ("gangserve ws2 via the proxy", "gangserve ws2 via direct ingress (the ingress's port)",
+                          "gangserve ws2, direct data plane (rank 0's port)")
+WS1_P, WS1_D = "gangserve ws1 (2 threads) via the proxy", "gangserve ws1 (2 threads), direct data plane"
+
+
+def bench_direct(base: str, n: int, load_s: float) -> dict[str, Any]:
+    """Issue 20 items 3 and 5: the direct data plane (`direct_data_plane: true`: POST /infer
+    served by the GangServer replica, rank 0's process) next to the same app through the
+    proxy and through its ingress's direct-ingress port, Serve echo of the same body through
+    the proxy and direct ingress, world size 2 and (equal compute) world size 1 against the
+    naive peer, both shapes, every round in a shuffled order; the bare 2-process TP step of
+    each shape after the apps are gone; small requests at 16 clients; and the loop's control
+    cost and skew from `/gang` step_timings."""
+    from ray import serve
+
+    from bench.bare_tp import bare_step_ms
+    from bench.peers import EchoPeer, NaivePeer
+    from harness.local import local_yaml_args
+    from service.app import build_app
+
+    serve.run(EchoPeer.bind(), name="d_echo", route_prefix="/d_echo")
+    serve.run(NaivePeer.options(ray_actor_options={"num_cpus": 2}).bind(2), name="d_naive", route_prefix="/d_naive")
+    serve.run(build_app({**local_yaml_args(), "direct_data_plane": True}), name="d_ws2", route_prefix="/d_ws2")
+    serve.run(build_app({**local_yaml_args(), "world_size": 1, "cpus_per_rank": 2, "direct_data_plane": True}),
+              name="d_ws1", route_prefix="/d_ws1")
+    client = httpx.Client(timeout=120)
+    data = {app: _data_url(client, f"{base}/{app}") for app in ("d_ws2", "d_ws1")}
+    echo_d, naive_d, ws2_i = (direct_base(app) for app in ("d_echo", "d_naive", "d_ws2"))
+    out: dict[str, Any] = {"urls": {**data, "echo_direct_ingress": echo_d}, "latency": {}, "ws1": {}}
+    big = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
+    small = big[:1].copy()
+    for label, x in (("notes' shape [128, 8, 512]", big), ("small [1, 8, 512]", small)):
+        body = npy(x)
+        post = lambda url: (lambda: client.post(url, content=body, headers={"content-type": "application/x-npy"}))  # noqa: E731
+        rows = interleaved({
+            ECHO_P: post(base + "/d_echo"), ECHO_D: post(echo_d + "/d_echo"),
+            NAIVE_P: post(base + "/d_naive"), NAIVE_D: post(naive_d + "/d_naive"),
+            OURS_P: post(base + "/d_ws2/infer"), OURS_I: post(ws2_i + "/d_ws2/infer"),
+            OURS_D: post(data["d_ws2"] + "/infer"),
+            WS1_P: post(base + "/d_ws1/infer"), WS1_D: post(data["d_ws1"] + "/infer"),
+        }, n)
+        client.get(base + "/d_ws2/gang")  # kicks a refresh of the step timings of this shape's steps
+        time.sleep(1.0)
+        rows["step_timings"] = client.get(base + "/d_ws2/gang").json().get("step_timings", {})
+        out["latency"][label] = rows
+    sbody = npy(small)
+    out["small_c16"] = {name: throughput(url, sbody, "application/x-npy", clients=16, seconds=load_s)
+                        for name, url in ((NAIVE_P, base + "/d_naive"), (NAIVE_D, naive_d + "/d_naive"),
+                                          (OURS_P, base + "/d_ws2/infer"), (OURS_D, data["d_ws2"] + "/infer"),
+                                          (WS1_D, data["d_ws1"] + "/infer"))}
+    for app in ("d_echo", "d_naive", "d_ws2", "d_ws1"):
+        serve.delete(app)
+    out["bare"] = {"notes' shape [128, 8, 512]": bare_step_ms(tuple(big.shape)),
+                   "small [1, 8, 512]": bare_step_ms(tuple(small.shape), steps=100)}
+    out["load_average"] = os.getloadavg()
+    return out
+
+
+def _data_url(client: httpx.Client, app: str, timeout_s: float = 30.0) -> str:
+    """The app's gang's `data_url` from /gang (advertised once the gang serves)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.get(app + "/gang").json()
+        if info.get("data_url"):
+            return info["data_url"]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{app}/gang advertises no data_url after {timeout_s:.0f}s: state {info.get('state')}")
+        time.sleep(0.5)
+
+
+def print_direct(d: dict[str, Any], load_s: float) -> dict[str, float]:
+    print("\nthe direct data plane (issue 20 items 3, 5): rank 0's replica serves POST /infer itself; "
+          f"interleaved, npy; load average at the end {', '.join(f'{v:.1f}' for v in d['load_average'])}\n")
+    print("| request | row | p50 ms | p99 ms | Server-Timing medians (ms) |")
+    print("|---|---|---:|---:|---|")
+    ratios: dict[str, float] = {}
+    for label, rows in d["latency"].items():
+        for name, r in rows.items():
+            if name == "step_timings":
+                continue
+            timing = ", ".join(f"{k} {v:.1f}" for k, v in r["server_timing"].items()) or "-"
+            print(f"| {label} | {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {timing} |")
+        bare = d["bare"][label]
+        print(f"| {label} | bare 2-process gloo TP step | {bare:.1f} | | |")
+        p50 = {name: r["p50_ms"] for name, r in rows.items() if name != "step_timings"}
+        ratios[f"ws2 via the proxy: ours - (proxy echo + bare), {label}, ms"] = p50[OURS_P] - p50[ECHO_P] - bare
+        ratios[f"ws2 direct ingress: ours - (direct-ingress echo + bare), {label}, ms"] = p50[OURS_I] - p50[ECHO_D] - bare
+        ratios[f"ws2 direct data plane: ours - (direct-ingress echo + bare), {label}, ms (goal <= 1.5)"] = (
+            p50[OURS_D] - p50[ECHO_D] - bare)
+        ratios[f"ws1 via the proxy / naive via the proxy, {label}"] = p50[WS1_P] / p50[NAIVE_P]
+        ratios[f"ws1 direct data plane / naive via direct ingress, {label} (goal <= 1.05)"] = p50[WS1_D] / p50[NAIVE_D]
+    print("\nthe step loop's steps on the direct app, from every rank's timestamps (medians, ms; `/gang` step_timings)\n")
+    print("| request | steps | queue | peer wake after header (control cost) | skew | header -> broadcast done | forward (heads + all_reduce) | reply |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, rows in d["latency"].items():
+        t = rows.get("step_timings") or {}
+        if t.get("steps"):
+            print(f"| {label} | {t['steps']} | {t['queue_ms']:.2f} | {', '.join(f'{w:.2f}' for w in t['peer_wake_ms'])} | "
+                  f"{t['skew_ms']:.2f} | {t['broadcast_ms']:.2f} | {t['forward_ms']:.2f} | {t['reply_ms']:.2f} |")
+            ratios[f"control cost (peer wake after header), {label}, ms"] = max(t["peer_wake_ms"])
+            ratios[f"skew, {label}, ms"] = t["skew_ms"]
+        else:
+            print(f"| {label} | - ({t}) | | | | | | |")
+    print(f"\nsmall requests [1, 8, 512], 16 clients for {load_s:.0f}s\n")
+    print("| row | req/s | p50 ms | p99 ms |")
+    print("|---|---:|---:|---:|")
+    c16 = d["small_c16"]
+    for name, r in c16.items():
+        print(f"| {name} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+    ratios["small req/s at 16 clients, ws2 via the proxy / naive via the proxy"] = (
+        c16[OURS_P]["req_per_s"] / c16[NAIVE_P]["req_per_s"])
+    ratios["small req/s at 16 clients, ws2 direct data plane / naive via the proxy (goal >= 1.2)"] = (
+        c16[OURS_D]["req_per_s"] / c16[NAIVE_P]["req_per_s"])
+    ratios["small req/s at 16 clients, ws2 direct data plane / naive via direct ingress"] = (
+        c16[OURS_D]["req_per_s"] / c16[NAIVE_D]["req_per_s"])
+    ratios["small req/s at 16 clients, ws1 direct data plane / naive via direct ingress"] = (
+        c16[WS1_D]["req_per_s"] / c16[NAIVE_D]["req_per_s"])
+    print_ratios("direct data plane", ratios)
+    return ratios
+
+
 def print_equal_compute(eq: dict[str, dict], load_s: float) -> dict[str, float]:
     print("\nequal compute (issue 16): gangserve world_size 1, cpus_per_rank 2 (2 torch threads) vs the "
           "naive one-replica peer with 2 threads, npy, interleaved\n")
@@ -488,6 +611,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         if only == "rebuild":
             results["rebuild"] = bench_rebuild(base)
             return results
+        if only == "direct":
+            results["direct"] = bench_direct(base, n, load_s)
+            return results
         if only == "steploop":
             from bench.peers import NaivePeer as _Naive
 
@@ -499,6 +625,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         results["equal"] = bench_equal_compute(base, n, load_s)
         if only == "equal":
             return results
+        results["direct"] = bench_direct(base, n, load_s)
         serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
         serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
         # The JSON row sends the notes' shape as JSON text (10.8 MB), over the default
@@ -844,11 +971,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "train", "rebuild"], default=None,
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "direct", "train", "rebuild"],
+                        default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
                         "mask's latency; steploop: world size 2 with the peers' step loop vs a Ray call per step, "
-                        "against Serve echo + the bare TP step, also part of equal; train: the default DDP job vs the same "
+                        "against Serve echo + the bare TP step, also part of equal; direct: the direct data plane (rank 0's replica serves "
+                        "/infer) vs the proxy and direct ingress, ws2 and ws1, against echo + bare and the naive peer; train: the default DDP job vs the same "
                         "loop under torchrun --nproc_per_node 2; rebuild: kill -9 of rank 1 with "
                         "and without the warm spare) and print its table")
     args = parser.parse_args()
@@ -874,6 +1003,13 @@ def main() -> None:
         ratios = print_rebuild(rows)
         out = ROOT / "bench" / "results" / "rebuild.json"
         out.write_text(json.dumps({"rebuild": rows, "ratios": ratios, "time": time.time()}, indent=2))
+        print(f"\nwritten to {out.relative_to(ROOT)}")
+        return
+    if args.only == "direct":
+        direct = bench_serving(x.numpy(), args.requests, args.load_seconds, only="direct")["direct"]
+        ratios = print_direct(direct, args.load_seconds)
+        out = ROOT / "bench" / "results" / "direct.json"
+        out.write_text(json.dumps({"direct": direct, "ratios": ratios, "time": time.time()}, indent=2))
         print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     if args.only == "steploop":
@@ -928,6 +1064,7 @@ def main() -> None:
     equal_ratios = print_equal_compute(serving["equal"], args.load_seconds)
     mixed_ratios = print_mixed(serving["mixed"], args.load_seconds)
     rebuild_ratios = print_rebuild(serving["rebuild"])
+    direct_ratios = print_direct(serving["direct"], args.load_seconds)
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -944,6 +1081,7 @@ def main() -> None:
                                "direct_ingress": serving["direct_ingress"], "ratios": goals,
                                "equal": serving["equal"], "equal_ratios": equal_ratios, "mixed": serving["mixed"],
                                "mixed_ratios": mixed_ratios, "rebuild": serving["rebuild"], "rebuild_ratios": rebuild_ratios,
+                               "direct": serving["direct"], "direct_ratios": direct_ratios,
                                "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 

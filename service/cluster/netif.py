@@ -85,3 +85,12 @@ def bind_ray_worker() -> InterfaceChoice:
     import ray
 
     return bind_collectives_to(ray.util.get_node_ip_address())
+
+
+def node_ip() -> str:
+    """The address other nodes reach this node at: the IP its raylet registered with Ray
+    (`--node-ip-address`), never a loopback guess from the hostname (see the module
+    docstring). What a listener other nodes must reach binds to (the direct data plane)."""
+    import ray
+
+    return ray.util.get_node_ip_address()

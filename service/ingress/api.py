@@ -70,6 +70,13 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     app.include_router(retention.router)
     app.include_router(metrics.router)
     mount_ui(app)  # /ui/: the status page, static files only (no token, no data)
+    install_error_handlers(app)
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as `{"error", "code"}` with its status (and Retry-After): the ingress's
+    app and the gang server's direct data plane (service.ingress.direct) answer alike."""
 
     @app.exception_handler(GangServeError)
     async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:
@@ -88,5 +95,3 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")  # the traceback stays in the log; the reply says nothing internal
         return error_response(500, "internal error (logged by the service)", "internal")
-
-    return app
