@@ -48,11 +48,14 @@ from service.ingress.auth import AuthMiddleware, load_api_token, load_infer_toke
 from service.ingress.deps import DecodePool
 from service.ingress.observe import RequestMetrics
 from service.ingress.routes import infer, oip
+from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.direct")
 
-START_TIMEOUT_S = 5.0  # uvicorn's start-up on an already bound socket takes milliseconds
-LISTEN_BACKLOG = 2048
+START_TIMEOUT_S = TUNABLES.transport.direct_start_timeout_s
+LISTEN_BACKLOG = TUNABLES.transport.direct_listen_backlog
+# Accepted requests finish within the gang server's own drain bound.
+DRAIN_TIMEOUT_S = TUNABLES.gang.drain_timeout_s
 
 # rank 0's in-process path: (x [b, s, E] float32, key mask [b, s] bool | None, causal | None,
 # timeout_s= the seconds left until the deadline | None) -> [b, s, E] float32
@@ -137,8 +140,7 @@ class DirectDataPlane:
         config = uvicorn.Config(
             create_direct_api(self._cfg, self.gang), lifespan="off", log_level="warning", access_log=False,
             server_header=False,
-            # A drain lets accepted requests finish at most this long (the gang server's own drain bound).
-            timeout_graceful_shutdown=10,
+            timeout_graceful_shutdown=max(1, round(DRAIN_TIMEOUT_S)),
         )
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
