@@ -285,39 +285,58 @@ def bench_step_loop(base: str, client: httpx.Client, big: np.ndarray, small: np.
     return out
 
 
-def print_step_loop(ws2: dict[str, dict], load_s: float) -> dict[str, float]:
-    print("\nworld size 2 (issue 20): ours vs Serve echo + the bare 2-process TP step, step loop vs "
-          "a Ray call per step, interleaved\n")
+def print_latency_rows(latency: dict[str, dict], bare: dict[str, float]) -> None:
+    """One markdown row per (request shape, row) with p50, p99 and Server-Timing, and the bare
+    2-process TP step of each shape after its rows."""
     print("| request | row | p50 ms | p99 ms | Server-Timing medians (ms) |")
     print("|---|---|---:|---:|---|")
-    ratios: dict[str, float] = {}
-    for label, rows in ws2["latency"].items():
+    for label, rows in latency.items():
         for name, r in rows.items():
             if name == "step_timings":
                 continue
             timing = ", ".join(f"{k} {v:.1f}" for k, v in r["server_timing"].items()) or "-"
             print(f"| {label} | {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {timing} |")
-        bare = ws2["bare"][label]
-        print(f"| {label} | bare 2-process gloo TP step | {bare:.1f} | | |")
-        floor = rows["Serve echo (same npy body)"]["p50_ms"] + bare
-        ratios[f"ws2 step loop: ours - (echo + bare), {label}, ms (goal <= 1.5)"] = rows[WS2_LOOP]["p50_ms"] - floor
-        ratios[f"ws2 Ray call per step: ours - (echo + bare), {label}, ms"] = rows[WS2_RAY]["p50_ms"] - floor
-    print("\nthe step loop's steps, from every rank's timestamps (medians, ms; `/gang` step_timings)\n")
+        print(f"| {label} | bare 2-process gloo TP step | {bare[label]:.1f} | | |")
+
+
+def print_step_timings(latency: dict[str, dict], title: str, ratios: dict[str, float] | None = None) -> None:
+    """The step loop's per-step medians from `/gang` step_timings, per request shape; with
+    `ratios`, the control cost and the skew are recorded there too."""
+    print(f"\n{title}\n")
     print("| request | steps | queue | peer wake after header (control cost) | skew | header -> broadcast done | forward (heads + all_reduce) | reply |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for label, rows in ws2["latency"].items():
+    for label, rows in latency.items():
         t = rows.get("step_timings") or {}
         if t.get("steps"):
             print(f"| {label} | {t['steps']} | {t['queue_ms']:.2f} | {', '.join(f'{w:.2f}' for w in t['peer_wake_ms'])} | "
                   f"{t['skew_ms']:.2f} | {t['broadcast_ms']:.2f} | {t['forward_ms']:.2f} | {t['reply_ms']:.2f} |")
+            if ratios is not None:
+                ratios[f"control cost (peer wake after header), {label}, ms"] = max(t["peer_wake_ms"])
+                ratios[f"skew, {label}, ms"] = t["skew_ms"]
         else:
             print(f"| {label} | - ({t}) | | | | | | |")
+
+
+def print_small_c16(c16: dict[str, dict], load_s: float) -> None:
     print(f"\nsmall requests [1, 8, 512], 16 clients for {load_s:.0f}s\n")
     print("| row | req/s | p50 ms | p99 ms |")
     print("|---|---:|---:|---:|")
-    c16 = ws2["small_c16"]
     for name, r in c16.items():
         print(f"| {name} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+
+
+def print_step_loop(ws2: dict[str, dict], load_s: float) -> dict[str, float]:
+    print("\nworld size 2 (issue 20): ours vs Serve echo + the bare 2-process TP step, step loop vs "
+          "a Ray call per step, interleaved\n")
+    print_latency_rows(ws2["latency"], ws2["bare"])
+    ratios: dict[str, float] = {}
+    for label, rows in ws2["latency"].items():
+        floor = rows["Serve echo (same npy body)"]["p50_ms"] + ws2["bare"][label]
+        ratios[f"ws2 step loop: ours - (echo + bare), {label}, ms (goal <= 1.5)"] = rows[WS2_LOOP]["p50_ms"] - floor
+        ratios[f"ws2 Ray call per step: ours - (echo + bare), {label}, ms"] = rows[WS2_RAY]["p50_ms"] - floor
+    print_step_timings(ws2["latency"], "the step loop's steps, from every rank's timestamps (medians, ms; `/gang` step_timings)")
+    c16 = ws2["small_c16"]
+    print_small_c16(c16, load_s)
     naive = c16["naive peer (2 threads)"]["req_per_s"]
     ratios["small req/s at 16 clients, ws2 step loop / naive (goal >= 1.2)"] = c16[WS2_LOOP]["req_per_s"] / naive
     ratios["small req/s at 16 clients, ws2 Ray call per step / naive"] = c16[WS2_RAY]["req_per_s"] / naive
@@ -399,17 +418,10 @@ def _data_url(client: httpx.Client, app: str, timeout_s: float = 30.0) -> str:
 def print_direct(d: dict[str, Any], load_s: float) -> dict[str, float]:
     print("\nthe direct data plane (issue 20 items 3, 5): rank 0's replica serves POST /infer itself; "
           f"interleaved, npy; load average at the end {', '.join(f'{v:.1f}' for v in d['load_average'])}\n")
-    print("| request | row | p50 ms | p99 ms | Server-Timing medians (ms) |")
-    print("|---|---|---:|---:|---|")
+    print_latency_rows(d["latency"], d["bare"])
     ratios: dict[str, float] = {}
     for label, rows in d["latency"].items():
-        for name, r in rows.items():
-            if name == "step_timings":
-                continue
-            timing = ", ".join(f"{k} {v:.1f}" for k, v in r["server_timing"].items()) or "-"
-            print(f"| {label} | {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {timing} |")
         bare = d["bare"][label]
-        print(f"| {label} | bare 2-process gloo TP step | {bare:.1f} | | |")
         p50 = {name: r["p50_ms"] for name, r in rows.items() if name != "step_timings"}
         ratios[f"ws2 via the proxy: ours - (proxy echo + bare), {label}, ms"] = p50[OURS_P] - p50[ECHO_P] - bare
         ratios[f"ws2 direct ingress: ours - (direct-ingress echo + bare), {label}, ms"] = p50[OURS_I] - p50[ECHO_D] - bare
@@ -417,24 +429,10 @@ def print_direct(d: dict[str, Any], load_s: float) -> dict[str, float]:
             p50[OURS_D] - p50[ECHO_D] - bare)
         ratios[f"ws1 via the proxy / naive via the proxy, {label}"] = p50[WS1_P] / p50[NAIVE_P]
         ratios[f"ws1 direct data plane / naive via direct ingress, {label} (goal <= 1.05)"] = p50[WS1_D] / p50[NAIVE_D]
-    print("\nthe step loop's steps on the direct app, from every rank's timestamps (medians, ms; `/gang` step_timings)\n")
-    print("| request | steps | queue | peer wake after header (control cost) | skew | header -> broadcast done | forward (heads + all_reduce) | reply |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for label, rows in d["latency"].items():
-        t = rows.get("step_timings") or {}
-        if t.get("steps"):
-            print(f"| {label} | {t['steps']} | {t['queue_ms']:.2f} | {', '.join(f'{w:.2f}' for w in t['peer_wake_ms'])} | "
-                  f"{t['skew_ms']:.2f} | {t['broadcast_ms']:.2f} | {t['forward_ms']:.2f} | {t['reply_ms']:.2f} |")
-            ratios[f"control cost (peer wake after header), {label}, ms"] = max(t["peer_wake_ms"])
-            ratios[f"skew, {label}, ms"] = t["skew_ms"]
-        else:
-            print(f"| {label} | - ({t}) | | | | | | |")
-    print(f"\nsmall requests [1, 8, 512], 16 clients for {load_s:.0f}s\n")
-    print("| row | req/s | p50 ms | p99 ms |")
-    print("|---|---:|---:|---:|")
+    print_step_timings(d["latency"], "the step loop's steps on the direct app, from every rank's timestamps "
+                       "(medians, ms; `/gang` step_timings)", ratios)
     c16 = d["small_c16"]
-    for name, r in c16.items():
-        print(f"| {name} | {r['req_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+    print_small_c16(c16, load_s)
     ratios["small req/s at 16 clients, ws2 via the proxy / naive via the proxy"] = (
         c16[OURS_P]["req_per_s"] / c16[NAIVE_P]["req_per_s"])
     ratios["small req/s at 16 clients, ws2 direct data plane / naive via the proxy (goal >= 1.2)"] = (

@@ -131,6 +131,19 @@ class _DirectRoutes:
         self._retry_at = time.monotonic() + DIRECT_RETRY_AFTER_S
         self._read_at = float("-inf")
 
+    def settle(self, reply: httpx.Response | None, exc: httpx.TransportError | None) -> httpx.Response | None:
+        """A direct attempt's outcome (its reply, or the transport error it raised): the 2xx
+        reply; None when the request goes to the ingress instead (`_direct_fallback`);
+        otherwise the typed error is raised (a 4xx stays the caller's answer)."""
+        error: Exception | None = exc if reply is None else (None if reply.is_success else error_of(reply))
+        if error is None:
+            self.stats["direct"] += 1
+            return reply
+        if not _direct_fallback(error):
+            raise error
+        self.failed()
+        return None
+
 
 def _direct_fallback(exc: Exception) -> bool:
     """Whether a direct attempt's failure sends the request to the ingress: the URL cannot be
@@ -239,15 +252,9 @@ class GangServeClient(_Base):
             return None
         try:
             reply = self._data.post(url + "/infer", **args)
-            if not reply.is_success:
-                raise error_of(reply)
-        except (httpx.TransportError, GangServeHTTPError) as exc:
-            if not _direct_fallback(exc):
-                raise
-            routes.failed()
-            return None
-        routes.stats["direct"] += 1
-        return reply
+        except httpx.TransportError as exc:
+            return routes.settle(None, exc)
+        return routes.settle(reply, None)
 
     def gang(self) -> dict[str, Any]:
         """GET /gang (file-system paths in it only with the API token)."""
@@ -318,15 +325,9 @@ class AsyncGangServeClient(_Base):
             return None
         try:
             reply = await self._data.post(url + "/infer", **args)
-            if not reply.is_success:
-                raise error_of(reply)
-        except (httpx.TransportError, GangServeHTTPError) as exc:
-            if not _direct_fallback(exc):
-                raise
-            routes.failed()
-            return None
-        routes.stats["direct"] += 1
-        return reply
+        except httpx.TransportError as exc:
+            return routes.settle(None, exc)
+        return routes.settle(reply, None)
 
     async def gang(self) -> dict[str, Any]:
         return (await self._request("GET", "/gang", headers=_bearer(self._api_token))).json()
