@@ -321,31 +321,32 @@ def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server
     """A job FAILED by the poller after its run was stopped (nobody polls it again) is not
     dropped while PostgreSQL is gone: it is kept, in order with its log line, and written by
     the next round once the database is back. The manager's own code, on a real server; no
-    Ray cluster (the deployment class is used without Serve)."""
-    from service.deployments.job_manager import JobManager
+    Ray cluster (service.training.jobs.Jobs, the class the deployment wraps, without Serve)."""
+    from service.training.jobs import Jobs
+    from service.training.kept_writes import KeptWrites
     from service.training.store import JobStore
 
     url = postgres_server.create_database()
     store = JobStore(url)
     store.create_job(_job(1, status="RUNNING", owner="mgr-test"))
-    manager = object.__new__(JobManager.func_or_class)  # only the state it uses here
-    manager._store, manager._deferred = store, []
+    manager = object.__new__(Jobs)  # only the state these writes use: the store and the kept writes
+    manager._store, manager._kept = store, KeptWrites()
 
     async def scenario() -> None:
         postgres_server.stop()
         try:
             await manager._fail("job-1", "exceeded max_runtime_s=1")  # must not raise
             await manager._manager_log("job-1", "another line")
-            assert [what for what, _ in manager._deferred] == ["FAILED of job job-1", "a log line of job job-1"]
+            assert manager._kept.pending == ["FAILED of job job-1", "a log line of job job-1"]
             with pytest.raises(Exception):
-                await manager._flush_deferred()  # still down: everything stays queued
-            assert len(manager._deferred) == 2
+                await manager._kept.flush()  # still down: everything stays queued
+            assert len(manager._kept.pending) == 2
         finally:
             postgres_server.start()
         deadline = time.monotonic() + 30
-        while manager._deferred:
+        while manager._kept.pending:
             try:
-                await manager._flush_deferred()
+                await manager._kept.flush()
             except Exception:  # noqa: BLE001 - the pool reconnects within seconds
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.5)

@@ -752,7 +752,8 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
     import ray
     from ray import serve
 
-    from service.deployments.job_manager import MAX_RESUMES, JobManager
+    from service.deployments.job_manager import JobManager
+    from service.training.jobs import MAX_RESUMES
     from service.training.run import RUN_NAMESPACE, run_actor_name
     from service.training.store import JobRecord, JobStore
 
