@@ -43,7 +43,9 @@ from service.ingress import codecs
 from service.ingress.auth import load_api_token, redact_paths, required_token
 from service.errors import MAX_MESSAGE_CHARS, GangServeError, Overloaded
 from service.ingress.deps import DecodePool
-from service.ingress.routes import oip
+from service.ingress.oip import codec as oip_codec
+from service.ingress.oip import routes as oip
+from service.ingress.oip.schemas import HEADER_LENGTH as OIP_HEADER_LENGTH
 from service.state.paths import state_dir
 from tests.conftest import TEST_API_TOKEN, local_yaml_args, wait_ready
 from tests.helpers import eventually, eventually_async
@@ -321,7 +323,7 @@ def prepare_oip(body: bytes, encoding: str, header_length: int | None, output_dt
     cap = (limits.max_json_bytes, "max_json_bytes") if header_length is None else (1 << 20, "max_body_bytes")
     start = time.perf_counter()
     try:
-        _, x, _, _, dtype, _ = oip._prepare(body, encoding, cap, header_length, limits, output_dtype)
+        _, x, _, _, dtype, _ = oip_codec.prepare(body, encoding, cap, header_length, limits, output_dtype)
         assert x.dtype == np.float32 and x.ndim == 3 and x.shape[-1] == limits.embed_dim
         assert codecs.dtype_name(dtype) in codecs.FLOAT_DTYPES
     except GangServeError as exc:
@@ -388,10 +390,10 @@ def test_valid_bodies_still_decode_exactly() -> None:
         assert np.array_equal(codecs.decode(body, media, LIMITS), _X), media
     for binary in (False, True):
         body, header_length = oip_body(_X, binary)
-        _, x, _, squeezed, dtype, _ = oip._prepare(body, "identity", (1 << 20, "max_body_bytes"), header_length, LIMITS, None)
+        _, x, _, squeezed, dtype, _ = oip_codec.prepare(body, "identity", (1 << 20, "max_body_bytes"), header_length, LIMITS, None)
         assert np.array_equal(x, _X) and not squeezed and dtype == np.float32
     gz, _ = oip_body(_X, False)
-    _, x, _, _, _, _ = oip._prepare(gzip.compress(gz), "gzip", (LIMITS.max_json_bytes, "max_json_bytes"), None, LIMITS, None)
+    _, x, _, _, _, _ = oip_codec.prepare(gzip.compress(gz), "gzip", (LIMITS.max_json_bytes, "max_json_bytes"), None, LIMITS, None)
     assert np.array_equal(x, _X)
 
 
@@ -481,7 +483,7 @@ def test_gzip_bomb_inflates_only_up_to_the_json_cap() -> None:
     assert len(body) < 200 * 1024
     start = time.perf_counter()
     with pytest.raises(GangServeError) as info:
-        oip._prepare(body, "gzip", (SERVICE_LIMITS.max_json_bytes, "max_json_bytes"), None, SERVICE_LIMITS, None)
+        oip_codec.prepare(body, "gzip", (SERVICE_LIMITS.max_json_bytes, "max_json_bytes"), None, SERVICE_LIMITS, None)
     assert info.value.status == 413 and "max_json_bytes" in info.value.message
     assert time.perf_counter() - start < TIME_BOUND_S
 
@@ -597,7 +599,7 @@ def http_fuzz_request(client: httpx.Client, kind: str, body: bytes) -> httpx.Res
     if kind.startswith("oip"):
         headers = {"content-type": "application/octet-stream" if kind == "oip-binary" else codecs.JSON}
         if kind == "oip-binary":
-            headers[oip.HEADER_LENGTH] = str(_OIP_HEADER_LEN)
+            headers[OIP_HEADER_LENGTH] = str(_OIP_HEADER_LEN)
         return client.post(oip.router.prefix + "/models/attention/infer", content=body, headers=headers)
     return client.post("/infer", content=body, headers={"content-type": kind})
 

@@ -167,8 +167,9 @@ def test_request_dependencies_never_run_in_a_thread_pool() -> None:
             walk(sub, where)
 
     routes = 0
-    for module in sorted(p.stem for p in (ROOT / "service" / "ingress" / "routes").glob("*.py")):
-        router = getattr(importlib.import_module(f"service.ingress.routes.{module}"), "router", None)
+    modules = [f"service.ingress.routes.{p.stem}" for p in sorted((ROOT / "service" / "ingress" / "routes").glob("*.py"))]
+    for module in [*modules, "service.ingress.oip.routes"]:
+        router = getattr(importlib.import_module(module), "router", None)
         for route in getattr(router, "routes", ()):
             if isinstance(route, APIRoute):
                 routes += 1

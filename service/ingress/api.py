@@ -22,7 +22,7 @@ from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
 from service.ingress.routes import health, infer
-from service.ingress.routes import oip
+from service.ingress.oip import routes as oip
 from service.ingress.routes import datasets, train, weights
 from service.ingress.routes import retention
 from service.ingress.routes import metrics

@@ -47,7 +47,8 @@ from service.ingress.api import install_error_handlers
 from service.ingress.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.ingress.deps import DecodePool
 from service.ingress.observe import RequestMetrics
-from service.ingress.routes import infer, oip
+from service.ingress.oip import routes as oip
+from service.ingress.routes import infer
 from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.direct")

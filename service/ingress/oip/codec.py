@@ -1,0 +1,204 @@
+"""OIP v2 bodies: a request body -> checked tensors, the output tensor -> the reply.
+
+Shapes and limits are checked before any tensor data is decoded. Pure functions of their
+arguments (no request, no app state): they run on the event loop for small bodies and in
+the DecodePool otherwise (service.ingress.oip.routes).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import Response
+from pydantic import ValidationError
+
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType, describe_validation_errors
+from service.ingress import codecs
+from service.ingress.oip.schemas import (
+    BINARY_MEDIA, HEADER_LENGTH, MAX_PARAMETERS, MAX_TENSORS, MODEL_NAME, MODEL_VERSION, InferenceRequest, RequestInput,
+)
+
+
+def prepare(
+    body: bytes, encoding: str, cap: tuple[int, str], header_length: int | None, limits: codecs.Limits,
+    output_dtype: str | None,
+) -> tuple[InferenceRequest, np.ndarray, np.ndarray | None, bool, np.dtype, bool]:
+    """Inflate (capped), parse and check the request, and decode its input tensors:
+    (request, x [batch, seq, E] float32, key mask [batch, seq] bool or None, squeezed,
+    reply dtype, binary output)."""
+    body = _decompress(body, encoding, *cap)
+    if not body:
+        raise BadRequest("request body is empty; it needs a JSON inference request")
+    view = memoryview(body)
+    if header_length is None:
+        header_length = len(view)
+    elif header_length > len(view):
+        raise BadRequest(f"{HEADER_LENGTH} is {header_length}; the body has only {len(view)} bytes")
+    req = _parse_request(view[:header_length], limits)
+    array, raw_mask, squeezed = _decode_input(req, view[header_length:], limits)
+    reply_dtype = codecs.reply_dtype(array.dtype, output_dtype)
+    x = codecs.to_model_input(array)
+    mask = codecs.validate_attention_mask(raw_mask, x.shape, squeezed)
+    return req, x, mask, squeezed, reply_dtype, _binary_outputs(req)
+
+
+def _parse_request(header: memoryview, limits: codecs.Limits) -> InferenceRequest:
+    doc = codecs.loads_json(header, limits, what="inference request")
+    _check_sizes(doc)
+    try:
+        return InferenceRequest.model_validate(doc)
+    except ValidationError as exc:
+        raise BadRequest(f"invalid inference request: {describe_validation_errors(exc.errors())}") from None
+
+
+def _check_sizes(doc: Any) -> None:
+    """Bound the lists and maps pydantic would walk (tensors, shapes, parameters), cheaply."""
+    if not isinstance(doc, dict):
+        return
+    maps = [doc.get("parameters")]
+    for key in ("inputs", "outputs"):
+        tensors = doc.get(key)
+        if not isinstance(tensors, list):
+            continue
+        if len(tensors) > MAX_TENSORS:
+            raise InvalidInput(f"the request has {len(tensors)} {key}; model {MODEL_NAME!r} takes at most {MAX_TENSORS}")
+        for tensor in tensors:
+            if isinstance(tensor, dict):
+                shape = tensor.get("shape")
+                if isinstance(shape, list) and len(shape) > codecs.MAX_DIMS:
+                    raise InvalidInput(f"a shape in {key} has {len(shape)} dimensions; at most {codecs.MAX_DIMS}")
+                maps.append(tensor.get("parameters"))
+    for params in maps:
+        if isinstance(params, dict) and len(params) > MAX_PARAMETERS:
+            raise InvalidInput(f"a parameters object has {len(params)} entries; at most {MAX_PARAMETERS}")
+
+
+def _decode_input(
+    req: InferenceRequest, binary: memoryview, limits: codecs.Limits
+) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """The input tensor (shape-checked against the limits before its data is decoded) and the
+    optional `attention_mask` input, raw: (hidden_states, mask or None, squeezed). Binary
+    data follows the header in input order."""
+    names = [i.name for i in req.inputs]
+    if codecs.INPUT_NAME not in names or len(set(names)) != len(names) or not set(names) <= {
+        codecs.INPUT_NAME, codecs.MASK_NAME
+    }:
+        raise InvalidInput(
+            f"model {MODEL_NAME!r} takes one input {codecs.INPUT_NAME!r} and optionally {codecs.MASK_NAME!r}; "
+            f"got {codecs.snip(names)}"
+        )
+    squeezed = False
+    offset = 0
+    decoded: dict[str, np.ndarray] = {}
+    sizes = [_binary_size(spec) for spec in req.inputs]
+    if sum(s for s in sizes if s is not None) != len(binary):
+        declared = sum(s for s in sizes if s is not None)
+        if declared == 0:
+            raise BadRequest(f"{len(binary)} bytes follow the JSON header but no input has a binary_data_size")
+        raise BadRequest(f"the inputs declare binary_data_size {declared} in all; {len(binary)} bytes follow the header")
+    for spec, size in zip(req.inputs, sizes):
+        params = spec.parameters or {}
+        if "shared_memory_region" in params:
+            raise BadRequest("shared-memory inputs are not supported over HTTP here; send JSON data or binary data")
+        if any(d < 0 for d in spec.shape):
+            raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {codecs.snip(spec.shape)}")
+        is_mask = spec.name == codecs.MASK_NAME
+        if not is_mask:
+            if spec.datatype not in codecs.OIP_TO_NP:
+                raise InvalidInput(
+                    f"input {spec.name!r} datatype must be one of {', '.join(codecs.OIP_TO_NP)}; "
+                    f"got {codecs.snip(spec.datatype)}"
+                )
+            squeezed = limits.check(spec.shape)
+        raw = None
+        if size is None:
+            if spec.data is None:
+                raise BadRequest(f"input {spec.name!r} has neither JSON 'data' nor a binary_data_size parameter")
+        else:
+            if spec.data is not None:
+                raise BadRequest(f"input {spec.name!r} has both JSON 'data' and binary_data_size; send one")
+            raw, offset = binary[offset:offset + size], offset + size
+        decode = codecs.decode_oip_mask if is_mask else codecs.decode_oip_tensor
+        decoded[spec.name] = decode(spec.datatype, spec.shape, data=None if raw is not None else spec.data,
+                                    raw=raw, name=spec.name)
+    return decoded[codecs.INPUT_NAME], decoded.get(codecs.MASK_NAME), squeezed
+
+
+def _binary_size(spec: RequestInput) -> int | None:
+    size = (spec.parameters or {}).get("binary_data_size")
+    if size is not None and (type(size) is not int or size < 0):
+        raise BadRequest(
+            f"binary_data_size of input {spec.name!r} must be a non-negative integer; got {codecs.snip(size)}"
+        )
+    return size
+
+
+def causal(req: InferenceRequest) -> bool | None:
+    """`parameters.causal` (a boolean), None when absent: the served model's default."""
+    value = (req.parameters or {}).get("causal")
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"parameter causal must be a boolean; got {value!r:.50}")
+    return value
+
+
+def _binary_outputs(req: InferenceRequest) -> bool:
+    """Whether `output` goes back as raw bytes (per-output binary_data, else binary_data_output)."""
+    default = (req.parameters or {}).get("binary_data_output", False)
+    if not isinstance(default, bool):
+        raise BadRequest(f"parameter binary_data_output must be a boolean; got {default!r:.50}")
+    if not req.outputs:
+        return default
+    binary = default
+    for out in req.outputs:
+        if out.name != codecs.OUTPUT_NAME:
+            raise InvalidInput(f"model {MODEL_NAME!r} has one output {codecs.OUTPUT_NAME!r}; asked for {out.name!r:.50}")
+        params = out.parameters or {}
+        if params.get("classification"):
+            raise BadRequest("the classification extension is not supported: the output is a dense tensor")
+        flag = params.get("binary_data", default)
+        if not isinstance(flag, bool):
+            raise BadRequest(f"parameter binary_data of output {out.name!r} must be a boolean; got {flag!r:.50}")
+        binary = flag
+    return binary
+
+
+def reply(req: InferenceRequest, out: np.ndarray, binary: bool) -> Response:
+    tensor: dict[str, Any] = {"name": codecs.OUTPUT_NAME, "datatype": codecs.oip_datatype(out.dtype), "shape": list(out.shape)}
+    doc: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION, "outputs": [tensor]}
+    if req.id is not None:
+        doc["id"] = req.id
+    if not binary:
+        tensor["data"] = codecs.json_values(out.reshape(-1))  # serialized in chunks
+        return Response(orjson.dumps(doc), media_type=codecs.JSON)
+    raw = codecs.raw_bytes(out)
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = orjson.dumps(doc)
+    return Response(b"".join([header, raw]), media_type=BINARY_MEDIA, headers={HEADER_LENGTH: str(len(header))})
+
+
+def content_encoding(header: str | None) -> str:
+    """'identity', 'gzip' or 'deflate' (tritonclient's request_compression_algorithm); else 415."""
+    encoding = (header or "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise UnsupportedMediaType(f"Content-Encoding {codecs.snip(encoding)} is not supported; use gzip, deflate or none")
+    return encoding
+
+
+def _decompress(body: bytes, encoding: str, limit: int, limit_name: str) -> bytes:
+    """gzip / deflate request bodies, inflated to at most `limit` bytes (zlib gives the
+    interpreter lock back while it inflates); a body that inflates further is 413."""
+    if encoding == "identity":
+        return body
+    # wbits: 16+MAX for a gzip wrapper, MAX for zlib ("deflate" in HTTP means zlib-wrapped).
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error:
+        raise BadRequest(f"body is not valid {encoding} data") from None
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise PayloadTooLarge(f"the {encoding} body inflates past {limit_name}={limit}")
+    if not inflater.eof:
+        raise BadRequest(f"{encoding} body is truncated")
+    return data
