@@ -981,48 +981,26 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
-    if args.only == "gangs":
-        print_gangs(bench_serving(x.numpy(), args.requests, args.load_seconds, only="gangs")["gangs"], args.load_seconds)
-        return
-    if args.only == "mixed":
-        mixed = bench_serving(x.numpy(), args.requests, args.load_seconds, only="mixed")["mixed"]
-        ratios = print_mixed(mixed, args.load_seconds)
-        out = ROOT / "bench" / "results" / "mixed.json"
-        out.write_text(json.dumps({"mixed": mixed, "ratios": ratios, "time": time.time()}, indent=2))
-        print(f"\nwritten to {out.relative_to(ROOT)}")
-        return
-    if args.only == "train":
-        rows = bench_serving(x.numpy(), args.requests, args.load_seconds, only="train")["training"]
-        ratios = print_training(rows)
-        out = ROOT / "bench" / "results" / "train.json"
-        out.write_text(json.dumps({"training": rows, "ratios": ratios, "time": time.time()}, indent=2))
-    if args.only == "rebuild":
-        rows = bench_serving(x.numpy(), args.requests, args.load_seconds, only="rebuild")["rebuild"]
-        ratios = print_rebuild(rows)
-        out = ROOT / "bench" / "results" / "rebuild.json"
-        out.write_text(json.dumps({"rebuild": rows, "ratios": ratios, "time": time.time()}, indent=2))
-        print(f"\nwritten to {out.relative_to(ROOT)}")
-        return
-    if args.only == "direct":
-        direct = bench_serving(x.numpy(), args.requests, args.load_seconds, only="direct")["direct"]
-        ratios = print_direct(direct, args.load_seconds)
-        out = ROOT / "bench" / "results" / "direct.json"
-        out.write_text(json.dumps({"direct": direct, "ratios": ratios, "time": time.time()}, indent=2))
-        print(f"\nwritten to {out.relative_to(ROOT)}")
-        return
-    if args.only == "steploop":
-        ws2 = bench_serving(x.numpy(), args.requests, args.load_seconds, only="steploop")["steploop"]
-        ratios = print_step_loop(ws2, args.load_seconds)
-        print_ratios("goal", ratios)
-        out = ROOT / "bench" / "results" / "steploop.json"
-        out.write_text(json.dumps({"steploop": ws2, "ratios": ratios, "time": time.time()}, indent=2))
-        print(f"\nwritten to {out.relative_to(ROOT)}")
-        return
-    if args.only == "equal":
-        eq = bench_serving(x.numpy(), args.requests, args.load_seconds, only="equal")["equal"]
-        ratios = print_equal_compute(eq, args.load_seconds)
-        out = ROOT / "bench" / "results" / "equal.json"
-        out.write_text(json.dumps({"equal": eq, "ratios": ratios, "time": time.time()}, indent=2))
+    # One section alone: (the key bench_serving returns it under, how it is printed: its ratios
+    # or None, whether those are goals to print again at the end); written to results/<only>.json.
+    load_s = args.load_seconds
+    sections: dict[str, tuple[str, Any, bool]] = {
+        "gangs": ("gangs", lambda rows: print_gangs(rows, load_s), False),
+        "equal": ("equal", lambda rows: print_equal_compute(rows, load_s), False),
+        "mixed": ("mixed", lambda rows: print_mixed(rows, load_s), False),
+        "steploop": ("steploop", lambda rows: print_step_loop(rows, load_s), True),
+        "direct": ("direct", lambda rows: print_direct(rows, load_s), False),
+        "train": ("training", print_training, False),
+        "rebuild": ("rebuild", print_rebuild, False),
+    }
+    if args.only is not None:
+        key, show, goals_again = sections[args.only]
+        rows = bench_serving(x.numpy(), args.requests, load_s, only=args.only)[key]
+        ratios = show(rows)
+        if goals_again:
+            print_ratios("goal", ratios)
+        out = ROOT / "bench" / "results" / f"{args.only}.json"
+        out.write_text(json.dumps({key: rows, "ratios": ratios, "time": time.time()}, indent=2))
         print(f"\nwritten to {out.relative_to(ROOT)}")
         return
     codec_rows = bench_codecs(x.numpy())
