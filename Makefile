@@ -39,8 +39,12 @@ postgresql:
 	    || echo "could not install postgresql: the PostgreSQL state-database tests will be skipped"; \
 	fi
 
+# The front door (service/cluster/front_door.py): Serve's HAProxy on port 8000, straight to
+# the Ingress replicas. Read when Ray starts, so `serve run` gets them in its environment.
+FRONT_DOOR_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1
+
 serve: $(STAMP)
-	$(VENV)/bin/serve run deployments/local.yaml
+	env $(FRONT_DOOR_ENV) $(VENV)/bin/serve run deployments/local.yaml
 
 test: $(STAMP) chromium postgresql
 	$(PY) -m pytest tests -v --durations=15

@@ -13,6 +13,7 @@ from ray.serve.config import RequestRouterConfig
 
 from service.config import AppConfig, ModelConfig
 from service.errors import describe_validation_errors
+from service.cluster.front_door import warn_if_slow_front_door
 from service.cluster.placement import check_feasible, cluster_snapshot, gang_request
 from service.gang.router import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S, ReadyGangRouter
 from service.deployments.controller import Controller
@@ -59,6 +60,7 @@ def preflight(cfg: AppConfig) -> int | None:
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the arguments, check the cluster can hold the gang, compose the app."""
     cfg = parse_args(args)
+    warn_if_slow_front_door()
     nodes = preflight(cfg)
     return compose_app(cfg, nodes)
 

@@ -240,23 +240,6 @@ class ServingConfig(BaseModel):
         "keep using Serve handles; falls back to them whenever the socket cannot be used.",
     )
 
-    direct_data_plane: bool = Field(
-        False,
-        description="Each GangServer replica (the process that is rank 0) also serves the data plane over "
-        "HTTP itself: POST /infer and OIP POST /v2/models/attention/infer, on its node's IP, with the "
-        "ingress's codecs, limits, deadlines, tokens and errors, and no hop to another process. Its URL "
-        "is `data_url` in /gang and /gangs while the gang serves; `Client(direct=True)` / `--direct` use it "
-        "and fall back to the ingress. The ingress stays the front door (status, training, weights, and "
-        "503 with the reason while no gang is placed). Opens one more port per GangServer: see "
-        "docs/operations.md.",
-    )
-    direct_data_port: int = Field(
-        0, ge=0, le=65535,
-        description="With direct_data_plane: the TCP port each GangServer replica listens on (0: one the OS "
-        "chooses, advertised in data_url). A fixed port fits one gang per node; a replica whose port is "
-        "taken serves without the direct data plane (logged; no data_url).",
-    )
-
     @model_validator(mode="after")
     def _check_json_limit(self) -> "ServingConfig":
         if self.max_json_bytes > self.max_body_bytes:

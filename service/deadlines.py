@@ -15,12 +15,15 @@ receiver turns it back into its own monotonic instant: no clock is compared acro
 processes or nodes; the hop's own latency (well under a millisecond to a few ms) is the
 only error, and it errs on the late side by that much at most.
 
-Serve's proxy answers **408 in plain text** when the header's time is up (it starts its
-timer when it receives the request, a little before the ingress sees it). So that the
-client gets our JSON 504 `deadline_exceeded` instead, a deadline from the header is set
-`proxy_margin_s(header)` earlier than the header says: 50 ms plus 2% of the header, at most
-0.5 s (the proxy-to-ingress hop grows under load, and longer deadlines can spare more); the
-other two sources do not arm the proxy's timer and get no margin.
+Behind the front door (service.cluster.front_door: Serve's HAProxy straight to the ingress
+replicas) the ingress alone times the header: it switches Serve's own timer off in its
+process (`own_header_deadlines`), and the deadline is exactly what the header says. Without
+the front door, Serve's Python proxy answers **408 in plain text** when the header's time is
+up (it starts its timer when it receives the request, a little before the ingress sees it).
+So that the client gets our JSON 504 `deadline_exceeded` instead, a deadline from the header
+is then set `proxy_margin_s(header)` earlier than the header says: 50 ms plus 2% of the
+header, at most 0.5 s (the proxy-to-ingress hop grows under load, and longer deadlines can
+spare more); the other two sources do not arm the proxy's timer and get no margin.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import math
 import time
 from typing import Any
 
+from service.cluster.front_door import header_timed_by_serve_proxy
 from service.errors import InvalidInput
 from service.tunables import TUNABLES
 
@@ -37,10 +41,18 @@ PROXY_MARGIN_S = TUNABLES.ingress.proxy_margin_s
 PROXY_MARGIN_SHARE = TUNABLES.ingress.proxy_margin_share  # ... plus this share of the header's time
 PROXY_MARGIN_MAX_S = TUNABLES.ingress.proxy_margin_max_s
 MAX_TIMEOUT_S = 86400.0
+# Read once: the environment Ray started this process with (service.cluster.front_door).
+BEHIND_SERVE_PROXY = header_timed_by_serve_proxy()
 
 
-def proxy_margin_s(header_s: float) -> float:
-    """How much earlier than a header deadline of `header_s` seconds we answer."""
+def proxy_margin_s(header_s: float, behind_serve_proxy: bool | None = None) -> float:
+    """How much earlier than a header deadline of `header_s` seconds we answer: 0 behind the
+    front door; the margin when Serve's Python proxy times the header too (`behind_serve_proxy`,
+    default: this process's environment says so)."""
+    if behind_serve_proxy is None:
+        behind_serve_proxy = BEHIND_SERVE_PROXY
+    if not behind_serve_proxy:
+        return 0.0
     return min(PROXY_MARGIN_MAX_S, PROXY_MARGIN_S + PROXY_MARGIN_SHARE * header_s)
 
 
@@ -80,11 +92,12 @@ def oip_timeout(parameters: dict[str, Any] | None) -> float | None:
 
 
 def request_deadline(started: float, default_s: float, header_s: float | None,
-                     oip_s: float | None = None) -> float:
-    """The monotonic instant a request started at `started` must be answered by."""
+                     oip_s: float | None = None, behind_serve_proxy: bool | None = None) -> float:
+    """The monotonic instant a request started at `started` must be answered by
+    (`behind_serve_proxy`: as proxy_margin_s)."""
     candidates = [started + default_s] if header_s is None and oip_s is None else []
     if header_s is not None:
-        candidates.append(started + max(0.0, header_s - proxy_margin_s(header_s)))
+        candidates.append(started + max(0.0, header_s - proxy_margin_s(header_s, behind_serve_proxy)))
     if oip_s is not None:
         candidates.append(started + oip_s)
     return min(candidates)

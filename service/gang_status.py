@@ -145,9 +145,6 @@ class GangStatus(_Open):
     failed_rebuilds: int | None = Field(default=None, description="Rebuild attempts failed in a row.")
     replica_id: str | None = Field(default=None, description="The GangServer replica owning the gang.")
     data_channel: DataChannelStatus | None = None
-    data_url: str | None = Field(default=None, description="The gang server's direct data plane "
-                                 "(`direct_data_plane`): POST {data_url}/infer reaches rank 0's process without "
-                                 "the ingress. Present only while this gang serves.")
     step_timings: dict[str, Any] | None = Field(default=None, description="Where the recent steps' time went, "
                                                 "per rank (medians, ms).")
     reported_s_ago: float | None = Field(default=None, description="GET /gangs: age of this gang's last report.")

@@ -154,12 +154,6 @@ class TransportTunables:
     channel_retry_after_s: float = knob(5.0, (
         "After a data-channel failure, requests use the Serve handle for this long (same replica), then "
         "the channel is tried again."))
-    direct_start_timeout_s: float = knob(5.0, (
-        "The direct data plane's HTTP server must be listening within this long after its gang is up "
-        "(uvicorn on an already bound socket takes milliseconds); else the replica serves without it."))
-    direct_listen_backlog: int = knob(2048, (
-        "Connections the direct data plane's listening socket queues before accepting them (a burst of "
-        "clients connecting at once is not refused)."))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from harness.local import ROOT, free_port, local_yaml_args  # noqa: F401 - re-exported: tests import them from here
+from harness.local import ROOT, free_port, front_door_env, local_yaml_args  # noqa: F401 - re-exported: tests import them from here
 
 # The test cluster: two raylets on this machine (ray.cluster_utils.Cluster), each
 # declaring one logical GPU, so multi-node placement (STRICT_SPREAD, one rank per node)
@@ -67,6 +67,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     os.environ["GANGSERVE_STATE_DIR"] = str(tmp_path_factory.mktemp("gangserve-state"))
     os.environ["GANGSERVE_API_TOKEN"] = TEST_API_TOKEN
     os.environ["GANGSERVE_FAILPOINTS"] = "1"  # fault tests arm one-shot failpoints (service.gang.failpoints)
+    # The product's front door (Serve's HAProxy straight to the Ingress replicas), as `make
+    # serve` starts it; read by Serve's controller, proxy and replicas when they start.
+    os.environ.update(front_door_env())
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from service.cluster.front_door import FRONT_DOOR_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
 HEAD_PORT = 6379
@@ -122,6 +124,7 @@ class NetnsCluster:
             GANGSERVE_STATE_DIR=str(state),
             GANGSERVE_API_TOKEN=self.api_token,
             PYTHONPATH=str(ROOT),
+            **FRONT_DOOR_ENV,  # the product's front door, as the KubeRay manifest sets it
             **self.extra_env,
         )
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the service must choose by itself

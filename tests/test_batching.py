@@ -288,10 +288,14 @@ def test_deadline_sources_and_bad_values() -> None:
     for bad in (-5, 0, "100", True, float("nan"), [1]):
         with pytest.raises(InvalidInput):
             deadlines.oip_timeout({"timeout": bad})
-    # The header's deadline comes 50 ms + 2% early, at most 0.5 s (Serve's proxy would answer
-    # 408 at it); the earliest source wins; without any, request_timeout_s.
+    # The earliest source wins; without any, request_timeout_s. Behind Serve's Python proxy the
+    # header's deadline comes 50 ms + 2% early, at most 0.5 s (the proxy would answer 408 at it).
     assert deadlines.request_deadline(100.0, 120.0, None) == 220.0
-    assert deadlines.request_deadline(100.0, 120.0, 1.0) == pytest.approx(101.0 - 0.07)
-    assert deadlines.request_deadline(100.0, 120.0, 6.0) == pytest.approx(106.0 - 0.17)
-    assert deadlines.request_deadline(100.0, 120.0, 100.0) == pytest.approx(200.0 - 0.5)
-    assert deadlines.request_deadline(100.0, 120.0, 1.0, 0.5) == 100.5
+    # Behind Serve's Python proxy (no front door): a margin before the proxy's own 408.
+    assert deadlines.request_deadline(100.0, 120.0, 1.0, behind_serve_proxy=True) == pytest.approx(101.0 - 0.07)
+    assert deadlines.request_deadline(100.0, 120.0, 6.0, behind_serve_proxy=True) == pytest.approx(106.0 - 0.17)
+    assert deadlines.request_deadline(100.0, 120.0, 100.0, behind_serve_proxy=True) == pytest.approx(200.0 - 0.5)
+    assert deadlines.request_deadline(100.0, 120.0, 1.0, 0.5, behind_serve_proxy=True) == 100.5
+    # Behind the front door the ingress alone times the header: exactly what it says.
+    assert deadlines.request_deadline(100.0, 120.0, 6.0, behind_serve_proxy=False) == 106.0
+    assert deadlines.request_deadline(100.0, 120.0, 6.0, 5.0, behind_serve_proxy=False) == 105.0

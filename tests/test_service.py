@@ -100,8 +100,7 @@ def test_gang_shows_world_size_distinct_live_rank_processes(app_url: str) -> Non
     assert info["param_bytes_per_rank"] == [4 * (4 * e * e // 2 + 3 * e // 2 + e)] * 2
     # The typed contract (service.gang_status) declares every key a live gang answers, and
     # the answer has every one of them (a ready gang behind an ingress sets them all).
-    # (data_url: only with direct_data_plane, off here; tests/test_direct_data_plane.py has it.)
-    declared = set(GangStatus.model_fields) - {"code", "reported_s_ago", "data_url"}  # synthesized / fleet-only
+    declared = set(GangStatus.model_fields) - {"code", "reported_s_ago"}  # synthesized / fleet-only
     assert set(info) == declared, (set(info) ^ declared)
     assert set(ranks[0]) == set(RankStatus.model_fields)
     assert httpx.get(app_url + "/healthz").status_code == 200

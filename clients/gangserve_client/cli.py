@@ -1,7 +1,6 @@
 """gangserve: the command line of gangserve-client.
 
     gangserve infer input.npy -o out.npy                 # also .safetensors in/out
-    gangserve --direct infer input.npy -o out.npy        # straight to a gang server's data URL
     gangserve infer x.safetensors -o y.safetensors --output-dtype bfloat16
     gangserve gang                                       # the gang's ranks and state
     gangserve ready
@@ -50,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=DEFAULT_URL, help="service base URL")
     parser.add_argument("--direct", action="store_true",
-                        help="infer: send to the gang servers' data URLs (/gangs data_url; the service runs with "
-                        "direct_data_plane: true), falling back to --url")
+                        help="accepted for compatibility, no effect: port 8000 is the fast path for every client")
     sub = parser.add_subparsers(dest="command", required=True)
     p_infer = sub.add_parser("infer", help="run attention on a .npy or .safetensors tensor")
     p_infer.add_argument("input", type=Path)
@@ -71,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
 
     try:
-        with GangServeClient(args.url, infer_token=getattr(args, "token", None), direct=args.direct) as client:
+        with GangServeClient(args.url, infer_token=getattr(args, "token", None)) as client:
             if args.command == "infer":
                 out = client.infer(read_tensor(args.input), fmt=args.format, output_dtype=args.output_dtype,
                                    deadline_s=args.deadline)

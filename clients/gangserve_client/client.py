@@ -10,31 +10,20 @@ service accepts it on inference too); `gang()` sends the API token, which shows 
 description. For the Open Inference Protocol v2 routes use a stock client
 (`tritonclient.http`), which works against /v2 unchanged.
 
-Direct mode (`direct=True`, CLI `--direct`; the service must run with `direct_data_plane:
-true`): `infer` goes to the gang servers' own HTTP ports instead of the ingress, one
-process hop less. The client reads the `data_url` of every serving gang from `GET /gangs`
-(again every `DIRECT_REFRESH_S`, and after any failure), spreads its requests over them
-round robin, and sends a request through the ingress instead when no gang advertises one,
-when the direct URL cannot be reached (connection refused or reset, connect timeout
-`direct_connect_timeout_s`) or when it answers 503 (its gang is rebuilding: the ingress waits
-for it, or picks another gang); after such a failure it keeps to the ingress for
-`DIRECT_RETRY_AFTER_S`. One direct attempt per request at most, so a request never waits
-on a direct URL for longer than the connect timeout before the ingress takes it.
-`direct_stats` counts the requests each way.
+`direct=True` (CLI `--direct`) is accepted and does nothing: it used to send requests to a
+side port of rank 0's process; port 8000 is now the fast path for every client (the
+service's front door: Serve's HAProxy straight to the ingress replicas).
 """
 from __future__ import annotations
 
 from typing import Any
-
-import itertools
-import time
 
 import httpx
 import numpy as np
 import orjson
 
 from gangserve_client import codecs, tokens
-from gangserve_client.errors import GangServeHTTPError, ServiceUnreachableError, error_of
+from gangserve_client.errors import ServiceUnreachableError
 from gangserve_client.retries import RetryPolicy, asend, send
 
 FORMATS = {
@@ -44,9 +33,6 @@ FORMATS = {
 }
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEADLINE_HEADER = "X-Request-Timeout-Seconds"  # the service's (and Ray Serve's proxy's) deadline header
-DIRECT_REFRESH_S = 10.0  # direct mode: how long the gangs' data URLs are used before /gangs is read again
-DIRECT_RETRY_AFTER_S = 5.0  # direct mode: after a direct URL failed, requests take the ingress this long
-DIRECT_CONNECT_TIMEOUT_S = 2.0  # direct mode: a data URL that does not accept by then is given up on
 
 
 def encode_request(x: np.ndarray, fmt: str, attention_mask: np.ndarray | None = None) -> tuple[bytes, str]:
@@ -99,74 +85,12 @@ def _bearer(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-class _DirectRoutes:
-    """Direct mode's view of the gangs' data URLs: which to use next, when to re-read them."""
-
-    def __init__(self) -> None:
-        self.urls: list[str] = []
-        self._cycle: Any = iter(())
-        self._read_at = float("-inf")
-        self._retry_at = float("-inf")
-        self.stats = {"direct": 0, "ingress": 0, "fallbacks": 0}
-
-    def stale(self) -> bool:
-        return time.monotonic() >= self._read_at + DIRECT_REFRESH_S and time.monotonic() >= self._retry_at
-
-    def update(self, view: dict[str, Any] | None) -> None:
-        """From a /gangs body (None: it could not be read): the data URLs of the serving gangs."""
-        rows = (view or {}).get("gangs") or []
-        self.urls = sorted({g["data_url"] for g in rows if g.get("state") == "ready" and g.get("data_url")})
-        self._cycle = itertools.cycle(self.urls)
-        self._read_at = time.monotonic()
-
-    def pick(self) -> str | None:
-        """The next data URL, or None: use the ingress (none advertised, or a recent failure)."""
-        if not self.urls or time.monotonic() < self._retry_at:
-            return None
-        return next(self._cycle)
-
-    def failed(self) -> None:
-        """A direct attempt failed: the ingress for a while, then /gangs again."""
-        self.stats["fallbacks"] += 1
-        self._retry_at = time.monotonic() + DIRECT_RETRY_AFTER_S
-        self._read_at = float("-inf")
-
-    def settle(self, reply: httpx.Response | None, exc: httpx.TransportError | None) -> httpx.Response | None:
-        """A direct attempt's outcome (its reply, or the transport error it raised): the 2xx
-        reply; None when the request goes to the ingress instead (`_direct_fallback`);
-        otherwise the typed error is raised (a 4xx stays the caller's answer)."""
-        error: Exception | None = exc if reply is None else (None if reply.is_success else error_of(reply))
-        if error is None:
-            self.stats["direct"] += 1
-            return reply
-        if not _direct_fallback(error):
-            raise error
-        self.failed()
-        return None
-
-
-def _direct_fallback(exc: Exception) -> bool:
-    """Whether a direct attempt's failure sends the request to the ingress: the URL cannot be
-    reached or dropped the connection (inference is idempotent), or the gang cannot serve now
-    (503: rebuilding or broken; the ingress waits for it or picks another gang)."""
-    if isinstance(exc, httpx.TransportError):
-        return not isinstance(exc, httpx.ReadTimeout)  # a slow gang stays slow through the ingress
-    return isinstance(exc, GangServeHTTPError) and exc.status == 503
-
-
 class _Base:
     def __init__(self, token: str | None, infer_token: str | None, retries: int,
-                 retry_timeout_s: float | None, direct: bool = False) -> None:
+                 retry_timeout_s: float | None) -> None:
         self._api_token = _known_api_token(token)
         self._infer_token = infer_token or tokens.infer_token() or token
         self._policy = RetryPolicy(retries=retries, timeout_s=retry_timeout_s)
-        self._direct = _DirectRoutes() if direct else None
-
-    @property
-    def direct_stats(self) -> dict[str, int]:
-        """Direct mode: requests sent to a data URL, through the ingress, and direct attempts
-        that fell back to the ingress (all 0 without direct mode)."""
-        return dict(self._direct.stats) if self._direct else {"direct": 0, "ingress": 0, "fallbacks": 0}
 
     def _infer_args(self, x: np.ndarray, fmt: str, output_dtype: str | None, accept: str | None,
                     attention_mask: np.ndarray | None = None, causal: bool | None = None,
@@ -194,20 +118,18 @@ class GangServeClient(_Base):
 
     token: the API token (default: $GANGSERVE_API_TOKEN, else $GANGSERVE_STATE_DIR/api_token);
     infer_token: the inference token (default: $GANGSERVE_INFER_TOKEN, else `token`);
-    timeout_s: per HTTP request; retries / retry_timeout_s: see `RetryPolicy`.
+    timeout_s: per HTTP request; retries / retry_timeout_s: see `RetryPolicy`;
+    direct: accepted for compatibility, no effect (see the module docstring).
     """
 
     def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
                  timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0,
-                 direct: bool = False, direct_connect_timeout_s: float = DIRECT_CONNECT_TIMEOUT_S) -> None:
-        super().__init__(token, infer_token, retries, retry_timeout_s, direct)
+                 direct: bool = False) -> None:
+        super().__init__(token, infer_token, retries, retry_timeout_s)
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
-        self._data = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=direct_connect_timeout_s)) if direct else None
 
     def close(self) -> None:
         self._http.close()
-        if self._data is not None:
-            self._data.close()
 
     def __enter__(self) -> "GangServeClient":
         return self
@@ -230,38 +152,14 @@ class GangServeClient(_Base):
         retry attempt carries the full deadline; retry_timeout_s bounds them all together.
         """
         args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal, deadline_s)
-        if self._direct is not None:
-            reply = self._infer_direct(args)
-            if reply is not None:
-                return decode_reply(reply)
-            self._direct.stats["ingress"] += 1
         return decode_reply(self._request("POST", "/infer", **args))
-
-    def _infer_direct(self, args: dict[str, Any]) -> httpx.Response | None:
-        """Direct mode: the 200 reply of one attempt at a gang's data URL, or None (the
-        ingress takes the request); any other error reply is raised as the ingress's would be."""
-        routes = self._direct
-        assert routes is not None and self._data is not None
-        if routes.stale():
-            try:
-                routes.update(self.gangs())
-            except (GangServeHTTPError, ServiceUnreachableError):
-                routes.update(None)  # the ingress answers this request, or says why not
-        url = routes.pick()
-        if url is None:
-            return None
-        try:
-            reply = self._data.post(url + "/infer", **args)
-        except httpx.TransportError as exc:
-            return routes.settle(None, exc)
-        return routes.settle(reply, None)
 
     def gang(self) -> dict[str, Any]:
         """GET /gang (file-system paths in it only with the API token)."""
         return self._request("GET", "/gang", headers=_bearer(self._api_token)).json()
 
     def gangs(self) -> dict[str, Any]:
-        """GET /gangs: every gang of the app (with `data_url` where a gang serves directly)."""
+        """GET /gangs: every gang of the app."""
         return self._request("GET", "/gangs", headers=_bearer(self._api_token)).json()
 
     def ready(self) -> bool:
@@ -282,16 +180,12 @@ class AsyncGangServeClient(_Base):
 
     def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
                  timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0,
-                 direct: bool = False, direct_connect_timeout_s: float = DIRECT_CONNECT_TIMEOUT_S) -> None:
-        super().__init__(token, infer_token, retries, retry_timeout_s, direct)
+                 direct: bool = False) -> None:
+        super().__init__(token, infer_token, retries, retry_timeout_s)
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
-        self._data = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=direct_connect_timeout_s)) \
-            if direct else None
 
     async def aclose(self) -> None:
         await self._http.aclose()
-        if self._data is not None:
-            await self._data.aclose()
 
     async def __aenter__(self) -> "AsyncGangServeClient":
         return self
@@ -304,30 +198,7 @@ class AsyncGangServeClient(_Base):
                     causal: bool | None = None, deadline_s: float | None = None) -> np.ndarray:
         """As GangServeClient.infer."""
         args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal, deadline_s)
-        if self._direct is not None:
-            reply = await self._infer_direct(args)
-            if reply is not None:
-                return decode_reply(reply)
-            self._direct.stats["ingress"] += 1
         return decode_reply(await self._request("POST", "/infer", **args))
-
-    async def _infer_direct(self, args: dict[str, Any]) -> httpx.Response | None:
-        """As GangServeClient._infer_direct."""
-        routes = self._direct
-        assert routes is not None and self._data is not None
-        if routes.stale():
-            try:
-                routes.update(await self.gangs())
-            except (GangServeHTTPError, ServiceUnreachableError):
-                routes.update(None)
-        url = routes.pick()
-        if url is None:
-            return None
-        try:
-            reply = await self._data.post(url + "/infer", **args)
-        except httpx.TransportError as exc:
-            return routes.settle(None, exc)
-        return routes.settle(reply, None)
 
     async def gang(self) -> dict[str, Any]:
         return (await self._request("GET", "/gang", headers=_bearer(self._api_token))).json()

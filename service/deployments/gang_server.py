@@ -38,11 +38,9 @@ from ray.util import get_current_placement_group
 
 from service.transport import shm
 from service.transport.channel import ChannelServer, sweep_stale_sockets
-from service.cluster.netif import node_ip
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.deadlines import local_deadline
 from service.errors import Conflict, GangStartupError, GangUnavailable, NotFound
-from service.ingress.direct import DirectDataPlane
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.gang.gang import Gang
 from service.gang_status import DataChannelStatus, GangState, dump
@@ -107,9 +105,6 @@ class GangServer:
         self._channel = ChannelServer(
             self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
         )
-        # Opt-in: this process serves POST /infer over HTTP itself (service.ingress.direct),
-        # into the same in-process path as the channel; started once the gang is up.
-        self._direct = DirectDataPlane(cfg, self.infer) if cfg.direct_data_plane else None
         try:
             # Datasets, checkpoints and the served-weights copies: fail the start (with the
             # redacted URL and why) while the artifact store cannot be used.
@@ -119,12 +114,8 @@ class GangServer:
             if cfg.uses_data_channel:
                 await asyncio.to_thread(sweep_stale_sockets)
                 await self._channel.start(self._replica_id)
-            if self._direct is not None:
-                await self._direct.start(await asyncio.to_thread(node_ip), cfg.direct_data_port)
         except Exception:
             self._channel.close()
-            if self._direct is not None:
-                self._direct.close()
             self._gang.shutdown()
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
@@ -275,10 +266,6 @@ class GangServer:
         status.replica_id = self._replica_id
         # The ingress connects to channel.socket_path(replica_id) when this is true.
         status.data_channel = DataChannelStatus(listening=self._channel.path is not None, **self._channel.stats())
-        # Advertised only while the gang serves: clients send there only then (a broken
-        # gang's server answers 503 at once, and the ingress's wait-and-retry is better).
-        if self._direct is not None and self._direct.url is not None and self._gang.state is GangState.READY:
-            status.data_url = self._direct.url
         # Per-step timestamps of every rank (the control cost and the skew): the last
         # summary, refreshed in the background (readiness calls describe too, and must never
         # wait on a peer).
@@ -419,18 +406,16 @@ class GangServer:
         drained = True
         channel = getattr(self, "_channel", None)
         gang = getattr(self, "_gang", None)
-        direct = getattr(self, "_direct", None)
         if channel is not None and gang is not None:
             budget = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
-            # Both listeners stop taking requests at once (the direct port closes: its
-            # clients fall back to the ingress), then their accepted requests finish.
-            drains = [channel.drain(DRAIN_TIMEOUT_S)] + ([direct.drain(DRAIN_TIMEOUT_S)] if direct else [])
-            drained = all(await asyncio.gather(*drains))
+            # The channel stops taking requests (its clients fall back to the handle), then
+            # its accepted requests finish.
+            drained = await channel.drain(DRAIN_TIMEOUT_S)
             while not gang.idle and asyncio.get_running_loop().time() < budget:
                 await asyncio.sleep(0.02)
             drained = drained and gang.idle
-            log.info("drained before shutdown: %s (data channel: %s; direct data plane: %s)",
-                     "yes" if drained else "no, timed out", channel.stats(), direct.stats() if direct else "off")
+            log.info("drained before shutdown: %s (data channel: %s)",
+                     "yes" if drained else "no, timed out", channel.stats())
         self._shutdown()
 
     def _shutdown(self) -> None:
@@ -438,9 +423,6 @@ class GangServer:
         channel = getattr(self, "_channel", None)
         if channel is not None:
             channel.close()
-        direct = getattr(self, "_direct", None)
-        if direct is not None:
-            direct.close()
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.shutdown()

@@ -5,6 +5,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from service.cluster.front_door import own_header_deadlines
 from service.config import AppConfig
 from service.ingress.api import create_api
 from service.ingress.fleet_client import FleetClient
@@ -23,6 +24,7 @@ class Ingress:
                  controller: DeploymentHandle | None = None) -> None:
         route_logs_to_serve()
         enable_ray_metrics()
+        own_header_deadlines()  # the request's stated deadline is ours alone (service.cluster.front_door)
         self._config = AppConfig.model_validate(config)
         self._fleet = FleetClient(controller)  # /gangs, /readyz, rollouts, /metrics -> the Controller
         self._gang = GangClient(gang, self._config, self._fleet, app_name=serve.get_replica_context().app_name)

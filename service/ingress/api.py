@@ -76,7 +76,7 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
 
 def install_error_handlers(app: FastAPI) -> None:
     """Every error as `{"error", "code"}` with its status (and Retry-After): the ingress's
-    app and the gang server's direct data plane (service.ingress.direct) answer alike."""
+    routes answer alike."""
 
     @app.exception_handler(GangServeError)
     async def _gangserve_error(_: Request, exc: GangServeError) -> JSONResponse:
