@@ -1,7 +1,9 @@
 """gangserve benchmark: everything side by side in ONE run, printed as a markdown table.
 
-Serving rows go through the Serve HTTP proxy; rows marked "direct ingress" hit the ingress
-replica's own HTTP port (RAY_SERVE_ENABLE_DIRECT_INGRESS), same cluster, same run.
+Serving rows go through port 8000 as `make serve` runs it (the front door: Serve's HAProxy
+straight to the replicas' own ports); rows marked "direct ingress" hit an ingress replica's own
+port; the front-door section also measures Serve's Python proxy (the old default path), same
+cluster, same run.
 
     make bench            # or: .venv/bin/python bench/run.py [--requests N]
 
@@ -343,21 +345,23 @@ def print_step_loop(ws2: dict[str, dict], load_s: float) -> dict[str, float]:
     return ratios
 
 
-ECHO_P, ECHO_D = "Serve echo via the proxy", "Serve echo via direct ingress"
-NAIVE_P, NAIVE_D = "naive peer (2 threads) via the proxy", "naive peer (2 threads) via direct ingress"
-OURS_P, OURS_I, OURS_D = ("gangserve ws2 via the proxy", "gangserve ws2 via direct ingress (the ingress's port)",
-                          "gangserve ws2, direct data plane (rank 0's port)")
-WS1_P, WS1_D = "gangserve ws1 (2 threads) via the proxy", "gangserve ws1 (2 threads), direct data plane"
+FD, OLD = "port 8000 (HAProxy front door)", "Serve's Python proxy (the old default path)"
 
 
-def bench_direct(base: str, n: int, load_s: float) -> dict[str, Any]:
-    """Issue 20 items 3 and 5: the direct data plane (`direct_data_plane: true`: POST /infer
-    served by the GangServer replica, rank 0's process) next to the same app through the
-    proxy and through its ingress's direct-ingress port, Serve echo of the same body through
-    the proxy and direct ingress, world size 2 and (equal compute) world size 1 against the
-    naive peer, both shapes, every round in a shuffled order; the bare 2-process TP step of
-    each shape after the apps are gone; small requests at 16 clients; and the loop's control
-    cost and skew from `/gang` step_timings."""
+def fallback_proxy_base() -> str:
+    """Serve's Python proxy, which the front door keeps on the head as HAProxy's backup: the
+    old default path, measured beside the new one in the same run (harness.local.front_door_env
+    chose its port)."""
+    return f"http://127.0.0.1:{os.environ['RAY_SERVE_FALLBACK_PROXY_HTTP_PORT']}"
+
+
+def bench_front_door(base: str, n: int, load_s: float) -> dict[str, Any]:
+    """Issue 30: every row through port 8000 as a plain client sends it (HAProxy -> the
+    replica's own port), and the same apps through Serve's Python proxy (the old path), one
+    Serve instance: Serve echo, the naive one-replica peer (2 threads), gangserve world size 2
+    and world size 1 at equal compute (2 threads), both shapes, every round shuffled; the bare
+    2-process TP step of each shape after the apps are gone; small requests at 16 clients; and
+    16 clients of mixed lengths (steps per request from /gang)."""
     from ray import serve
 
     from bench.bare_tp import bare_step_ms
@@ -365,37 +369,40 @@ def bench_direct(base: str, n: int, load_s: float) -> dict[str, Any]:
     from harness.local import local_yaml_args
     from service.app import build_app
 
-    serve.run(EchoPeer.bind(), name="d_echo", route_prefix="/d_echo")
-    serve.run(NaivePeer.options(ray_actor_options={"num_cpus": 2}).bind(2), name="d_naive", route_prefix="/d_naive")
-    serve.run(build_app({**local_yaml_args(), "direct_data_plane": True}), name="d_ws2", route_prefix="/d_ws2")
-    serve.run(build_app({**local_yaml_args(), "world_size": 1, "cpus_per_rank": 2, "direct_data_plane": True}),
-              name="d_ws1", route_prefix="/d_ws1")
+    serve.run(EchoPeer.bind(), name="f_echo", route_prefix="/f_echo")
+    serve.run(NaivePeer.options(ray_actor_options={"num_cpus": 2}).bind(2), name="f_naive", route_prefix="/f_naive")
+    serve.run(build_app(local_yaml_args()), name="f_ws2", route_prefix="/f_ws2")
+    serve.run(build_app({**local_yaml_args(), "world_size": 1, "cpus_per_rank": 2}), name="f_ws1", route_prefix="/f_ws1")
+    old = fallback_proxy_base()
     client = httpx.Client(timeout=120)
-    data = {app: _data_url(client, f"{base}/{app}") for app in ("d_ws2", "d_ws1")}
-    echo_d, naive_d, ws2_i = (direct_base(app) for app in ("d_echo", "d_naive", "d_ws2"))
-    out: dict[str, Any] = {"urls": {**data, "echo_direct_ingress": echo_d}, "latency": {}, "ws1": {}}
+    out: dict[str, Any] = {"latency": {}, "old_path": old}
     big = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
     small = big[:1].copy()
+    paths = {"echo": "/f_echo", "naive": "/f_naive", "ws2": "/f_ws2/infer", "ws1": "/f_ws1/infer"}
     for label, x in (("notes' shape [128, 8, 512]", big), ("small [1, 8, 512]", small)):
         body = npy(x)
         post = lambda url: (lambda: client.post(url, content=body, headers={"content-type": "application/x-npy"}))  # noqa: E731
-        rows = interleaved({
-            ECHO_P: post(base + "/d_echo"), ECHO_D: post(echo_d + "/d_echo"),
-            NAIVE_P: post(base + "/d_naive"), NAIVE_D: post(naive_d + "/d_naive"),
-            OURS_P: post(base + "/d_ws2/infer"), OURS_I: post(ws2_i + "/d_ws2/infer"),
-            OURS_D: post(data["d_ws2"] + "/infer"),
-            WS1_P: post(base + "/d_ws1/infer"), WS1_D: post(data["d_ws1"] + "/infer"),
-        }, n)
-        client.get(base + "/d_ws2/gang")  # kicks a refresh of the step timings of this shape's steps
+        rows = interleaved({f"{what}, {door}": post(root + path) for what, path in paths.items()
+                            for door, root in ((FD, base), (OLD, old))}, n)
+        client.get(base + "/f_ws2/gang")  # kicks a refresh of the step timings of this shape's steps
         time.sleep(1.0)
-        rows["step_timings"] = client.get(base + "/d_ws2/gang").json().get("step_timings", {})
+        rows["step_timings"] = client.get(base + "/f_ws2/gang").json().get("step_timings", {})
         out["latency"][label] = rows
     sbody = npy(small)
-    out["small_c16"] = {name: throughput(url, sbody, "application/x-npy", clients=16, seconds=load_s)
-                        for name, url in ((NAIVE_P, base + "/d_naive"), (NAIVE_D, naive_d + "/d_naive"),
-                                          (OURS_P, base + "/d_ws2/infer"), (OURS_D, data["d_ws2"] + "/infer"),
-                                          (WS1_D, data["d_ws1"] + "/infer"))}
-    for app in ("d_echo", "d_naive", "d_ws2", "d_ws1"):
+    out["small_c16"] = {f"{what}, {door}": throughput(root + paths[what], sbody, "application/x-npy", clients=16, seconds=load_s)
+                        for what in ("naive", "ws2", "ws1") for door, root in ((FD, base), (OLD, old))}
+    rng = np.random.default_rng(5)
+    bodies = {s: npy(rng.standard_normal((1, s, 512), dtype=np.float32)) for s in range(1, MIXED_MAX_SEQ + 1)}
+    mixed_throughput(base + "/f_ws2/infer", bodies, 16, 1.0)  # warm up: the lengths' first steps
+    # HTTP requests are what the ingress's batcher counts; the gang's batcher counts the
+    # ingress's calls (each a batch) and its own steps.
+    before = client.get(base + "/f_ws2/gang").json()
+    out["mixed_c16"] = mixed_throughput(base + "/f_ws2/infer", bodies, 16, load_s)
+    after = client.get(base + "/f_ws2/gang").json()
+    out["mixed_c16"]["gang_steps"] = after["batching"]["steps"] - before["batching"]["steps"]
+    out["mixed_c16"]["gang_requests"] = (after["ingress_transport"]["batching"]["requests"]
+                                         - before["ingress_transport"]["batching"]["requests"])
+    for app in ("f_echo", "f_naive", "f_ws2", "f_ws1"):
         serve.delete(app)
     out["bare"] = {"notes' shape [128, 8, 512]": bare_step_ms(tuple(big.shape)),
                    "small [1, 8, 512]": bare_step_ms(tuple(small.shape), steps=100)}
@@ -403,45 +410,31 @@ def bench_direct(base: str, n: int, load_s: float) -> dict[str, Any]:
     return out
 
 
-def _data_url(client: httpx.Client, app: str, timeout_s: float = 30.0) -> str:
-    """The app's gang's `data_url` from /gang (advertised once the gang serves)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = client.get(app + "/gang").json()
-        if info.get("data_url"):
-            return info["data_url"]
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{app}/gang advertises no data_url after {timeout_s:.0f}s: state {info.get('state')}")
-        time.sleep(0.5)
-
-
-def print_direct(d: dict[str, Any], load_s: float) -> dict[str, float]:
-    print("\nthe direct data plane (issue 20 items 3, 5): rank 0's replica serves POST /infer itself; "
-          f"interleaved, npy; load average at the end {', '.join(f'{v:.1f}' for v in d['load_average'])}\n")
+def print_front_door(d: dict[str, Any], load_s: float) -> dict[str, float]:
+    print("\nthe front door (issue 30): port 8000 (Serve's HAProxy straight to the replicas) vs Serve's "
+          f"Python proxy, one Serve instance, interleaved, npy; load average at the end "
+          f"{', '.join(f'{v:.1f}' for v in d['load_average'])}\n")
     print_latency_rows(d["latency"], d["bare"])
     ratios: dict[str, float] = {}
     for label, rows in d["latency"].items():
         bare = d["bare"][label]
         p50 = {name: r["p50_ms"] for name, r in rows.items() if name != "step_timings"}
-        ratios[f"ws2 via the proxy: ours - (proxy echo + bare), {label}, ms"] = p50[OURS_P] - p50[ECHO_P] - bare
-        ratios[f"ws2 direct ingress: ours - (direct-ingress echo + bare), {label}, ms"] = p50[OURS_I] - p50[ECHO_D] - bare
-        ratios[f"ws2 direct data plane: ours - (direct-ingress echo + bare), {label}, ms (goal <= 1.5)"] = (
-            p50[OURS_D] - p50[ECHO_D] - bare)
-        ratios[f"ws1 via the proxy / naive via the proxy, {label}"] = p50[WS1_P] / p50[NAIVE_P]
-        ratios[f"ws1 direct data plane / naive via direct ingress, {label} (goal <= 1.05)"] = p50[WS1_D] / p50[NAIVE_D]
-    print_step_timings(d["latency"], "the step loop's steps on the direct app, from every rank's timestamps "
-                       "(medians, ms; `/gang` step_timings)", ratios)
+        for door in (FD, OLD):
+            ratios[f"ws1 / naive, {label}, {door} (goal <= 1.0)"] = p50[f"ws1, {door}"] / p50[f"naive, {door}"]
+            ratios[f"ws2: ours - (echo + bare), {label}, {door}, ms (goal <= 3 small)"] = (
+                p50[f"ws2, {door}"] - p50[f"echo, {door}"] - bare)
+    print_step_timings(d["latency"], "the step loop's steps (ws2, medians, ms; `/gang` step_timings)", ratios)
     c16 = d["small_c16"]
     print_small_c16(c16, load_s)
-    ratios["small req/s at 16 clients, ws2 via the proxy / naive via the proxy"] = (
-        c16[OURS_P]["req_per_s"] / c16[NAIVE_P]["req_per_s"])
-    ratios["small req/s at 16 clients, ws2 direct data plane / naive via the proxy (goal >= 1.2)"] = (
-        c16[OURS_D]["req_per_s"] / c16[NAIVE_P]["req_per_s"])
-    ratios["small req/s at 16 clients, ws2 direct data plane / naive via direct ingress"] = (
-        c16[OURS_D]["req_per_s"] / c16[NAIVE_D]["req_per_s"])
-    ratios["small req/s at 16 clients, ws1 direct data plane / naive via direct ingress"] = (
-        c16[WS1_D]["req_per_s"] / c16[NAIVE_D]["req_per_s"])
-    print_ratios("direct data plane", ratios)
+    for door in (FD, OLD):
+        ratios[f"small req/s at 16 clients, ws2 / naive, {door} (goal >= 2)"] = (
+            c16[f"ws2, {door}"]["req_per_s"] / c16[f"naive, {door}"]["req_per_s"])
+    m = d["mixed_c16"]
+    print(f"\n16 clients of mixed lengths (seq 1..{MIXED_MAX_SEQ}), ws2, {FD}: {m['req_per_s']:.0f} req/s, "
+          f"p50 {m['p50_ms']:.1f} ms, {m['gang_requests']} requests in {m['gang_steps']} gang steps")
+    ratios[f"mixed lengths, 16 clients, {FD}: gang steps per request (goal <= 0.5)"] = (
+        m["gang_steps"] / max(m["gang_requests"], 1))
+    print_ratios("front door", ratios)
     return ratios
 
 
@@ -579,15 +572,16 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
 
     from bench.peers import EchoPeer, NaivePeer
     from service.app import build_app
-    from harness.local import free_port, local_yaml_args
+    from harness.local import free_port, front_door_env, local_yaml_args
 
     cores = os.cpu_count() or 1
     # Training jobs need a token and a state dir; set before Ray starts so workers inherit them.
     token = os.environ.setdefault("GANGSERVE_API_TOKEN", "bench-token")
     os.environ.setdefault("GANGSERVE_STATE_DIR", tempfile.mkdtemp(prefix="gangserve-bench-"))
-    # Bench only: every ingress replica also serves HTTP on its own port (30000+), so one run
-    # measures both paths. The controller and replicas read it, hence before ray.init.
-    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    # The product's front door, as `make serve` starts it (Serve's HAProxy straight to every
+    # ingress replica's own port; the Python proxy stays as its backup, measured as the old
+    # path). The controller and replicas read it, hence before ray.init.
+    os.environ.update(front_door_env())
     # Logical CPUs (threads are set per deployment): room for the equal-compute section's
     # apps side by side. address="local": never attach to another Ray cluster on the machine.
     ray.init(address="local", num_cpus=max(8, cores), include_dashboard=False, log_to_driver=False)
@@ -609,8 +603,8 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         if only == "rebuild":
             results["rebuild"] = bench_rebuild(base)
             return results
-        if only == "direct":
-            results["direct"] = bench_direct(base, n, load_s)
+        if only == "front":
+            results["front"] = bench_front_door(base, n, load_s)
             return results
         if only == "steploop":
             from bench.peers import NaivePeer as _Naive
@@ -623,7 +617,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         results["equal"] = bench_equal_compute(base, n, load_s)
         if only == "equal":
             return results
-        results["direct"] = bench_direct(base, n, load_s)
+        results["front"] = bench_front_door(base, n, load_s)
         serve.run(EchoPeer.bind(), name="echo", route_prefix="/echo")
         serve.run(NaivePeer.options(ray_actor_options={"num_cpus": cores}).bind(cores), name="naive", route_prefix="/naive")
         # The JSON row sends the notes' shape as JSON text (10.8 MB), over the default
@@ -969,13 +963,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "direct", "train", "rebuild"],
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "front", "train", "rebuild"],
                         default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
                         "mask's latency; steploop: world size 2 with the peers' step loop vs a Ray call per step, "
-                        "against Serve echo + the bare TP step, also part of equal; direct: the direct data plane (rank 0's replica serves "
-                        "/infer) vs the proxy and direct ingress, ws2 and ws1, against echo + bare and the naive peer; train: the default DDP job vs the same "
+                        "against Serve echo + the bare TP step, also part of equal; front: port 8000 (HAProxy) "
+                        "vs Serve's Python proxy, ws2 and ws1, against echo + bare and the naive peer; train: the default DDP job vs the same "
                         "loop under torchrun --nproc_per_node 2; rebuild: kill -9 of rank 1 with "
                         "and without the warm spare) and print its table")
     args = parser.parse_args()
@@ -989,7 +983,7 @@ def main() -> None:
         "equal": ("equal", lambda rows: print_equal_compute(rows, load_s), False),
         "mixed": ("mixed", lambda rows: print_mixed(rows, load_s), False),
         "steploop": ("steploop", lambda rows: print_step_loop(rows, load_s), True),
-        "direct": ("direct", lambda rows: print_direct(rows, load_s), False),
+        "front": ("front", lambda rows: print_front_door(rows, load_s), True),
         "train": ("training", print_training, False),
         "rebuild": ("rebuild", print_rebuild, False),
     }
@@ -1040,7 +1034,7 @@ def main() -> None:
     equal_ratios = print_equal_compute(serving["equal"], args.load_seconds)
     mixed_ratios = print_mixed(serving["mixed"], args.load_seconds)
     rebuild_ratios = print_rebuild(serving["rebuild"])
-    direct_ratios = print_direct(serving["direct"], args.load_seconds)
+    front_ratios = print_front_door(serving["front"], args.load_seconds)
     goals = {
         "gangserve p50 / naive p50 (goal <= 1)": ours / naive,
         "gangserve p50 / (echo + in-process) (goal <= 1)": ours / (echo + floor),
@@ -1057,7 +1051,7 @@ def main() -> None:
                                "direct_ingress": serving["direct_ingress"], "ratios": goals,
                                "equal": serving["equal"], "equal_ratios": equal_ratios, "mixed": serving["mixed"],
                                "mixed_ratios": mixed_ratios, "rebuild": serving["rebuild"], "rebuild_ratios": rebuild_ratios,
-                               "direct": serving["direct"], "direct_ratios": direct_ratios,
+                               "front": serving["front"], "front_ratios": front_ratios,
                                "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
