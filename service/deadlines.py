@@ -28,7 +28,7 @@ import math
 import time
 from typing import Any
 
-from service.errors import InvalidInput
+from service.errors import ErrorCode, InvalidInput
 from service.tunables import TUNABLES
 
 HEADER = "x-request-timeout-seconds"
@@ -47,9 +47,9 @@ def proxy_margin_s(header_s: float) -> float:
 def _timeout(value: float, what: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise InvalidInput(f"{what} must be a finite number of seconds > 0, got {value!r:.40}",
-                           code="invalid_deadline")
+                           code=ErrorCode.INVALID_DEADLINE)
     if value > MAX_TIMEOUT_S:
-        raise InvalidInput(f"{what} is {value:g}s; at most {MAX_TIMEOUT_S:g}s", code="invalid_deadline")
+        raise InvalidInput(f"{what} is {value:g}s; at most {MAX_TIMEOUT_S:g}s", code=ErrorCode.INVALID_DEADLINE)
     return value
 
 
@@ -61,7 +61,7 @@ def header_timeout(value: str | None) -> float | None:
         seconds = float(value.strip())
     except ValueError:
         raise InvalidInput(f"X-Request-Timeout-Seconds must be a number of seconds, got {value!r:.40}",
-                           code="invalid_deadline") from None
+                           code=ErrorCode.INVALID_DEADLINE) from None
     return _timeout(seconds, "X-Request-Timeout-Seconds")
 
 
@@ -73,7 +73,7 @@ def oip_timeout(parameters: dict[str, Any] | None) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidInput(f"parameters.timeout must be a number of microseconds, got {value!r:.40}",
-                           code="invalid_deadline")
+                           code=ErrorCode.INVALID_DEADLINE)
     if not (math.isfinite(value) and value > 0):
         _timeout(float(value), "parameters.timeout (microseconds)")  # raises: not > 0
     return _timeout(float(value) / 1e6, "parameters.timeout / 1e6")

@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 
 from service.config import AppConfig
-from service.errors import BadRequest, GangUnavailable, Overloaded, PayloadTooLarge
+from service.errors import BadRequest, ErrorCode, GangUnavailable, Overloaded, PayloadTooLarge
 from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 from service.tunables import TUNABLES
@@ -77,7 +77,7 @@ async def read_body_capped(request: Request, max_bytes: int, limit_name: str = "
         # proxy hands the request to another one): a retry will do, the input is not at fault.
         raise GangUnavailable(
             f"the request body arrived incomplete ({total} of {declared} bytes); retry",
-            code="incomplete_body", retry_after_s=1.0,
+            code=ErrorCode.INCOMPLETE_BODY, retry_after_s=1.0,
         )
     return b"".join(chunks)
 
