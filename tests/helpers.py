@@ -58,6 +58,20 @@ async def eventually_async(probe: Callable[[], T | None], timeout_s: float, what
     return last
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def rand(*shape: int, seed: int = 0) -> np.ndarray:
     """Standard-normal float32 tensor of `shape`, reproducible from `seed`."""
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
