@@ -18,9 +18,10 @@ only error, and it errs on the late side by that much at most.
 Serve's proxy answers **408 in plain text** when the header's time is up (it starts its
 timer when it receives the request, a little before the ingress sees it). So that the
 client gets our JSON 504 `deadline_exceeded` instead, a deadline from the header is set
-`proxy_margin_s(header)` earlier than the header says: 50 ms plus 2% of the header, at most
-0.5 s (the proxy-to-ingress hop grows under load, and longer deadlines can spare more); the
-other two sources do not arm the proxy's timer and get no margin.
+`proxy_margin_s(header)` earlier than the header says: the tunables `ingress.proxy_margin_s`
+plus `proxy_margin_share` of the header, at most `proxy_margin_max_s` (docs/tunables.md; the
+proxy-to-ingress hop grows under load, and longer deadlines can spare more); the other two
+sources do not arm the proxy's timer and get no margin.
 """
 from __future__ import annotations
 

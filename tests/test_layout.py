@@ -6,9 +6,9 @@ The house rules, each a test:
 - the three subsystems below them do not import each other sideways: the gang (rank
   processes), the ingress (HTTP) and training share code only through modules below all
   three (service.cluster.placement, service.batching, service.config, service.gang_status, ...).
-  The exceptions are the training job spec, a plain pydantic model the ingress validates
-  bodies against, and the jobs' response models (service.training.public, over
-  service.training.status);
+  The exceptions are the training job spec (a plain pydantic model: the ingress describes
+  POST /train's body in OpenAPI with it, the JobManager validates) and the jobs' response models
+  (service.training.public, over service.training.status);
 - service.parallel (the tensor-parallel math) depends on torch only;
 - service.tunables (every timing and sizing knob) imports nothing from service, so any
   module may read it;
@@ -148,7 +148,7 @@ def test_the_rules_see_the_tree() -> None:
 
 def test_request_dependencies_never_run_in_a_thread_pool() -> None:
     """FastAPI runs a plain `def` dependency (or endpoint) in a thread pool: one thread hop
-    per call per request (profiled at ~0.7 ms per small request on 2 cores). Every route's
+    per call per request (the profile: bench/NOTES.md). Every route's
     endpoint and dependency must be a coroutine (or an object with an async __call__)."""
     import importlib
     import inspect

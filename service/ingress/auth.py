@@ -12,8 +12,9 @@ Two tokens:
 
 `AuthMiddleware` enforces both on the raw ASGI scope, so a request without the right token
 is answered 401 before the route, its dependencies or its body parsing run: an attacker's
-body is never read. The route dependencies (`require_token`, `infer_security`) declare the
-schemes with FastAPI's `HTTPBearer` so OpenAPI documents them; `require_token` checks again.
+body is never read. The route dependencies (`require_token`, `inference_auth`,
+`optional_api_auth`) declare the schemes (`api_security`, `infer_security`: FastAPI's
+`HTTPBearer`) so OpenAPI documents them; `require_token` also checks the token again.
 Comparison is constant-time (`hmac.compare_digest`). Failures are 401 `{"error", "code"}`
 with `WWW-Authenticate: Bearer`.
 """

@@ -25,8 +25,8 @@ INLINE_ENCODE_VALUES = TUNABLES.ingress.inline_encode_values
 
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a
-# thread pool, a thread hop per dependency per request (profiled: ~0.7 ms of a small
-# request's time went there; tests/test_layout.py keeps them async).
+# thread pool, a thread hop per dependency per request (the profile: bench/NOTES.md;
+# tests/test_layout.py keeps them async).
 async def get_config(request: Request) -> AppConfig:
     return request.app.state.config
 
@@ -93,8 +93,8 @@ class DecodePool:
 
     What the bound buys: parsing in a thread still holds the interpreter lock for the
     length of one C call (orjson parses a whole body in one call), so the loop can stall
-    for up to one body's parse time (~5 ms per MiB of JSON); numpy conversion runs in
-    chunks (codecs.JSON_CHUNK_VALUES) and zlib inflation releases the lock.
+    for up to one body's parse time (docs/api.md, "Codec timings"); numpy conversion runs
+    in chunks (codecs.JSON_CHUNK_VALUES) and zlib inflation releases the lock.
     """
 
     def __init__(self, threads: int, max_pending: int) -> None:
