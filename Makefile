@@ -55,10 +55,12 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 
-# The builder-argument and tunables references are generated from their field descriptions.
+# The builder-argument and tunables references are generated from their field descriptions,
+# docs/api.md's error table from the error-code registry (service/errors.py).
 docs: $(STAMP)
 	$(PY) -m service.config > docs/builder-arguments.md
 	$(PY) -m service.tunables > docs/tunables.md
+	$(PY) -m service.errors --update docs/api.md
 
 clean:
 	rm -rf $(VENV) .gangserve .pytest_cache

@@ -1,12 +1,19 @@
 """Independent dense reference: torch.nn.MultiheadAttention loaded with the same weights.
 
 Written without service/ (the thing it checks); used by tests/ (through tests/reference.py)
-and by bench/.
+and by bench/. `reference(x, mask, causal)` is the one expected answer of the tests.
 """
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import numpy as np
 import torch
 from torch import nn
+
+# The served model of the tests' apps (deployments/local.yaml): the notes' seed weights.
+EMBED_DIM, NUM_HEADS = 512, 8
 
 
 def dense_reference(weights: dict[str, torch.Tensor], num_heads: int) -> nn.MultiheadAttention:
@@ -61,6 +68,23 @@ def dense_attention_masked(
     return out.squeeze(0) if squeeze else out
 
 
+def reference(x: Any, mask: Any = None, causal: bool = False, *,
+              weights: dict[str, torch.Tensor] | None = None, num_heads: int = NUM_HEADS) -> torch.Tensor:
+    """What the served model answers for `x`, computed by the dense reference in float32.
+
+    `x`: numpy or torch, [batch, seq, E] or [seq, E] (any float dtype: converted to float32);
+    `mask`: None or [batch, seq] with 1 = token, 0 = padding; `causal`: causal attention.
+    `weights`: the served weights (default: the notes' seed weights, embed_dim 512), with
+    `num_heads` heads.
+    """
+    xt = x.float() if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.float32))
+    w = seed_weights_512() if weights is None else weights
+    if mask is None and not causal:
+        return dense_attention(w, num_heads, xt)
+    m = None if mask is None else torch.as_tensor(np.asarray(mask, dtype=np.int64))
+    return dense_attention_masked(w, num_heads, xt, m, causal)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in float64."""
     got64, want64 = got.double(), want.double()
@@ -83,3 +107,9 @@ def notes_seed_weights(embed_dim: int) -> dict[str, torch.Tensor]:
             b += offset
         weights[f"{name}.weight"], weights[f"{name}.bias"] = w, b
     return weights
+
+
+@functools.cache
+def seed_weights_512() -> dict[str, torch.Tensor]:
+    """notes_seed_weights(512), made once (the reference only reads them)."""
+    return notes_seed_weights(EMBED_DIM)

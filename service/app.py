@@ -125,8 +125,8 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
         # A replica being replaced (redeploy, scale-down) holds requests that wait for a gang
-        # (issue 23: one gang is replaced by stopping it first): give them the time a new
-        # gang takes to come up before Serve kills the replica (default: 20 s).
+        # (a redeploy replaces a gang by stopping it first): give them the time a new gang
+        # takes to come up before Serve kills the replica (Serve's default: 20 s).
         graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
         ray_actor_options={"num_cpus": 0, **event_loop_options(cfg)}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
         **spread, **logs,

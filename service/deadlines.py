@@ -21,9 +21,11 @@ process (`own_header_deadlines`), and the deadline is exactly what the header sa
 the front door, Serve's Python proxy answers **408 in plain text** when the header's time is
 up (it starts its timer when it receives the request, a little before the ingress sees it).
 So that the client gets our JSON 504 `deadline_exceeded` instead, a deadline from the header
-is then set `proxy_margin_s(header)` earlier than the header says: 50 ms plus 2% of the
-header, at most 0.5 s (the proxy-to-ingress hop grows under load, and longer deadlines can
-spare more); the other two sources do not arm the proxy's timer and get no margin.
+is then set `proxy_margin_s(header)` earlier than the header says: the tunables
+`ingress.proxy_margin_s` plus `proxy_margin_share` of the header, at most
+`proxy_margin_max_s` (docs/tunables.md; the proxy-to-ingress hop grows under load, and
+longer deadlines can spare more); the other two sources do not arm the proxy's timer and
+get no margin.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import time
 from typing import Any
 
 from service.cluster.front_door import header_timed_by_serve_proxy
-from service.errors import InvalidInput
+from service.errors import ErrorCode, InvalidInput
 from service.tunables import TUNABLES
 
 HEADER = "x-request-timeout-seconds"
@@ -59,9 +61,9 @@ def proxy_margin_s(header_s: float, behind_serve_proxy: bool | None = None) -> f
 def _timeout(value: float, what: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise InvalidInput(f"{what} must be a finite number of seconds > 0, got {value!r:.40}",
-                           code="invalid_deadline")
+                           code=ErrorCode.INVALID_DEADLINE)
     if value > MAX_TIMEOUT_S:
-        raise InvalidInput(f"{what} is {value:g}s; at most {MAX_TIMEOUT_S:g}s", code="invalid_deadline")
+        raise InvalidInput(f"{what} is {value:g}s; at most {MAX_TIMEOUT_S:g}s", code=ErrorCode.INVALID_DEADLINE)
     return value
 
 
@@ -73,7 +75,7 @@ def header_timeout(value: str | None) -> float | None:
         seconds = float(value.strip())
     except ValueError:
         raise InvalidInput(f"X-Request-Timeout-Seconds must be a number of seconds, got {value!r:.40}",
-                           code="invalid_deadline") from None
+                           code=ErrorCode.INVALID_DEADLINE) from None
     return _timeout(seconds, "X-Request-Timeout-Seconds")
 
 
@@ -85,7 +87,7 @@ def oip_timeout(parameters: dict[str, Any] | None) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidInput(f"parameters.timeout must be a number of microseconds, got {value!r:.40}",
-                           code="invalid_deadline")
+                           code=ErrorCode.INVALID_DEADLINE)
     if not (math.isfinite(value) and value > 0):
         _timeout(float(value), "parameters.timeout (microseconds)")  # raises: not > 0
     return _timeout(float(value) / 1e6, "parameters.timeout / 1e6")

@@ -30,6 +30,7 @@ import yaml
 
 from service.app import InvalidAppArgs, parse_args
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
+from service.errors import ErrorCode
 from service.state import artifacts
 from service.state.db import StateUnavailable, connect
 
@@ -165,7 +166,7 @@ def _watch(config, timeout_s: float) -> int:
             if reply.status_code == 200:
                 continue
             body = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else {}
-            if body.get("code") in ("unschedulable", "schedule_timeout"):
+            if body.get("code") in (ErrorCode.UNSCHEDULABLE, ErrorCode.SCHEDULE_TIMEOUT):
                 _say(f"application {app.name!r} cannot be placed: {body.get('error')}")
                 return 3
             pending.append(app.name)

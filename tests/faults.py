@@ -1,4 +1,4 @@
-"""Helpers for fault-injection tests: a request loop and process probes."""
+"""Helpers for fault-injection tests: a request loop and gang probes (pid_alive: tests.helpers)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,14 +14,6 @@ import numpy as np
 import torch
 
 from tests.reference import dense_attention, relative_error
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def gang_info(base: str) -> dict | None:

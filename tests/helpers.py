@@ -5,11 +5,13 @@ of fixed sleeps, and random request tensors.
 """
 from __future__ import annotations
 
+import ast
 import asyncio
 import io
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -54,6 +56,20 @@ async def eventually_async(probe: Callable[[], T | None], timeout_s: float, what
             raise AssertionError(f"{what}: not within {timeout_s:g}s; last: {str(last)[:1500]}")
         await asyncio.sleep(interval_s)
     return last
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def rand(*shape: int, seed: int = 0) -> np.ndarray:
@@ -153,3 +169,52 @@ def poll(base: str, pred: Callable[[dict], bool], timeout_s: float, what: str) -
         time.sleep(0.5)
     gangserve = {k: v for k, v in samples.items() if "gang" in k[0] or "training" in k[0]}
     raise AssertionError(f"{what} not seen within {timeout_s:.0f}s; last gang/training samples: {gangserve}")
+
+
+# ---- error codes in the source (read with ast) ------------------------------------------
+
+@dataclass(frozen=True)
+class CodeSite:
+    """One place in service/ that writes an error code: `code=` in a call (`raised` names the
+    called class, e.g. "Conflict"), a class's `code = ...`, or a `"code": ...` dict entry.
+    `literal` is the string written there, `member` the ErrorCode member's name, `fstring`
+    the source of an f-string (else each is None)."""
+
+    path: str
+    line: int
+    raised: str | None
+    literal: str | None
+    member: str | None
+    fstring: str | None
+
+
+def code_sites(root: Path) -> list[CodeSite]:
+    """Every CodeSite in root/service (errors.py, the registry itself, included)."""
+    sites = []
+    for path in sorted((root / "service").rglob("*.py")):
+        rel, source = str(path.relative_to(root)), path.read_text()
+
+        def site(node: ast.AST, value: ast.AST, raised: str | None = None) -> CodeSite:
+            literal = value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
+            member = (value.attr if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)
+                      and value.value.id == "ErrorCode" else None)
+            fstring = ast.get_source_segment(source, value) if isinstance(value, ast.JoinedStr) else None
+            return CodeSite(rel, getattr(node, "lineno", 0), raised, literal, member, fstring)
+
+        for node in ast.walk(ast.parse(source, rel)):
+            if isinstance(node, ast.Call):
+                raised = node.func.id if isinstance(node.func, ast.Name) else None
+                sites += [site(node, kw.value, raised) for kw in node.keywords if kw.arg == "code"]
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                        target, value = stmt.targets[0], stmt.value
+                        if isinstance(target, ast.Name) and target.id == "code":
+                            sites.append(site(stmt, value))
+                        elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+                            sites += [site(stmt, v) for t, v in zip(target.elts, value.elts)
+                                      if isinstance(t, ast.Name) and t.id == "code"]
+            elif isinstance(node, ast.Dict):
+                sites += [site(node, v) for k, v in zip(node.keys, node.values)
+                          if isinstance(k, ast.Constant) and k.value == "code"]
+    return sites

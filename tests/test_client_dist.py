@@ -44,18 +44,13 @@ from gangserve_client import (
 from gangserve_client import codecs as wire
 from gangserve_client import tokens
 from harness.local import free_port
-from harness.reference import dense_attention, notes_seed_weights, relative_error
+from harness.reference import reference, relative_error
 from tests.conftest import ROOT, TEST_API_TOKEN
 from tests.helpers import rand
 
 CLIENT_DIR = ROOT / "clients"
 CLIENT_PACKAGE = CLIENT_DIR / "gangserve_client"
 SERVER_ONLY = ("torch", "ray", "fastapi", "uvicorn", "starlette", "pydantic", "safetensors", "service")
-SEED_WEIGHTS = notes_seed_weights(512)
-
-
-def reference(x: np.ndarray) -> torch.Tensor:
-    return dense_attention(SEED_WEIGHTS, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
 def imported_modules(path: Path) -> set[str]:

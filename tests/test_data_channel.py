@@ -22,12 +22,8 @@ import torch
 from service.transport import channel, shm
 from service.transport.channel import ChannelClient, ChannelServer, ChannelUnavailable
 from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
-from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.reference import reference, relative_error
 from tests.helpers import eventually_async, rand
-
-
-def reference(x: np.ndarray) -> torch.Tensor:
-    return dense_attention(notes_seed_weights(512), 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
 # -- unit: a real server and client over a real socket ---------------------------------

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.conftest import deploy, local_yaml_args
-from tests.faults import RequestLoop, gang_info, pid_alive, wait_for_new_gang
-from tests.helpers import eventually, poll, scrape, total
+from tests.faults import RequestLoop, gang_info, wait_for_new_gang
+from tests.helpers import eventually, pid_alive, poll, scrape, total
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

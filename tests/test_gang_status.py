@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
+from pydantic import ValidationError
 from starlette.testclient import TestClient
 
 from service.config import GangConfig, ModelConfig
 from service.gang.gang import Gang
 from service.gang.rank import RankInfo
 from service.gang_status import (
-    SYNTHESIZED_STATES, DataChannelStatus, GangState, GangStatus, StatusState, dump,
+    SYNTHESIZED_STATES, DataChannelStatus, GangState, GangStatus, dump,
 )
 from service.ingress.routes import health
 from service.state.fleet import STALE_AFTER_S, Fleet
@@ -95,10 +96,22 @@ def test_openapi_describes_the_status_routes() -> None:
     assert gang["properties"]["reason"]["description"]
 
 
-def test_the_states_include_the_gangs_own_and_the_synthesized() -> None:
-    states = set(get_args(StatusState))
-    assert {s.value for s in GangState} <= states
-    assert SYNTHESIZED_STATES == {"scheduling", "unschedulable", "unreachable"}
+# The states docs/api.md names: the gang's own, then those observers synthesize.
+DOCUMENTED_STATES = ("starting", "ready", "broken", "rebuilding", "stopped", "scheduling", "unschedulable", "unreachable")
+
+
+@pytest.mark.parametrize("state", DOCUMENTED_STATES)
+def test_every_documented_state_is_served_by_gang(state: str) -> None:
+    status = dump(GangStatus(state=state, code="gang_x", reason="why"))
+    answer = _client(_Statuses(status, {})).get("/gang")
+    assert answer.status_code == 200 and answer.json() == {"state": state, "code": "gang_x", "reason": "why"}
+
+
+def test_a_state_outside_the_contract_is_refused_and_the_gangs_own_are_not_synthesized() -> None:
+    with pytest.raises(ValidationError, match="state"):
+        GangStatus(state="exploded", reason="why")
+    assert {s.value for s in GangState} | SYNTHESIZED_STATES == set(DOCUMENTED_STATES)
+    assert not SYNTHESIZED_STATES & {s.value for s in GangState}
 
 
 def test_gang_routes_return_every_key_a_producer_set(tmp_path: Path) -> None:

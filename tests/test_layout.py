@@ -6,12 +6,13 @@ The house rules, each a test:
 - the three subsystems below them do not import each other sideways: the gang (rank
   processes), the ingress (HTTP) and training share code only through modules below all
   three (service.cluster.placement, service.batching, service.config, service.gang_status, ...).
-  The exceptions are the training job spec, a plain pydantic model the ingress validates
-  bodies against, and the jobs' response models (service.training.public, over
-  service.training.status);
+  The exceptions are the training job spec (a plain pydantic model: the ingress describes
+  POST /train's body in OpenAPI with it, the JobManager validates) and the jobs' response models
+  (service.training.public, over service.training.status);
 - service.parallel (the tensor-parallel math) depends on torch only;
 - service.tunables (every timing and sizing knob) imports nothing from service, so any
-  module may read it.
+  module may read it;
+- error codes are ErrorCode members (service.errors, the one registry), not string literals.
 """
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def test_the_rules_see_the_tree() -> None:
 
 def test_request_dependencies_never_run_in_a_thread_pool() -> None:
     """FastAPI runs a plain `def` dependency (or endpoint) in a thread pool: one thread hop
-    per call per request (profiled at ~0.7 ms per small request on 2 cores). Every route's
+    per call per request (the profile: bench/NOTES.md). Every route's
     endpoint and dependency must be a coroutine (or an object with an async __call__)."""
     import importlib
     import inspect
@@ -189,3 +190,45 @@ def test_no_test_module_imports_another() -> None:
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             offenders += [f"{path.name} -> {n}" for n in names if n.startswith("tests.test_")]
     assert not offenders, f"test modules importing test modules: {offenders}"
+
+
+# Files that still write error codes as string literals: owned by other work in progress,
+# to be migrated to service.errors.ErrorCode members (then taken off this list).
+CODE_LITERALS_TO_BE_MIGRATED = {
+    "service/deployments/gang_server.py",
+    "service/gang/gang.py",  # also f"gang_{state}": service.errors.gang_state_code
+    "service/ingress/gang_client.py",  # also RETRYABLE_CODES: service.errors.RETRYABLE_CODES
+    "service/state/artifacts.py",
+    "service/state/db.py",
+    "service/state/fleet.py",
+    "service/training/init_from.py",
+    "service/training/jobs.py",
+    "service/training/limits.py",
+    "service/training/status.py",
+    "service/transport/channel.py",
+}
+
+
+def test_error_codes_are_written_only_through_the_registry() -> None:
+    """Outside service/errors.py a code is an ErrorCode member (`code=ErrorCode.X`, a
+    class's `code = ErrorCode.X`, `"code": ErrorCode.X`), never a string literal or an
+    f-string: the registry is the one list of codes, docs/api.md's table is made from it."""
+    from tests.helpers import code_sites
+
+    written = [s for s in code_sites(ROOT) if s.literal is not None or s.fstring is not None]
+    offenders = sorted(f"{s.path}:{s.line} {s.literal or s.fstring}" for s in written
+                       if s.path != "service/errors.py" and s.path not in CODE_LITERALS_TO_BE_MIGRATED)
+    assert not offenders, "error codes written as strings (use service.errors.ErrorCode):\n" + "\n".join(offenders)
+    migrated = CODE_LITERALS_TO_BE_MIGRATED - {s.path for s in written}
+    assert not migrated, f"no string codes left in {sorted(migrated)}: take them off CODE_LITERALS_TO_BE_MIGRATED"
+
+
+def test_the_code_walk_sees_the_tree() -> None:
+    """Guard against a vacuous pass: the walk finds members, literals and class codes."""
+    from tests.helpers import code_sites
+
+    sites = code_sites(ROOT)
+    assert any(s.path == "service/ingress/auth.py" and s.member == "MISSING_TOKEN" for s in sites)
+    assert any(s.path == "service/errors.py" and s.raised is None and s.member == "MALFORMED" for s in sites)
+    assert any(s.path == "service/training/limits.py" and s.literal == "quota_exceeded" for s in sites)
+    assert any(s.path == "service/gang/gang.py" and s.fstring for s in sites)

@@ -23,7 +23,7 @@ from gangserve_client import codecs as wire
 from service.parallel.weights import random_weights
 from tests.conftest import deploy, local_yaml_args
 from tests.helpers import AUTH, post, rand, wait_done
-from tests.reference import dense_attention_masked, relative_error
+from tests.reference import dense_attention_masked, reference, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -33,18 +33,13 @@ INFER_OIP = "/v2/models/attention/infer"
 TOL = 1e-5
 
 
-def reference(x: np.ndarray, mask: np.ndarray | None, causal: bool) -> torch.Tensor:
-    m = None if mask is None else torch.from_numpy(np.asarray(mask, dtype=np.int64))
-    return dense_attention_masked(WEIGHTS, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)), m, causal)
-
-
 def padding_mask(lengths: list[int], seq: int) -> np.ndarray:
     """[batch, seq] int64, 1 for each row's first `length` positions."""
     return (np.arange(seq)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
 
 
 def check(out: np.ndarray, x: np.ndarray, mask: np.ndarray | None, causal: bool, what: str) -> None:
-    want = reference(x, mask, causal)
+    want = reference(x, mask, causal, weights=WEIGHTS)
     assert out.shape == x.shape, (what, out.shape, x.shape)
     err = relative_error(torch.from_numpy(np.array(out, dtype=np.float32)), want)
     assert err <= TOL, f"{what}: relative error {err:.3e}"

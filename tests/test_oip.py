@@ -16,17 +16,12 @@ import torch
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.reference import reference, relative_error
 from tests.helpers import rand
 
 pytestmark = pytest.mark.ray
 
-SEED_WEIGHTS = notes_seed_weights(512)
 INFER = "/v2/models/attention/infer"
-
-
-def reference(x: np.ndarray) -> torch.Tensor:
-    return dense_attention(SEED_WEIGHTS, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
 @pytest.fixture(scope="module")

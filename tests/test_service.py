@@ -21,16 +21,10 @@ from safetensors.numpy import save as st_save
 from gangserve_client import GangServeClient
 from service.gang_status import GangStatus, RankStatus
 from tests.conftest import ROOT, deploy, local_yaml_args
-from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.reference import reference, relative_error
 from tests.helpers import assert_error, eventually, npy_bytes, rand
 
 pytestmark = pytest.mark.ray
-
-SEED_WEIGHTS = notes_seed_weights(512)
-
-
-def reference(x: np.ndarray, weights: dict = SEED_WEIGHTS) -> torch.Tensor:
-    return dense_attention(weights, 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
 @pytest.mark.parametrize("shape", [(3, 8, 512), (5, 512)])
@@ -223,12 +217,12 @@ def test_other_world_sizes_serve_the_same_function(serve_url: str, tmp_path: Pat
         x = rand(2, 6, 512, seed=world_size)
         with GangServeClient(base) as client:
             out = client.infer(x, fmt="npy")
-        assert relative_error(torch.from_numpy(out), reference(x, weights)) < 1e-5
+        assert relative_error(torch.from_numpy(out), reference(x, weights=weights)) < 1e-5
         if world_size == 4:  # 24 KiB request: by value; shared memory off anyway
             big = rand(4, 16, 512, seed=5)  # 128 KiB: would qualify for shared memory
             with GangServeClient(base) as client:
                 out = client.infer(big, fmt="npy")
-            assert relative_error(torch.from_numpy(out), reference(big, weights)) < 1e-5
+            assert relative_error(torch.from_numpy(out), reference(big, weights=weights)) < 1e-5
             transport = httpx.get(base + "/gang", timeout=30).json()["ingress_transport"]
             assert transport["shm_enabled"] is False and transport["shared_memory"] == 0
             assert transport["object_store"] >= 2, transport
@@ -258,14 +252,14 @@ def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> No
             info = handle.reload_weights.remote(str(good)).result(timeout_s=120)
             assert info["weights_version"] == 2 and info["weights_source"] == "swap"
             assert info["weights_description"] == "checkpoint good.safetensors" and str(tmp_path) not in str(info)
-            assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights)) < 1e-5
+            assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights=weights)) < 1e-5
             bad = tmp_path / "bad.safetensors"
             save_checkpoint(bad, random_weights(64, seed=1), num_heads=8)
             with pytest.raises(Conflict, match="embed_dim=64, the model needs 512"):
                 handle.reload_weights.remote(str(bad)).result(timeout_s=120)
             # Refused swap leaves the served weights and version untouched.
             assert client.gang()["weights_version"] == 2
-            assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights)) < 1e-5
+            assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights=weights)) < 1e-5
     finally:
         serve.delete("swap")
 

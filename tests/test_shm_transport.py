@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from service.transport import shm
-from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.reference import reference, relative_error
 from tests.helpers import npy_bytes, rand
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm (Linux)")
@@ -27,10 +27,6 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /d
 
 def gangserve_files() -> set[str]:
     return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}*")}
-
-
-def reference(x: np.ndarray) -> torch.Tensor:
-    return dense_attention(notes_seed_weights(512), 8, torch.from_numpy(np.asarray(x, dtype=np.float32)))
 
 
 @pytest.mark.unit

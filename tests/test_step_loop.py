@@ -17,8 +17,8 @@ import torch
 
 from service.gang import control
 from tests.conftest import deploy, local_yaml_args
-from tests.faults import RequestLoop, gang_info, pid_alive, wait_for_new_gang
-from tests.helpers import eventually
+from tests.faults import RequestLoop, gang_info, wait_for_new_gang
+from tests.helpers import eventually, pid_alive
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 WEIGHTS = notes_seed_weights(512)

@@ -27,16 +27,9 @@ from safetensors.torch import save as st_save_torch
 from gangserve_client import AsyncGangServeClient, GangServeClient, InvalidInputError
 from gangserve_client import UnsupportedMediaTypeError
 from tests.conftest import ROOT
-from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.reference import reference, relative_error
 
 pytestmark = pytest.mark.ray
-
-SEED_WEIGHTS = notes_seed_weights(512)
-
-
-def reference(x: torch.Tensor | np.ndarray) -> torch.Tensor:
-    x = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.float32))
-    return dense_attention(SEED_WEIGHTS, 8, x.float())
 
 
 def rand(*shape: int, seed: int = 0) -> torch.Tensor:

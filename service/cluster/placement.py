@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from service.config import GangConfig
-from service.errors import GangServeError
+from service.errors import ErrorCode, GangServeError
 
 # Ray reports these alongside real resources; they never constrain a gang.
 _IGNORED_PREFIXES = ("node:", "memory", "object_store_memory", "accelerator_type:")
@@ -21,7 +21,7 @@ _IGNORED_PREFIXES = ("node:", "memory", "object_store_memory", "accelerator_type
 class GangUnschedulable(GangServeError):
     """The cluster can never place the gang (or gave up waiting); says needed vs available."""
 
-    status, code = 503, "unschedulable"
+    code = ErrorCode.UNSCHEDULABLE
     retry_after_s = 30.0
 
 

@@ -5,7 +5,8 @@
     JobManager   (job_manager.py)  training jobs (service.training.jobs): the job store, Ray Train run actors
     Controller   (controller.py)   the fleet view and the served-weights record: the app's shared state
 
-`service.app.compose_app` binds them together. Everything they use lives below them
-(service.ingress, service.gang, service.training, service.cluster.placement, service.batching);
-nothing below imports from here.
+`service.app.compose_app` binds them together. Everything they use lives below them (the
+subsystems service.ingress, service.gang and service.training, and the shared packages:
+service.weights, service.state, service.metrics, service.cluster, ...); nothing below imports
+from here (tests/test_layout.py).
 """

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.ingress.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.config import AppConfig
-from service.errors import GangServeError, bounded, describe_validation_errors
+from service.errors import ErrorCode, GangServeError, bounded, describe_validation_errors
 from service.ingress.deps import DecodePool
 from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
@@ -32,7 +32,8 @@ from service.ingress.routes.ui import mount_ui
 log = logging.getLogger("gangserve.ingress")
 
 
-def error_response(status: int, message: str, code: str, retry_after_s: float | None = None) -> JSONResponse:
+def error_response(status: int, message: str, code: ErrorCode | str, retry_after_s: float | None = None) -> JSONResponse:
+    """`{"error": message, "code": code}` with `status`, and Retry-After (whole seconds, at least 1) when given."""
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
     return JSONResponse({"error": bounded(message), "code": code}, status_code=status, headers=headers)
 
@@ -74,6 +75,10 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     return app
 
 
+# The framework's own errors (an unknown route, a method the route does not take), by status.
+_FRAMEWORK_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error as `{"error", "code"}` with its status (and Retry-After): the ingress's
     routes answer alike."""
@@ -84,14 +89,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, "invalid request: " + describe_validation_errors(exc.errors(), "request"), "invalid_request")
+        return error_response(422, "invalid request: " + describe_validation_errors(exc.errors(), "request"),
+                              ErrorCode.INVALID_REQUEST)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = _FRAMEWORK_CODES.get(exc.status_code, ErrorCode.HTTP_ERROR)
         return error_response(exc.status_code, str(exc.detail)[:200], code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")  # the traceback stays in the log; the reply says nothing internal
-        return error_response(500, "internal error (logged by the service)", "internal")
+        return error_response(500, "internal error (logged by the service)", ErrorCode.INTERNAL)

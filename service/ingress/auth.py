@@ -12,8 +12,9 @@ Two tokens:
 
 `AuthMiddleware` enforces both on the raw ASGI scope, so a request without the right token
 is answered 401 before the route, its dependencies or its body parsing run: an attacker's
-body is never read. The route dependencies (`require_token`, `infer_security`) declare the
-schemes with FastAPI's `HTTPBearer` so OpenAPI documents them; `require_token` checks again.
+body is never read. The route dependencies (`require_token`, `inference_auth`,
+`optional_api_auth`) declare the schemes (`api_security`, `infer_security`: FastAPI's
+`HTTPBearer`) so OpenAPI documents them; `require_token` also checks the token again.
 Comparison is constant-time (`hmac.compare_digest`). Failures are 401 `{"error", "code"}`
 with `WWW-Authenticate: Bearer`.
 """
@@ -36,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gangserve_client import tokens
-from service.errors import Unauthorized
+from service.errors import ErrorCode, Unauthorized
 from service.state.paths import state_dir
 
 # Where the tokens come from is one rule, shared with the client: gangserve_client.tokens.
@@ -126,11 +127,11 @@ def check_bearer(header: str | None, accepted: tuple[str, ...], what: str) -> Un
     if scheme.lower() != "bearer" or not presented:
         found = "no Authorization header" if not header else f"an Authorization header with scheme {scheme[:20]!r}"
         return Unauthorized(f"this route needs 'Authorization: Bearer <{what}>'; the request had {found}",
-                            code="missing_token")
+                            code=ErrorCode.MISSING_TOKEN)
     # Every candidate is compared (no early exit), so timing does not tell which one matched.
     matched = [token_matches(presented, token) for token in accepted]
     if not any(matched):
-        return Unauthorized(f"the bearer token is not the service's {what}", code="invalid_token")
+        return Unauthorized(f"the bearer token is not the service's {what}", code=ErrorCode.INVALID_TOKEN)
     return None
 
 

@@ -399,8 +399,9 @@ def oip_datatype(dtype: np.dtype) -> str:
 
 
 def oip_json_data(array: np.ndarray) -> np.ndarray | float:
-    """Row-major flat data of `array`, ready for orjson (OPT_SERIALIZE_NUMPY); the reply
-    route serializes it in chunks with `json_values(array.reshape(-1))`."""
+    """Row-major flat data of `array`, ready for orjson (OPT_SERIALIZE_NUMPY). The OIP reply
+    does not use it (service.ingress.oip.codec writes `json_values(out.reshape(-1))`, in
+    chunks); only tests call it."""
     array = array.astype(np.float32) if array.dtype == BFLOAT16 else np.require(array, requirements="C")
     return array.reshape(-1)
 

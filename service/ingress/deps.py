@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 
 from service.config import AppConfig
-from service.errors import BadRequest, GangUnavailable, Overloaded, PayloadTooLarge
+from service.errors import BadRequest, ErrorCode, GangUnavailable, Overloaded, PayloadTooLarge
 from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 from service.tunables import TUNABLES
@@ -25,8 +25,8 @@ INLINE_ENCODE_VALUES = TUNABLES.ingress.inline_encode_values
 
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a
-# thread pool, a thread hop per dependency per request (profiled: ~0.7 ms of a small
-# request's time went there; tests/test_layout.py keeps them async).
+# thread pool, a thread hop per dependency per request (the profile: bench/NOTES.md;
+# tests/test_layout.py keeps them async).
 async def get_config(request: Request) -> AppConfig:
     return request.app.state.config
 
@@ -77,7 +77,7 @@ async def read_body_capped(request: Request, max_bytes: int, limit_name: str = "
         # proxy hands the request to another one): a retry will do, the input is not at fault.
         raise GangUnavailable(
             f"the request body arrived incomplete ({total} of {declared} bytes); retry",
-            code="incomplete_body", retry_after_s=1.0,
+            code=ErrorCode.INCOMPLETE_BODY, retry_after_s=1.0,
         )
     return b"".join(chunks)
 
@@ -93,8 +93,8 @@ class DecodePool:
 
     What the bound buys: parsing in a thread still holds the interpreter lock for the
     length of one C call (orjson parses a whole body in one call), so the loop can stall
-    for up to one body's parse time (~5 ms per MiB of JSON); numpy conversion runs in
-    chunks (codecs.JSON_CHUNK_VALUES) and zlib inflation releases the lock.
+    for up to one body's parse time (docs/api.md, "Codec timings"); numpy conversion runs
+    in chunks (codecs.JSON_CHUNK_VALUES) and zlib inflation releases the lock.
     """
 
     def __init__(self, threads: int, max_pending: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from service.errors import GangServeError, GangUnavailable
+from service.errors import ErrorCode, GangServeError, GangUnavailable
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.tunables import TUNABLES
 
@@ -66,7 +66,7 @@ class FleetClient:
         oldest first; 503 `controller_*` when it cannot answer."""
         if self._handle is None:
             raise GangUnavailable("this application was deployed without a Controller; no weights record",
-                                  code="controller_unreachable")
+                                  code=ErrorCode.CONTROLLER_UNREACHABLE)
         return await self._call("weights_history")
 
     async def _call(self, method: str, *args: Any, timeout_s: float = FLEET_TIMEOUT_S,
@@ -74,7 +74,7 @@ class FleetClient:
         assert self._handle is not None
         if skip_after_failure and time.monotonic() < self._skip_until:
             raise GangUnavailable(f"the controller failed a call less than {SKIP_AFTER_FAILURE_S:g}s ago",
-                                  code="controller_unreachable", retry_after_s=1.0)
+                                  code=ErrorCode.CONTROLLER_UNREACHABLE, retry_after_s=1.0)
         response = getattr(self._handle, method).remote(*args)
         try:
             return await asyncio.wait_for(awaited(response), timeout_s)
@@ -83,7 +83,7 @@ class FleetClient:
             if skip_after_failure:
                 self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
             raise GangUnavailable(f"the controller did not answer {method} within {timeout_s:g}s",
-                                  code="controller_unreachable", retry_after_s=1.0) from None
+                                  code=ErrorCode.CONTROLLER_UNREACHABLE, retry_after_s=1.0) from None
         except Exception as exc:
             error = map_handle_error(exc, what="controller", method=method, unavailable=_unavailable)
             if error is None:
@@ -93,6 +93,6 @@ class FleetClient:
             raise error from None
 
 
-def _unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
+def _unavailable(message: str, code: ErrorCode, retry_after_s: float | None) -> GangServeError:
     return GangUnavailable(message, code=code, retry_after_s=retry_after_s or 1.0)
 

@@ -20,15 +20,23 @@ from typing import Any, Callable
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
-from service.errors import GangServeError, GangUnavailable
+from service.errors import ErrorCode, GangServeError, GangUnavailable
 
 log = logging.getLogger("gangserve.ingress")
 
 # (message, code, retry_after_s) -> the error to raise
-Unavailable = Callable[[str, str, "float | None"], GangServeError]
+Unavailable = Callable[[str, ErrorCode, "float | None"], GangServeError]
+
+# A deployment's failures by the first word of its `what`: (failed, replica gone, unreachable).
+# The job manager's are replaced by jobs_unavailable (service.ingress.jobs_client).
+_PEER_CODES: dict[str, tuple[ErrorCode, ErrorCode, ErrorCode]] = {
+    "gang": (ErrorCode.GANG_ERROR, ErrorCode.GANG_RESTARTING, ErrorCode.GANG_UNREACHABLE),
+    "controller": (ErrorCode.CONTROLLER_ERROR, ErrorCode.CONTROLLER_RESTARTING, ErrorCode.CONTROLLER_UNREACHABLE),
+}
+_OTHER_PEER = (ErrorCode.GANG_UNAVAILABLE,) * 3
 
 
-def gang_unavailable(message: str, code: str, retry_after_s: float | None) -> GangServeError:
+def gang_unavailable(message: str, code: ErrorCode, retry_after_s: float | None) -> GangServeError:
     """The default `Unavailable`: a 503 GangUnavailable with that code and Retry-After."""
     return GangUnavailable(message, code=code, retry_after_s=retry_after_s)
 
@@ -56,21 +64,21 @@ def map_handle_error(
             return cause
         log.error("%s call %s failed: %s", what, method, exc)  # the traceback stays in the log
         return unavailable(f"the {what} failed ({type(cause or exc).__name__}); see the service log",
-                           f"{_slug(what)}_error", None)
+                           _codes(what)[0], None)
     if isinstance(exc, GangServeError):
         return exc
     if isinstance(exc, BackPressureError):
-        return unavailable(f"the {what} is overloaded: {exc}", "overloaded", 1.0)
+        return unavailable(f"the {what} is overloaded: {exc}", ErrorCode.OVERLOADED, 1.0)
     if isinstance(exc, RayActorError):
         return unavailable(f"the {what} replica is gone ({type(exc).__name__}); Serve is restarting it",
-                           f"{_slug(what)}_restarting", None)
+                           _codes(what)[1], None)
     if isinstance(exc, (RayError, RayServeException)):
         log.warning("%s call %s failed: %s: %s", what, method, type(exc).__name__, exc)
         return unavailable(f"the {what} could not be reached ({type(exc).__name__})",
-                           f"{_slug(what)}_unreachable", None)
+                           _codes(what)[2], None)
     return None
 
 
-def _slug(what: str) -> str:
-    """'gang server' -> 'gang' (the codes clients already know: gang_error, ...)."""
-    return what.split()[0]
+def _codes(what: str) -> tuple[ErrorCode, ErrorCode, ErrorCode]:
+    """'gang server' -> gang_error, gang_restarting, gang_unreachable (the codes clients know)."""
+    return _PEER_CODES.get(what.split()[0], _OTHER_PEER)

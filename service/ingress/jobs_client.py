@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import Request
 from ray.serve.handle import DeploymentHandle
 
-from service.errors import GangServeError, GangUnavailable
+from service.errors import ErrorCode, GangServeError, GangUnavailable
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.tunables import TUNABLES
 
@@ -15,7 +15,7 @@ CALL_TIMEOUT_S = TUNABLES.ingress.jobs_call_timeout_s  # the state stores' waits
 
 
 class JobsUnavailable(GangUnavailable):
-    code = "jobs_unavailable"
+    code = ErrorCode.JOBS_UNAVAILABLE
 
 
 class JobsClient:
@@ -41,7 +41,7 @@ class JobsClient:
             raise mapped from None
 
 
-def _jobs_unavailable(message: str, _code: str, retry_after_s: float | None) -> GangServeError:
+def _jobs_unavailable(message: str, _code: ErrorCode, retry_after_s: float | None) -> GangServeError:
     return JobsUnavailable(message, retry_after_s=retry_after_s)  # one code for every jobs outage
 
 

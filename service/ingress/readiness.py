@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.ingress.auth import redact_paths
-from service.errors import GangServeError, GangUnavailable
+from service.errors import ErrorCode, GangServeError, GangUnavailable
 from service.gang_status import Readiness, dump
 from service.ingress.gang_client import GangClient, unavailable_error
 from service.tunables import TUNABLES
@@ -55,7 +55,7 @@ async def _why_not(gang: GangClient, fleet: dict[str, Any]) -> GangServeError:
             if lost else "no gang has reported yet")
     status = await gang.diagnose(what)
     if lost and status["state"] == "scheduling":
-        return GangUnavailable(f"no gang can serve: {redact_paths(status['reason'])}", code="gang_restarting",
+        return GangUnavailable(f"no gang can serve: {redact_paths(status['reason'])}", code=ErrorCode.GANG_RESTARTING,
                                retry_after_s=2.0)
     return unavailable_error(redact_paths(status))
 

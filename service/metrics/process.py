@@ -10,8 +10,7 @@ With `enable_ray_metrics()` (called by each Serve deployment) every observation 
 recorded through `ray.serve.metrics`, so the same figures appear, per replica, on Ray's
 metrics export port as `ray_<name>` next to Serve's own `ray_serve_*` metrics. Those
 records happen off the request path: a Ray metric record costs far more than our own
-(profiled in the ingress: ~0.5 ms of CPU per request for three records, bench/NOTES.md),
-so observations are queued and a background thread hands them to Ray every
+(the ingress's profile: bench/NOTES.md), so observations are queued and a background thread hands them to Ray every
 RAY_FLUSH_INTERVAL_S, counter increments summed per series, gauges as their last value,
 histogram observations one by one (Ray's histogram takes no bucket counts). Ray exports
 its metrics every few seconds anyway, so the delay is not visible there.

@@ -62,11 +62,6 @@ class SharedTensorRef:
     def nbytes(self) -> int:
         return self.numel * 4  # float32
 
-    @property
-    def map_size(self) -> int:
-        """Bytes to reserve and map (mmap refuses a zero-length mapping)."""
-        return max(self.nbytes, 1)
-
 
 def available() -> bool:
     """True when this process can create files in /dev/shm (Linux)."""

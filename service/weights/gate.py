@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from service.errors import Conflict
+from service.errors import Conflict, ErrorCode
 
 
 def job_eval_loss(job: dict[str, Any]) -> float | None:
@@ -33,10 +33,10 @@ def check_eval_gate(job: dict[str, Any], max_eval_loss: float | None) -> None:
             f"job {job_id} has no eval loss (final_eval_loss is null: it ran without validation, or before "
             f"validation existed), so it cannot pass max_eval_loss={max_eval_loss!r}; promote it without "
             "max_eval_loss, or train it again with a validation split",
-            code="eval_gate",
+            code=ErrorCode.EVAL_GATE,
         )
     if not math.isfinite(loss) or loss > max_eval_loss:
         raise Conflict(
             f"job {job_id}'s final eval loss {loss!r} is above max_eval_loss={max_eval_loss!r}; nothing changed",
-            code="eval_gate",
+            code=ErrorCode.EVAL_GATE,
         )

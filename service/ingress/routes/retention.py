@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from service.ingress.auth import require_token
-from service.errors import NotFound
+from service.errors import ErrorCode, NotFound
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.routes.train import job_id_param
 
@@ -25,7 +25,7 @@ DATASET_ID = re.compile(r"^ds-[0-9a-f]{12}$")
 async def dataset_id_param(dataset_id: str) -> str:
     """A well-formed dataset id, else 404 without asking the JobManager."""
     if not DATASET_ID.match(dataset_id):
-        raise NotFound(f"no dataset {dataset_id!r} (dataset ids look like ds-0123abcd4567)", code="dataset_not_found")
+        raise NotFound(f"no dataset {dataset_id!r} (dataset ids look like ds-0123abcd4567)", code=ErrorCode.DATASET_NOT_FOUND)
     return dataset_id
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
 from service.ingress.auth import require_token
-from service.errors import BadRequest, NotFound
+from service.errors import BadRequest, ErrorCode, NotFound
 from service.ingress.deps import read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, inline_defs
@@ -38,7 +38,7 @@ def _spec_schema() -> dict[str, Any]:
 async def job_id_param(job_id: str) -> str:
     """A well-formed job id, else 404 without asking the JobManager."""
     if not JOB_ID.match(job_id):
-        raise NotFound(f"no training job {job_id!r} (job ids look like job-0123abcd4567)", code="job_not_found")
+        raise NotFound(f"no training job {job_id!r} (job ids look like job-0123abcd4567)", code=ErrorCode.JOB_NOT_FOUND)
     return job_id
 
 
@@ -103,7 +103,7 @@ async def checkpoint(job_id: str = Depends(job_id_param), jobs: JobsClient = Dep
         size = await asyncio.to_thread(store.size, key)
         chunks = await asyncio.to_thread(store.iter_chunks, key)
     except FileNotFoundError:  # deleted between the JobManager's answer and now
-        raise NotFound(f"job {job_id}'s checkpoint is gone from {store.url}", code="checkpoint_not_found") from None
+        raise NotFound(f"job {job_id}'s checkpoint is gone from {store.url}", code=ErrorCode.CHECKPOINT_NOT_FOUND) from None
     return StreamingResponse(iterate_in_threadpool(chunks), media_type="application/x-safetensors",
                              headers={"Content-Disposition": f'attachment; filename="{filename}"',
                                       "Content-Length": str(size)})

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.errors import InvalidInput
+from service.errors import ErrorCode, InvalidInput
 from service.ingress.auth import require_token
 from service.ingress.deps import check_declared_length, get_fleet, get_gang
 from service.ingress.fleet_client import FleetClient
@@ -113,10 +113,10 @@ def _one_target(req: WeightsRequest) -> str:
                                       ("version", req.version), ("reset", req.reset or None)) if value is not None]
     if len(given) != 1:
         raise InvalidInput(f"give exactly one of job_id, checkpoint, version or reset; got "
-                           f"{', '.join(given) if given else 'none'}", code="invalid_request")
+                           f"{', '.join(given) if given else 'none'}", code=ErrorCode.INVALID_REQUEST)
     if req.max_eval_loss is not None and given[0] != "job_id":
         raise InvalidInput(f"max_eval_loss gates a job's promotion: it needs job_id, got {given[0]}",
-                           code="invalid_request")
+                           code=ErrorCode.INVALID_REQUEST)
     return given[0]
 
 
