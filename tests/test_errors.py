@@ -101,10 +101,6 @@ def test_a_gang_that_is_not_ready_answers_the_code_of_its_state() -> None:
 
 
 def test_only_failures_of_the_gang_are_retried() -> None:
-    from service.ingress import gang_client
-
-    # The ingress's retry rule is the registry's (until gang_client imports it).
-    assert gang_client.RETRYABLE_CODES == RETRYABLE_CODES
     assert "gang_broken" in RETRYABLE_CODES and "collective_timeout" in RETRYABLE_CODES
     for code in RETRYABLE_CODES:
         assert set(code.statuses) <= {503, 504}, code

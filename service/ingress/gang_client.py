@@ -37,7 +37,8 @@ from service.transport import shm
 from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
 from service.config import AppConfig
 from service.deadlines import seconds_left
-from service.errors import CollectiveTimeout, DeadlineExceeded, GangServeError, GangUnavailable
+from service.errors import (RETRYABLE_CODES, CollectiveTimeout, DeadlineExceeded, ErrorCode, GangServeError,
+                            GangUnavailable, gang_state_code)
 from service.batching import StepBatcher
 from service.cluster.placement import (
     GangRequest,
@@ -62,12 +63,6 @@ DESCRIBE_TIMEOUT_S = TUNABLES.ingress.describe_timeout_s
 INGRESS_CALLS_IN_FLIGHT = TUNABLES.transport.ingress_calls_in_flight
 SHM_RETRY_AFTER_S = TUNABLES.transport.shm_retry_after_s  # by value for this long after a failure
 CHANNEL_RETRY_AFTER_S = TUNABLES.transport.channel_retry_after_s  # the handle for this long after a failure
-# Failures of the gang, not of the request: retried while the deadline allows.
-RETRYABLE_CODES = frozenset({
-    "gang_broken", "gang_rebuilding", "gang_starting", "gang_stopped", "gang_restarting", "gang_unreachable",
-    "gang_scheduling", "gang_unavailable", "collective_timeout", "weights_version_mismatch",
-    "weights_commit_failed",
-})
 RETRY_BACKOFF_S = TUNABLES.ingress.retry_backoff_s  # by attempt, the last one repeated
 WAIT_POLL_S = TUNABLES.ingress.wait_poll_s  # how often a request waiting for a gang looks again
 DEFAULT_OUTAGE_S = TUNABLES.ingress.default_outage_s  # expected outage before one was measured
@@ -171,7 +166,7 @@ class GangClient:
             raise GangUnavailable(
                 f"no gang can serve now ({why}); one is expected in ~{expected:.1f}s (the last outage lasted "
                 f"{self._last_outage_s or DEFAULT_OUTAGE_S:.1f}s), after this request's deadline ({left:.2f}s left)",
-                code="deadline_unmeetable", retry_after_s=max(1.0, round(expected)))
+                code=ErrorCode.DEADLINE_UNMEETABLE, retry_after_s=max(1.0, round(expected)))
 
     async def _wait_for_gang(self, status: dict[str, Any], deadline: float) -> None:
         """Wait one poll for a gang to serve again (the caller looks at the status again).
@@ -186,7 +181,7 @@ class GangClient:
         limit = self._cfg.max_queued_requests
         if 0 <= limit <= self._waiting:
             raise GangUnavailable(f"{why}; {self._waiting} requests already wait for it "
-                                  f"(max_queued_requests={limit})", code="overloaded", retry_after_s=1.0)
+                                  f"(max_queued_requests={limit})", code=ErrorCode.OVERLOADED, retry_after_s=1.0)
         self._waiting += 1
         try:
             await _pause(WAIT_POLL_S, deadline, f"waiting for a gang ({why})")
@@ -374,7 +369,7 @@ class GangClient:
         finally:
             shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
         if tuple(shape) != ref.shape:
-            raise GangUnavailable(f"gang replied with shape {tuple(shape)} to a {ref.shape} request", code="gang_error")
+            raise GangUnavailable(f"gang replied with shape {tuple(shape)} to a {ref.shape} request", code=ErrorCode.GANG_ERROR)
         return view  # [batch, seq, E] float32, written by the gang
 
     async def _refresh_status(self) -> dict[str, Any]:
@@ -400,17 +395,17 @@ class GangClient:
         try:
             check_feasible(snapshot, self._request)
         except GangUnschedulable as unschedulable:
-            return dump(GangStatus(state="unschedulable", code="unschedulable", reason=unschedulable.message))
+            return dump(GangStatus(state="unschedulable", code=ErrorCode.UNSCHEDULABLE, reason=unschedulable.message))
         if waited > self._cfg.schedule_timeout_s:
             return dump(GangStatus(
                 state="unschedulable",
-                code="schedule_timeout",
+                code=ErrorCode.SCHEDULE_TIMEOUT,
                 reason=f"gave up after {waited:.0f}s (schedule_timeout_s={self._cfg.schedule_timeout_s:g}): "
                 f"{waiting_reason(snapshot, self._request)}",
             ))
         return dump(GangStatus(
             state="scheduling",
-            code="gang_scheduling",
+            code=ErrorCode.GANG_SCHEDULING,
             reason=f"{what}, {waited:.0f}s without a ready gang; {waiting_reason(snapshot, self._request)}",
         ))
 
@@ -453,7 +448,7 @@ class GangClient:
                     if request_deadline is not None:
                         raise DeadlineExceeded(f"the request's deadline passed while the gang computed {what}")
                     raise CollectiveTimeout(
-                        f"the gang did not answer {what} within {timeout_s:.1f}s", code="gang_timeout"
+                        f"the gang did not answer {what} within {timeout_s:.1f}s", code=ErrorCode.GANG_TIMEOUT
                     )
                 done, _ = await asyncio.wait({task}, timeout=min(remaining, STATUS_MAX_AGE_S if watch else remaining))
                 if done:
@@ -472,7 +467,7 @@ class GangClient:
 
 def unavailable_error(status: dict[str, Any]) -> GangServeError:
     state, reason = status["state"], status.get("reason", "")
-    code = status.get("code") or f"gang_{state}"
+    code = status.get("code") or gang_state_code(state)
     if state == "unschedulable":
         return GangUnschedulable(reason, code=code)
     return GangUnavailable(f"gang is {state}: {reason}", code=code)

@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.gang_status import GangStatus, LostGangStatus, dump
+from service.errors import ErrorCode
 from service.metrics.exposition import merge, to_snapshot
 from service.tunables import TUNABLES
 
@@ -120,7 +121,7 @@ class Fleet:
             gang = self.gangs[rid]
             update: dict[str, Any] = {"replica_id": rid, "reported_s_ago": round(now - gang.reported_at, 1)}
             if gang.info.state == "ready" and not self.serving(gang, now):
-                update.update(state="unreachable", code="gang_unreachable", reason=(
+                update.update(state="unreachable", code=ErrorCode.GANG_UNREACHABLE, reason=(
                     f"the controller cannot reach this gang's replica for {now - gang.unreachable_since:.1f}s"
                     if gang.unreachable_since is not None else
                     f"no report for {now - gang.reported_at:.1f}s (a gang reports every {REPORT_INTERVAL_S:g}s)"))

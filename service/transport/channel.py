@@ -61,7 +61,7 @@ import numpy as np
 import orjson
 
 from service.transport import shm
-from service.errors import GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
+from service.errors import ErrorCode, GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
 from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.channel")
@@ -226,7 +226,7 @@ class ChannelServer:
                 payload = memoryview(payload)[: len(payload) - mask_bytes]
             x = _tensor(payload, shape) if name is None else None
         except ValueError as exc:
-            return _error(GangUnavailable(f"bad data-channel request: {exc}", code="channel_error")), b"", region
+            return _error(GangUnavailable(f"bad data-channel request: {exc}", code=ErrorCode.CHANNEL_ERROR)), b"", region
         if self._in_flight >= self._max_in_flight:
             self.refused += 1
             return _error(Overloaded(f"the gang server has {self._in_flight} requests in flight "
@@ -251,7 +251,7 @@ class ChannelServer:
         except Exception as exc:  # noqa: BLE001 - the reply must say something; the log has the rest
             log.exception("data channel request failed")
             return _error(GangUnavailable(f"the gang server failed ({type(exc).__name__}); see the service log",
-                                          code="gang_error")), b"", region
+                                          code=ErrorCode.GANG_ERROR)), b"", region
         finally:
             self._in_flight -= 1
 
