@@ -440,18 +440,26 @@ class Jobs:
 
     # ---- polling ------------------------------------------------------------------------
 
+    async def poll_round(self) -> None:
+        """One round of the poll loop: the kept writes, the heartbeat and adoption when they
+        are due, then one poll of every run this manager polls. Raises what a round hit
+        (StateUnavailable / StorageUnavailable while the stores are away)."""
+        await self._kept.flush()
+        now = self._clock.monotonic()
+        if now - self._last_heartbeat > self._t.heartbeat_interval_s:
+            await self._io(self._store.heartbeat, self._id)
+            self._last_heartbeat = now
+        if now - self._last_adopt > self._t.adopt_interval_s:
+            await self._adopt()
+        if self._runs:
+            await asyncio.gather(*(self._poll_run(j, r) for j, r in list(self._runs.items())))
+
     async def _poll_forever(self) -> None:
+        """`poll_round` every `poll_interval_s`; counts the rounds that failed for this
+        replica's own reasons (`check_health`), not those of a database or store that is away."""
         while True:
             try:
-                await self._kept.flush()
-                now = self._clock.monotonic()
-                if now - self._last_heartbeat > self._t.heartbeat_interval_s:
-                    await self._io(self._store.heartbeat, self._id)
-                    self._last_heartbeat = now
-                if now - self._last_adopt > self._t.adopt_interval_s:
-                    await self._adopt()
-                if self._runs:
-                    await asyncio.gather(*(self._poll_run(j, r) for j, r in list(self._runs.items())))
+                await self.poll_round()
                 self._poll_failures = 0
                 if self._state_down_since is not None:
                     log.warning("state database back after %.0fs", self._clock.monotonic() - self._state_down_since)
