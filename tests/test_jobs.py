@@ -10,11 +10,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import pytest
+from safetensors.numpy import save as st_save
 
 from service.cluster.placement import ClusterSnapshot
 from service.errors import GangServeError
-from service.state.artifacts import open_store
+from service.state.artifacts import ArtifactStore, open_store
 from service.training.jobs import Jobs
 from service.training.lifecycle import ActorDied, Answered, Observation, TimedOut
 from service.training.limits import TrainingLimits
@@ -85,6 +87,7 @@ class FakeRuns(RunActors):
 class World:
     jobs: Jobs
     store: JobStore
+    artifacts: ArtifactStore
     runs: FakeRuns
     clock: FakeClock
     tmp: Path
@@ -104,12 +107,13 @@ class World:
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[World]:
     store = JobStore(tmp_path / "jobs.sqlite")
+    artifacts = open_store(str(tmp_path / "artifacts"), local_state=tmp_path)
     clock, runs = FakeClock(), FakeRuns()
-    jobs = Jobs(store=store, artifacts=open_store(str(tmp_path / "artifacts"), local_state=tmp_path),
+    jobs = Jobs(store=store, artifacts=artifacts,
                 weights=WeightsRecord(tmp_path, store.database), limits=TrainingLimits(max_runtime_s=3600),
                 runs=runs, clock=clock, cluster=lambda: NODES, app="app",
                 tunables=dataclasses.replace(TUNABLES.training, max_missed_polls=2, max_resumes=1))
-    yield World(jobs, store, runs, clock, tmp_path)
+    yield World(jobs, store, artifacts, runs, clock, tmp_path)
     store.close()
 
 
@@ -233,7 +237,7 @@ def test_cancel_delete_and_what_post_weights_loads(world: World) -> None:
     with pytest.raises(GangServeError) as refused:
         world.run(world.jobs.checkpoint_key(attention))
     assert refused.value.code == "checkpoint_not_found"  # recorded, but not in the store
-    world.jobs._artifacts.write_bytes(key, b"weights")
+    world.artifacts.write_bytes(key, b"weights")
     assert world.run(world.jobs.checkpoint_key(attention)) == key
     assert world.run(world.jobs.resolve_weights(job_id=attention)) == {
         "path": key, "job_id": attention, "embed_dim": 16, "num_heads": 2}
@@ -249,3 +253,28 @@ def test_cancel_delete_and_what_post_weights_loads(world: World) -> None:
     assert deleted == {"id": attention, "deleted": True, "status": "SUCCEEDED", "freed_bytes": len(b"weights")}
     assert world.store.get_job(attention) is None
     assert [j["id"] for j in world.run(world.jobs.list_jobs())["jobs"]] == [linear]
+
+
+def test_a_job_trains_on_an_uploaded_dataset_that_stays_while_the_job_is_active(world: World) -> None:
+    x = np.random.default_rng(0).standard_normal((64, 10)).astype("float32")
+    uploaded = world.run(world.jobs.upload_dataset(st_save({"inputs": x, "targets": x[:, :1]})))
+    key = f"datasets/{uploaded['id']}.safetensors"
+    assert world.artifacts.exists(key)
+    assert world.run(world.jobs.list_datasets()) == {"datasets": [uploaded]}
+    spec = {**LINEAR, "dataset": {"kind": "uploaded", "id": uploaded["id"]}}
+    with pytest.raises(GangServeError) as refused:
+        world.run(world.jobs.submit({**spec, "model": {"kind": "linear", "in_features": 3}}))
+    assert refused.value.code == "dataset_mismatch"
+
+    job_id = world.run(world.jobs.submit(spec))["id"]
+    assert world.runs.launched == [(job_id, key, None, None)]  # the workers read it by its key
+    world.runs.answer[job_id] = ActorDied("ActorDiedError")
+    world.run(world.jobs.poll_round())
+    assert world.runs.launched[-1][:2] == (job_id, key)  # the resumed run reads the same dataset
+    with pytest.raises(GangServeError) as refused:
+        world.run(world.jobs.delete_dataset(uploaded["id"]))
+    assert refused.value.code == "dataset_in_use" and job_id in refused.value.message
+
+    world.run(world.jobs.cancel(job_id))
+    assert world.run(world.jobs.delete_dataset(uploaded["id"]))["deleted"] is True
+    assert not world.artifacts.exists(key) and world.run(world.jobs.list_datasets()) == {"datasets": []}

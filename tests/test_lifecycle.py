@@ -171,3 +171,17 @@ def test_a_resumed_run_starts_from_the_records_progress() -> None:
     record = job("RUNNING", attempts=2, started_at=T0 + 1, resumed_from_epoch=1)
     assert resume_state(record) == {"attempts": 2, "started_at": T0 + 1, "progress": record.progress,
                                     "resumed_from_epoch": 1}
+
+
+def test_the_rules_are_pure() -> None:
+    """The module reads no clock, database, store or cluster: its imports say so (read with ast)."""
+    import ast
+    from pathlib import Path
+
+    import service.training.lifecycle as rules
+
+    tree = ast.parse(Path(rules.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+        n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"__future__", "dataclasses", "typing", "service.training.spec", "service.training.status",
+                        "service.training.store", "service.tunables"}, imported

@@ -45,32 +45,24 @@ from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from pydantic import ValidationError
-from safetensors.numpy import save as st_save
 
 from service.cluster.placement import ClusterSnapshot, cluster_snapshot
 from service.config import ModelConfig, ServingConfig
-from service.errors import BadRequest, Conflict, InvalidInput, NotFound, describe_validation_errors
+from service.errors import Conflict, InvalidInput, NotFound, describe_validation_errors
 from service.metrics.process import process_metrics
 from service.metrics.recorders import EpochClock, training_snapshot
 from service.state.artifacts import ArtifactStore, StorageUnavailable
 from service.state.db import StateUnavailable
 from service.training import init_from, lifecycle, resources
 from service.training.clock import SYSTEM_CLOCK, Clock
-from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
 from service.training.kept_writes import KeptWrites
-from service.training.limits import (
-    ActiveUsage,
-    TrainingLimits,
-    check_dataset_alone,
-    check_dataset_fits,
-    check_job_alone,
-    check_job_fits,
-)
+from service.training.limits import ActiveUsage, TrainingLimits, check_job_alone, check_job_fits
 from service.training.run import final_checkpoint_key, read_result, run_prefix
 from service.training.run_actors import RunActors
 from service.training.spec import AttentionModel, JobSpec, UploadedDataset
 from service.training.status import JobStatus, can_move
-from service.training.store import DatasetInUse, JobRecord, JobStore, iso
+from service.training.uploads import Datasets
+from service.training.store import JobRecord, JobStore, iso
 from service.tunables import TUNABLES, TrainingTunables
 from service.weights import resolve
 from service.weights.record import WeightsRecord
@@ -117,7 +109,7 @@ class Jobs:
         self._cluster = cluster
         self._app = app
         self._app_model = app_model
-        self._max_seq_len = max_seq_len
+        self._datasets = Datasets(store, artifacts, limits, max_seq_len)
         self._t = tunables
         self._rules = lifecycle.Rules.of(tunables)
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
@@ -164,24 +156,7 @@ class Jobs:
         check_job_alone(self._limits, spec.world_size, spec.use_gpu, spec.max_runtime_s)
         if spec.max_runtime_s is None:  # recorded with the job, so a restart keeps enforcing it
             spec = spec.model_copy(update={"max_runtime_s": self._limits.max_runtime_s})
-        dataset_path = None
-        if isinstance(spec.dataset, UploadedDataset):
-            found = await self._io(self._store.get_dataset, spec.dataset.id)
-            if found is None:
-                raise InvalidInput(f"dataset {spec.dataset.id!r} does not exist (see GET /datasets)",
-                                   code="dataset_not_found")
-            public, dataset_path = found
-            dataset_path = self._dataset_ref(dataset_path)
-            info = DatasetInfo(**{k: public[k] for k in ("kind", "samples", "inputs_shape", "targets_shape")})
-            try:
-                check_compatible(spec.model, info)
-            except DatasetError as exc:
-                raise InvalidInput(str(exc), code="dataset_mismatch") from None
-            if public.get("validation_samples") and spec.dataset.validation_fraction:
-                raise InvalidInput(
-                    f"dataset {spec.dataset.id} has its own validation set ({public['validation_samples']} samples "
-                    f"in val_inputs/val_targets); validation_fraction={spec.dataset.validation_fraction} would hold "
-                    "out training samples too: leave it unset or 0", code="invalid_spec")
+        dataset_path = await self._datasets.for_job(spec)
         placement = await asyncio.to_thread(self._placement, spec)
         if placement.infeasible:
             raise InvalidInput(placement.infeasible, code="infeasible")
@@ -344,63 +319,16 @@ class Jobs:
             embed_dim=model.embed_dim if isinstance(model, AttentionModel) else None,
             num_heads=model.num_heads if isinstance(model, AttentionModel) else None)
 
-    # ---- datasets -----------------------------------------------------------------------
+    # ---- datasets (service.training.uploads) --------------------------------------------
 
     async def upload_dataset(self, body: bytes) -> dict[str, Any]:
-        try:
-            info, tensors = await asyncio.to_thread(parse_upload, body)
-        except MalformedDataset as exc:
-            raise BadRequest(str(exc)) from None
-        except DatasetError as exc:
-            raise InvalidInput(str(exc), code="invalid_dataset") from None
-        seq_len = info.inputs_shape[1] if info.kind == "attention" else None
-        estimate = sum(int(t.nbytes) for t in tensors.values())  # the stored file is a header more
-        check_dataset_alone(self._limits, self._max_seq_len, seq_len, estimate)
-        count, total = await self._io(self._store.dataset_usage)
-        check_dataset_fits(self._limits, count, total, estimate)  # before writing anything
-        dataset_id = f"ds-{uuid.uuid4().hex[:12]}"
-        key = f"datasets/{dataset_id}.safetensors"
-        data = await asyncio.to_thread(st_save, tensors)
-        nbytes = len(data)
-        check_dataset_alone(self._limits, self._max_seq_len, seq_len, nbytes)
-
-        def admit(count: int, total: int) -> None:  # again, atomically with the insert
-            check_dataset_fits(self._limits, count, total, nbytes)
-
-        await asyncio.to_thread(self._artifacts.write_bytes, key, data)  # atomic; 503 if the store is down
-        try:
-            return await self._io(self._store.add_dataset, dataset_id, info.to_dict(), key, nbytes, admit)
-        except BaseException:
-            await asyncio.to_thread(self._delete_quietly, key)
-            raise
+        return await self._datasets.upload(body)
 
     async def delete_dataset(self, dataset_id: str) -> dict[str, Any]:
-        """Remove an uploaded dataset (record and file). 409 while an active job trains on it;
-        503 (nothing removed) while the artifact store cannot be reached."""
-        await asyncio.to_thread(self._artifacts.check_reachable)  # before the record goes
-        try:
-            public, path = await self._io(self._store.delete_dataset, dataset_id)
-        except KeyError:
-            raise NotFound(f"no dataset {dataset_id!r} (see GET /datasets)", code="dataset_not_found") from None
-        except DatasetInUse as exc:
-            raise Conflict(
-                f"dataset {dataset_id} is used by active job(s) {', '.join(exc.job_ids)}; cancel or delete them first",
-                code="dataset_in_use",
-            ) from None
-        try:
-            # Only objects inside the store's datasets/ are ever removed.
-            key = self._artifacts.key_of(path)
-            if not key.startswith("datasets/"):
-                raise ValueError(f"{key!r} is not under datasets/")
-        except ValueError:
-            log.warning("dataset %s recorded a path outside the artifact store's datasets/ (%s); left it",
-                        dataset_id, path)
-        else:
-            await asyncio.to_thread(self._delete_quietly, key)
-        return {"id": dataset_id, "deleted": True, "freed_bytes": public["bytes"]}
+        return await self._datasets.delete(dataset_id)
 
     async def list_datasets(self) -> dict[str, Any]:
-        return {"datasets": await self._io(self._store.list_datasets)}
+        return await self._datasets.list()
 
     # ---- metrics ------------------------------------------------------------------------
 
@@ -599,11 +527,10 @@ class Jobs:
         dataset_path = None
         spec = JobSpec.model_validate(record.spec)
         if isinstance(spec.dataset, UploadedDataset):
-            found = await self._io(self._store.get_dataset, spec.dataset.id)
-            if found is None:  # cannot happen while the job is active (delete refuses), but say so
+            dataset_path = await self._datasets.path_of(spec.dataset.id)
+            if dataset_path is None:  # cannot happen while the job is active (delete refuses), but say so
                 await self._fail(record.id, f"{why}; cannot resume: its dataset {spec.dataset.id} is gone")
                 return
-            dataset_path = self._dataset_ref(found[1])
         try:
             await self._launch(record, dataset_path, lifecycle.resume_state(record))
         except Exception as exc:  # noqa: BLE001 - recorded
@@ -647,20 +574,6 @@ class Jobs:
         if record is None:
             raise NotFound(f"no training job {job_id!r}", code="job_not_found")
         return record
-
-    def _dataset_ref(self, recorded: str) -> str:
-        """A dataset record's path as the training workers read it: its key (rows from
-        before keys hold an absolute path inside the state dir), else the path itself."""
-        try:
-            return self._artifacts.key_of(recorded)
-        except ValueError:
-            return recorded
-
-    def _delete_quietly(self, key: str) -> None:
-        try:
-            self._artifacts.delete(key)
-        except (StorageUnavailable, OSError) as exc:
-            log.warning("could not remove %s from %s: %s", key, self._artifacts.url, exc)
 
     async def _manager_log(self, job_id: str, line: str) -> None:
         """One of the manager's own log lines for a job; kept and retried if the database is
