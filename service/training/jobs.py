@@ -38,10 +38,10 @@ Files (datasets, run dirs, final checkpoints) live in the artifact store
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from pydantic import ValidationError
@@ -61,8 +61,8 @@ from service.training.run import final_checkpoint_key, read_result, run_prefix
 from service.training.run_actors import RunActors
 from service.training.spec import AttentionModel, JobSpec, UploadedDataset
 from service.training.status import JobStatus, can_move
-from service.training.uploads import Datasets
 from service.training.store import JobRecord, JobStore, iso
+from service.training.uploads import Datasets
 from service.tunables import TUNABLES, TrainingTunables
 from service.weights import resolve
 from service.weights.record import WeightsRecord
@@ -73,7 +73,7 @@ DEFAULT_MAX_SEQ_LEN: int = ServingConfig.model_fields["max_seq_len"].default
 T = TypeVar("T")
 
 
-@dataclass
+@dataclasses.dataclass
 class _Run:
     """A run this manager polls: its actor and how far the polls got."""
 
@@ -91,7 +91,7 @@ class Jobs:
                  limits: TrainingLimits, runs: RunActors, clock: Clock = SYSTEM_CLOCK,
                  cluster: Callable[[], ClusterSnapshot] = cluster_snapshot, app: str | None = None,
                  app_model: ModelConfig | None = None, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-                 tunables: TrainingTunables = TUNABLES.training) -> None:
+                 tunables: TrainingTunables | None = None) -> None:
         """No I/O here (`open` starts it). `store`: the job records (its database: the state
         database). `artifacts`: datasets, run dirs, checkpoints. `weights`: the app's served
         weights record, read only (init_from a weights version; None: no versions). `limits`:
@@ -99,7 +99,8 @@ class Jobs:
         `cluster`: the alive nodes' resources (a blocking read, called off the loop). `app`:
         the Serve application's name (its weights record). `app_model`: the app's ModelConfig,
         to regenerate a served version its `init` made. `max_seq_len`: the serving limit,
-        applied to uploaded attention datasets too. `tunables`: the poll loop's timing."""
+        applied to uploaded attention datasets too. `tunables`: the poll loop's timing and
+        budgets (default: service.tunables' training section)."""
         self._store = store
         self._artifacts = artifacts
         self._weights = weights
@@ -110,8 +111,8 @@ class Jobs:
         self._app = app
         self._app_model = app_model
         self._datasets = Datasets(store, artifacts, limits, max_seq_len)
-        self._t = tunables
-        self._rules = lifecycle.Rules.of(tunables)
+        self._t = tunables or TUNABLES.training
+        self._rules = lifecycle.Rules.of(self._t)
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
         self._runs: dict[str, _Run] = {}
         self._sweeps: set[asyncio.Task[None]] = set()
@@ -292,7 +293,7 @@ class Jobs:
     async def checkpoint_key(self, job_id: str) -> str:
         """The artifact key of a finished job's final checkpoint (GET /train/{id}/checkpoint
         streams it from the store; POST /weights copies it)."""
-        job = self._serving_view(await self._record(job_id, with_history=False))
+        job = self._serving_view(await self._record(job_id, with_history=False), with_model=False)
         return await asyncio.to_thread(resolve.job_checkpoint_key, self._artifacts, job)
 
     async def resolve_weights(self, job_id: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
@@ -308,16 +309,18 @@ class Jobs:
         return await asyncio.to_thread(resolve.checkpoint_target, self._artifacts, checkpoint)
 
     @staticmethod
-    def _serving_view(record: JobRecord) -> resolve.JobCheckpoint:
-        """What serving needs of a job's record (service.weights.resolve imports no training code)."""
+    def _serving_view(record: JobRecord, with_model: bool = True) -> resolve.JobCheckpoint:
+        """What serving needs of a job's record (service.weights.resolve imports no training
+        code); `with_model`: also the model it trained (read from its spec)."""
+        checkpoint = record.checkpoint["path"] if record.status == JobStatus.SUCCEEDED and record.checkpoint else None
+        job = resolve.JobCheckpoint(job_id=record.id, status=record.status, error=record.error, checkpoint=checkpoint)
+        if not with_model:
+            return job
         model = JobSpec.model_validate(record.spec).model
-        finished = record.status == JobStatus.SUCCEEDED and record.checkpoint
-        return resolve.JobCheckpoint(
-            job_id=record.id, status=record.status, error=record.error,
-            checkpoint=record.checkpoint["path"] if finished and record.checkpoint else None,
-            model_kind=model.kind,
-            embed_dim=model.embed_dim if isinstance(model, AttentionModel) else None,
-            num_heads=model.num_heads if isinstance(model, AttentionModel) else None)
+        if isinstance(model, AttentionModel):
+            return dataclasses.replace(job, model_kind=model.kind, embed_dim=model.embed_dim,
+                                       num_heads=model.num_heads)
+        return dataclasses.replace(job, model_kind=model.kind)
 
     # ---- datasets (service.training.uploads) --------------------------------------------
 

@@ -79,13 +79,13 @@ def generated_tensors(version: ServedWeights, app_model: ModelConfig | None) -> 
 class JobCheckpoint:
     """What serving needs of a training job's record. `checkpoint`: its final checkpoint's
     recorded path, set only once the job SUCCEEDED with one; `model_kind`, `embed_dim`,
-    `num_heads`: the model it trained."""
+    `num_heads`: the model it trained (None where the caller does not need it: a key only)."""
 
     job_id: str
     status: str
     error: str | None
     checkpoint: str | None
-    model_kind: str
+    model_kind: str | None = None
     embed_dim: int | None = None
     num_heads: int | None = None
 
