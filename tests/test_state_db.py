@@ -317,20 +317,25 @@ def test_the_launcher_exits_non_zero_naming_the_redacted_url(tmp_path: Path) -> 
     assert "launch-secret" not in done.stderr + done.stdout
 
 
-def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server: Any) -> None:
+def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server: Any, tmp_path: Path) -> None:
     """A job FAILED by the poller after its run was stopped (nobody polls it again) is not
     dropped while PostgreSQL is gone: it is kept, in order with its log line, and written by
     the next round once the database is back. The manager's own code, on a real server; no
-    Ray cluster (service.training.jobs.Jobs, the class the deployment wraps, without Serve)."""
+    Ray cluster (service.training.jobs.Jobs, the class the deployment wraps, without Serve,
+    built with real dependencies and never opened: no poll loop runs)."""
+    from service.state.artifacts import open_store
     from service.training.jobs import Jobs
-    from service.training.kept_writes import KeptWrites
+    from service.training.limits import TrainingLimits
+    from service.training.run_actors import RunActors
     from service.training.store import JobStore
+    from service.weights.record import WeightsRecord
 
     url = postgres_server.create_database()
     store = JobStore(url)
     store.create_job(_job(1, status="RUNNING", owner="mgr-test"))
-    manager = object.__new__(Jobs)  # only the state these writes use: the store and the kept writes
-    manager._store, manager._kept = store, KeptWrites()
+    manager = Jobs(store=store, artifacts=open_store(str(tmp_path / "artifacts"), local_state=tmp_path),
+                   weights=WeightsRecord(tmp_path, store.database), limits=TrainingLimits(),
+                   runs=RunActors("no-node"))  # no run is launched here
 
     async def scenario() -> None:
         postgres_server.stop()

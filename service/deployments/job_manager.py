@@ -1,18 +1,37 @@
 """JobManager: the Serve deployment (num_cpus=0) that owns training jobs.
 
 A shell: the jobs' commands, datasets and poll loop are service.training.jobs.Jobs; this
-class adds what only a Serve replica has (its app's name, Serve's log routing) and the
-deployment's options. `check_health` (inherited) fails when the poll loop is dead or keeps
-failing, and Serve replaces the replica; the new one adopts the jobs.
+class wires Jobs' real dependencies (the state dir's job store and served weights record,
+the artifact store, the run actors on this replica's node, the builder arguments' quotas)
+and adds what only a Serve replica has (its app's name, Serve's log routing, Ray's metrics
+flusher) and the deployment's options. `check_health` (inherited) fails when the poll loop
+is dead or keeps failing, and Serve replaces the replica; the new one adopts the jobs.
+
+Start-up fails (the replica does not start, naming the redacted URL and why) while the
+artifact store or the state database cannot be used.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
+import ray
 from ray import serve
 
+from service.config import ModelConfig
 from service.logs import route_logs_to_serve
-from service.training.jobs import Jobs
+from service.metrics.process import enable_ray_metrics
+from service.state import artifacts
+from service.state.db import database_url
+from service.state.paths import state_dir
+from service.training.jobs import DEFAULT_MAX_SEQ_LEN, Jobs
+from service.training.limits import TrainingLimits
+from service.training.run_actors import RunActors
+from service.training.store import JobStore
+from service.weights.record import WeightsRecord
+
+log = logging.getLogger("gangserve.training")
 
 
 @serve.deployment(
@@ -22,9 +41,28 @@ from service.training.jobs import Jobs
     health_check_period_s=10,
 )
 class JobManager(Jobs):
-    """The training jobs of one app, as a Serve deployment (arguments: see Jobs.start)."""
+    """The training jobs of one app, as a Serve deployment."""
 
     async def __init__(self, limits: dict[str, Any] | None = None, max_seq_len: int | None = None,
                        model: dict[str, Any] | None = None) -> None:
+        """`limits`: TrainingLimits fields (builder arguments; defaults otherwise).
+        `max_seq_len`: the serving limit, applied to uploaded attention datasets too.
+        `model`: the app's ModelConfig, to regenerate a served version its `init` made."""
         route_logs_to_serve()
-        await self.start(limits, max_seq_len, model, app=serve.get_replica_context().app_name)
+        quotas = TrainingLimits.model_validate(limits or {})
+        state = state_dir()
+        store = await asyncio.to_thread(artifacts.check_reachable)  # StorageConfigError / StorageUnavailable
+        records = JobStore(database_url(state))  # StateUnavailable: unreachable
+        enable_ray_metrics()
+        super().__init__(
+            store=records,
+            artifacts=store,
+            weights=WeightsRecord(state, records.database),  # read only: init_from a weights version
+            limits=quotas,
+            runs=RunActors(ray.get_runtime_context().get_node_id()),
+            app=serve.get_replica_context().app_name,
+            app_model=ModelConfig.model_validate(model) if model else None,
+            max_seq_len=int(max_seq_len or DEFAULT_MAX_SEQ_LEN),
+        )
+        await self.open()
+        log.info("job manager %s on state dir %s", self.manager_id, state)
