@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import ModelConfig
-from service.errors import Conflict, InvalidInput
+from service.errors import Conflict, ErrorCode, InvalidInput
 from service.parallel.weights import save_checkpoint
 from service.weights.record import WeightsRecord
 from service.weights.resolve import find_version, generated_tensors, version_file
@@ -90,7 +90,7 @@ def _check_shape(what: str, found: dict[str, Any], model: ModelSpecT) -> None:
     if comparable != want:
         raise InvalidInput(
             f"init_from {what} holds a model of another shape: {describe_shape(found)}; this job's model is "
-            f"{describe_shape(want)}", code="init_from_mismatch")
+            f"{describe_shape(want)}", code=ErrorCode.INIT_FROM_MISMATCH)
 
 
 def resolve(init: InitFrom, model: ModelSpecT, *, jobs: JobStore, store: artifacts.ArtifactStore,
@@ -101,15 +101,15 @@ def resolve(init: InitFrom, model: ModelSpecT, *, jobs: JobStore, store: artifac
         source = jobs.get_job(init.job_id, with_history=False)
         if source is None:
             raise InvalidInput(f"init_from job {init.job_id!r} does not exist (see GET /train)",
-                               code="init_from_not_found")
+                               code=ErrorCode.INIT_FROM_NOT_FOUND)
         if source.status != JobStatus.SUCCEEDED or not source.checkpoint:
             raise Conflict(f"init_from job {init.job_id} has no final checkpoint: it is {source.status}"
-                           + (" (wait until it SUCCEEDED)" if source.active else ""), code="init_from_not_ready")
+                           + (" (wait until it SUCCEEDED)" if source.active else ""), code=ErrorCode.INIT_FROM_NOT_READY)
         try:
             local, sha = store.fetch(source.checkpoint["path"])
         except FileNotFoundError:
             raise Conflict(f"init_from job {init.job_id}: its final checkpoint {source.checkpoint['path']} is gone "
-                           f"from {store.url}", code="init_from_not_ready") from None
+                           f"from {store.url}", code=ErrorCode.INIT_FROM_NOT_READY) from None
         _check_shape(f"job {init.job_id}", read_shape(local), model)
         return Resolved({"job_id": init.job_id, "sha256": sha}, local)
 

@@ -48,7 +48,7 @@ from pydantic import ValidationError
 
 from service.cluster.placement import ClusterSnapshot, cluster_snapshot
 from service.config import ModelConfig, ServingConfig
-from service.errors import Conflict, InvalidInput, NotFound, describe_validation_errors
+from service.errors import Conflict, ErrorCode, InvalidInput, NotFound, describe_validation_errors
 from service.metrics.process import process_metrics
 from service.metrics.recorders import EpochClock, training_snapshot
 from service.state.artifacts import ArtifactStore, StorageUnavailable
@@ -153,14 +153,14 @@ class Jobs:
         try:
             spec = JobSpec.model_validate(spec_doc)
         except ValidationError as exc:
-            raise InvalidInput(f"invalid job spec: {describe_validation_errors(exc.errors())}", code="invalid_spec") from None
+            raise InvalidInput(f"invalid job spec: {describe_validation_errors(exc.errors())}", code=ErrorCode.INVALID_SPEC) from None
         check_job_alone(self._limits, spec.world_size, spec.use_gpu, spec.max_runtime_s)
         if spec.max_runtime_s is None:  # recorded with the job, so a restart keeps enforcing it
             spec = spec.model_copy(update={"max_runtime_s": self._limits.max_runtime_s})
         dataset_path = await self._datasets.for_job(spec)
         placement = await asyncio.to_thread(self._placement, spec)
         if placement.infeasible:
-            raise InvalidInput(placement.infeasible, code="infeasible")
+            raise InvalidInput(placement.infeasible, code=ErrorCode.INFEASIBLE)
         job_id = f"job-{uuid.uuid4().hex[:12]}"
         init = None
         if spec.init_from is not None:
@@ -197,7 +197,7 @@ class Jobs:
                 await asyncio.to_thread(self._remove_job_files, job_id)
             if isinstance(exc, LookupError):
                 raise InvalidInput(f"dataset {dataset_id!r} was deleted (see GET /datasets)",
-                                   code="dataset_not_found") from None
+                                   code=ErrorCode.DATASET_NOT_FOUND) from None
             raise
         await self._manager_log(record.id, f"submitted by {self._id}: {spec.model_dump_json()}"
                                 + (f"; init_from {json.dumps(init)}" if init else ""))
@@ -221,11 +221,11 @@ class Jobs:
     async def list_jobs(self, limit: int = 20, cursor: str | None = None) -> dict[str, Any]:
         """Newest first: {"jobs": [...], "next": cursor | None}."""
         if not 1 <= limit <= 200:
-            raise InvalidInput(f"limit must be in 1..200, got {limit}", code="invalid_request")
+            raise InvalidInput(f"limit must be in 1..200, got {limit}", code=ErrorCode.INVALID_REQUEST)
         seq = None
         if cursor is not None:
             if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
-                raise InvalidInput(f"cursor {cursor!r} is not one returned by GET /train", code="invalid_request")
+                raise InvalidInput(f"cursor {cursor!r} is not one returned by GET /train", code=ErrorCode.INVALID_REQUEST)
             seq = int(cursor)
         records, nxt = await self._io(self._store.list_jobs, limit, seq)
         return {"jobs": [r.to_public() for r in records], "next": str(nxt) if nxt is not None else None}
@@ -235,14 +235,14 @@ class Jobs:
         within seconds) and mark it CANCELLED. 409 if it already ended."""
         record = await self._record(job_id, with_history=False)
         if not can_move(record.status, JobStatus.CANCELLED):
-            raise Conflict(f"job {job_id} already ended with status {record.status}", code="job_finished")
+            raise Conflict(f"job {job_id} already ended with status {record.status}", code=ErrorCode.JOB_FINISHED)
         changed = await self._io(
             self._store.update_job, job_id, status=JobStatus.CANCELLED, finished_at=self._clock.time(),
             reason="cancelled by request",
         )
         if not changed:  # it ended between the read and the write
             record = await self._record(job_id)
-            raise Conflict(f"job {job_id} already ended with status {record.status}", code="job_finished")
+            raise Conflict(f"job {job_id} already ended with status {record.status}", code=ErrorCode.JOB_FINISHED)
         await self._manager_log(job_id, "cancelled by request; stopping the run")
         await self._kill_run(job_id)
         return await self.get_job(job_id)
@@ -259,7 +259,7 @@ class Jobs:
             )
             await self._kill_run(job_id)
         if not await self._io(self._store.delete_job, job_id):
-            raise NotFound(f"no training job {job_id!r}", code="job_not_found")
+            raise NotFound(f"no training job {job_id!r}", code=ErrorCode.JOB_NOT_FOUND)
         freed = await asyncio.to_thread(self._remove_job_files, job_id)
         if record.active:
             task = asyncio.get_running_loop().create_task(self._late_sweep(job_id))
@@ -286,7 +286,7 @@ class Jobs:
     async def logs(self, job_id: str, tail: int = 200) -> dict[str, Any]:
         await self._record(job_id, with_history=False)
         if not 1 <= tail <= 2000:
-            raise InvalidInput(f"tail must be in 1..2000, got {tail}", code="invalid_request")
+            raise InvalidInput(f"tail must be in 1..2000, got {tail}", code=ErrorCode.INVALID_REQUEST)
         lines = await self._io(self._store.tail_logs, job_id, tail)
         return {"id": job_id, "lines": [f"{iso(ts)} {line}" for ts, line in lines]}
 
@@ -301,7 +301,7 @@ class Jobs:
         key), "job_id", "embed_dim", "num_heads"} (service.weights.resolve). A client-given
         path must be a key inside the artifact store."""
         if (job_id is None) == (checkpoint is None):
-            raise InvalidInput("give exactly one of job_id or checkpoint", code="invalid_request")
+            raise InvalidInput("give exactly one of job_id or checkpoint", code=ErrorCode.INVALID_REQUEST)
         if job_id is not None:
             job = self._serving_view(await self._record(job_id, with_history=False))
             return await asyncio.to_thread(resolve.job_target, self._artifacts, job)
@@ -575,7 +575,7 @@ class Jobs:
     async def _record(self, job_id: str, with_history: bool = True) -> JobRecord:
         record = await self._io(self._store.get_job, job_id, with_history)
         if record is None:
-            raise NotFound(f"no training job {job_id!r}", code="job_not_found")
+            raise NotFound(f"no training job {job_id!r}", code=ErrorCode.JOB_NOT_FOUND)
         return record
 
     async def _manager_log(self, job_id: str, line: str) -> None:

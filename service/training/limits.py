@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.errors import GangServeError, InvalidInput
+from service.errors import ErrorCode, GangServeError, InvalidInput
 
 GIB = 1024**3
 
@@ -24,13 +24,13 @@ GIB = 1024**3
 class QuotaExceeded(GangServeError):
     """What is held now leaves no room for the request; it fits once something is freed."""
 
-    status, code = 429, "quota_exceeded"
+    status, code = 429, ErrorCode.QUOTA_EXCEEDED
 
 
 class OverLimit(InvalidInput):
     """The request on its own exceeds a configured limit."""
 
-    code = "over_limit"
+    code = ErrorCode.OVER_LIMIT
 
 
 class TrainingLimits(BaseModel):

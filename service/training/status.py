@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from service.errors import Conflict
+from service.errors import Conflict, ErrorCode
 
 
 class JobStatus(StrEnum):
@@ -64,7 +64,7 @@ class IllegalTransition(Conflict):
         allowed = ", ".join(sorted(TRANSITIONS[frm])) or "none: it is terminal"
         what = f"job {job_id}" if job_id else "a job"
         super().__init__(f"{what} cannot move from {frm} to {to} (allowed from {frm}: {allowed})",
-                         code="illegal_transition")
+                         code=ErrorCode.ILLEGAL_TRANSITION)
         self.frm, self.to = frm, to
 
 

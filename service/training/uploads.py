@@ -16,7 +16,7 @@ from typing import Any
 
 from safetensors.numpy import save as st_save
 
-from service.errors import BadRequest, Conflict, InvalidInput, NotFound
+from service.errors import BadRequest, Conflict, ErrorCode, InvalidInput, NotFound
 from service.state.artifacts import ArtifactStore, StorageUnavailable
 from service.training.datasets import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
 from service.training.limits import TrainingLimits, check_dataset_alone, check_dataset_fits
@@ -44,7 +44,7 @@ class Datasets:
         except MalformedDataset as exc:
             raise BadRequest(str(exc)) from None
         except DatasetError as exc:
-            raise InvalidInput(str(exc), code="invalid_dataset") from None
+            raise InvalidInput(str(exc), code=ErrorCode.INVALID_DATASET) from None
         seq_len = info.inputs_shape[1] if info.kind == "attention" else None
         estimate = sum(int(t.nbytes) for t in tensors.values())  # the stored file is a header more
         check_dataset_alone(self._limits, self._max_seq_len, seq_len, estimate)
@@ -73,11 +73,11 @@ class Datasets:
         try:
             public, path = await asyncio.to_thread(self._store.delete_dataset, dataset_id)
         except KeyError:
-            raise NotFound(f"no dataset {dataset_id!r} (see GET /datasets)", code="dataset_not_found") from None
+            raise NotFound(f"no dataset {dataset_id!r} (see GET /datasets)", code=ErrorCode.DATASET_NOT_FOUND) from None
         except DatasetInUse as exc:
             raise Conflict(
                 f"dataset {dataset_id} is used by active job(s) {', '.join(exc.job_ids)}; cancel or delete them first",
-                code="dataset_in_use",
+                code=ErrorCode.DATASET_IN_USE,
             ) from None
         try:
             # Only objects inside the store's datasets/ are ever removed.
@@ -103,18 +103,18 @@ class Datasets:
         found = await asyncio.to_thread(self._store.get_dataset, spec.dataset.id)
         if found is None:
             raise InvalidInput(f"dataset {spec.dataset.id!r} does not exist (see GET /datasets)",
-                               code="dataset_not_found")
+                               code=ErrorCode.DATASET_NOT_FOUND)
         public, recorded = found
         info = DatasetInfo(**{k: public[k] for k in ("kind", "samples", "inputs_shape", "targets_shape")})
         try:
             check_compatible(spec.model, info)
         except DatasetError as exc:
-            raise InvalidInput(str(exc), code="dataset_mismatch") from None
+            raise InvalidInput(str(exc), code=ErrorCode.DATASET_MISMATCH) from None
         if public.get("validation_samples") and spec.dataset.validation_fraction:
             raise InvalidInput(
                 f"dataset {spec.dataset.id} has its own validation set ({public['validation_samples']} samples "
                 f"in val_inputs/val_targets); validation_fraction={spec.dataset.validation_fraction} would hold "
-                "out training samples too: leave it unset or 0", code="invalid_spec")
+                "out training samples too: leave it unset or 0", code=ErrorCode.INVALID_SPEC)
         return self._ref(recorded)
 
     async def path_of(self, dataset_id: str) -> str | None:
