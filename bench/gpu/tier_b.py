@@ -39,9 +39,13 @@ import torch
 import torch.multiprocessing as mp
 
 E, H = 512, 8
+# GPU_CHECK_DRY_RUN=1: the same drills on the CPU with gloo (checks this script, not the GPU path).
+DRY_RUN = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
+DEVICE = "cpu" if DRY_RUN else "cuda"
 CASES = {"plain": (False, False), "masked": (True, False), "causal": (False, True), "masked+causal": (True, True)}
 SAME_GPU_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
                  "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+VERBS = {"kill": "killed", "stop": "stopped (never returns)"}
 DEFAULT_MODE = {"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 PLANS = [  # (generation, weights init, compute dtype, group timeout s, error-mode env, drill)
     (1, "seed", "float32", 10.0, {}, "kill"),
@@ -81,7 +85,7 @@ def _peer_main(port: int, backend: str, model: Any, timeout_s: float, env: dict[
     os.environ["NCCL_HOSTID"] = f"gangserve-check-peer-{gen}"
     from service.gang.worker import Rank
 
-    rank = Rank(1, 2, device=torch.device("cuda", 0), node_ip="127.0.0.1", device_how="tier B peer")
+    rank = Rank(1, 2, device=torch.device(DEVICE, 0), node_ip="127.0.0.1", device_how="tier B peer")
     rank.rendezvous("127.0.0.1", port, backend, timeout_s)
     rank.load_weights(model, 1)
     rank.start_loop()
@@ -99,7 +103,7 @@ def _root_main(out: Any, cmd: Any) -> None:
         gen, backend, init, dtype, timeout_s, env, drill = plan
         os.environ.update(env)
         model = PlainModel(embed_dim=E, num_heads=H, init=init, seed=7, compute_dtype=dtype)
-        rank = Rank(0, 2, device=torch.device("cuda", 0), node_ip="127.0.0.1", device_how="tier B rank 0")
+        rank = Rank(0, 2, device=torch.device(DEVICE, 0), node_ip="127.0.0.1", device_how="tier B rank 0")
         out.put(("port", rank.open_store(timeout_s), model))
         started = time.monotonic()
         try:
@@ -128,7 +132,7 @@ def _root_main(out: Any, cmd: Any) -> None:
             for _ in range(10):
                 drive.step(big)
                 clocks.append((rank.last_forward_ns - rank.last_bcast_ns) / 1e6)
-            out.put(("p50", "step clock broadcast->forward (events) 128x8x512", sorted(clocks)[5]))
+            out.put(("p50", "128x8x512, its step clock's broadcast -> forward (CUDA events)", sorted(clocks)[5]))
             out.put(("p50", "1x1x512", wall_ms(lambda: drive.step(small), n=30)))
         out.put(("drill", drill))
         assert cmd.get(timeout=60) == "go"
@@ -157,7 +161,7 @@ def _reference(model: Any, x: np.ndarray, mask: np.ndarray | None, causal: bool)
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not DRY_RUN:
         row("tier B", f"no CUDA: tier skipped (torch {torch.__version__}, cuda {torch.version.cuda})")
         return 0
     from harness.reference import relative_error
@@ -167,7 +171,9 @@ def main() -> int:
     out, cmd = ctx.Queue(), ctx.Queue()
     root = ctx.Process(target=_root_main, args=(out, cmd), daemon=True)
     root.start()
-    backend = "nccl"
+    backend = "gloo" if DRY_RUN else "nccl"
+    if DRY_RUN:
+        row("tier B", "DRY RUN on the CPU with gloo: checks the script only")
     x, mask = _inputs()
     peer = None
     try:
@@ -206,7 +212,7 @@ def main() -> int:
                 guard = 3 * timeout_s + 20
                 try:
                     _, elapsed, why = out.get(timeout=guard)
-                    row(f"{tag}: rank 1 {drill}ed mid-step -> rank 0", f"{why} after {elapsed:.2f}s")
+                    row(f"{tag}: rank 1 {VERBS[drill]} mid-step -> rank 0", f"{why} after {elapsed:.2f}s")
                     _, closed_s, how = out.get(timeout=guard)
                     row(f"{tag}: teardown ({'abort' if backend == 'nccl' else 'destroy'}) s", f"{closed_s:.3f} ({how})")
                 except queue.Empty:
@@ -214,7 +220,7 @@ def main() -> int:
                     state = (f"rank 0's process exited with {root.exitcode} "
                              f"({signal.Signals(-root.exitcode).name if root.exitcode and root.exitcode < 0 else ''})"
                              if not root.is_alive() else f"rank 0 still blocked after {guard:.0f}s")
-                    row(f"{tag}: rank 1 {drill}ed mid-step -> rank 0", state)
+                    row(f"{tag}: rank 1 {VERBS[drill]} mid-step -> rank 0", state)
                 _stop(peer)
                 if not root.is_alive():
                     break
