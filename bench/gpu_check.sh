@@ -55,7 +55,10 @@ tier B 150 bench/gpu/tier_b.py
 
 # Tier C's packages: the carried parts of bench/gpu/wheelhouse.sh's tree, when they are here.
 parts=(bench/gpu/wheels/site.tar.xz.part-*)
-if [ -e "${parts[0]}" ]; then
+pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ -e "${parts[0]}" ] && [ "$pyver" != "3.12" ]; then
+  echo "# wheelhouse parts are for Python 3.12 (bench/gpu/wheelhouse.sh); $PY is $pyver: not used"
+elif [ -e "${parts[0]}" ]; then
   SITE=${TMPDIR:-/tmp}/gangserve-site
   rm -rf "$SITE" && mkdir -p "$SITE"
   started=$SECONDS
