@@ -8,7 +8,8 @@ Ray already knows the address other nodes reach this node at (`--node-ip-address
 address the raylet registered), so we bind to the interface holding that address.
 
 A value the user set in the environment always wins; we only fill in what is unset (and
-what we set ourselves earlier in the same process, e.g. before a rebuild).
+what we set ourselves earlier in the same process, e.g. before a rebuild). A user who set
+only one of the two gets it mirrored into the other (see `mirrored_value`).
 """
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def bind_collectives_to(node_ip: str) -> InterfaceChoice:
     user = {v: os.environ[v] for v in SOCKET_IFNAME_VARS if os.environ.get(v) and _set_by_us.get(v) != os.environ[v]}
     if "GLOO_SOCKET_IFNAME" in user or "NCCL_SOCKET_IFNAME" in user:
         iface = user.get("GLOO_SOCKET_IFNAME") or user.get("NCCL_SOCKET_IFNAME")
-        log.info("collectives bind to %s (set by the user: %s)", iface, ", ".join(f"{k}={v}" for k, v in user.items()))
+        mirrored = _mirror_half_set(user)
+        log.info("collectives bind to %s (set by the user: %s%s)", iface, ", ".join(f"{k}={v}" for k, v in user.items()),
+                 f"; mirrored {mirrored}" if mirrored else "")
         return InterfaceChoice(iface, "user")
     try:
         iface = interface_for(node_ip)
@@ -77,6 +80,41 @@ def bind_collectives_to(node_ip: str) -> InterfaceChoice:
         _set_by_us[var] = iface
     log.info("collectives bind to %s (the interface of node IP %s)", iface, node_ip)
     return InterfaceChoice(iface, "node_ip")
+
+
+def mirrored_value(var: str, value: str) -> str | None:
+    """The value for `var` that names the interfaces the user gave the other variable, or
+    None when it cannot be said in `var`'s syntax.
+
+    gloo takes exact names, comma-separated (`eth0,eth1`); NCCL takes prefixes, with `=`
+    for exact names and `^` to exclude. So gloo's `eth0` is NCCL's `=eth0` (not every
+    interface starting with eth0), NCCL's `=eth0` or `eth0` is gloo's `eth0`, and an
+    exclusion list (`^docker`) has no gloo equivalent."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        return None
+    if var == "NCCL_SOCKET_IFNAME":  # from gloo's exact names
+        return "=" + ",".join(names)
+    if value.startswith("^"):  # NCCL's exclusion: gloo cannot say it
+        return None
+    return ",".join(n.lstrip("=") for n in names)
+
+
+def _mirror_half_set(user: dict[str, str]) -> str:
+    """When the user set only one of the two variables, give the other the same
+    interfaces: gloo and NCCL each fall back to their own guess otherwise (lo, docker0),
+    and the data group and the control group would leave on different networks."""
+    if len(user) != 1:
+        return ""
+    (given, value), = user.items()
+    other = next(v for v in SOCKET_IFNAME_VARS if v != given)
+    mirror = mirrored_value(other, value)
+    if mirror is None:
+        log.warning("%s=%s has no %s equivalent; %s is left to its own choice", given, value, other, other)
+        return ""
+    os.environ[other] = mirror
+    _set_by_us[other] = mirror
+    return f"{other}={mirror}"
 
 
 def bind_ray_worker() -> InterfaceChoice:

@@ -19,6 +19,21 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _check_representable(name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse weights the compute dtype cannot hold: a copy would store inf (float16's
+    largest finite value is 65504; the seed init reaches E*E), and every answer would be
+    NaN with a 200."""
+    if not dtype.is_floating_point or src.numel() == 0:
+        return
+    peak = float(src.detach().abs().max())
+    limit = float(torch.finfo(dtype).max)
+    if not peak <= limit:  # also NaN
+        raise ValueError(
+            f"{name}: weight magnitudes reach {peak:.6g}, beyond {dtype}'s largest finite value "
+            f"{limit:.6g}; these weights cannot be computed in {dtype} (use bfloat16 or float32)"
+        )
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by output rows: A = [A_1; ...; A_p], b = [b_1; ...; b_p].
 
@@ -111,6 +126,40 @@ def attention_bias_mask(key_mask: torch.Tensor, causal: bool) -> torch.Tensor:
     return allowed | padded_query  # [batch, 1, seq, seq]
 
 
+# SDPA's memory-efficient CUDA kernel wants every stride but the last of an additive mask
+# to be a multiple of this many elements, else it pads the mask with a full copy per call.
+_MASK_ALIGN = 16
+
+
+def sdpa_mask(key_mask: torch.Tensor, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The mask the serving path hands SDPA for `key_mask` [batch, seq] (True = token).
+
+    Same contract as `attention_bias_mask` for every real (token) query, built without a
+    [batch, 1, seq, seq] bool tensor, which SDPA would convert to an additive one in the
+    compute dtype (and pad) on every step:
+
+    - not causal: the bool key mask as [batch, 1, 1, seq], broadcast over queries and
+      heads (seq bytes per row, not seq**2). A padded query row then attends the row's
+      tokens like any query; a row with no token at all gets NaN at its (padded) queries,
+      which the layer overwrites with 0 (the rows stay independent: the out projection
+      and the all_reduce are per position).
+    - causal: one additive [batch, 1, seq, seq] tensor in the compute dtype (0 = attend,
+      -inf = not), filled in place (no bool [b, 1, s, s] temporary) with the padded-query
+      rule of `attention_bias_mask`; on CUDA its rows are allocated 16-aligned so the
+      kernel uses it as it is.
+    """
+    batch, seq = key_mask.shape
+    if not causal:
+        return key_mask[:, None, None, :]  # [batch, 1, 1, seq] bool, a view
+    pad = -seq % _MASK_ALIGN if key_mask.device.type == "cuda" else 0
+    bias = torch.zeros(batch, 1, seq, seq + pad, dtype=dtype, device=key_mask.device)[..., :seq]
+    bias.masked_fill_(~key_mask[:, None, None, :], float("-inf"))  # keys that are padding
+    future = torch.ones(seq, seq, dtype=torch.bool, device=key_mask.device).triu_(1)  # [s, s]: j > i
+    bias.masked_fill_(future, float("-inf"))
+    bias.masked_fill_(~key_mask[:, None, :, None], 0.0)  # a padded query may attend every key
+    return bias  # [batch, 1, seq, seq]
+
+
 class TensorParallelAttention(nn.Module):
     """Self-attention with heads split across ranks (scale D ** -0.5), optionally masked.
 
@@ -121,8 +170,8 @@ class TensorParallelAttention(nn.Module):
         out = sum_r softmax(Q_r K_r^T / sqrt(D) + M) V_r  W_out[:, r-th slice]^T  + b_out
 
     which equals dense `nn.MultiheadAttention(E, H, bias=True, batch_first=True)`. The
-    additive mask M [batch, 1, seq, seq] is 0 where query i may attend key j and -inf
-    elsewhere: key j must be a token (`key_mask[b, j]`), and with `causal` also j <= i.
+    mask M is 0 where query i may attend key j and -inf elsewhere (built by `sdpa_mask`
+    without a per-step [batch, 1, seq, seq] bool tensor): key j must be a token (`key_mask[b, j]`), and with `causal` also j <= i.
     The mask is per row and per position, never per head, so every rank applies the same
     M to its own heads and the sum over ranks is unchanged. Output rows at padded query
     positions are set to 0 (the contract: a padded position has no output).
@@ -161,6 +210,20 @@ class TensorParallelAttention(nn.Module):
         key_mask: [batch, seq] bool, True = a token, False = padding (None: all tokens).
         causal: query i attends keys j <= i only.
         """
+        ctx = self._context(x, key_mask, causal)  # [batch, seq, heads_local * head_dim]
+        out = self.out_proj(ctx)  # [batch, seq, embed_dim], all-reduced
+        if key_mask is not None:
+            out.masked_fill_(~key_mask[..., None], 0.0)  # padded query positions have no output
+        return out
+
+    def warm_local(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """This rank's share of the output before the all_reduce, with no collective at all:
+        runs (and so loads) the kernels a step of this shape, mask and dtype uses, on one
+        rank alone (a warmup that cannot desynchronise the group)."""
+        return F.linear(self._context(x, key_mask, causal), self.out_proj.weight)  # [batch, seq, E], partial
+
+    def _context(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """q/k/v of this rank's heads and their attention: [batch, seq, heads_local * head_dim]."""
         batch, seq, _ = x.shape
         q = self._split_heads(self.q_proj(x))  # [batch, heads_local, seq, head_dim]
         k = self._split_heads(self.k_proj(x))  # [batch, heads_local, seq, head_dim]
@@ -170,13 +233,9 @@ class TensorParallelAttention(nn.Module):
             ctx = F.scaled_dot_product_attention(q, k, v, scale=self.scale, is_causal=causal)  # [b, h_l, s, d]
         else:
             ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_bias_mask(key_mask, causal), scale=self.scale
+                q, k, v, attn_mask=sdpa_mask(key_mask, causal, q.dtype), scale=self.scale
             )  # [b, h_l, s, d]
-        ctx = ctx.transpose(1, 2).reshape(batch, seq, self.heads_per_rank * self.head_dim)
-        out = self.out_proj(ctx)  # [batch, seq, embed_dim], all-reduced
-        if key_mask is not None:
-            out.masked_fill_(~key_mask[..., None], 0.0)  # padded query positions have no output
-        return out
+        return ctx.transpose(1, 2).reshape(batch, seq, self.heads_per_rank * self.head_dim)
 
     def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
         """Copy this rank's slice (see service.parallel.weights.shard_dense) into the layers."""
@@ -188,6 +247,7 @@ class TensorParallelAttention(nn.Module):
                 raise ValueError(
                     f"{name}: shard has shape {tuple(src.shape)}, this rank needs {tuple(param.shape)}"
                 )
+            _check_representable(name, src, param.dtype)
             with torch.no_grad():
                 param.copy_(src.to(dtype=param.dtype, device=param.device))
 

@@ -131,7 +131,9 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
     if restored is not None:
         with restored.as_directory() as d:
             load_model(model, spec.model, Path(d) / MODEL_FILE)
-            state = torch.load(Path(d) / TRAIN_STATE_FILE, weights_only=True)
+            # map_location: the optimizer state was saved from whichever cuda:N that worker had;
+            # load it on the CPU (load_state_dict moves it to the parameters' device).
+            state = torch.load(Path(d) / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
         start_epoch, step, optim_state = int(state["epoch"]), int(state["step"]), state["optimizer"]
     elif config.get("init_key"):
         # Fine-tuning: the job's own copy of its init_from weights (shapes checked at submit).

@@ -1,0 +1,187 @@
+"""GPU check, tier A: torch only, one process, one GPU (no process group, no Ray).
+
+Rows: the device; TP attention on CUDA vs the dense reference (fp32 seed weights vs
+float32 nn.MultiheadAttention; bf16/fp16 random weights vs a float64 one; plain, masked,
+causal, both); the SDPA backends each case can use; CUDA-event timings of the copies in and
+out (pageable vs pinned), the step and a batch sweep; the real rank's root_step at world
+size 1 (pinned staging, CUDA-event step clock); the caching allocator's reserve over 200
+mixed shapes with and without expandable segments (each in its own process, since the
+allocator reads its setting once).
+
+    python bench/gpu/tier_a.py            # prints rows; exit 0 (a failed part is a row)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from common import ROOT, cuda_event_ms, row, section, wall_ms  # noqa: E402  (sets sys.path)
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+E, H = 512, 8
+CASES = {"plain": (False, False), "masked": (True, False), "causal": (False, True), "masked+causal": (True, True)}
+
+
+def _mask(batch: int, seq: int) -> torch.Tensor:
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    for b in range(batch):
+        mask[b, : b % 3] = False  # left padding of 0, 1, 2 tokens
+        mask[b, seq - (b % 2) * 3:] = False  # and right padding in odd rows
+    return mask
+
+
+def parity() -> None:
+    from harness.reference import dense_attention_masked, relative_error
+    from service.parallel import ParallelGroup, TensorParallelAttention
+    from service.parallel.weights import random_weights, seed_weights, shard_dense
+
+    dev = torch.device("cuda")
+    group = ParallelGroup.single(dev)
+    x = torch.randn(4, 24, E, generator=torch.Generator().manual_seed(1))
+    mask = _mask(4, 24)
+    for dtype, init in ((torch.float32, "seed"), (torch.bfloat16, "random"), (torch.float16, "random")):
+        weights = seed_weights(E) if init == "seed" else random_weights(E, 7)
+        model = TensorParallelAttention(E, H, group, dtype=dtype)
+        model.load_shard(shard_dense(weights, 0, 1))
+        for name, (masked, causal) in CASES.items():
+            with section(f"parity {dtype} {init} {name}"):
+                km = mask.to(dev) if masked else None
+                with torch.inference_mode():
+                    got = model(x.to(dev, dtype), km, causal) if (masked or causal) else model(x.to(dev, dtype))
+                ref_dtype = torch.float32 if init == "seed" else torch.float64  # seed: as the CPU tests
+                want = dense_attention_masked({k: v.to(ref_dtype) for k, v in weights.items()}, H, x.to(ref_dtype),
+                                              mask.int() if masked else None, causal)
+                err = relative_error(got.float().cpu(), want)
+                finite = bool(torch.isfinite(got).all())
+                row(f"rel err vs dense, {str(dtype)[6:]} {init}, {name}", f"{err:.2e}{'' if finite else ' NON-FINITE'}")
+
+
+def sdpa_backends() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from service.parallel.layers import sdpa_mask
+
+    dev = torch.device("cuda")
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q = torch.randn(8, H, 128, E // H, device=dev, dtype=dtype)
+        mask = _mask(8, 128).to(dev)
+        for name, (masked, causal) in CASES.items():
+            ok = []
+            for b in backends:
+                try:
+                    with sdpa_kernel([b]):
+                        if masked:
+                            F.scaled_dot_product_attention(q, q, q, attn_mask=sdpa_mask(mask, causal, dtype))
+                        else:
+                            F.scaled_dot_product_attention(q, q, q, is_causal=causal)
+                    ok.append(b.name)
+                except RuntimeError:
+                    pass
+            # The dispatcher takes the first that works in its priority order (flash, efficient, cudnn, math).
+            row(f"SDPA backends usable, {str(dtype)[6:]} {name}", ", ".join(ok) or "none")
+
+
+def copies_and_step() -> None:
+    from service.parallel import ParallelGroup, TensorParallelAttention
+    from service.parallel.weights import seed_weights, shard_dense
+
+    dev = torch.device("cuda")
+    x = torch.randn(128, 8, E)  # the notes' shape, 2 MiB
+    pageable, pinned = x.clone(), x.clone().pin_memory()
+    xd = x.to(dev)
+    out_pageable, out_pinned = torch.empty_like(x), torch.empty_like(x).pin_memory()
+    row("H2D 2 MiB pageable, ms", f"{cuda_event_ms(lambda: pageable.to(dev)):.3f}")
+    row("H2D 2 MiB pinned (non_blocking), ms", f"{cuda_event_ms(lambda: pinned.to(dev, non_blocking=True)):.3f}")
+    row("D2H 2 MiB pageable, ms", f"{cuda_event_ms(lambda: out_pageable.copy_(xd)):.3f}")
+    row("D2H 2 MiB pinned (non_blocking), ms", f"{cuda_event_ms(lambda: out_pinned.copy_(xd, non_blocking=True)):.3f}")
+    model = TensorParallelAttention(E, H, ParallelGroup.single(dev))
+    model.load_shard(shard_dense(seed_weights(E), 0, 1))
+    mask = _mask(128, 8).to(dev)
+    with torch.inference_mode():
+        row("step (TP forward, ws1) 128x8x512 fp32, ms", f"{cuda_event_ms(lambda: model(xd)):.3f}")
+        row("step masked+causal 128x8x512 fp32, ms", f"{cuda_event_ms(lambda: model(xd, mask, True)):.3f}")
+        for batch in (1, 8, 32, 128, 512):
+            xb = torch.randn(batch, 8, E, device=dev)
+            row(f"step batch sweep [{batch}, 8, 512] fp32, ms", f"{cuda_event_ms(lambda: model(xb)):.3f}")
+        bf = TensorParallelAttention(E, H, ParallelGroup.single(dev), dtype=torch.bfloat16)
+        from service.parallel.weights import random_weights
+
+        bf.load_shard(shard_dense(random_weights(E, 7), 0, 1))
+        xbf = xd.to(torch.bfloat16)
+        row("step 128x8x512 bf16, ms", f"{cuda_event_ms(lambda: bf(xbf)):.3f}")
+
+
+def rank_root_step() -> None:
+    """The real rank (service.gang.worker.Rank) at world size 1 on CUDA."""
+    from service.gang.worker import PlainModel, Rank
+
+    rank = Rank(0, 1, device=torch.device("cuda", 0), node_ip="127.0.0.1", device_how="tier A")
+    rank.rendezvous("127.0.0.1", 0, "nccl", 30.0)  # world size 1: no group, no NCCL
+    rank.load_weights(PlainModel(embed_dim=E, num_heads=H), 1)
+    x = np.random.default_rng(0).standard_normal((128, 8, E)).astype(np.float32)
+    mask = _mask(128, 8).numpy()
+    row("rank allocator conf", rank.allocator_conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    row("rank root_step 128x8x512 (pinned in/out, sync), wall p50 ms", f"{wall_ms(lambda: rank.root_step(x, 1)):.3f}")
+    row("rank root_step masked 128x8x512, wall p50 ms", f"{wall_ms(lambda: rank.root_step(x, 1, mask)):.3f}")
+    rank.root_step(x, 1)
+    row("rank step clock broadcast->forward (CUDA events), ms", f"{(rank.last_forward_ns - rank.last_bcast_ns) / 1e6:.3f}")
+    small = x[:1, :1]
+    row("rank root_step 1x1x512, wall p50 ms", f"{wall_ms(lambda: rank.root_step(small, 1)):.3f}")
+    row("rank memory_stats", rank.memory_stats())
+
+
+MIXED = r"""
+import random, torch, sys
+sys.path[:0] = [sys.argv[1]]
+from service.parallel import ParallelGroup, TensorParallelAttention
+from service.parallel.weights import random_weights, shard_dense
+dev = torch.device("cuda")
+m = TensorParallelAttention(512, 8, ParallelGroup.single(dev))
+m.load_shard(shard_dense(random_weights(512, 1), 0, 1))
+rng = random.Random(0)
+with torch.inference_mode():
+    for i in range(200):
+        b, s = rng.randint(1, 64), rng.randint(1, 512)
+        x = torch.randn(b, s, 512, device=dev)
+        km = torch.rand(b, s, device=dev) > 0.1 if i % 2 else None
+        m(x, km, bool(i % 3 == 0)) if km is not None else m(x)
+torch.cuda.synchronize()
+print(torch.cuda.max_memory_reserved() >> 20, torch.cuda.memory_reserved() >> 20, torch.cuda.max_memory_allocated() >> 20)
+"""
+
+
+def mixed_shapes() -> None:
+    for conf in ("", "expandable_segments:True"):
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
+        done = subprocess.run([sys.executable, "-c", MIXED, str(ROOT)], env=env, capture_output=True, text=True,
+                              timeout=90)
+        if done.returncode != 0:
+            raise RuntimeError(f"mixed-shape run ({conf or 'default'}) exited {done.returncode}: "
+                               f"{done.stderr.strip().splitlines()[-1:] }")
+        peak, now, alloc = done.stdout.split()
+        row(f"200 mixed shapes ({conf or 'default allocator'}): max_memory_reserved / reserved / max_allocated MiB",
+            f"{peak} / {now} / {alloc}")
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        row("tier A", f"no CUDA: tier skipped (torch {torch.__version__}, cuda {torch.version.cuda})")
+        return 0
+    props = torch.cuda.get_device_properties(0)
+    row("device", f"{props.name}, {props.total_memory >> 30} GiB, sm_{props.major}{props.minor}")
+    row("torch / CUDA / NCCL", f"{torch.__version__} / {torch.version.cuda} / "
+                               f"{'.'.join(map(str, torch.cuda.nccl.version()))}")
+    for name, fn in (("parity", parity), ("sdpa backends", sdpa_backends), ("copies and step", copies_and_step),
+                     ("rank root_step", rank_root_step), ("mixed shapes", mixed_shapes)):
+        with section(name):
+            fn()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""GPU check, tier B: the real rank class (service.gang.worker.Rank) in two processes, no Ray.
+
+Rank 0 (one process, kept across generations, as the GangServer replica is) and a fresh
+rank 1 per generation, both on GPU 0: NCCL data group plus gloo control group, the step
+loop and `root_step` exactly as the gang drives them.
+
+Two ranks on one GPU: NCCL refuses two ranks of one host on the same device ("Duplicate
+GPU detected"; it compares host hash and bus id). Each process gets its own NCCL_HOSTID,
+so NCCL takes them for two hosts and connects them over its socket transport on loopback
+(NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_IB_DISABLE, NCCL_NET=Socket). This is a test
+set-up only (one rank per GPU in service). If NCCL still refuses, the generation is run
+on gloo with CUDA tensors instead, and the row says so.
+
+Generations (rows printed as measured):
+  1. the chosen error mode (TORCH_NCCL_BLOCKING_WAIT=1), fp32 seed weights: parity with
+     dense MHA (plain, masked, causal, both), root_step p50 at 128x8x512 and 1x1x512, the
+     CUDA-event step clock; rank 1 killed mid-step: the error and how long it took;
+     teardown (abort) time.
+  2. a second rendezvous in the same rank-0 process, bf16 random weights: parity vs a
+     float64 reference; rank 1 stopped mid-step (never returns): the timeout error and
+     its time; teardown time with the peer still stopped.
+  3. torch's default mode (TORCH_NCCL_BLOCKING_WAIT=0, TORCH_NCCL_ASYNC_ERROR_HANDLING=3):
+     the same p50s (the chosen mode's cost is the difference); rank 1 killed mid-step:
+     what happens to rank 0's process (the watchdog's SIGABRT is expected).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+from typing import Any
+
+from common import row, section, wall_ms  # noqa: E402  (sets sys.path)
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+E, H = 512, 8
+# GPU_CHECK_DRY_RUN=1: the same drills on the CPU with gloo (checks this script, not the GPU path).
+DRY_RUN = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
+DEVICE = "cpu" if DRY_RUN else "cuda"
+CASES = {"plain": (False, False), "masked": (True, False), "causal": (False, True), "masked+causal": (True, True)}
+SAME_GPU_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
+                 "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+VERBS = {"kill": "killed", "stop": "stopped (never returns)"}
+DEFAULT_MODE = {"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+PLANS = [  # (generation, weights init, compute dtype, group timeout s, error-mode env, drill)
+    (1, "seed", "float32", 10.0, {}, "kill"),
+    (2, "random", "bfloat16", 5.0, {}, "stop"),
+    (3, "seed", "float32", 10.0, DEFAULT_MODE, "kill"),
+]
+
+
+def _inputs(batch: int = 4, seq: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(3).standard_normal((batch, seq, E)).astype(np.float32)
+    mask = np.ones((batch, seq), dtype=np.bool_)
+    mask[1, :3] = False
+    mask[2, seq - 5:] = False
+    return x, mask
+
+
+class Driver:
+    """Rank 0's side of a step, as the gang's sequencer does it (service.gang.gang._compute)."""
+
+    def __init__(self, rank: Any) -> None:
+        self.rank, self.seq = rank, 0
+
+    def step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool = False, between: Any = None) -> np.ndarray:
+        from service.gang import control
+
+        self.seq += 1
+        flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
+        self.rank.send_header(control.step_header(self.seq, x.shape, flags, self.rank.dtype, 1, time.time_ns()))
+        self.rank.step_seq = self.seq
+        if between is not None:
+            between()
+        return self.rank.root_step(x, 1, mask, causal)
+
+
+def _peer_main(port: int, backend: str, model: Any, timeout_s: float, env: dict[str, str], gen: int) -> None:
+    os.environ.update(env)
+    os.environ["NCCL_HOSTID"] = f"gangserve-check-peer-{gen}"
+    from service.gang.worker import Rank
+
+    rank = Rank(1, 2, device=torch.device(DEVICE, 0), node_ip="127.0.0.1", device_how="tier B peer")
+    rank.rendezvous("127.0.0.1", port, backend, timeout_s)
+    rank.load_weights(model, 1)
+    rank.start_loop()
+    rank._loop.join()  # type: ignore[union-attr]  (a failed loop exits the process itself)
+
+
+def _root_main(out: Any, cmd: Any) -> None:
+    os.environ["NCCL_HOSTID"] = "gangserve-check-rank0"
+    from service.gang.worker import PlainModel, Rank
+
+    while True:
+        plan = cmd.get(timeout=300)
+        if plan is None:
+            return
+        gen, backend, init, dtype, timeout_s, env, drill = plan
+        os.environ.update(env)
+        model = PlainModel(embed_dim=E, num_heads=H, init=init, seed=7, compute_dtype=dtype)
+        rank = Rank(0, 2, device=torch.device(DEVICE, 0), node_ip="127.0.0.1", device_how="tier B rank 0")
+        out.put(("port", rank.open_store(timeout_s), model))
+        started = time.monotonic()
+        try:
+            rank.rendezvous("127.0.0.1", 0, backend, timeout_s)
+            rank.load_weights(model, 1)
+        except Exception as exc:
+            out.put(("rendezvous failed", f"{type(exc).__name__}: {str(exc)[:400]}"))
+            try:
+                rank.close()
+            except Exception:
+                pass
+            continue
+        out.put(("rendezvous", time.monotonic() - started,
+                 {k: os.environ.get(k) for k in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}))
+        drive = Driver(rank)
+        x, mask = _inputs()
+        for name, (masked, causal) in CASES.items():
+            if gen == 2 and name != "masked+causal":
+                continue
+            out.put(("out", name, drive.step(x, mask if masked else None, causal)))
+        big = np.random.default_rng(0).standard_normal((128, 8, E)).astype(np.float32)
+        small = big[:1, :1].copy()
+        if gen != 2:
+            out.put(("p50", "128x8x512", wall_ms(lambda: drive.step(big), n=30)))
+            clocks = []
+            for _ in range(10):
+                drive.step(big)
+                clocks.append((rank.last_forward_ns - rank.last_bcast_ns) / 1e6)
+            out.put(("p50", "128x8x512, its step clock's broadcast -> forward (CUDA events)", sorted(clocks)[5]))
+            out.put(("p50", "1x1x512", wall_ms(lambda: drive.step(small), n=30)))
+        out.put(("drill", drill))
+        assert cmd.get(timeout=60) == "go"
+        started = time.monotonic()
+        try:
+            drive.step(big, between=lambda: out.put(("in-step",)))
+            out.put(("error", time.monotonic() - started, "no error: the step completed"))
+        except Exception as exc:
+            out.put(("error", time.monotonic() - started, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
+        started = time.monotonic()
+        try:
+            rank.close()
+            out.put(("closed", time.monotonic() - started, "ok"))
+        except Exception as exc:
+            out.put(("closed", time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:200]}"))
+
+
+def _reference(model: Any, x: np.ndarray, mask: np.ndarray | None, causal: bool) -> torch.Tensor:
+    from harness.reference import dense_attention_masked
+    from service.parallel.weights import random_weights, seed_weights
+
+    weights = seed_weights(E) if model.init == "seed" else random_weights(E, model.seed)
+    ref = torch.float32 if model.compute_dtype == "float32" else torch.float64
+    return dense_attention_masked({k: v.to(ref) for k, v in weights.items()}, H, torch.from_numpy(x).to(ref),
+                                  None if mask is None else torch.from_numpy(mask).int(), causal)
+
+
+def main() -> int:
+    if not torch.cuda.is_available() and not DRY_RUN:
+        row("tier B", f"no CUDA: tier skipped (torch {torch.__version__}, cuda {torch.version.cuda})")
+        return 0
+    from harness.reference import relative_error
+
+    os.environ.update(SAME_GPU_NCCL)
+    ctx = mp.get_context("spawn")
+    out, cmd = ctx.Queue(), ctx.Queue()
+    root = ctx.Process(target=_root_main, args=(out, cmd), daemon=True)
+    root.start()
+    backend = "gloo" if DRY_RUN else "nccl"
+    if DRY_RUN:
+        row("tier B", "DRY RUN on the CPU with gloo: checks the script only")
+    x, mask = _inputs()
+    peer = None
+    try:
+        for gen, init, dtype, timeout_s, env, drill in PLANS:
+            with section(f"generation {gen}"):
+                mode = "default mode" if env else "chosen mode"
+                tag = f"g{gen} {backend} {mode} {dtype} {init}"
+                cmd.put((gen, backend, init, dtype, timeout_s, env, drill))
+                _, port, model = out.get(timeout=120)
+                peer = ctx.Process(target=_peer_main, args=(port, backend, model, timeout_s, env, gen), daemon=True)
+                peer.start()
+                msg = out.get(timeout=4 * timeout_s + 60)
+                if msg[0] == "rendezvous failed":
+                    row(f"{tag}: rendezvous", f"FAILED: {msg[1]}")
+                    _stop(peer)
+                    if backend == "nccl" and gen == 1:
+                        backend = "gloo"  # the rest of the tier on gloo with CUDA tensors
+                        row("two ranks on one GPU", "NCCL refused; the following generations use gloo on CUDA")
+                    continue
+                row(f"{tag}: rendezvous (eager NCCL init) s", f"{msg[1]:.2f} (env {msg[2]})")
+                while True:
+                    msg = out.get(timeout=120)
+                    if msg[0] == "out":
+                        masked, causal = CASES[msg[1]]
+                        want = _reference(model, x, mask if masked else None, causal)
+                        row(f"{tag}: rel err vs dense, {msg[1]}", f"{relative_error(torch.from_numpy(msg[2]), want):.2e}")
+                    elif msg[0] == "p50":
+                        row(f"{tag}: root_step p50 ms, {msg[1]}", f"{msg[2]:.3f}")
+                    else:
+                        break
+                os.kill(peer.pid, signal.SIGSTOP)  # rank 1 takes no part in the next step
+                cmd.put("go")
+                out.get(timeout=60)  # "in-step": rank 0's header is out, its collectives follow
+                if drill == "kill":
+                    os.kill(peer.pid, signal.SIGKILL)
+                guard = 3 * timeout_s + 20
+                try:
+                    _, elapsed, why = out.get(timeout=guard)
+                    row(f"{tag}: rank 1 {VERBS[drill]} mid-step -> rank 0", f"{why} after {elapsed:.2f}s")
+                    _, closed_s, how = out.get(timeout=guard)
+                    row(f"{tag}: teardown ({'abort' if backend == 'nccl' else 'destroy'}) s", f"{closed_s:.3f} ({how})")
+                except queue.Empty:
+                    root.join(timeout=1)
+                    state = (f"rank 0's process exited with {root.exitcode} "
+                             f"({signal.Signals(-root.exitcode).name if root.exitcode and root.exitcode < 0 else ''})"
+                             if not root.is_alive() else f"rank 0 still blocked after {guard:.0f}s")
+                    row(f"{tag}: rank 1 {VERBS[drill]} mid-step -> rank 0", state)
+                _stop(peer)
+                if not root.is_alive():
+                    break
+    finally:
+        cmd.put(None)
+        for proc in (peer, root):
+            if proc is not None:
+                _stop(proc)
+    return 0
+
+
+def _stop(proc: Any) -> None:
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,563 @@
+"""One rank of the gang as a plain class: process-group membership plus its shard of the model.
+
+`Rank` rendezvouses, loads its shard, runs the peers' step loop and rank 0's root step.
+It imports neither Ray nor pydantic nor the service's configuration (torch, numpy,
+safetensors and the standard library only), so the same code runs as rank 0 inside the
+GangServer replica, as a Ray actor for ranks 1..N-1 (service.gang.rank.RankWorker wraps
+it with Ray's node identity, as vLLM's executors wrap their plain workers), under
+torch.multiprocessing in the tests, and in the GPU check on a machine without Ray.
+
+Every method that touches the process group is called by the gang's single sequencer, in
+one global order (service.gang.gang). Every wait is bounded: the store and the groups by
+`timeout_s`, the whole rendezvous and the teardown by a deadline (service.gang.backends).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from service.cluster.netif import bind_collectives_to
+from service.gang import control
+from service.gang.backends import (
+    DeadlineExceeded,
+    call_with_deadline,
+    leave_group,
+    leave_group_plan,
+    prepare_cuda_allocator,
+    prepare_env,
+)
+from service.gang.failpoints import Failpoints
+from service.gang.staging import PinnedStaging
+from service.gang.stepclock import StepClock
+from service.parallel import ParallelGroup, TensorParallelAttention
+from service.parallel.weights import (
+    checkpoint_causal,
+    load_checkpoint_shard,
+    random_weights,
+    seed_weights,
+    shard_dense,
+)
+from service.tunables import TUNABLES
+
+log = logging.getLogger("gangserve.rank")
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Leaving the groups (abort on NCCL, destroy on gloo) must return within this, or the
+# process is marked unusable (see `abandoned`). The shutdown bound is the right size: a
+# healthy teardown takes milliseconds (measured by bench/gpu_check.sh tier B).
+LEAVE_GROUP_TIMEOUT_S = TUNABLES.gang.shutdown_timeout_s
+# A rendezvous is three waits in a row, each bounded by the group timeout: the default
+# group's connections (and, on NCCL, its eagerly created communicator), then the control
+# group's. Past this, rank 0 (whose side no Ray call bounds) stops waiting.
+RENDEZVOUS_WAITS = 3
+
+# Why this process can no longer form a group (a rendezvous or a teardown that did not
+# return: its thread may still hold torch's group registry). Process-wide: a new Rank in
+# the same process (rank 0's next bring-up) refuses to rendezvous, so the rebuild fails,
+# the GangServer counts it, and Serve replaces the replica with a fresh process.
+abandoned: str | None = None
+
+
+class WeightsVersionMismatch(RuntimeError):
+    """A step expected another weights version than the one this rank holds."""
+
+
+class ModelSpec(Protocol):
+    """What a rank needs to know of the model (service.config.ModelConfig has these fields)."""
+
+    embed_dim: int
+    num_heads: int
+    init: str
+    seed: int
+    checkpoint: str | None
+    causal: bool
+    compute_dtype: str
+
+
+@dataclass(frozen=True)
+class PlainModel:
+    """A ModelSpec for callers without the service's configuration (tests, the GPU check)."""
+
+    embed_dim: int = 512
+    num_heads: int = 8
+    init: str = "seed"
+    seed: int = 0
+    checkpoint: str | None = None
+    causal: bool = False
+    compute_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank reports at creation (the `create` stage) and in GET /gang."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    pid: int
+    device: str
+    has_cuda: bool
+    gpu_ids: list[str]
+    iface: str | None = None  # the interface its collectives use (see service.cluster.netif)
+    iface_how: str = ""
+    device_how: str = ""  # how the device was chosen, or why there is no CUDA device
+
+    def public(self) -> dict[str, object]:
+        return {k: v for k, v in asdict(self).items() if k in ("rank", "node_id", "node_ip", "pid", "device", "iface")}
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (at most 300 characters), else its type's name."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def check_dtype_fits(model: ModelSpec) -> None:
+    """Refuse a model whose weights the compute dtype cannot hold, before anything is built:
+    the seed init's W[i, j] = i*E + j + offset reaches E*E - 1 (262143 at E=512), and
+    float16's largest finite value is 65504, so every answer would be NaN with a 200."""
+    if model.compute_dtype == "float16" and not model.checkpoint and model.init == "seed":
+        peak = model.embed_dim * model.embed_dim - 1
+        if peak > 65504:
+            raise ValueError(
+                f"compute_dtype=float16 cannot hold init=seed weights at embed_dim={model.embed_dim} "
+                f"(they reach {peak}, float16's largest finite value is 65504): use bfloat16 or "
+                "float32, or init=random, or a checkpoint"
+            )
+
+
+def load_rank_shard(model: ModelSpec, rank: int, world_size: int, local: Path | None = None) -> dict[str, torch.Tensor]:
+    """This rank's slice of the configured weights (checkpoint, seed or random init).
+
+    `local`: the checkpoint as a verified local file (see `materialize`); the rank maps
+    only its own slice of it."""
+    if model.checkpoint:
+        return load_checkpoint_shard(local or materialize(model.checkpoint), rank, world_size)
+    dense = seed_weights(model.embed_dim) if model.init == "seed" else random_weights(model.embed_dim, model.seed)
+    return shard_dense(dense, rank, world_size)
+
+
+def materialize(checkpoint: str) -> Path:
+    """A checkpoint (an absolute local path, or a key in the artifact store) as a verified
+    local file: on S3, this node's cache, downloaded once per node. The artifact store is
+    imported only here, so a rank without checkpoints needs none of its dependencies."""
+    from service.state import artifacts
+
+    return artifacts.store().materialize(checkpoint)
+
+
+class Rank:
+    """A rank's state. Stages: __init__ (create) -> rendezvous -> load_weights -> serve steps.
+
+    `device`: where this rank computes (service.gang.devices.choose_device); `node_ip`:
+    the address its peers reach this node at (its collectives bind to that interface).
+    """
+
+    # The type a refused step raises; RankWorker substitutes the gang's own class.
+    version_mismatch_error: type[RuntimeError] = WeightsVersionMismatch
+
+    def __init__(self, rank: int, world_size: int, *, device: torch.device, node_ip: str, node_id: str = "",
+                 gpu_ids: list[str] | None = None, torch_threads: int = 1, device_how: str = "") -> None:
+        torch.set_num_threads(torch_threads)
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.allocator_conf = ""  # PYTORCH_CUDA_ALLOC_CONF as this rank runs with it (CUDA only)
+        if device.type == "cuda":
+            self._prepare_cuda()
+        # Before any process group exists in this process: gloo/NCCL read it at creation.
+        choice = bind_collectives_to(node_ip)
+        self.info = RankInfo(
+            rank=rank, node_id=node_id, node_ip=node_ip, pid=os.getpid(), device=str(device),
+            has_cuda=device.type == "cuda", gpu_ids=list(gpu_ids or []), iface=choice.iface,
+            iface_how=choice.how, device_how=device_how,
+        )
+        log.info("rank %d on %s: device %s (%s); collectives use interface %s (%s)", rank, node_ip, device,
+                 device_how, choice.iface, choice.how)
+        self.backend = "none"
+        self.group: ParallelGroup | None = None
+        self.model: TensorParallelAttention | None = None
+        self._staged: TensorParallelAttention | None = None
+        # The model's default for requests that do not say (builder `causal`, or the
+        # checkpoint's recorded one): staged and committed with the weights.
+        self.default_causal = False
+        self._staged_causal = False
+        self.dtype = torch.float32  # compute dtype: weights, activations and collectives
+        self.weights_version = 0  # the recorded version self.model holds (0: none yet)
+        self._store: dist.TCPStore | None = None
+        self.failpoints = Failpoints()
+        self._staging = PinnedStaging(device) if device.type == "cuda" else None
+        # The step loop (see service.gang.control): the control group rank 0's headers
+        # arrive on, the loop thread, and what the loop records for rank 0 to ask about.
+        self._control: dist.ProcessGroup | None = None
+        self._loop: threading.Thread | None = None
+        self.loop_error: str | None = None  # why the loop stopped (it then exits the process)
+        self.step_seq = 0  # the header sequence number of the step being computed
+        self._mismatches: deque[tuple[int, str]] = deque(maxlen=64)  # (seq, why) refused steps
+        # (seq, header sent ns, woke ns, the step's clock: broadcast done, forward done)
+        self._timings: deque[tuple[int, int, int, StepClock]] = deque(maxlen=control.TIMINGS_KEPT)
+        self._clock: StepClock | None = None  # the last step's
+
+    def _prepare_cuda(self) -> None:
+        torch.cuda.set_device(self.device)
+        if not torch.cuda.is_initialized():
+            self.allocator_conf = prepare_cuda_allocator()
+        else:  # this process allocated on CUDA already: the allocator's runtime setting still applies
+            try:
+                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+                self.allocator_conf = "expandable_segments:True (set at runtime)"
+            except Exception as exc:  # not fatal: only fragmentation is at stake
+                self.allocator_conf = f"unchanged ({type(exc).__name__}: {first_line(exc)})"
+
+    # -- stage: create -------------------------------------------------------------------
+    def describe(self) -> RankInfo:
+        return self.info
+
+    def adopt(self, rank: int) -> RankInfo:
+        """A warm spare (created with rank -1, see Gang's spare) becomes `rank` of the next
+        generation: its process, torch and interface choice are already up; rendezvous and
+        the weights follow as for any new rank."""
+        if self.rank != -1 or self.group is not None:
+            raise RuntimeError(f"rank {self.rank}: only an unused spare (rank -1) can be adopted")
+        if not 0 < rank < self.world_size:
+            raise ValueError(f"a spare can become a peer rank 1..{self.world_size - 1}, not {rank}")
+        self.rank = rank
+        self.info = replace(self.info, rank=rank)
+        log.info("spare pid %d adopted as rank %d", self.info.pid, rank)
+        return self.info
+
+    def memory_stats(self) -> dict[str, int | str]:
+        """This rank's device memory (CUDA only; {} on CPU): what the caching allocator holds
+        (`memory_reserved_bytes`, the figure that grows with mixed shapes), its peak, and
+        the pinned host buffers."""
+        if self.device.type != "cuda":
+            return {}
+        return {
+            "device": str(self.device),
+            "memory_allocated_bytes": int(torch.cuda.memory_allocated(self.device)),
+            "memory_reserved_bytes": int(torch.cuda.memory_reserved(self.device)),
+            "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
+            "pinned_host_bytes": self._staging.pinned_bytes if self._staging else 0,
+        }
+
+    # -- stage: rendezvous ---------------------------------------------------------------
+    def open_store(self, timeout_s: float) -> int:
+        """Rank 0 only: host the rendezvous store on this node; returns the OS-chosen port."""
+        self._store = dist.TCPStore(
+            self.info.node_ip, 0, self.world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        return int(self._store.port)
+
+    def rendezvous(self, host: str, port: int, backend: str, timeout_s: float) -> None:
+        """Join the gang's process group through rank 0's store at host:port.
+
+        On NCCL the communicator is created here, eagerly (`device_id`), so a peer lost
+        before the first step fails this bounded stage rather than hanging the warmup.
+        The whole call returns within RENDEZVOUS_WAITS * timeout_s or raises
+        DeadlineExceeded (and this process is marked `abandoned`)."""
+        if abandoned is not None:
+            raise RuntimeError(f"rank {self.rank}: this process cannot form a new group: {abandoned}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise RuntimeError(f"rank {self.rank}: backend=nccl needs a CUDA device; this rank has "
+                               f"{self.device} ({self.info.device_how})")
+        self.backend = backend
+        if self.world_size == 1:
+            self.group = ParallelGroup.single(self.device)
+            return
+        prepare_env(backend)
+        deadline_s = RENDEZVOUS_WAITS * timeout_s
+        try:
+            call_with_deadline(lambda: self._join(host, port, backend, timeout_s), deadline_s,
+                               f"rank {self.rank}'s rendezvous ({backend}, {host}:{port})")
+        except DeadlineExceeded as exc:
+            self._abandon(str(exc))
+            raise
+
+    def _join(self, host: str, port: int, backend: str, timeout_s: float) -> None:
+        store = self._store or dist.TCPStore(host, port, self.world_size, False, timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend=backend, store=store, rank=self.rank, world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=self.device if backend == "nccl" else None,
+        )
+        self.group = ParallelGroup(self.rank, self.world_size, backend, self.device, dist.group.WORLD)
+        # The control group: gloo whatever the data backend (a peer waiting for the next
+        # header must not hold a CUDA stream), with the same bounded timeout.
+        self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def _abandon(self, why: str) -> None:
+        global abandoned
+        abandoned = why
+        log.error("rank %d: %s; this process must be replaced", self.rank, why)
+
+    # -- stage: load (and hot-swap) -----------------------------------------------------
+    def load_weights(self, model_cfg: ModelSpec, version: int) -> int:
+        """Build this rank's shard of `model_cfg` as weights `version`; returns its parameter bytes."""
+        nbytes = self._build(model_cfg)
+        self.commit_weights(version)
+        return nbytes
+
+    def stage_weights(self, model_cfg: ModelSpec) -> int:
+        """Phase 1 of a swap: read this rank's slice into a new model, not yet serving."""
+        self.failpoints.fire("stage_weights", f"rank {self.rank}")
+        return self._build(model_cfg)
+
+    def commit_weights(self, version: int) -> None:
+        """Phase 2: serve the staged model as `version` from the next step on (a pointer swap)."""
+        self.failpoints.fire("commit_weights", f"rank {self.rank}")
+        if self._staged is None:
+            raise RuntimeError(f"rank {self.rank}: nothing staged to commit")
+        if self.failpoints.take("commit_weights_noop"):  # claims success, keeps the old weights
+            self._staged = None
+            return
+        self.model, self._staged = self._staged, None
+        self.default_causal = self._staged_causal
+        self.weights_version = version
+
+    def discard_staged(self) -> None:
+        self._staged = None
+
+    def arm_failpoint(self, name: str) -> None:
+        """Tests only (needs GANGSERVE_FAILPOINTS=1): make this rank fail once at `name`."""
+        self.failpoints.arm(name)
+
+    def _build(self, model_cfg: ModelSpec) -> int:
+        if self.group is None:
+            raise RuntimeError(f"rank {self.rank}: weights loaded before rendezvous")
+        dtype = COMPUTE_DTYPES[model_cfg.compute_dtype]
+        if dtype == torch.float16 and self.device.type != "cuda":
+            raise ValueError(
+                f"rank {self.rank}: compute_dtype=float16 needs a CUDA device; this rank computes on "
+                f"{self.device} (use bfloat16 or float32 on CPU)"
+            )
+        check_dtype_fits(model_cfg)
+        model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group, dtype=dtype)
+        # A recorded checkpoint may be an artifact key: one verified local file for both reads.
+        local = materialize(model_cfg.checkpoint) if model_cfg.checkpoint else None
+        model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local))
+        recorded = checkpoint_causal(local) if local is not None else None
+        model.eval()
+        if self.device.type == "cuda":
+            self._warm_kernels(model)
+        self._staged_causal = model_cfg.causal if recorded is None else recorded
+        self.dtype = dtype  # one dtype per gang (the config's): a swap keeps it
+        self._staged = model
+        return model.parameter_bytes()
+
+    def _warm_kernels(self, model: TensorParallelAttention) -> None:
+        """Run this rank's local kernels once per kind of step (plain, causal, masked,
+        masked + causal) so the first such request does not pay CUDA's lazy module loading
+        and cuBLAS/SDPA set-up; no collective (the gang's warmup step covers those)."""
+        width = model.embed_dim
+        x = torch.zeros(2, 16, width, dtype=next(model.parameters()).dtype, device=self.device)
+        key_mask = torch.ones(2, 16, dtype=torch.bool, device=self.device)
+        key_mask[1, :5] = False  # left padding in one row
+        with torch.inference_mode():
+            for mask in (None, key_mask):
+                for causal in (False, True):
+                    model.warm_local(x, mask, causal)
+        torch.cuda.synchronize(self.device)
+
+    # -- serving -------------------------------------------------------------------------
+    def step(self, shape: tuple[int, ...], weights_version: int, masked: bool = False, causal: bool = False) -> None:
+        """Ranks 1..N-1: receive rank 0's input by broadcast and compute this rank's heads.
+
+        `shape`, whether a key mask comes along, the causal flag and the weights version
+        the step expects arrive in a tiny control message; the tensors themselves only
+        travel through the process group (see `_forward`).
+        """
+        batch, seq, width = shape
+        buf = torch.empty(batch * seq * (width + 1) if masked else batch * seq * width, dtype=self.dtype,
+                          device=self.device)
+        self._forward(buf, tuple(shape), masked, causal, weights_version)
+
+    def root_step(self, x: np.ndarray, weights_version: int, mask: np.ndarray | None = None,
+                  causal: bool = False) -> np.ndarray:
+        """Rank 0: broadcast x [batch, seq, E] float32 (and the key mask [batch, seq] bool) to
+        the gang and return the reduced output [batch, seq, E] float32."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        shape = tuple(int(d) for d in x.shape)
+        if self._staging is not None:  # CUDA: through pinned buffers, one DMA each way
+            buf = self._staging.upload(x, mask, self.dtype)
+            out = self._forward(buf, shape, mask is not None, causal, weights_version)
+            return self._staging.download(out)
+        if not x.flags.writeable:  # arrays from Ray's object store are read-only views
+            x = x.copy()
+        xt = torch.from_numpy(x)  # [batch, seq, E]
+        if mask is None:
+            buf = xt.to(device=self.device, dtype=self.dtype).reshape(-1)  # no copy for float32 on CPU
+        else:
+            # One broadcast carries both: [x.flatten(), mask.flatten()] in the compute dtype
+            # (0/1 are exact in every float dtype), so the mask costs no extra collective.
+            n = xt.numel()
+            buf = torch.empty(n + shape[0] * shape[1], dtype=self.dtype, device=self.device)
+            buf[:n].copy_(xt.reshape(-1))
+            buf[n:].copy_(torch.from_numpy(np.ascontiguousarray(mask, dtype=np.bool_)).reshape(-1))
+        out = self._forward(buf, shape, mask is not None, causal, weights_version)
+        return out.to(torch.float32).cpu().numpy()
+
+    def _forward(self, buf: torch.Tensor, shape: tuple[int, ...], masked: bool, causal: bool,
+                 weights_version: int) -> torch.Tensor:
+        """One step: broadcast, this rank's heads, all-reduce.
+
+        `buf` is x flattened ([batch * seq * E]), followed with `masked` by the key mask
+        ([batch * seq], 1.0 = token), in the compute dtype.
+
+        A rank holding another weights version than the step expects must not contribute
+        to an answer, yet must still take part in every collective (or the others would
+        wait out the group timeout). So it computes on NaN: its partial output is NaN in
+        every element (every output element depends on all of this rank's inputs), the
+        all-reduced output is NaN everywhere except at padded query positions (set to 0),
+        and rank 0 refuses it by looking at one token's element. The rank then raises, so
+        its ack names the mismatch.
+        """
+        if self.model is None or self.group is None:
+            raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
+        batch, seq, width = shape
+        clock = self._clock = StepClock(self.device)
+        with torch.inference_mode():
+            self.group.broadcast_(buf, src=0)  # on every rank
+            clock.mark()
+            n = batch * seq * width
+            x = buf[:n].view(batch, seq, width)  # [batch, seq, E]
+            key_mask = buf[n:].view(batch, seq) > 0.5 if masked else None  # [batch, seq] bool
+            mismatch = weights_version != self.weights_version
+            if mismatch:
+                why = (f"rank {self.rank} holds weights version {self.weights_version}, "
+                       f"the step expected {weights_version}")
+                # Recorded before the all_reduce: once rank 0's all_reduce is done, it can ask.
+                self._mismatches.append((self.step_seq, why))
+                x = torch.full_like(x, float("nan"))
+            out = self.model(x) if key_mask is None and not causal else self.model(x, key_mask, causal)
+            clock.mark()
+        if mismatch:
+            raise self.version_mismatch_error(why)
+        return out  # [batch, seq, E], all-reduced
+
+    @property
+    def last_bcast_ns(self) -> int:
+        """When the last step's broadcast completed (wall-clock ns; on CUDA, on the GPU)."""
+        return self._clock.stamps()[0] if self._clock else 0
+
+    @property
+    def last_forward_ns(self) -> int:
+        """When the last step's forward (its all_reduce included) completed."""
+        return self._clock.stamps()[1] if self._clock else 0
+
+    # -- the step loop (ranks 1..N-1; protocol in service.gang.control) -----------------
+    def send_header(self, header: torch.Tensor) -> None:
+        """Rank 0 only (the gang's sequencer): broadcast one header to the peers' loops."""
+        if self._control is None:
+            raise RuntimeError(f"rank {self.rank}: no control group (world_size {self.world_size})")
+        dist.broadcast(header, src=0, group=self._control)
+
+    def start_loop(self) -> None:
+        """Peers: from now on take steps from rank 0's headers, not from Ray calls."""
+        if self.rank == 0 or self._control is None:
+            raise RuntimeError(f"rank {self.rank}: a step loop needs a peer rank with a control group")
+        if self._loop is not None:
+            raise RuntimeError(f"rank {self.rank}: the step loop is already running")
+        self._loop = threading.Thread(target=self._run_loop, name=f"step-loop-{self.rank}", daemon=True)
+        self._loop.start()
+
+    def step_error(self, seq: int) -> str | None:
+        """Why this rank refused step `seq` (a weights version mismatch), or why its loop
+        stopped; None if it took part normally."""
+        for s, why in self._mismatches:
+            if s == seq:
+                return why
+        return self.loop_error
+
+    def loop_timings(self) -> list[tuple[int, int, int, int, int]]:
+        """The last steps' (seq, header sent, woke, broadcast done, forward done), ns; on
+        CUDA only steps the GPU has finished (the rest are not known yet)."""
+        done = []
+        for seq, sent, woke, clock in list(self._timings):
+            if clock.ready():
+                bcast, forward = clock.stamps()
+                done.append((seq, sent, woke, bcast, forward))
+        return done
+
+    def _run_loop(self) -> None:
+        header = control.empty_header()
+        expected: int | None = None
+        while True:
+            try:
+                # Blocks until rank 0's next header; bounded by the control group's timeout
+                # (rank 0 sends heartbeats well inside it while idle).
+                dist.broadcast(header, src=0, group=self._control)
+            except Exception as exc:  # rank 0 gone (connection closed) or stopped (timeout)
+                self._loop_failed(f"waiting for rank 0's next header failed: {type(exc).__name__}: "
+                                  f"{first_line(exc)}")
+                return
+            woke = time.time_ns()
+            h = header.tolist()
+            if expected is not None and h[control.SEQ] != expected:
+                self._loop_failed(f"header sequence gap: expected {expected}, got {h[control.SEQ]}")
+                return
+            expected = h[control.SEQ] + 1
+            op = h[control.OP]
+            if op == control.OP_HEARTBEAT:
+                continue
+            if op == control.OP_STOP:
+                log.info("rank %d: step loop stopped by rank 0", self.rank)
+                return
+            if op != control.OP_STEP:
+                self._loop_failed(f"unknown header op {op} (header {h})")
+                return
+            if h[control.DTYPE] != control.DTYPE_CODES[self.dtype]:
+                self._loop_failed(f"the step computes in dtype code {h[control.DTYPE]}, this rank in "
+                                  f"{self.dtype} (code {control.DTYPE_CODES[self.dtype]})")
+                return
+            self.step_seq = h[control.SEQ]
+            flags = h[control.FLAGS]
+            try:
+                self.step((h[control.BATCH], h[control.SEQ_LEN], h[control.WIDTH]), h[control.VERSION],
+                          bool(flags & control.FLAG_MASKED), bool(flags & control.FLAG_CAUSAL))
+            except self.version_mismatch_error:
+                pass  # took part in every collective on NaN; recorded for rank 0 (step_error)
+            except Exception as exc:  # the group is out of step now: only a rebuild helps
+                self._loop_failed(f"step {h[control.SEQ]} failed: {type(exc).__name__}: {first_line(exc)}")
+                return
+            assert self._clock is not None
+            self._timings.append((h[control.SEQ], h[control.SENT_NS], woke, self._clock))
+
+    def _loop_failed(self, why: str) -> None:
+        """Mark this rank broken and exit its process after a short grace (no orphans when
+        rank 0 is gone; rank 0 may still ask `step_error` meanwhile)."""
+        self.loop_error = f"rank {self.rank}: {why}"
+        log.error("%s; exiting in %.0fs", self.loop_error, control.PEER_EXIT_GRACE_S)
+        timer = threading.Timer(control.PEER_EXIT_GRACE_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+    def close(self, timeout_s: float = LEAVE_GROUP_TIMEOUT_S) -> None:
+        """Leave the process groups (idempotent): abort on NCCL, destroy on gloo
+        (service.gang.backends), within `timeout_s`. Raises DeadlineExceeded when that did
+        not return in time; this process is then marked `abandoned` (to be replaced)."""
+        self.model = self._staged = None
+        group, self.group, self._control, self._store = self.group, None, None, None
+        if group is None or group.world_size == 1 or not dist.is_initialized():
+            return
+        backend = group.backend
+        started = time.monotonic()
+        try:
+            call_with_deadline(lambda: leave_group(backend), timeout_s,
+                               f"rank {self.rank} leaving its {backend} group ({leave_group_plan(backend)})")
+        except DeadlineExceeded as exc:
+            self._abandon(str(exc))
+            raise
+        log.info("rank %d left its %s group (%s) in %.1f ms", self.rank, backend, leave_group_plan(backend),
+                 (time.monotonic() - started) * 1000)

@@ -1,0 +1,149 @@
+"""The real rank class (service.gang.worker.Rank) in two processes on gloo, without Ray.
+
+Rank 0 and rank 1 are spawned with torch.multiprocessing and run exactly what the gang
+runs: rank 0 hosts the store, both rendezvous, load the seed weights, rank 1 starts its
+step loop and rank 0 drives steps with headers and `root_step`. Checked against the
+independent dense reference (nn.MultiheadAttention with the same weights), then: a peer
+killed in the middle of a step gives rank 0 an error at once, a peer that stops gives a
+timeout error within the group timeout, teardown is bounded, and a second gang forms in
+the same rank-0 process.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.reference import dense_attention_masked, notes_seed_weights, relative_error
+
+pytestmark = pytest.mark.unit
+
+E, H = 64, 4
+KILL_TIMEOUT_S = 20.0  # generation 1: a dead peer must be noticed long before this
+STOP_TIMEOUT_S = 5.0  # generation 2: a stopped peer is noticed by the group timeout
+CASES = {"plain": (False, False), "masked": (True, False), "causal": (False, True), "masked+causal": (True, True)}
+
+
+def _inputs() -> tuple[np.ndarray, np.ndarray]:
+    gen = np.random.default_rng(3)
+    x = gen.standard_normal((2, 6, E)).astype(np.float32)
+    mask = np.ones((2, 6), dtype=np.bool_)
+    mask[1, :2] = False  # left padding: with causal, padded query 0 has no key
+    return x, mask
+
+
+def _step(rank: Any, seq: int, x: np.ndarray, mask: np.ndarray | None, causal: bool,
+          between: Any = None) -> np.ndarray:
+    """What the gang's sequencer does for one step with the step loop on; `between()` runs
+    after the header went out, before rank 0's own collectives."""
+    from service.gang import control
+
+    flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
+    rank.send_header(control.step_header(seq, x.shape, flags, rank.dtype, 1, time.time_ns()))
+    rank.step_seq = seq
+    if between is not None:
+        between()
+    return rank.root_step(x, 1, mask, causal)
+
+
+def _peer_main(port: int, timeout_s: float) -> None:
+    from service.gang.worker import PlainModel, Rank
+
+    rank = Rank(1, 2, device=torch.device("cpu"), node_ip="127.0.0.1")
+    rank.rendezvous("127.0.0.1", port, "gloo", timeout_s)
+    rank.load_weights(PlainModel(embed_dim=E, num_heads=H, init="seed"), 1)
+    rank.start_loop()
+    assert rank._loop is not None
+    rank._loop.join()  # a failed loop exits this process itself (control.PEER_EXIT_GRACE_S)
+
+
+def _root_main(out: Any, cmd: Any) -> None:
+    from service.gang.worker import PlainModel, Rank
+
+    x, mask = _inputs()
+    for gen, timeout_s in ((1, KILL_TIMEOUT_S), (2, STOP_TIMEOUT_S)):
+        rank = Rank(0, 2, device=torch.device("cpu"), node_ip="127.0.0.1")
+        out.put(("port", gen, rank.open_store(timeout_s)))
+        rank.rendezvous("127.0.0.1", 0, "gloo", timeout_s)
+        rank.load_weights(PlainModel(embed_dim=E, num_heads=H, init="seed"), 1)
+        seq = 0
+        for name, (masked, causal) in CASES.items():
+            seq += 1
+            out.put(("out", gen, name, _step(rank, seq, x, mask if masked else None, causal)))
+        out.put(("timings", gen, rank.last_bcast_ns, rank.last_forward_ns))
+        out.put(("drill", gen))
+        assert cmd.get(timeout=60) == "go"
+        started = time.monotonic()
+        try:
+            _step(rank, seq + 1, x, mask, False, between=lambda: out.put(("in-step", gen)))
+            out.put(("error", gen, time.monotonic() - started, "no error: the step completed"))
+        except Exception as exc:  # what the gang would turn into 503/504
+            out.put(("error", gen, time.monotonic() - started, f"{type(exc).__name__}: {exc}"))
+        started = time.monotonic()
+        rank.close()
+        out.put(("closed", gen, time.monotonic() - started))
+
+
+def _expect(out: Any, kind: str, timeout_s: float = 120.0) -> tuple:
+    msg = out.get(timeout=timeout_s)
+    assert msg[0] == kind, f"expected {kind!r} from rank 0, got {msg[:3]!r}"
+    return msg
+
+
+def test_two_real_ranks_match_dense_and_fail_bounded_when_a_peer_dies_or_stops() -> None:
+    ctx = mp.get_context("spawn")
+    out, cmd = ctx.Queue(), ctx.Queue()
+    root = ctx.Process(target=_root_main, args=(out, cmd), daemon=True)
+    root.start()
+    peers: list[Any] = []
+    x, mask = _inputs()
+    weights = notes_seed_weights(E)
+    try:
+        for gen, timeout_s in ((1, KILL_TIMEOUT_S), (2, STOP_TIMEOUT_S)):
+            port = _expect(out, "port")[2]
+            peer = ctx.Process(target=_peer_main, args=(port, timeout_s), daemon=True)
+            peer.start()
+            peers.append(peer)
+            for name, (masked, causal) in CASES.items():
+                got = _expect(out, "out")
+                assert got[1:3] == (gen, name)
+                want = dense_attention_masked(weights, H, torch.from_numpy(x),
+                                              torch.from_numpy(mask).int() if masked else None, causal)
+                err = relative_error(torch.from_numpy(got[3]), want)
+                assert err < 1e-5, f"generation {gen}, {name}: relative error {err:.3e} vs dense MHA"
+                if masked:
+                    assert (got[3][~mask] == 0).all(), "padded query positions must be exactly 0"
+            _, _, bcast_ns, forward_ns = _expect(out, "timings")
+            assert 0 < bcast_ns <= forward_ns
+            _expect(out, "drill")
+            os.kill(peer.pid, signal.SIGSTOP)  # the peer takes no part in the next step
+            cmd.put("go")
+            _expect(out, "in-step")  # rank 0's header is out; its collectives follow at once
+            if gen == 1:
+                os.kill(peer.pid, signal.SIGKILL)  # dies in the middle of the step
+                _, _, elapsed, why = _expect(out, "error")
+                assert why.startswith(("RuntimeError", "DistBackendError", "DistNetworkError")), why
+                assert elapsed < KILL_TIMEOUT_S / 2, f"a dead peer took {elapsed:.1f}s to notice: {why}"
+            else:  # stays stopped: a peer that never returns
+                _, _, elapsed, why = _expect(out, "error")
+                assert "timed out" in why.lower() or "timeout" in why.lower(), why
+                assert STOP_TIMEOUT_S * 0.8 < elapsed < STOP_TIMEOUT_S * 3, f"{elapsed:.1f}s: {why}"
+            closed_s = _expect(out, "closed")[2]
+            assert closed_s < 5.0, f"teardown took {closed_s:.1f}s"
+    finally:
+        for proc in (*peers, root):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=10)
+        try:
+            while True:
+                out.get_nowait()
+        except queue.Empty:
+            pass
