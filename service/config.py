@@ -18,6 +18,9 @@ from service.tunables import TUNABLES
 _Part = TypeVar("_Part", bound=BaseModel)
 
 
+FLOAT16_MAX = 65504.0  # float16's largest finite value
+
+
 class ModelConfig(BaseModel):
     """What the gang computes: dense-equivalent multi-head self-attention."""
 
@@ -269,6 +272,15 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
             raise ValueError(
                 "compute_dtype=float16 needs use_gpu=true (float16 matmuls are CUDA-only here); "
                 "on CPU use bfloat16 or float32"
+            )
+        # The notes' seed weights are 0..E^2-1 scaled, far beyond float16's range at E=512:
+        # refused here at deploy time, rather than serving inf/NaN with a 200.
+        if (self.compute_dtype == "float16" and self.checkpoint is None and self.init == "seed"
+                and self.embed_dim ** 2 - 1 > FLOAT16_MAX):
+            raise ValueError(
+                f"compute_dtype=float16 cannot hold init=seed weights at embed_dim={self.embed_dim} (they reach "
+                f"{self.embed_dim ** 2 - 1}; float16's largest finite value is {FLOAT16_MAX:g}): use bfloat16 or "
+                "float32, init=random, or a checkpoint"
             )
         if self.checkpoint is not None and not os.path.isabs(self.checkpoint):
             raise ValueError(f"checkpoint must be an absolute path, got {self.checkpoint!r}")

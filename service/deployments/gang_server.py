@@ -40,6 +40,7 @@ from service.transport import shm
 from service.transport.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.deadlines import local_deadline
+from service.gang import worker as rank_worker
 from service.errors import Conflict, ErrorCode, GangStartupError, GangUnavailable, NotFound
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.gang.gang import Gang
@@ -283,6 +284,8 @@ class GangServer:
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica (and gang)."""
+        if rank_worker.abandoned is not None:  # a teardown that outlived its deadline: no new group here
+            raise RuntimeError(f"rank 0's process cannot form a new process group: {rank_worker.abandoned}")
         if self._failed_rebuilds >= MAX_REBUILD_ATTEMPTS:
             raise RuntimeError(
                 f"gang could not be rebuilt in {self._failed_rebuilds} attempts: {self._gang.reason}"

@@ -58,7 +58,8 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config import GangConfig, ModelConfig
-from service.errors import CollectiveTimeout, Conflict, GangServeError, GangStartupError, GangUnavailable
+from service.errors import (CollectiveTimeout, Conflict, ErrorCode, GangServeError, GangStartupError, GangUnavailable,
+                            gang_state_code)
 from service.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang import control, rpc
@@ -261,7 +262,7 @@ class Gang:
     def _require_ready(self) -> None:
         if self.state is not GangState.READY:
             raise GangUnavailable(
-                f"gang is {self.state.value}: {self.reason}", code=f"gang_{self.state.value}"
+                f"gang is {self.state.value}: {self.reason}", code=gang_state_code(self.state.value)
             )
 
     def _get(self, refs: list, stage: str, timeout_s: float) -> list:
@@ -446,7 +447,7 @@ class Gang:
                     f"a rank did not hold the expected weights version {version} "
                     f"({first_line(cause(exc))}); no answer was computed from mixed weights; "
                     "the gang is being rebuilt with the recorded version",
-                    code="weights_version_mismatch",
+                    code=ErrorCode.WEIGHTS_VERSION_MISMATCH,
                 ) from exc
             # A peer died or a collective failed or timed out: the group is unusable now.
             self._mark_broken(f"collective failed: {type(exc).__name__}: {first_line(exc)}")
@@ -457,7 +458,7 @@ class Gang:
                 ) from exc
             raise GangUnavailable(
                 f"a rank failed during the request ({type(exc).__name__}); the gang is being rebuilt",
-                code="gang_broken",
+                code=ErrorCode.GANG_BROKEN,
             ) from exc
         return out
 
@@ -586,12 +587,12 @@ class Gang:
             if self.state is GangState.BROKEN:  # a rank died meanwhile: nothing to keep serving
                 raise GangUnavailable(
                     f"weights not swapped: {'; '.join(failures)}; the gang is being rebuilt with "
-                    f"version {self.weights_version}", code="gang_broken",
+                    f"version {self.weights_version}", code=ErrorCode.GANG_BROKEN,
                 )
             raise Conflict(
                 "weights not swapped, every rank still serves version "
                 f"{self.weights_version}: staging failed on {'; '.join(failures)}",
-                code="weights_stage_failed",
+                code=ErrorCode.WEIGHTS_STAGE_FAILED,
             )
         # Phase 2: the new version is durable before any rank serves it.
         try:
@@ -613,7 +614,7 @@ class Gang:
             raise GangUnavailable(
                 f"weights version {weights.version} was recorded but its commit failed on "
                 f"{'; '.join(failures)}; the gang is being rebuilt with version {weights.version}",
-                code="weights_commit_failed",
+                code=ErrorCode.WEIGHTS_COMMIT_FAILED,
             )
         self.param_bytes_per_rank = [root_bytes, *peer_bytes]
         log.info("weights swapped to version %d (%s, %s)", weights.version, weights.source, weights.description)
