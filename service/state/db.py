@@ -53,6 +53,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import QueuePool, StaticPool
 
 from service.errors import GangServeError
+from service.state.migrations import FLOAT
 from service.state.paths import state_dir
 from service.state.urls import redact, secrets_of
 from service.tunables import TUNABLES
@@ -291,7 +292,7 @@ _LEGACY_VERSIONS = sa.Table(
     "schema_version", sa.MetaData(),
     sa.Column("store", sa.Text, primary_key=True),
     sa.Column("version", sa.Integer, nullable=False),
-    sa.Column("updated_at", sa.Double().with_variant(sa.REAL(), "sqlite"), nullable=False),
+    sa.Column("updated_at", FLOAT, nullable=False),
 )
 
 
@@ -308,23 +309,9 @@ def _number(store: str, revision: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _head_number(store: str) -> int:
-    """N of the head of `store`'s branch; ValueError for a store without migrations."""
-    from alembic.util import CommandError
-
-    try:
-        head = _scripts().get_revision(f"{store}@head")
-    except CommandError:
-        head = None
-    number = None if head is None else _number(store, head.revision)
-    if number is None:
-        raise ValueError(f"no migrations for store {store!r} in {MIGRATIONS_DIR} (revisions <store>_<NNNN>)")
-    return number
-
-
-def _known_number(store: str, revision: str) -> int | None:
-    """N of `revision` if it is one of this code's revisions of `store`, else None (a newer
-    gangserve wrote it)."""
+def _revision_number(store: str, revision: str) -> int | None:
+    """N of `revision` (an id, or `<store>@head`) if it is one of this code's revisions of
+    `store`, else None (a newer gangserve wrote it, or the store has no migrations)."""
     from alembic.util import CommandError
 
     try:
@@ -364,11 +351,13 @@ class Database:
         self.trace: Trace | None = None  # tests: called with (sql, params) of every statement
         self._closed = False
         self._lock: threading.Lock | None = None
+        self._held: sa.Connection | None = None  # SQLite's one Connection
         if self.dialect == "sqlite":
             self.path = sqlite_path(raw_url)
             conn, self.journal_mode = open_sqlite(self.path)
             self._lock = threading.Lock()
-            # One connection, shared (StaticPool), its statements serialized by `_lock`;
+            # One connection (StaticPool), held open by one SQLAlchemy Connection that every
+            # session and transaction uses in turn, under `_lock` (no pool checkout per call);
             # driver autocommit, so `transaction` sends its own BEGIN IMMEDIATE.
             self.engine = sa.create_engine("sqlite+pysqlite://", creator=lambda: conn, poolclass=StaticPool,
                                            isolation_level="AUTOCOMMIT")
@@ -378,9 +367,12 @@ class Database:
         try:
             # The first connection: the dialect's set-up, and the start-up error with the
             # server's own reason; PostgreSQL's first POOL_MIN_SIZE connections stay pooled.
-            with contextlib.ExitStack() as opened:
-                for _ in range(1 if self.dialect == "sqlite" else max(1, POOL_MIN_SIZE)):
-                    opened.enter_context(self.engine.connect())
+            if self.dialect == "sqlite":
+                self._held = self.engine.connect()
+            else:
+                with contextlib.ExitStack() as opened:
+                    for _ in range(max(1, POOL_MIN_SIZE)):
+                        opened.enter_context(self.engine.connect())
         except sa_exc.DBAPIError as exc:
             self.engine.dispose()
             raise StateUnavailable(f"cannot reach the state database {self.url}: {self._reason(exc)} "
@@ -390,7 +382,7 @@ class Database:
     @contextlib.contextmanager
     def session(self) -> Iterator[Session]:
         """Statements in autocommit mode: each one is atomic on its own."""
-        with self._errors(), self._serialized(), self.engine.connect() as conn:
+        with self._errors(), self._connection() as conn:
             yield Session(conn, self.dialect, self.trace)
 
     @contextlib.contextmanager
@@ -400,7 +392,7 @@ class Database:
         connection). Writers that name the same `lock` are serialized (on SQLite every writer
         of the file is). Not re-entrant: never open a session or transaction of the same
         Database inside it."""
-        with self._errors(), self._serialized(), self.engine.connect() as conn:
+        with self._errors(), self._connection() as conn:
             if self.dialect == "sqlite":
                 # SQLAlchemy's transaction is bookkeeping here (the driver is in autocommit):
                 # BEGIN IMMEDIATE opens SQLite's, the driver's commit()/rollback() end it.
@@ -424,14 +416,16 @@ class Database:
         from alembic.config import Config
         from alembic.runtime.migration import MigrationContext
 
-        head_number = _head_number(store)
+        head_number = _revision_number(store, f"{store}@head")
+        if head_number is None:
+            raise ValueError(f"no migrations for store {store!r} in {MIGRATIONS_DIR} (revisions <store>_<NNNN>)")
         table = version_table(store)
         with self.transaction(lock="schema_version") as s:
             conn = s.connection
             _LEGACY_VERSIONS.create(conn, checkfirst=True)
             legacy = int(s.value("SELECT version FROM schema_version WHERE store = ?", (store,)) or 0)
             current = MigrationContext.configure(conn, opts={"version_table": table}).get_current_revision()
-            number = legacy if current is None else _known_number(store, current)
+            number = legacy if current is None else _revision_number(store, current)
             if number is None or max(number, legacy) > head_number:
                 shown = current if number is None else max(number, legacy)
                 raise SchemaTooNew(
@@ -478,15 +472,34 @@ class Database:
         if self._closed:
             return
         self._closed = True
-        with self._serialized():
+        if self._lock is None:
+            self.engine.dispose()
+            return
+        with self._lock:
+            if self._held is not None:
+                self._held.close()
             self.engine.dispose()
 
     def __repr__(self) -> str:
         return f"Database({self.url})"
 
     # -- internals ------------------------------------------------------------------------
-    def _serialized(self) -> contextlib.AbstractContextManager[Any]:
-        return self._lock if self._lock is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[sa.Connection]:
+        """A Connection for one session or transaction: PostgreSQL's from the pool (returned,
+        reset, when the block ends); SQLite's held one, under the lock, its SQLAlchemy
+        transaction bookkeeping ended when the block ends (the driver is in autocommit)."""
+        if self._lock is None:
+            with self.engine.connect() as conn:
+                yield conn
+            return
+        with self._lock:
+            assert self._held is not None
+            try:
+                yield self._held
+            finally:
+                if self._held.in_transaction():
+                    self._held.rollback()  # a session's autobegin; a transaction has ended its own
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
