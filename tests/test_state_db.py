@@ -256,6 +256,52 @@ def test_stores_opening_at_once_run_each_step_once_and_a_newer_schema_is_refused
     db.close()
 
 
+def test_one_store_used_from_many_threads_at_once(store_url: str) -> None:
+    """A Database is thread-safe: SQLite's one held connection (serialized) and PostgreSQL's
+    pool (8 threads, 4 connections) both give every thread its own complete statements and
+    transactions, and admission under the lock never overshoots."""
+    from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
+    from service.training.store import JobStore
+
+    store = JobStore(store_url)
+    limits = TrainingLimits(max_active_jobs=40, max_training_workers=80)
+    refused: list[str] = []
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(10):
+                job_id = f"{t}-{i}"
+                try:
+                    store.create_job(_job_named(job_id), lambda usage: check_job_fits(limits, usage, 1, False))
+                except QuotaExceeded:
+                    refused.append(job_id)
+                    continue
+                got = store.get_job(job_id)
+                assert got is not None and got.id == job_id
+                assert store.update_job(job_id, progress={"epoch": 1, "epochs": 1, "step": i})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    jobs, _ = store.list_jobs(200)
+    assert len(jobs) == 40 and len(refused) == 40  # the quota held exactly
+    assert len({j.seq for j in jobs}) == 40
+    store.close()
+
+
+def _job_named(job_id: str) -> Any:
+    from service.training.store import JobRecord
+
+    return JobRecord(id=job_id, status="PENDING", spec={"world_size": 1, "use_gpu": False}, created_at=1.0,
+                     updated_at=1.0, progress={"epoch": 0, "epochs": 1, "step": 0})
+
+
 # ---- a PostgreSQL server lost mid-run --------------------------------------------------------
 
 def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_back(
