@@ -44,23 +44,40 @@ def test_the_url_defaults_to_sqlite_in_the_state_dir_and_the_env_var_wins(
     assert dialect_of("postgres://h/db") == "postgresql"
     with pytest.raises(ValueError) as info:
         dialect_of("mysql://root:hunter22@h/db")
-    assert "mysql://root:***@h/db" in str(info.value) and "hunter22" not in str(info.value)
+    assert "mysql://***@h/db" in str(info.value) and "hunter22" not in str(info.value)
     with pytest.raises(ValueError, match="absolute path"):
         connect("sqlite://relative/jobs.sqlite")
 
 
 @pytest.mark.parametrize(("url", "shown"), [
-    ("postgresql://gs:pa55word@db:5432/state", "postgresql://gs:***@db:5432/state"),
-    ("postgresql://gs@db/state", "postgresql://gs@db/state"),
+    # The state database's URLs ...
+    ("postgresql://gs:pa55word@db:5432/state", "postgresql://***@db:5432/state"),
+    ("postgresql://gs@db/state", "postgresql://***@db/state"),
     ("postgresql://db/state?user=gs&password=pa55word&sslmode=require",
      "postgresql://db/state?user=gs&password=***&sslmode=require"),
-    ("postgresql://gs:p%40ss%3Aword@db/state", "postgresql://gs:***@db/state"),
+    ("postgresql://db/state?sslpassword=k3y&passfile=/etc/pgpass&sslkey=/k.pem",
+     "postgresql://db/state?sslpassword=***&passfile=***&sslkey=***"),
+    ("postgresql://gs:p%40ss%3Aword@db/state", "postgresql://***@db/state"),
     ("sqlite:///var/lib/gangserve/jobs.sqlite", "sqlite:///var/lib/gangserve/jobs.sqlite"),
+    # ... and the artifact store's and an S3 endpoint's: one rule.
+    ("s3://AKIA123:topsecret@bucket/prefix", "s3://***@bucket/prefix"),
+    ("s3://bucket/p?secret_key=topsecret&region=x&flag", "s3://bucket/p?secret_key=***&region=x&flag"),
+    ("s3://bucket/p", "s3://bucket/p"),
+    ("https://u:p@minio.internal:9000", "https://***@minio.internal:9000"),
+    ("file:///srv/state", "file:///srv/state"),
 ])
-def test_redact_never_shows_a_password(url: str, shown: str) -> None:
-    from service.state.db import redact
+def test_every_url_has_one_redaction_rule(url: str, shown: str) -> None:
+    from service.state import artifacts, db, urls
 
-    assert redact(url) == shown
+    assert urls.redact(url) == shown
+    assert db.redact is urls.redact and artifacts.redact is urls.redact
+
+
+def test_driver_messages_are_scrubbed_of_the_password_as_written_and_decoded() -> None:
+    from service.state.urls import secrets_of
+
+    assert secrets_of("postgresql://gs:p%40ss%3Aword@db/state?sslpassword=k3y2") == ["p%40ss%3Aword", "p@ss:word", "k3y2"]
+    assert secrets_of("postgresql://gs@db/state") == []
 
 
 # ---- start-up errors -------------------------------------------------------------------------
@@ -77,12 +94,12 @@ def test_an_unreachable_postgres_is_a_clear_error_naming_the_redacted_url() -> N
     assert time.monotonic() - started < 10
     message = info.value.message
     assert (info.value.status, info.value.code) == (503, "state_unavailable")
-    assert f"postgresql://gs:***@127.0.0.1:{url.split(':')[3]}" in message, message
+    assert f"postgresql://***@127.0.0.1:{url.rsplit(':', 1)[1].split('/')[0]}" in message, message
     assert "topsecret-pw" not in message and "refused" in message.lower(), message
     with pytest.raises(StateUnavailable):
         connect(url)
     # The GangServer's record (its replica's start-up) fails the same way.
-    with pytest.raises(StateUnavailable, match=r"postgresql://gs:\*\*\*@127\.0\.0\.1"):
+    with pytest.raises(StateUnavailable, match=r"postgresql://\*\*\*@127\.0\.0\.1"):
         WeightsRecord(Path("/nonexistent-state-dir"), url)
 
 
@@ -199,47 +216,90 @@ def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path:
     check.close()
 
 
-def test_numbered_steps_run_once_in_order_and_a_newer_schema_is_refused(store_url: str) -> None:
-    """On both dialects: a later step (a new column, a data fix) runs once, by exactly one of
-    several stores opening at the same time; a database ahead of the code is a clear error."""
-    from service.state.db import Migration, SchemaTooNew, connect
+def test_stores_opening_at_once_run_each_step_once_and_a_newer_schema_is_refused(store_url: str) -> None:
+    """On both dialects: several stores opening a fresh database at the same time migrate it
+    once (an ADD COLUMN run twice would fail); a database a newer gangserve migrated (a
+    revision this code does not have, or a higher number in the old version table) is a
+    clear error, and so is a store without migrations."""
+    from service.state.db import SchemaTooNew, connect
+    from service.training.store import JobStore
 
-    v1 = [Migration(1, "things", ("CREATE TABLE IF NOT EXISTS things (id {bigint} PRIMARY KEY, at {float})",))]
-    db = connect(store_url)
-    assert db.migrate("demo", v1) == 1
-    with db.session() as s:
-        s.execute("INSERT INTO things (id, at) VALUES (?, ?)", (1, 1733000000.25))
-
-    def fill(s: Any) -> None:
-        s.execute("UPDATE things SET label = ? WHERE label IS NULL", ("old",))
-
-    v2 = [*v1, Migration(2, "things.label", ("ALTER TABLE things ADD COLUMN label TEXT",), run=fill)]
     errors: list[BaseException] = []
 
-    def migrate() -> None:
-        other = connect(store_url)
+    def open_store() -> None:
         try:
-            other.migrate("demo", v2)  # an ALTER run twice would fail
+            JobStore(store_url).close()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
-        finally:
-            other.close()
 
-    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    threads = [threading.Thread(target=open_store) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=120)
     assert not errors, errors
-    assert db.schema_version("demo") == 2
+    db = connect(store_url)
+    assert db.schema_version("jobs") == 2 and db.schema_version("served_weights") == 0
     with db.session() as s:
-        # {float} keeps a Unix timestamp's fraction on both (PostgreSQL's REAL would not).
-        assert s.all("SELECT id, at, label FROM things") == [{"id": 1, "at": 1733000000.25, "label": "old"}]
-    with pytest.raises(SchemaTooNew, match="schema version 2; this gangserve knows versions up to 1"):
-        db.migrate("demo", v1)
-    with pytest.raises(ValueError, match="numbered"):
-        db.migrate("demo", [v2[1]])
+        assert s.all("SELECT version_num FROM alembic_version_jobs") == [{"version_num": "jobs_0002"}]
+        assert s.value("SELECT version FROM schema_version WHERE store = ?", ("jobs",)) == 2
+        s.execute("UPDATE alembic_version_jobs SET version_num = ?", ("jobs_0003",))  # a newer gangserve's step
+    with pytest.raises(SchemaTooNew, match="schema version jobs_0003; this gangserve knows versions up to 2"):
+        JobStore(store_url)
+    with db.session() as s:
+        s.execute("UPDATE alembic_version_jobs SET version_num = ?", ("jobs_0002",))
+        s.execute("UPDATE schema_version SET version = 3 WHERE store = ?", ("jobs",))  # a newer one before Alembic
+    with pytest.raises(SchemaTooNew, match="schema version 3; this gangserve knows versions up to 2"):
+        JobStore(store_url)
+    with pytest.raises(ValueError, match="no migrations for store 'demo'"):
+        db.migrate("demo")
     db.close()
+
+
+def test_one_store_used_from_many_threads_at_once(store_url: str) -> None:
+    """A Database is thread-safe: SQLite's one held connection (serialized) and PostgreSQL's
+    pool (8 threads, 4 connections) both give every thread its own complete statements and
+    transactions, and admission under the lock never overshoots."""
+    from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
+    from service.training.store import JobStore
+
+    store = JobStore(store_url)
+    limits = TrainingLimits(max_active_jobs=40, max_training_workers=80)
+    refused: list[str] = []
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(10):
+                job_id = f"{t}-{i}"
+                try:
+                    store.create_job(_job_named(job_id), lambda usage: check_job_fits(limits, usage, 1, False))
+                except QuotaExceeded:
+                    refused.append(job_id)
+                    continue
+                got = store.get_job(job_id)
+                assert got is not None and got.id == job_id
+                assert store.update_job(job_id, progress={"epoch": 1, "epochs": 1, "step": i})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    jobs, _ = store.list_jobs(200)
+    assert len(jobs) == 40 and len(refused) == 40  # the quota held exactly
+    assert len({j.seq for j in jobs}) == 40
+    store.close()
+
+
+def _job_named(job_id: str) -> Any:
+    from service.training.store import JobRecord
+
+    return JobRecord(id=job_id, status="PENDING", spec={"world_size": 1, "use_gpu": False}, created_at=1.0,
+                     updated_at=1.0, progress={"epoch": 0, "epochs": 1, "step": 0})
 
 
 # ---- a PostgreSQL server lost mid-run --------------------------------------------------------
@@ -274,7 +334,7 @@ def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_b
             assert took < POOL_TIMEOUT_S + 5, took  # bounded: never a hang
             message = info.value.message
             assert (info.value.status, info.value.code, info.value.retry_after_s) == (503, "state_unavailable", 5.0)
-            assert "postgresql://gangserve:***@127.0.0.1" in message and "s3cret" not in message, message
+            assert "postgresql://***@127.0.0.1" in message and "s3cret" not in message, message
     finally:
         postgres_server.start()
 
@@ -312,7 +372,7 @@ def test_the_launcher_exits_non_zero_naming_the_redacted_url(tmp_path: Path) -> 
     done = subprocess.run([sys.executable, "-m", "service.launch", str(ROOT / "deployments" / "local.yaml")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 4, (done.returncode, done.stderr[-2000:])
-    assert "the state database cannot be used: cannot reach the state database postgresql://gs:***@127.0.0.1" \
+    assert "the state database cannot be used: cannot reach the state database postgresql://***@127.0.0.1" \
         in done.stderr, done.stderr[-2000:]
     assert "launch-secret" not in done.stderr + done.stdout
 

@@ -65,7 +65,7 @@ def test_a_job_manager_on_postgres_answers_503_while_the_database_is_gone(
                 assert time.monotonic() - started < 30
                 assert (info.value.status, info.value.code) == (503, "state_unavailable"), info.value.message
                 assert info.value.retry_after_s == 5.0
-                assert "postgresql://gangserve:***@127.0.0.1" in info.value.message
+                assert "postgresql://***@127.0.0.1" in info.value.message
                 assert "s3cret" not in info.value.message
         finally:
             postgres_server.start()

@@ -43,12 +43,13 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
 from service.errors import GangServeError
 from service.state.paths import resolve_inside, state_dir
+from service.state.urls import redact
 from service.tunables import TUNABLES
 
 STORAGE_URL_ENV = "GANGSERVE_STORAGE_URL"
@@ -83,23 +84,6 @@ class StorageConfigError(ValueError):
 
 class ArtifactCorrupt(RuntimeError):
     """An object's bytes do not have the sha256 its key or record says."""
-
-
-def redact(url: str) -> str:
-    """`url` without secrets: the password of user:password@ (and a lone user, which may be
-    an access key) and the values of query parameters that look like credentials."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = "&".join(
-        f"{k}=***" if re.search(r"secret|key|token|password|credential", k, re.I) else f"{k}={v}"
-        for k, v in (item.partition("=")[::2] for item in parts.query.split("&") if item)
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def _scrub(text: str, secrets: tuple[str, ...]) -> str:
@@ -158,10 +142,6 @@ class ArtifactStore:
         if self.local:
             return str(resolve_inside(Path(self.root), key))  # `..` and symlinks cannot escape
         return f"{self.root}/{key}"
-
-    def local_path(self, key: str) -> Path | None:
-        """The local file of `key` on the local backend (None on S3)."""
-        return Path(self.path(key)) if self.local else None
 
     def key_of(self, recorded: str) -> str:
         """A recorded reference as a key: a key as it is; an absolute path (rows from before

@@ -7,26 +7,32 @@
   systems, so several hosts must not write one file;
 - `sqlite:///ABSOLUTE/PATH`: that SQLite file;
 - `postgresql://user:password@host:port/db` (or `postgres://`): PostgreSQL through
-  psycopg 3, pooled (psycopg_pool), for clusters.
+  psycopg 3 (the libpq URL as given: every libpq parameter works), pooled, for clusters.
 
+Built on SQLAlchemy Core (an Engine per Database: the pysqlite and psycopg dialects, the
+connection pool, transactions) and Alembic (the migrations, `service/state/migrations/`).
 The contract every store (JobStore, WeightsRecord) is written against:
 
-- SQL is written once, portable to both dialects, with `?` placeholders; `Session`
-  converts them for psycopg. Rows come back as dicts (column name -> value).
+- SQL is written once, portable to both dialects, with `?` placeholders; `Session` passes
+  it to the driver as written (no compilation per statement), as `%s` for psycopg. Rows
+  come back as dicts (column name -> value).
 - `Database.session()`: statements in autocommit (reads, single-statement writes).
 - `Database.transaction(lock)`: one atomic read-then-write. SQLite: `BEGIN IMMEDIATE`
-  (the file's write lock is taken at BEGIN, so writers are serialized). PostgreSQL: a
-  transaction that first takes `pg_advisory_xact_lock(<lock>)`, so every writer of the
-  same lock name is serialized across processes and hosts and sees what the previous one
-  committed (READ COMMITTED, a fresh snapshot per statement). That is what keeps job
-  admission against quotas and `max(version) + 1` correct with any number of writers.
-  Readers never wait for the lock.
-- `Database.migrate(store, migrations)`: numbered steps per store, recorded in the table
-  `schema_version (store, version)`; applied under a lock, each store's steps once.
+  (the file's write lock is taken at BEGIN, so writers are serialized). PostgreSQL: a READ
+  COMMITTED transaction that first takes `pg_advisory_xact_lock(<lock>)`, so every writer of
+  the same lock name is serialized across processes and hosts and sees what the previous
+  one committed (a fresh snapshot per statement). That is what keeps job admission against
+  quotas and `max(version) + 1` correct with any number of writers. Readers never wait for
+  the lock.
+- `Database.migrate(store)`: the store's Alembic branch to its head, under one lock, each
+  step once; a database migrated by the code before Alembic (table `schema_version`) or
+  before versioning (the same tables, no version at all) is adopted in place.
 - Any failure to reach or use the database (refused connection, server gone, pool
   exhausted, busy past the timeout, disk I/O error) raises `StateUnavailable`: HTTP 503,
-  code `state_unavailable`, with the redacted URL and the reason. The password is never
-  printed (`redact`).
+  code `state_unavailable`, with the redacted URL and the reason. Calls fail fast while the
+  server is away (each one tries one fresh connection, bounded by the connect timeout) and
+  work again, in the same process, as soon as it is back. The password is never printed
+  (`redact`, the one rule of service.state.urls).
 """
 from __future__ import annotations
 
@@ -39,14 +45,26 @@ import re
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.pool import QueuePool, StaticPool
 
 from service.errors import GangServeError
+from service.state.migrations import FLOAT
 from service.state.paths import state_dir
+from service.state.urls import redact, secrets_of
 from service.tunables import TUNABLES
+
+if TYPE_CHECKING:
+    from alembic.script import ScriptDirectory
+
+__all__ = [
+    "DATABASE_URL_ENV", "Database", "DatabaseStore", "Row", "SchemaTooNew", "Session", "StateUnavailable",
+    "connect", "database_url", "dialect_of", "filesystem_type", "journal_mode_for", "redact", "sqlite_url",
+]
 
 log = logging.getLogger("gangserve.state")
 
@@ -55,6 +73,7 @@ DATABASE_URL_ENV = "GANGSERVE_DATABASE_URL"
 # keep their records.
 DEFAULT_DB_FILE = "jobs.sqlite"
 JOURNAL_ENV = "GANGSERVE_SQLITE_JOURNAL"
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
 # Every wait is bounded. SQLite's busy wait and PostgreSQL's lock and statement waits stay
 # below the ingress's call timeout (service.tunables checks it), so the caller gets this
@@ -62,7 +81,6 @@ JOURNAL_ENV = "GANGSERVE_SQLITE_JOURNAL"
 SQLITE_BUSY_TIMEOUT_S = TUNABLES.state.sqlite_busy_timeout_s
 CONNECT_TIMEOUT_S = TUNABLES.state.connect_timeout_s
 POOL_TIMEOUT_S = TUNABLES.state.pool_timeout_s
-POOL_RECONNECT_S = TUNABLES.state.pool_reconnect_s
 PG_LOCK_TIMEOUT_MS = TUNABLES.state.pg_lock_timeout_ms
 PG_STATEMENT_TIMEOUT_MS = TUNABLES.state.pg_statement_timeout_ms
 PG_IDLE_IN_TRANSACTION_MS = TUNABLES.state.pg_idle_in_transaction_ms
@@ -109,6 +127,7 @@ def database_url(state: Path | None = None) -> str:
 
 
 def sqlite_url(path: str | os.PathLike[str]) -> str:
+    """`sqlite:///ABSOLUTE/PATH` of `path` (resolved)."""
     return "sqlite://" + str(Path(path).resolve())
 
 
@@ -131,41 +150,6 @@ def sqlite_path(url: str) -> Path:
     if not rest.startswith("/"):
         raise ValueError(f"{DATABASE_URL_ENV}={url!r}: a SQLite URL needs an absolute path (sqlite:///ABSOLUTE/PATH)")
     return Path(rest)
-
-
-_SECRET_PARAMS = frozenset({"password", "passfile", "sslpassword"})
-
-
-def redact(url: str) -> str:
-    """`url` with its password (userinfo and `password=` query parameters) replaced by ***."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable database URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        if ":" in userinfo:
-            userinfo = userinfo.split(":", 1)[0] + ":***"
-        netloc = f"{userinfo}@{host}"
-    query = parts.query
-    if query:
-        query = urlencode([(k, "***" if k.lower() in _SECRET_PARAMS else v)
-                           for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
-    if (netloc, query) == (parts.netloc, parts.query):
-        return url  # nothing secret (urlunsplit would also drop sqlite:///'s empty host)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def _secrets_of(url: str) -> list[str]:
-    """The password strings in `url` (to scrub from driver messages, which may echo them)."""
-    try:
-        parts = urlsplit(url)
-        found = [parts.password] if parts.password else []
-        found += [v for k, v in parse_qsl(parts.query) if k.lower() in _SECRET_PARAMS and v]
-    except ValueError:
-        return []
-    return [s for s in found if len(s) >= 3]
 
 
 # ---- SQLite: journal mode --------------------------------------------------------------------
@@ -216,8 +200,9 @@ def journal_mode_for(db_path: str | Path, mounts: str | None = None) -> tuple[st
 
 def open_sqlite(path: str | Path) -> tuple[sqlite3.Connection, str]:
     """A raw connection to the SQLite file `path` with this module's pragmas: (connection,
-    journal mode in force). Autocommit (`isolation_level=None`: transactions are explicit),
-    usable from any thread (callers serialize their use), busy wait SQLITE_BUSY_TIMEOUT_S.
+    journal mode in force). Driver autocommit (`isolation_level=None`: transactions are
+    explicit `BEGIN IMMEDIATE`s), usable from any thread (callers serialize their use),
+    busy wait SQLITE_BUSY_TIMEOUT_S.
 
     Raises StateUnavailable naming the file if it cannot be opened or set up."""
     path = Path(path)
@@ -239,17 +224,13 @@ def open_sqlite(path: str | Path) -> tuple[sqlite3.Connection, str]:
     return conn, got
 
 
-# ---- placeholders and sessions ---------------------------------------------------------------
+# ---- sessions --------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=512)
 def _pg_sql(sql: str) -> str:
     """`?` placeholders -> psycopg's `%s` (a literal `%` doubled). Our SQL has no `?` or `%`
     inside string literals; keeping it that way is part of writing portable SQL here."""
     return sql.replace("%", "%%").replace("?", "%s")
-
-
-def _sqlite_dict_row(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:
-    return {d[0]: v for d, v in zip(cursor.description, row)}
 
 
 Trace = Callable[[str, tuple[Any, ...]], None]
@@ -259,185 +240,225 @@ class Session:
     """Statements on one connection, SQL written with `?` placeholders; rows are dicts.
 
     Obtained from `Database.session()` (autocommit) or `Database.transaction()` (atomic);
-    valid only inside that `with` block and on the thread that entered it."""
+    valid only inside that `with` block and on the thread that entered it. `connection` is
+    the SQLAlchemy Connection (for Core statements and Alembic, in the same transaction)."""
 
-    def __init__(self, conn: Any, dialect: Dialect, trace: Trace | None) -> None:
-        self._conn, self.dialect, self._trace = conn, dialect, trace
+    def __init__(self, connection: sa.Connection, dialect: Dialect, trace: Trace | None) -> None:
+        self.connection, self.dialect, self._trace = connection, dialect, trace
 
-    def _run(self, sql: str, params: Sequence[Any]) -> Any:
+    def _run(self, sql: str, params: Sequence[Any]) -> sa.CursorResult[Any]:
         params = tuple(params)
         if self._trace is not None:
             self._trace(sql, params)
-        if self.dialect == "sqlite":
-            return self._conn.execute(sql, params)
-        return self._conn.execute(_pg_sql(sql), params)
+        return self.connection.exec_driver_sql(sql if self.dialect == "sqlite" else _pg_sql(sql), params)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement; the number of rows it changed (-1 when not applicable)."""
         return int(self._run(sql, params).rowcount)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        for params in rows:
-            self._run(sql, params)
+        """Run one statement once per parameter row (the driver's executemany)."""
+        batch = [tuple(params) for params in rows]
+        if not batch:
+            return
+        if self._trace is not None:
+            for params in batch:
+                self._trace(sql, params)
+        self.connection.exec_driver_sql(sql if self.dialect == "sqlite" else _pg_sql(sql), batch)
 
     def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
         """The first row (None if there is none). Reads the result to its end, so no
         statement stays in progress (an INSERT ... RETURNING is complete when this returns)."""
-        rows = self._run(sql, params).fetchall()
+        rows = self.all(sql, params)
         return rows[0] if rows else None
 
     def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return list(self._run(sql, params).fetchall())
+        """Every row of the result."""
+        result = self._run(sql, params)
+        keys = tuple(result.keys())
+        return [dict(zip(keys, row)) for row in result.fetchall()]
 
     def value(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row (None when there is no row)."""
-        row = self.one(sql, params)
-        return None if row is None else next(iter(row.values()))
+        row = self._run(sql, params).fetchone()
+        return None if row is None else row[0]
 
 
 # ---- migrations ------------------------------------------------------------------------------
 
-# DDL tokens with a different spelling per dialect. `REAL` is 4 bytes in PostgreSQL, too
-# little for a Unix timestamp: `{float}` is DOUBLE PRECISION there.
-_DDL_TOKENS: dict[Dialect, dict[str, str]] = {
-    "sqlite": {"serial_pk": "INTEGER PRIMARY KEY AUTOINCREMENT", "float": "REAL", "bigint": "INTEGER"},
-    "postgresql": {"serial_pk": "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY",
-                   "float": "DOUBLE PRECISION", "bigint": "BIGINT"},
-}
-
-
-def ddl(statement: str, dialect: Dialect) -> str:
-    """`statement` with `{serial_pk}`, `{float}` and `{bigint}` spelled for `dialect`."""
-    return statement.format(**_DDL_TOKENS[dialect])
-
-
-@dataclass(frozen=True)
-class Migration:
-    """Step `version` of a store's schema: DDL `statements` (see `ddl` for the tokens), then
-    `run(session)` for data changes. Step 1 is written with IF NOT EXISTS so that files made
-    before versioning existed (same tables, no `schema_version` row) upgrade in place."""
-
-    version: int
-    description: str
-    statements: tuple[str, ...] = ()
-    run: Callable[[Session], None] | None = None
-
-
-_SCHEMA_VERSION_DDL = (
-    "CREATE TABLE IF NOT EXISTS schema_version ("
-    " store TEXT PRIMARY KEY, version INTEGER NOT NULL, updated_at {float} NOT NULL)"
+# The version record of the code before Alembic: still written (the store's head number), so
+# an older gangserve opening a newer database refuses it (its SchemaTooNew) instead of using it.
+_LEGACY_VERSIONS = sa.Table(
+    "schema_version", sa.MetaData(),
+    sa.Column("store", sa.Text, primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("updated_at", FLOAT, nullable=False),
 )
+
+
+@functools.cache
+def _scripts() -> ScriptDirectory:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(MIGRATIONS_DIR))
+
+
+def _number(store: str, revision: str) -> int | None:
+    """N of the revision id `<store>_<NNNN>`; None for an id that is not of that form."""
+    match = re.fullmatch(re.escape(store) + r"_(\d{4})", revision)
+    return int(match.group(1)) if match else None
+
+
+def _revision_number(store: str, revision: str) -> int | None:
+    """N of `revision` (an id, or `<store>@head`) if it is one of this code's revisions of
+    `store`, else None (a newer gangserve wrote it, or the store has no migrations)."""
+    from alembic.util import CommandError
+
+    try:
+        found = _scripts().get_revision(revision)
+    except CommandError:
+        return None
+    return None if found is None else _number(store, found.revision)
+
+
+def version_table(store: str) -> str:
+    """The Alembic version table of `store` (one per store: their versions are independent)."""
+    return f"alembic_version_{store}"
 
 
 # ---- the database ----------------------------------------------------------------------------
 
 class Database:
-    """A connection (SQLite) or a pool of them (PostgreSQL) to the state database.
+    """A SQLAlchemy Engine on the state database: one shared connection (SQLite, statements
+    serialized by a lock, as the file serializes writers anyway) or a pool of them
+    (PostgreSQL: up to POOL_MAX_SIZE, each checked with a round trip before use).
 
-    Thread-safe. `url` is the redacted URL (safe to log and to put in errors)."""
+    Thread-safe. `url` is the redacted URL (safe to log and to put in errors); `engine` the
+    Engine (for SQLAlchemy Core; use `session`/`transaction` to keep this module's errors)."""
 
     dialect: Dialect
     url: str
+    engine: sa.Engine
+    path: Path | None  # the SQLite file (None on PostgreSQL)
     journal_mode: str | None = None  # SQLite only
 
     def __init__(self, raw_url: str) -> None:
+        """Open the engine and prove the database answers (StateUnavailable naming the
+        redacted URL and why, ValueError for a URL that is not sqlite:// or postgresql://)."""
         self.dialect = dialect_of(raw_url)
         self.url = redact(raw_url)
-        self._raw_url = raw_url  # never printed: `url` is the redacted one
-        self._secrets = _secrets_of(raw_url)
+        self._secrets = secrets_of(raw_url)
         self.trace: Trace | None = None  # tests: called with (sql, params) of every statement
         self._closed = False
+        self._lock: threading.Lock | None = None
+        self._held: sa.Connection | None = None  # SQLite's one Connection
         if self.dialect == "sqlite":
-            self.path: Path | None = sqlite_path(raw_url)
-            self._sqlite, self.journal_mode = open_sqlite(self.path)
-            self._sqlite.row_factory = _sqlite_dict_row
+            self.path = sqlite_path(raw_url)
+            conn, self.journal_mode = open_sqlite(self.path)
             self._lock = threading.Lock()
+            # One connection (StaticPool), held open by one SQLAlchemy Connection that every
+            # session and transaction uses in turn, under `_lock` (no pool checkout per call);
+            # driver autocommit, so `transaction` sends its own BEGIN IMMEDIATE.
+            self.engine = sa.create_engine("sqlite+pysqlite://", creator=lambda: conn, poolclass=StaticPool,
+                                           isolation_level="AUTOCOMMIT")
         else:
             self.path = None
-            self._pool = _open_pool(raw_url, self._scrub)
-        # Set when a call found PostgreSQL unavailable: until a direct connection succeeds
-        # again, calls fail at once with the server's reason instead of each waiting
-        # POOL_TIMEOUT_S for a pooled connection that cannot come.
-        self._pg_down = False
+            self.engine = _pg_engine(raw_url)
+        try:
+            # The first connection: the dialect's set-up, and the start-up error with the
+            # server's own reason; PostgreSQL's first POOL_MIN_SIZE connections stay pooled.
+            if self.dialect == "sqlite":
+                self._held = self.engine.connect()
+            else:
+                with contextlib.ExitStack() as opened:
+                    for _ in range(max(1, POOL_MIN_SIZE)):
+                        opened.enter_context(self.engine.connect())
+        except sa_exc.DBAPIError as exc:
+            self.engine.dispose()
+            raise StateUnavailable(f"cannot reach the state database {self.url}: {self._reason(exc)} "
+                                   f"(start the server or fix {DATABASE_URL_ENV})") from None
 
     # -- public ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def session(self) -> Iterator[Session]:
         """Statements in autocommit mode: each one is atomic on its own."""
-        with self._errors():
-            if self.dialect == "sqlite":
-                with self._lock:
-                    yield Session(self._sqlite, "sqlite", self.trace)
-            else:
-                self._check_back()
-                with self._pool.connection(timeout=POOL_TIMEOUT_S) as conn:
-                    yield Session(conn, "postgresql", self.trace)
+        with self._errors(), self._connection() as conn:
+            yield Session(conn, self.dialect, self.trace)
 
     @contextlib.contextmanager
     def transaction(self, lock: str = "state") -> Iterator[Session]:
         """One atomic transaction: COMMIT when the block ends, ROLLBACK if it raises (the
-        exception propagates). Writers that name the same `lock` are serialized (on SQLite
-        every writer of the file is). Not re-entrant: never open a session or transaction
-        of the same Database inside it."""
-        with self._errors():
+        exception propagates; also after a failed COMMIT, so no transaction stays open on a
+        connection). Writers that name the same `lock` are serialized (on SQLite every writer
+        of the file is). Not re-entrant: never open a session or transaction of the same
+        Database inside it."""
+        with self._errors(), self._connection() as conn:
             if self.dialect == "sqlite":
-                with self._lock:
-                    self._sqlite.execute("BEGIN IMMEDIATE")
-                    try:
-                        yield Session(self._sqlite, "sqlite", self.trace)
-                        self._sqlite.execute("COMMIT")
-                    except BaseException:
-                        # Also after a failed COMMIT (busy, I/O error): the transaction
-                        # must not stay open on this shared connection.
-                        if self._sqlite.in_transaction:
-                            with contextlib.suppress(sqlite3.Error):
-                                self._sqlite.execute("ROLLBACK")
-                        raise
+                # SQLAlchemy's transaction is bookkeeping here (the driver is in autocommit):
+                # BEGIN IMMEDIATE opens SQLite's, the driver's commit()/rollback() end it.
+                with conn.begin():
+                    conn.exec_driver_sql("BEGIN IMMEDIATE")
+                    yield Session(conn, "sqlite", self.trace)
             else:
-                self._check_back()
-                with self._pool.connection(timeout=POOL_TIMEOUT_S) as conn, conn.transaction():
-                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(lock),))
+                conn.execution_options(isolation_level="READ COMMITTED")
+                with conn.begin():
+                    conn.exec_driver_sql("SELECT pg_advisory_xact_lock(%s)", (lock_key(lock),))
                     yield Session(conn, "postgresql", self.trace)
 
-    def migrate(self, store: str, migrations: Sequence[Migration]) -> int:
-        """Bring `store`'s tables to the newest of `migrations` (numbered 1, 2, ... in
-        order); returns the version now in force. Concurrent migrators wait for each other
-        (one lock), so each step runs once. SchemaTooNew if the database is ahead."""
-        numbers = [m.version for m in migrations]
-        if numbers != list(range(1, len(migrations) + 1)):
-            raise ValueError(f"migrations of {store!r} must be numbered 1..{len(migrations)}, got {numbers}")
+    def migrate(self, store: str) -> int:
+        """Bring `store`'s tables to the head of its Alembic branch; returns the version now
+        in force (N of `<store>_<NNNN>`). Concurrent migrators wait for each other (one
+        lock) and the steps run in that one transaction, so each step runs once, all or
+        nothing. A database of the code before Alembic is adopted: its `schema_version`
+        number is stamped as the revision of that number, then upgraded. SchemaTooNew if the
+        database is ahead of this code."""
+        from alembic import command
+        from alembic.config import Config
+        from alembic.runtime.migration import MigrationContext
+
+        head_number = _revision_number(store, f"{store}@head")
+        if head_number is None:
+            raise ValueError(f"no migrations for store {store!r} in {MIGRATIONS_DIR} (revisions <store>_<NNNN>)")
+        table = version_table(store)
         with self.transaction(lock="schema_version") as s:
-            s.execute(ddl(_SCHEMA_VERSION_DDL, self.dialect))
-            current = int(s.value("SELECT version FROM schema_version WHERE store = ?", (store,)) or 0)
-            if current > len(migrations):
+            conn = s.connection
+            _LEGACY_VERSIONS.create(conn, checkfirst=True)
+            legacy = int(s.value("SELECT version FROM schema_version WHERE store = ?", (store,)) or 0)
+            current = MigrationContext.configure(conn, opts={"version_table": table}).get_current_revision()
+            number = legacy if current is None else _revision_number(store, current)
+            if number is None or max(number, legacy) > head_number:
+                shown = current if number is None else max(number, legacy)
                 raise SchemaTooNew(
-                    f"the state database {self.url} has store {store!r} at schema version {current}; this "
-                    f"gangserve knows versions up to {len(migrations)}: run a newer gangserve"
+                    f"the state database {self.url} has store {store!r} at schema version {shown}; this gangserve "
+                    f"knows versions up to {head_number}: run a newer gangserve"
                 )
-            for step in migrations[current:]:
-                for statement in step.statements:
-                    s.execute(ddl(statement, self.dialect))
-                if step.run is not None:
-                    step.run(s)
-                log.info("state database %s: store %s migrated to version %d (%s)",
-                         self.url, store, step.version, step.description)
-            if len(migrations) != current:
+            if number != head_number or current is None:
+                config = Config()
+                config.set_main_option("script_location", str(MIGRATIONS_DIR))
+                config.attributes.update(connection=conn, version_table=table)
+                if current is None and legacy:
+                    command.stamp(config, f"{store}_{legacy:04d}")  # migrated by the code before Alembic
+                command.upgrade(config, f"{store}@head")
+                log.info("state database %s: store %s migrated from version %d to %d",
+                         self.url, store, number or 0, head_number)
+            if legacy != head_number:
                 s.execute(
                     "INSERT INTO schema_version (store, version, updated_at) VALUES (?, ?, ?) "
                     "ON CONFLICT (store) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at",
-                    (store, len(migrations), time.time()),
+                    (store, head_number, time.time()),
                 )
-        return len(migrations)
+        return head_number
 
     def schema_version(self, store: str) -> int:
         """The version `store` is at (0: never migrated)."""
+        from alembic.runtime.migration import MigrationContext
+
         with self.session() as s:
-            if self.dialect == "sqlite":
-                exists = s.value("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'")
-            else:
-                exists = s.value("SELECT 1 FROM information_schema.tables WHERE table_name = 'schema_version' "
-                                 "AND table_schema = current_schema()")
-            if not exists:
+            current = MigrationContext.configure(s.connection, opts={"version_table": version_table(store)}) \
+                .get_current_revision()
+            if current is not None:
+                return _number(store, current) or 0
+            if not sa.inspect(s.connection).has_table("schema_version"):
                 return 0
             return int(s.value("SELECT version FROM schema_version WHERE store = ?", (store,)) or 0)
 
@@ -447,19 +468,39 @@ class Database:
             s.value("SELECT 1")
 
     def close(self) -> None:
+        """Close every connection (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        if self.dialect == "sqlite":
-            with self._lock:
-                self._sqlite.close()
-        else:
-            self._pool.close(timeout=CONNECT_TIMEOUT_S)
+        if self._lock is None:
+            self.engine.dispose()
+            return
+        with self._lock:
+            if self._held is not None:
+                self._held.close()
+            self.engine.dispose()
 
     def __repr__(self) -> str:
         return f"Database({self.url})"
 
     # -- internals ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[sa.Connection]:
+        """A Connection for one session or transaction: PostgreSQL's from the pool (returned,
+        reset, when the block ends); SQLite's held one, under the lock, its SQLAlchemy
+        transaction bookkeeping ended when the block ends (the driver is in autocommit)."""
+        if self._lock is None:
+            with self.engine.connect() as conn:
+                yield conn
+            return
+        with self._lock:
+            assert self._held is not None
+            try:
+                yield self._held
+            finally:
+                if self._held.in_transaction():
+                    self._held.rollback()  # a session's autobegin; a transaction has ended its own
+
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
             text = text.replace(secret, "***")
@@ -467,7 +508,7 @@ class Database:
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
-        """Driver errors that mean 'the database is not reachable or usable now' become
+        """Errors that mean 'the database is not reachable or usable now' become
         StateUnavailable; everything else (a constraint, a bug, the caller's own
         exceptions) passes unchanged."""
         try:
@@ -477,55 +518,25 @@ class Database:
         except Exception as exc:
             if not _is_unavailable(exc):
                 raise
-            if self.dialect == "postgresql":
-                self._pg_down = True
             raise StateUnavailable(f"the state database {self.url} is unavailable: {self._reason(exc)}") from exc
 
     def _reason(self, exc: BaseException) -> str:
-        """What went wrong, in one line. The pool's timeout says only that no connection came:
-        then one direct attempt tells a server that is gone from a pool that is busy."""
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        reason = f"{type(exc).__name__}: {self._scrub(first)}"
-        if type(exc).__name__ != "PoolTimeout":
-            return reason
-        failed = self._probe()
-        if failed is not None:
-            return f"cannot connect: {failed}"
-        return (f"no pooled connection came free within {POOL_TIMEOUT_S:g}s (all {POOL_MAX_SIZE} busy, "
-                "or the server just came back)")
-
-    def _probe(self) -> str | None:
-        """None if a direct connection to PostgreSQL succeeds now, else why not (one line)."""
-        import psycopg
-
-        try:
-            psycopg.connect(_conninfo(self._raw_url), connect_timeout=2).close()
-        except psycopg.Error as exc:
-            lines = str(exc).strip().splitlines()
-            return self._scrub(lines[0] if lines else type(exc).__name__)
-        return None
-
-    def _check_back(self) -> None:
-        """After a failure: fail fast (StateUnavailable with the server's reason) while the
-        server still refuses a direct connection; once it accepts one, use the pool again."""
-        if not self._pg_down:
-            return
-        failed = self._probe()
-        if failed is not None:
-            raise StateUnavailable(f"the state database {self.url} is unavailable: cannot connect: {failed}")
-        self._pg_down = False
+        """What went wrong, in one line: the driver's own error (not SQLAlchemy's wrapper, whose
+        text carries the statement and its parameters), with any password scrubbed."""
+        if isinstance(exc, sa_exc.TimeoutError):
+            return f"no pooled connection came free within {POOL_TIMEOUT_S:g}s (all {POOL_MAX_SIZE} busy)"
+        orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None else exc
+        text = str(orig).strip()
+        return f"{type(orig).__name__}: {self._scrub(text.splitlines()[0] if text else '')}"
 
 
 def _is_unavailable(exc: BaseException) -> bool:
-    if isinstance(exc, sqlite3.OperationalError):
-        return True  # locked past the busy timeout, disk I/O error, unable to open ...
-    try:
-        import psycopg
-    except ImportError:
-        return False
-    # OperationalError covers refused/lost connections, AdminShutdown, the pool's timeout,
-    # lock_timeout and statement_timeout; InterfaceError a connection already closed.
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+    # OperationalError covers refused/lost connections, AdminShutdown, lock_timeout and
+    # statement_timeout (psycopg) and busy / disk I/O / unable to open (SQLite); InterfaceError
+    # a connection already closed; TimeoutError the pool's wait.
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, sqlite3.OperationalError)):
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
 
 
 def lock_key(name: str) -> int:
@@ -537,42 +548,24 @@ def _conninfo(raw_url: str) -> str:
     return "postgresql://" + raw_url.split("://", 1)[1]  # libpq takes both schemes; be explicit
 
 
-def _open_pool(raw_url: str, scrub: Callable[[str], str]) -> Any:
-    """A psycopg_pool.ConnectionPool of autocommit, dict-row connections with bounded
-    timeouts, opened only after one direct connection proved the server reachable (so the
-    start-up error carries the server's own reason, not just 'pool timed out')."""
+def _pg_engine(raw_url: str) -> sa.Engine:
+    """An Engine of psycopg connections made from the libpq URL as given, with bounded
+    timeouts; autocommit unless a transaction asks otherwise. The pool opens connections on
+    demand, keeps up to POOL_MAX_SIZE, waits POOL_TIMEOUT_S for one to come free, and checks
+    each before use (a connection the server dropped, at a restart or failover, is replaced,
+    and while the server is away each call fails at once with its reason)."""
     import psycopg
-    from psycopg.rows import dict_row
-    from psycopg_pool import ConnectionPool
 
-    url = redact(raw_url)
     conninfo = _conninfo(raw_url)
     options = (f"-c lock_timeout={PG_LOCK_TIMEOUT_MS} -c statement_timeout={PG_STATEMENT_TIMEOUT_MS} "
                f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_MS}")
-    kwargs = {"autocommit": True, "row_factory": dict_row, "connect_timeout": int(CONNECT_TIMEOUT_S),
-              "options": options, "application_name": "gangserve"}
-    try:
-        psycopg.connect(conninfo, **kwargs).close()
-    except psycopg.Error as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise StateUnavailable(
-            f"cannot reach the state database {url}: {scrub(first)} (start the server or fix {DATABASE_URL_ENV})"
-        ) from None
-    pool = ConnectionPool(
-        conninfo, min_size=POOL_MIN_SIZE, max_size=POOL_MAX_SIZE, kwargs=kwargs, open=False,
-        timeout=POOL_TIMEOUT_S, name="gangserve-state",
-        # A connection the server dropped (restart, failover) is found before it is used.
-        check=ConnectionPool.check_connection,
-        reconnect_timeout=POOL_RECONNECT_S,
-        reconnect_failed=lambda _pool: log.warning("state database %s: still unreachable", url),
+    kwargs: dict[str, Any] = {"connect_timeout": int(CONNECT_TIMEOUT_S), "options": options,
+                              "application_name": "gangserve"}
+    return sa.create_engine(
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(conninfo, **kwargs), poolclass=QueuePool,
+        pool_size=POOL_MAX_SIZE, max_overflow=0, pool_timeout=POOL_TIMEOUT_S, pool_pre_ping=True,
+        isolation_level="AUTOCOMMIT",
     )
-    try:
-        pool.open(wait=True, timeout=POOL_TIMEOUT_S)
-    except Exception as exc:
-        pool.close(timeout=1.0)
-        raise StateUnavailable(f"cannot open a connection pool to the state database {url}: "
-                               f"{type(exc).__name__}: {scrub(str(exc))[:300]}") from None
-    return pool
 
 
 def connect(url: str | None = None, *, state: Path | None = None) -> Database:
@@ -588,16 +581,16 @@ def connect(url: str | None = None, *, state: Path | None = None) -> Database:
 class DatabaseStore:
     """Base of a store over the state database (the job store, the served-weights record):
     `_open` connects to a URL (or borrows an open Database, which `close` then leaves open)
-    and applies the store's migrations; a failure there closes what it opened."""
+    and migrates the store's tables; a failure there closes what it opened."""
 
     _db: Database
     _owned: bool
 
-    def _open(self, database: str | Database, store: str, migrations: Sequence[Migration]) -> None:
+    def _open(self, database: str | Database, store: str) -> None:
         self._owned = not isinstance(database, Database)
         self._db = connect(database) if not isinstance(database, Database) else database
         try:
-            self._db.migrate(store, migrations)
+            self._db.migrate(store)
         except BaseException:
             self.close()
             raise
@@ -607,5 +600,6 @@ class DatabaseStore:
         return self._db
 
     def close(self) -> None:
+        """Close the Database if this store opened it."""
         if self._owned:
             self._db.close()

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from service.state.db import Database, DatabaseStore, Migration, Row, Session, sqlite_url
+from service.state.db import Database, DatabaseStore, Row, Session, sqlite_url
 from service.training.limits import ActiveUsage
 from service.training.status import ACTIVE, JobStatus, parse, sources
 from service.tunables import TUNABLES
@@ -38,63 +38,7 @@ MAX_LOG_LINES_PER_JOB = TUNABLES.training.max_log_lines_per_job
 STORE = "jobs"
 LOCK = "jobs"  # the transaction lock of every multi-statement write of this store
 
-# The store's versioned schema (service.state.db.Migration). Step 1 is the schema as it was
-# created before versioning (IF NOT EXISTS), so existing files upgrade in place.
-MIGRATIONS = (
-    Migration(1, "jobs, job_history, job_logs, managers, datasets", (
-        """CREATE TABLE IF NOT EXISTS jobs (
-            seq         {serial_pk},
-            id          TEXT UNIQUE NOT NULL,
-            status      TEXT NOT NULL,
-            spec        TEXT NOT NULL,
-            created_at  {float} NOT NULL,
-            updated_at  {float} NOT NULL,
-            started_at  {float},
-            finished_at {float},
-            reason      TEXT,
-            error       TEXT,
-            progress    TEXT NOT NULL,
-            history     TEXT NOT NULL DEFAULT '[]',   -- legacy: histories before job_history existed
-            checkpoint  TEXT,
-            workers     TEXT NOT NULL DEFAULT '[]',
-            attempts    INTEGER NOT NULL DEFAULT 0,
-            owner       TEXT
-        )""",
-        """CREATE TABLE IF NOT EXISTS job_history (
-            job_id TEXT NOT NULL,
-            epoch  INTEGER NOT NULL,
-            loss   {float},
-            at     {float},
-            PRIMARY KEY (job_id, epoch)
-        )""",
-        """CREATE TABLE IF NOT EXISTS job_logs (
-            id      {serial_pk},
-            job_id  TEXT NOT NULL,
-            run_seq {bigint},           -- the run actor's line number; NULL for the manager's own lines
-            ts      {float} NOT NULL,
-            line    TEXT NOT NULL,
-            UNIQUE (job_id, run_seq)
-        )""",
-        """CREATE TABLE IF NOT EXISTS managers (
-            id           TEXT PRIMARY KEY,
-            heartbeat_at {float} NOT NULL
-        )""",
-        """CREATE TABLE IF NOT EXISTS datasets (
-            seq        {serial_pk},
-            id         TEXT UNIQUE NOT NULL,
-            created_at {float} NOT NULL,
-            info       TEXT NOT NULL,
-            path       TEXT NOT NULL,
-            bytes      {bigint} NOT NULL
-        )""",
-    )),
-    Migration(2, "init_from, resumes, resumed_from_epoch; eval_loss per epoch", (
-        "ALTER TABLE jobs ADD COLUMN init_from TEXT",  # JSON: what the job started from (resolved)
-        "ALTER TABLE jobs ADD COLUMN resumes INTEGER NOT NULL DEFAULT 0",  # runs started again after they died
-        "ALTER TABLE jobs ADD COLUMN resumed_from_epoch INTEGER",
-        "ALTER TABLE job_history ADD COLUMN eval_loss {float}",
-    )),
-)
+# The store's schema: the Alembic branch "jobs" (service/state/migrations/versions/jobs_*.py).
 
 _JSON_FIELDS = ("spec", "progress", "history", "checkpoint", "workers", "init_from")
 # `history` is not updatable: it is written incrementally with `put_history`.
@@ -181,7 +125,7 @@ class JobStore(DatabaseStore):
         open Database (then not closed by `close`)."""
         if not isinstance(database, Database):
             database = str(database) if "://" in str(database) else sqlite_url(database)
-        self._open(database, STORE, MIGRATIONS)
+        self._open(database, STORE)
         self.path = self._db.path  # the SQLite file (None on PostgreSQL)
         self.journal_mode = self._db.journal_mode
         log.info("job store on %s%s", self._db.url,
