@@ -5,7 +5,7 @@
 `--old` is a checkout of the tree to compare with (e.g. `git archive <commit> service harness
 tests clients | tar -x -C /tmp/statedb-old`); the new tree is this one. Each round runs one
 child process per tree (old, new, alternating, so both see the same machine load) against a
-fresh SQLite file and a fresh database on one real PostgreSQL server (tests/postgres.py, on
+fresh SQLite file and a fresh database on one real PostgreSQL server (harness/postgres.py, on
 loopback); each child times the stores' own public calls. Prints a markdown table of the
 median over rounds of each child's median microseconds per call.
 """
@@ -94,7 +94,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from tests.postgres import PostgresServer
+    from harness.postgres import PostgresServer
 
     trees = {"old": args.old.resolve(), "new": ROOT}
     server = PostgresServer()
