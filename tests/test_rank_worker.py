@@ -10,6 +10,8 @@ the same rank-0 process.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import os
 import queue
 import signal
@@ -91,6 +93,24 @@ def _root_main(out: Any, cmd: Any) -> None:
         out.put(("closed", gen, time.monotonic() - started))
 
 
+def _wait_idle(pid: int, timeout_s: float = 30.0) -> None:
+    """Until every thread of `pid` sleeps (state S) on 3 reads 20 ms apart: the peer has
+    finished its step and waits in the next header's receive. Stopping it before that (a
+    loaded machine) would leave rank 0's header send unreceived, and the step would time out
+    in the header instead of in its collectives."""
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while quiet < 3:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # a thread that just exited
+        quiet = quiet + 1 if states and all(state == "S" for state in states) else 0
+        assert time.monotonic() < deadline, f"peer {pid} not idle within {timeout_s:g}s: {states}"
+        time.sleep(0.02)
+
+
 def _expect(out: Any, kind: str, timeout_s: float = 120.0) -> tuple:
     msg = out.get(timeout=timeout_s)
     assert msg[0] == kind, f"expected {kind!r} from rank 0, got {msg[:3]!r}"
@@ -123,7 +143,8 @@ def test_two_real_ranks_match_dense_and_fail_bounded_when_a_peer_dies_or_stops()
             _, _, bcast_ns, forward_ns = _expect(out, "timings")
             assert 0 < bcast_ns <= forward_ns
             _expect(out, "drill")
-            os.kill(peer.pid, signal.SIGSTOP)  # the peer takes no part in the next step
+            _wait_idle(peer.pid)  # waiting for the next header ...
+            os.kill(peer.pid, signal.SIGSTOP)  # ... and then taking no part in the step
             cmd.put("go")
             _expect(out, "in-step")  # rank 0's header is out; its collectives follow at once
             if gen == 1:

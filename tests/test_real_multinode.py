@@ -216,15 +216,18 @@ def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: Ne
     statuses = load.statuses()
     assert -200 not in statuses, "a 200 carried a wrong answer"
     # One of the two ingress replicas is on the cut node. A request the front door (HAProxy on
-    # the head) handed to it before its health check marked it down is answered by that replica
-    # at its deadline (our JSON 504), and the answer crosses back when the link does: late by
-    # the partition, never lost, never a front-door answer of its own. Only 504s, only for
-    # requests started from 1 s before the cut until the heal, answered by the heal + 3 s, at
-    # most 2 per client thread; every other answer within the fault bound.
+    # the head) handed to it in the partition is stranded: its bytes reach that replica only
+    # once the link is back (TCP's retransmission backoff: up to ~PARTITION_S after the heal),
+    # and the ingress times a stated deadline from when it sees the request. So it is answered
+    # late, by the service (a right 200, or our 503/504), never lost and never a front-door
+    # answer of its own: only for requests started from 1 s before the cut until the heal,
+    # answered within REQUEST_DEADLINE_S + 1 s of that arrival, at most 2 per client thread;
+    # every other answer within the fault bound.
     stranded = [(status, round(lat, 2), round(t0 - cut_at, 2)) for status, lat, t0 in load.results
                 if lat > FAULT_BOUND_S]
     assert len(stranded) <= 2 * load.threads and all(
-        status == 504 and -1.0 <= started <= PARTITION_S and started + lat <= PARTITION_S + 3.0
+        status in (200, 503, 504) and -1.0 <= started <= PARTITION_S
+        and started + lat <= 2 * PARTITION_S + REQUEST_DEADLINE_S + 1.0
         for status, lat, started in stranded), stranded
     assert set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     assert recovered_at is not None, "not serving again within 120 s of the link coming back"
