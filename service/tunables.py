@@ -272,9 +272,6 @@ class StateTunables:
         "caller gets the store's 503 with a reason."))
     connect_timeout_s: float = knob(5.0, "One PostgreSQL connection attempt (libpq connect_timeout; whole seconds).")
     pool_timeout_s: float = knob(5.0, "Wait for a pooled PostgreSQL connection (the server may be gone).")
-    pool_reconnect_s: float = knob(10.0, (
-        "How long the pool retries one failed connection attempt (doubling back-off) before it gives up; "
-        "short, so a server that comes back is used again within seconds."))
     pg_lock_timeout_ms: int = knob(10_000, (
         "PostgreSQL lock_timeout: the wait for the advisory lock or a row lock (below jobs_call_timeout_s)."))
     pg_statement_timeout_ms: int = knob(20_000, "PostgreSQL statement_timeout (below jobs_call_timeout_s).")
