@@ -17,16 +17,10 @@ import yaml
 
 from harness.local import ROOT
 from service.cluster.front_door import FRONT_DOOR_ENV, missing_front_door_env, warn_if_slow_front_door
-from tests.helpers import rand
+from tests.helpers import npy_bytes, rand
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 SEED_WEIGHTS = notes_seed_weights(512)
-
-
-def npy(x: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, x)
-    return buf.getvalue()
 
 
 @pytest.mark.unit
@@ -87,7 +81,7 @@ def test_the_http_port_is_haproxy(app_url: str) -> None:
 def test_plain_http_through_the_front_door_matches_the_dense_reference(app_url: str) -> None:
     x = rand(3, 7, 512, seed=11)
     with httpx.Client(timeout=60) as client:
-        r = client.post(app_url + "/infer", content=npy(x), headers={"content-type": "application/x-npy"})
+        r = client.post(app_url + "/infer", content=npy_bytes(x), headers={"content-type": "application/x-npy"})
         assert r.status_code == 200, r.text
         got = torch.from_numpy(np.load(io.BytesIO(r.content), allow_pickle=False))
         assert relative_error(got, dense_attention(SEED_WEIGHTS, 8, torch.from_numpy(x))) < 1e-5
@@ -115,7 +109,7 @@ def test_a_stated_deadline_gets_our_json_504_not_the_front_doors_answer(app_url:
     the ingress answers first, in its own format (service.deadlines)."""
     x = rand(64, 128, 512, seed=13)  # ~0.1-0.5 s of compute on this machine
     with httpx.Client(timeout=60) as client:
-        r = client.post(app_url + "/infer", content=npy(x), headers={
+        r = client.post(app_url + "/infer", content=npy_bytes(x), headers={
             "content-type": "application/x-npy", "x-request-timeout-seconds": "0.02"})
     assert r.status_code == 504, (r.status_code, r.text[:200])
     assert r.headers["content-type"].startswith("application/json")

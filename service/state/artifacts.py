@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-from service.errors import GangServeError
+from service.errors import ErrorCode, GangServeError
 from service.state.paths import resolve_inside, state_dir
 from service.state.urls import redact
 from service.tunables import TUNABLES
@@ -74,7 +74,7 @@ class StorageUnavailable(GangServeError):
     """The artifact store cannot be reached or refuses us (bucket missing, endpoint down,
     credentials refused). Retryable: the service itself is fine."""
 
-    status, code = 503, "storage_unavailable"
+    status, code = 503, ErrorCode.STORAGE_UNAVAILABLE
     retry_after_s = 5.0
 
 

@@ -52,7 +52,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import QueuePool, StaticPool
 
-from service.errors import GangServeError
+from service.errors import ErrorCode, GangServeError
 from service.state.migrations import FLOAT
 from service.state.paths import state_dir
 from service.state.urls import redact, secrets_of
@@ -107,7 +107,7 @@ class StateUnavailable(GangServeError):
     written by the failed call, and the same call works again once the database is back.
     """
 
-    status, code = 503, "state_unavailable"
+    status, code = 503, ErrorCode.STATE_UNAVAILABLE
     retry_after_s = 5.0
 
 
