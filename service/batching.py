@@ -18,7 +18,7 @@ its length first, while the step's padded share, `1 - sum(b_i s_i) / (sum(b_i) S
 at most `max_padding_fraction` (0: equal lengths only). `stats()` reports the tokens and
 padded tokens of the steps (/gang) and the observer gets each step's padded share (/metrics).
 
-At most `max_in_flight` steps run at once (1 in front of the gang's sequencer);
+At most `max_in_flight` steps run at once (1, in front of the gang's sequencer);
 requests that arrive while they run form the next batch, so under load batches grow by
 themselves and an idle gang adds no wait (unless `wait_s` > 0 asks to linger for company):
 a request that finds the batcher idle runs its step in its own task, at no cost over
@@ -33,10 +33,10 @@ can stop waiting for its result then. A queued request whose caller is cancelled
 client disconnected, or the ingress gave up) is dropped as well. `on_drop(reason, n)`
 hears of both ("deadline", "cancelled"), for /metrics; `stats()` counts them.
 
-The same class batches twice: in the GangServer (one gang step per batch) and in each
-ingress replica (one handle call per batch, `max_in_flight=2` so one batch crosses the
-hop while the gang computes the previous one), which amortises the per-call cost of the
-hop over every request in the batch.
+It is the one batcher on the request path, in the GangServer (one gang step per batch):
+the ingress sends every request on its own, so this batcher sees the requests of every
+ingress replica at once, and Serve counts each as an ongoing request of the gang (what its
+autoscaler reads).
 """
 from __future__ import annotations
 
@@ -85,14 +85,10 @@ class StepBatcher:
 
     def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1,
                  on_step: StepObserver | None = None, max_padding_fraction: float = 0.0,
-                 on_drop: DropObserver | None = None, own_step_drops: bool = True) -> None:
+                 on_drop: DropObserver | None = None) -> None:
         self._run_step = run_step
         self._on_step = on_step
         self._on_drop = on_drop
-        # The step function's own DeadlineExceededBeforeStep counts as this batcher's drop
-        # (the gang's sequencer), unless it was counted where it happened (the ingress's step
-        # is the hop to the gang server, which counts its own).
-        self._own_step_drops = own_step_drops
         self._max_rows = max_batch_size
         self._max_padding = max_padding_fraction
         self._wait_s = wait_s
@@ -231,7 +227,7 @@ class StepBatcher:
             try:
                 out = await self._run_step(x, mask, group[0].causal, step_deadline)  # [sum b_i, S, E]
             except Exception as exc:
-                if isinstance(exc, DeadlineExceededBeforeStep) and self._own_step_drops:  # dropped uncomputed
+                if isinstance(exc, DeadlineExceededBeforeStep):  # the step function dropped it uncomputed (the sequencer)
                     self.expired_running -= sum(1 for p in group if p.expired_in_step)
                     self._dropped("deadline", len(group))
                 if self._on_step:

@@ -119,7 +119,6 @@ class IngressTransport(_Open):
     shared_memory_fallbacks: int
     data_channel: int
     data_channel_fallbacks: int
-    batching: BatchingStats
 
 
 class GangStatus(_Open):

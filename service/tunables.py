@@ -147,9 +147,6 @@ class TransportTunables:
     stale_socket_s: float = knob(60.0, (
         "A data-channel socket file nobody accepts on, older than this, is a dead replica's and is "
         "removed at start (a replica that is just starting is younger)."))
-    ingress_calls_in_flight: int = knob(2, (
-        "Handle calls one ingress replica keeps in flight to the gang (its batcher): one batch crosses "
-        "the hop while the gang computes the previous one."))
     shm_retry_after_s: float = knob(30.0, "After a shared-memory hand-off failed, tensors go by value for this long.")
     channel_retry_after_s: float = knob(5.0, (
         "After a data-channel failure, requests use the Serve handle for this long (same replica), then "

@@ -54,11 +54,13 @@ class Outcome:
 
 @dataclass
 class RequestLoop:
-    """Background threads posting [1, 4, E] npy requests and checking every 200."""
+    """Background threads posting [rows, tokens, E] npy requests ([1, 4, E] unless told) and
+    checking every 200."""
 
     url: str
     weights: dict
     threads: int = 2
+    rows_and_tokens: tuple[int, int] = (1, 4)  # each request's [rows, tokens] (of width E)
     # Other weights a 200 may also have been computed from (e.g. during a swap): the answer
     # must equal the dense reference of exactly one of them, never a mix.
     alternatives: list[dict] = field(default_factory=list)
@@ -83,7 +85,7 @@ class RequestLoop:
         rng = np.random.default_rng(seed)
         with httpx.Client(timeout=180) as client:
             while not self._stop.is_set():
-                x = rng.standard_normal((1, 4, 512), dtype=np.float32)
+                x = rng.standard_normal((*self.rows_and_tokens, 512), dtype=np.float32)
                 buf = io.BytesIO()
                 np.save(buf, x)
                 t0 = time.monotonic()

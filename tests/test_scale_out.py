@@ -267,21 +267,29 @@ def test_losing_a_gangs_rank_0_the_other_answers_and_the_replacement_has_the_swa
 @pytest.mark.ray
 @pytest.mark.slow
 def test_autoscaling_adds_a_gang_under_load_and_drains_it_without_failures(serve_url: str) -> None:
-    """1 -> 2 gangs while 8 clients keep the gang busy, back to 1 when one client remains;
-    the gang that goes away is drained: no request fails on the way down."""
+    """Serve's autoscaler sees our traffic: 12 clients sending [2, 64, E] against
+    target_ongoing_requests 2 bring a second gang (each request is one ongoing request of
+    the gang server, whose batcher is the only one on the path), back to 1 when one client
+    remains; the gang that goes away is drained: no request fails or is wrong on the way."""
     from ray import serve
 
-    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                    "upscale_delay_s": 1, "downscale_delay_s": 4, "metrics_interval_s": 0.5,
                    "look_back_period_s": 2}
     args = {**local_yaml_args(), "cpus_per_rank": 0.25, "autoscaling_config": autoscaling}
     base = deploy(serve_url, "autoscale", "/autoscale", args)
     try:
         assert _gangs(base)["desired"] == 1
-        with RequestLoop(base + "/infer", SEED, threads=8) as busy:
-            peak = eventually(lambda: (g := _gangs(base))["ready"] == 2 and g, 120,
-                              "a second gang added under 8 clients (/gangs ready == 2)", 0.5)
-        print("scaled up:", peak.get("desired"), peak.get("ready"), busy.summary())
+        with RequestLoop(base + "/infer", SEED, threads=12, rows_and_tokens=(2, 64)) as busy:
+            busy.wait_answered(12)
+            loaded_at = time.monotonic()
+            # The goal: a second gang serving within 60 s of the load.
+            peak = eventually(lambda: (g := _gangs(base))["ready"] == 2 and g, 60,
+                              "a second gang added within 60 s of 12 clients' load (/gangs ready == 2)", 0.5)
+            scaled_up_s = time.monotonic() - loaded_at
+            busy.wait_answered(12, after=time.monotonic())  # both gangs serve on
+        print(f"scaled up after {scaled_up_s:.1f}s of load:", peak.get("desired"), peak.get("ready"),
+              busy.summary())
         assert peak["ready"] == 2 and peak["desired"] == 2, peak
         with RequestLoop(base + "/infer", SEED, threads=1) as light:
             now = eventually(lambda: (g := _gangs(base))["desired"] == 1 and len(g["gangs"]) == 1 and g, 120,

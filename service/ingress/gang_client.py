@@ -7,7 +7,7 @@ diagnoses why from the cluster's resources (service.cluster.placement) and answe
 once with needed vs available, instead of letting requests queue in Serve's router.
 
 Deadlines and in-service retry (issue 23). Every request carries a deadline
-(service.deadlines) to the batcher, over the hop and into the gang. A request that fails
+(service.deadlines) over the hop and into the gang's batcher. A request that fails
 because its gang broke (RETRYABLE_CODES: a rank died, a collective timed out, the gang is
 rebuilding or stopping, its replica is gone or restarting; never bad input, never the
 deadline) is sent again: at once (with several gangs Serve's router picks a ready one),
@@ -37,9 +37,8 @@ from service.transport import shm
 from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
 from service.config import AppConfig
 from service.deadlines import seconds_left
-from service.errors import (RETRYABLE_CODES, CollectiveTimeout, DeadlineExceeded, ErrorCode, GangServeError,
-                            GangUnavailable, gang_state_code)
-from service.batching import StepBatcher
+from service.errors import (RETRYABLE_CODES, CollectiveTimeout, DeadlineExceeded, DeadlineExceededBeforeStep,
+                            ErrorCode, GangServeError, GangUnavailable, gang_state_code)
 from service.cluster.placement import (
     GangRequest,
     GangUnschedulable,
@@ -60,7 +59,6 @@ T = TypeVar("T")
 # Waits, retries and fallbacks (service.tunables says why each value).
 STATUS_MAX_AGE_S = TUNABLES.ingress.status_max_age_s  # of the cached gang status, on the request path
 DESCRIBE_TIMEOUT_S = TUNABLES.ingress.describe_timeout_s
-INGRESS_CALLS_IN_FLIGHT = TUNABLES.transport.ingress_calls_in_flight
 SHM_RETRY_AFTER_S = TUNABLES.transport.shm_retry_after_s  # by value for this long after a failure
 CHANNEL_RETRY_AFTER_S = TUNABLES.transport.channel_retry_after_s  # the handle for this long after a failure
 RETRY_BACKOFF_S = TUNABLES.ingress.retry_backoff_s  # by attempt, the last one repeated
@@ -95,12 +93,6 @@ class GangClient:
         self._channel: ChannelClient | None = None
         self._channel_replica: str | None = None
         self._channel_retry_at = 0.0
-        # Concurrent requests share one handle call, mixed lengths padded (see StepBatcher).
-        self._batcher = StepBatcher(
-            self._send, max_batch_size=config.max_batch_size, wait_s=config.batch_wait_timeout_s,
-            max_in_flight=INGRESS_CALLS_IN_FLIGHT, max_padding_fraction=config.max_padding_fraction,
-            on_drop=_count_drop, own_step_drops=False,
-        )
         self._waiting = 0  # requests waiting for a gang to serve (bounded by max_queued_requests)
         self._outage_since: float | None = None  # first failure of the current outage
         self._last_outage_s: float | None = None  # how long the last one lasted
@@ -134,7 +126,7 @@ class GangClient:
                 await self._wait_for_gang(status, deadline)
                 continue
             try:
-                out = await self._batcher.submit(x, mask, causal, deadline)
+                out = await self._send_before(x, mask, causal, deadline)
             except GangServeError as exc:
                 if exc.code not in RETRYABLE_CODES:
                     raise
@@ -152,6 +144,19 @@ class GangClient:
             if self._outage_since is not None:  # served again: the outage is over
                 self._last_outage_s, self._outage_since = time.monotonic() - self._outage_since, None
             return out
+
+    async def _send_before(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
+                           deadline: float) -> np.ndarray:
+        """One request, sent on its own: the gang server's batcher (service.gang) is the one
+        batcher on the path, so it sees every request (it shares steps among them, and Serve's
+        autoscaler counts each one as an ongoing request of the gang). A request whose
+        deadline has passed is not sent (504, counted as dropped at the ingress); one whose
+        client went away while it waited for a gang is counted as disconnected."""
+        if time.monotonic() >= deadline:
+            _count_drop("deadline")
+            raise DeadlineExceededBeforeStep("the request's deadline passed before it could be sent to the gang; "
+                                             "it was not computed")
+        return await self._send(x, mask, causal, deadline)
 
     def _saw_outage(self) -> None:
         if self._outage_since is None:
@@ -185,6 +190,9 @@ class GangClient:
         self._waiting += 1
         try:
             await _pause(WAIT_POLL_S, deadline, f"waiting for a gang ({why})")
+        except asyncio.CancelledError:
+            _count_drop("disconnected")
+            raise
         finally:
             self._waiting -= 1
 
@@ -263,8 +271,7 @@ class GangClient:
         plus how this ingress replica has been handing tensors to the gang."""
         status = await self.status(max_age_s=0.0)
         transport = IngressTransport(node_id=self._node_id, shm_enabled=self._shm_enabled,
-                                     data_channel_enabled=self._channel_enabled, **self._transport,
-                                     batching=self._batcher.stats())
+                                     data_channel_enabled=self._channel_enabled, **self._transport)
         return {**status, "ingress_transport": dump(transport)}
 
     async def status(self, max_age_s: float) -> dict[str, Any]:
@@ -281,10 +288,9 @@ class GangClient:
     # -- internals ------------------------------------------------------------------------
     async def _send(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                     deadline: float | None = None) -> np.ndarray:
-        """One request to the gang carrying x [batch, seq, E] (one request or a batch of
-        them) with its key mask, causal flag and deadline (the latest of the batch's): over
-        the data channel when rank 0 is on this node, else a handle call (the mask, flag
-        and deadline travel on every path)."""
+        """One request to the gang carrying x [batch, seq, E] with its key mask, causal flag
+        and deadline: over the data channel when rank 0 is on this node, else a handle call
+        (the mask, flag and deadline travel on every path)."""
         status = self._status or {}
         channel = self._channel_for(status)
         if channel is not None:
@@ -474,10 +480,10 @@ def unavailable_error(status: dict[str, Any]) -> GangServeError:
 
 
 
-def _count_drop(reason: str, n: int) -> None:
-    """The ingress batcher's drops, for /metrics (a cancelled request here: the client went away)."""
-    process_metrics().inc("gangserve_requests_dropped", ("ingress", "disconnected" if reason == "cancelled" else reason),
-                          float(n))
+def _count_drop(reason: str) -> None:
+    """A request the ingress dropped before sending it (`deadline`, or `disconnected`: its
+    client went away while it waited for a gang), for /metrics."""
+    process_metrics().inc("gangserve_requests_dropped", ("ingress", reason))
 
 
 async def _pause(delay: float, deadline: float, doing: str) -> None:
@@ -486,5 +492,6 @@ async def _pause(delay: float, deadline: float, doing: str) -> None:
     left = deadline - time.monotonic()
     if left <= delay:
         await asyncio.sleep(max(0.0, left))
+        _count_drop("deadline")
         raise DeadlineExceeded(f"the request's deadline passed while {doing}")
     await asyncio.sleep(delay)
