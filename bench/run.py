@@ -394,14 +394,12 @@ def bench_front_door(base: str, n: int, load_s: float) -> dict[str, Any]:
     rng = np.random.default_rng(5)
     bodies = {s: npy(rng.standard_normal((1, s, 512), dtype=np.float32)) for s in range(1, MIXED_MAX_SEQ + 1)}
     mixed_throughput(base + "/f_ws2/infer", bodies, 16, 1.0)  # warm up: the lengths' first steps
-    # HTTP requests are what the ingress's batcher counts; the gang's batcher counts the
-    # ingress's calls (each a batch) and its own steps.
+    # The gang's batcher, the one on the path, counts every HTTP request and its own steps.
     before = client.get(base + "/f_ws2/gang").json()
     out["mixed_c16"] = mixed_throughput(base + "/f_ws2/infer", bodies, 16, load_s)
     after = client.get(base + "/f_ws2/gang").json()
     out["mixed_c16"]["gang_steps"] = after["batching"]["steps"] - before["batching"]["steps"]
-    out["mixed_c16"]["gang_requests"] = (after["ingress_transport"]["batching"]["requests"]
-                                         - before["ingress_transport"]["batching"]["requests"])
+    out["mixed_c16"]["gang_requests"] = after["batching"]["requests"] - before["batching"]["requests"]
     for app in ("f_echo", "f_naive", "f_ws2", "f_ws1"):
         serve.delete(app)
     out["bare"] = {"notes' shape [128, 8, 512]": bare_step_ms(tuple(big.shape)),
@@ -745,14 +743,12 @@ def bench_mixed(base: str, n: int, load_s: float) -> dict[str, dict]:
         before = client.get(f"{base}/{app}/gang").json()
         rows[label] = mixed_throughput(url, bodies, 16, load_s)
         after = client.get(f"{base}/{app}/gang").json()
-        # Where the batching happens: the ingress coalesces requests into handle calls (2 in
-        # flight), so the gang server mostly sees whole batches, one per step.
-        for where, b0, b1 in (("ingress", before["ingress_transport"]["batching"], after["ingress_transport"]["batching"]),
-                              ("gang", before["batching"], after["batching"])):
-            steps = max(b1["steps"] - b0["steps"], 1)
-            rows[label][f"{where}_requests_per_step"] = (b1["requests"] - b0["requests"]) / steps
-            rows[label][f"{where}_padded_token_share"] = (b1["padded_tokens"] - b0["padded_tokens"]) / max(
-                b1["tokens"] - b0["tokens"], 1)
+        # The batching happens once, in the gang server: it sees every request.
+        b0, b1 = before["batching"], after["batching"]
+        steps = max(b1["steps"] - b0["steps"], 1)
+        rows[label]["gang_requests_per_step"] = (b1["requests"] - b0["requests"]) / steps
+        rows[label]["gang_padded_token_share"] = (b1["padded_tokens"] - b0["padded_tokens"]) / max(
+            b1["tokens"] - b0["tokens"], 1)
     serve.delete("mixed50")
     mixed_d = direct["mixed"]
     # The mask's cost at equal shape: [1, 64, 512] safetensors, one padded position (an
@@ -775,12 +771,10 @@ def bench_mixed(base: str, n: int, load_s: float) -> dict[str, dict]:
 def print_mixed(mixed: dict[str, dict], load_s: float) -> dict[str, float]:
     print(f"\nmixed-length traffic (issue 22): 16 clients, batch 1, seq uniform over 1..{MIXED_MAX_SEQ}, "
           f"world size 2, {load_s:.0f}s each, one run\n")
-    print("| row | req/s | tokens/s | p50 ms | p99 ms | requests per ingress call | padded share (ingress) | "
-          "calls per gang step | padded share (gang) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| row | req/s | tokens/s | p50 ms | p99 ms | requests per gang step | padded share |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in mixed["throughput"].items():
         print(f"| {name} | {r['req_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-              f"{r['ingress_requests_per_step']:.2f} | {r['ingress_padded_token_share']:.3f} | "
               f"{r['gang_requests_per_step']:.2f} | {r['gang_padded_token_share']:.3f} |")
     print("\n| request (direct ingress, interleaved) | p50 ms | p99 ms | gang ms (Server-Timing) |")
     print("|---|---:|---:|---:|")

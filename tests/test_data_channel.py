@@ -241,9 +241,9 @@ def _driver_side_client(app_url: str, **overrides: Any) -> Any:
     from tests.conftest import local_yaml_args
 
     handle = serve.get_deployment_handle("GangServer", app_name="gangserve")
-    client = GangClient(handle, AppConfig.model_validate({**local_yaml_args(), **overrides}))
-    client._node_id = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
-    return client
+    # As an ingress replica on rank 0's node sees it.
+    rank0_node = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
+    return GangClient(handle, AppConfig.model_validate({**local_yaml_args(), **overrides}), node_id=rank0_node)
 
 
 def _transport(client: Any) -> dict[str, Any]:
@@ -263,7 +263,7 @@ def test_requests_take_the_data_channel_and_match_the_reference(app_url: str) ->
     out_big, out_small = asyncio.run(run())
     assert relative_error(torch.from_numpy(out_big), reference(big)) < 1e-5
     assert relative_error(torch.from_numpy(out_small), reference(small)) < 1e-5
-    t = client._transport
+    t = client._link.transport().model_dump()
     assert (t["data_channel"], t["shared_memory"], t["object_store"], t["data_channel_fallbacks"]) == (2, 1, 0, 0), t
     gang = httpx.get(app_url + "/gang", timeout=30).json()
     assert gang["data_channel"]["listening"] is True and gang["data_channel"]["requests"] >= 2
@@ -281,7 +281,7 @@ def test_an_unusable_channel_falls_back_to_the_handle(app_url: str, tmp_path: Pa
     for out in asyncio.run(run()):
         assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
     # One failed attempt, then the handle without retrying the channel for a while.
-    t = client._transport
+    t = client._link.transport().model_dump()
     assert (t["data_channel"], t["data_channel_fallbacks"], t["object_store"]) == (1, 1, 2), t
 
 

@@ -12,7 +12,9 @@ The house rules, each a test:
 - service.parallel (the tensor-parallel math) depends on torch only;
 - service.tunables (every timing and sizing knob) imports nothing from service, so any
   module may read it;
-- error codes are ErrorCode members (service.errors, the one registry), not string literals.
+- error codes are ErrorCode members (service.errors, the one registry), not string literals;
+- the ingress -> rank 0 hop has one owner (service.transport.link): no other module of the
+  ingress or the deployments opens the data channel or hands tensors through /dev/shm.
 """
 from __future__ import annotations
 
@@ -202,6 +204,22 @@ def test_error_codes_are_written_only_through_the_registry() -> None:
     offenders = sorted(f"{s.path}:{s.line} {s.literal or s.fstring}" for s in written
                        if s.path != "service/errors.py")
     assert not offenders, "error codes written as strings (use service.errors.ErrorCode):\n" + "\n".join(offenders)
+
+
+def test_the_hop_to_rank_0_has_one_owner() -> None:
+    """Only service.transport.link imports the data channel's client, and no ingress module
+    but it creates shared-memory tensor refs: the route to rank 0 is chosen in one place."""
+    def imported_names(path: Path) -> set[str]:
+        return {f"{node.module}.{a.name}" for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                if isinstance(node, ast.ImportFrom) and node.module for a in node.names}
+
+    mods = _modules()
+    channel_clients = sorted(m for m, path in mods.items()
+                             if "service.transport.channel.ChannelClient" in imported_names(path))
+    assert channel_clients == ["service.transport.link"], channel_clients
+    shm_creators = sorted(m for m, path in mods.items() if _inside(m, "service.ingress") and "shm.create(" in path.read_text())
+    assert shm_creators == [], f"ingress modules creating shared-memory refs themselves: {shm_creators}"
+    assert "service.transport.link" in _imports()["service.ingress.gang_client"]
 
 
 def test_the_code_walk_sees_the_tree(tmp_path: Path) -> None:

@@ -136,9 +136,9 @@ def _driver_side_client(app_url: str) -> tuple[object, str]:
     from tests.conftest import local_yaml_args
 
     handle = serve.get_deployment_handle("GangServer", app_name="gangserve")
-    client = GangClient(handle, AppConfig.model_validate({**local_yaml_args(), "data_channel": False}))
     rank0_node = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
-    client._node_id = rank0_node
+    client = GangClient(handle, AppConfig.model_validate({**local_yaml_args(), "data_channel": False}),
+                        node_id=rank0_node)
     return client, rank0_node
 
 

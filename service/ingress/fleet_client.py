@@ -7,16 +7,14 @@ falls back to asking a gang directly (service.ingress.readiness).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
-from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from service.errors import ErrorCode, GangServeError, GangUnavailable
-from service.ingress.handle_errors import awaited, map_handle_error
+from service.ingress.handle_errors import bounded_call
 from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.ingress")
@@ -26,6 +24,8 @@ log = logging.getLogger("gangserve.ingress")
 READINESS_TIMEOUT_S = TUNABLES.ingress.readiness_timeout_s
 FLEET_TIMEOUT_S = TUNABLES.ingress.fleet_timeout_s
 SKIP_AFTER_FAILURE_S = TUNABLES.ingress.skip_after_failure_s
+# The controller timed out, is gone or pushes back (not an error it raised itself).
+_CONTROLLER_AWAY = (ErrorCode.CONTROLLER_UNREACHABLE, ErrorCode.CONTROLLER_RESTARTING, ErrorCode.OVERLOADED)
 
 
 class FleetClient:
@@ -75,22 +75,13 @@ class FleetClient:
         if skip_after_failure and time.monotonic() < self._skip_until:
             raise GangUnavailable(f"the controller failed a call less than {SKIP_AFTER_FAILURE_S:g}s ago",
                                   code=ErrorCode.CONTROLLER_UNREACHABLE, retry_after_s=1.0)
-        response = getattr(self._handle, method).remote(*args)
         try:
-            return await asyncio.wait_for(awaited(response), timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            if skip_after_failure:
+            return await bounded_call(self._handle, method, *args, what="controller", timeout_s=timeout_s,
+                                      unavailable=_unavailable)
+        except GangServeError as exc:
+            if skip_after_failure and exc.code in _CONTROLLER_AWAY:
                 self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
-            raise GangUnavailable(f"the controller did not answer {method} within {timeout_s:g}s",
-                                  code=ErrorCode.CONTROLLER_UNREACHABLE, retry_after_s=1.0) from None
-        except Exception as exc:
-            error = map_handle_error(exc, what="controller", method=method, unavailable=_unavailable)
-            if error is None:
-                raise
-            if skip_after_failure and not isinstance(exc, RayTaskError):  # the controller is gone
-                self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
-            raise error from None
+            raise
 
 
 def _unavailable(message: str, code: ErrorCode, retry_after_s: float | None) -> GangServeError:

@@ -34,7 +34,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from service.transport import shm
-from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
+from service.transport.link import GangLink
 from service.config import AppConfig
 from service.deadlines import seconds_left
 from service.errors import (RETRYABLE_CODES, CollectiveTimeout, DeadlineExceeded, DeadlineExceededBeforeStep,
@@ -48,7 +48,7 @@ from service.cluster.placement import (
     waiting_reason,
 )
 from service.metrics.process import process_metrics
-from service.gang_status import GangStatus, IngressTransport, dump
+from service.gang_status import GangStatus, dump
 from service.ingress.fleet_client import FleetClient
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.tunables import TUNABLES
@@ -59,8 +59,6 @@ T = TypeVar("T")
 # Waits, retries and fallbacks (service.tunables says why each value).
 STATUS_MAX_AGE_S = TUNABLES.ingress.status_max_age_s  # of the cached gang status, on the request path
 DESCRIBE_TIMEOUT_S = TUNABLES.ingress.describe_timeout_s
-SHM_RETRY_AFTER_S = TUNABLES.transport.shm_retry_after_s  # by value for this long after a failure
-CHANNEL_RETRY_AFTER_S = TUNABLES.transport.channel_retry_after_s  # the handle for this long after a failure
 RETRY_BACKOFF_S = TUNABLES.ingress.retry_backoff_s  # by attempt, the last one repeated
 WAIT_POLL_S = TUNABLES.ingress.wait_poll_s  # how often a request waiting for a gang looks again
 DEFAULT_OUTAGE_S = TUNABLES.ingress.default_outage_s  # expected outage before one was measured
@@ -70,7 +68,9 @@ class GangClient:
     """Calls GangServer methods; every wait is bounded and every failure is a GangServeError."""
 
     def __init__(self, handle: DeploymentHandle, config: AppConfig, fleet: FleetClient | None = None,
-                 app_name: str | None = None) -> None:
+                 app_name: str | None = None, node_id: str | None = None) -> None:
+        """`node_id`: the Ray node this client runs on (default: this process's); the link
+        uses it to find rank 0 on the same node."""
         self._handle = handle
         self._cfg = config
         # Every gang of the app reports its status to the Controller (several gangs: num_replicas).
@@ -84,22 +84,19 @@ class GangClient:
         self._status: dict[str, Any] | None = None
         self._status_at = 0.0
         self._refresh: asyncio.Task | None = None
-        self._node_id = ray.get_runtime_context().get_node_id()
-        self._shm_enabled = config.shm_transport and shm.available()
-        self._shm_retry_at = 0.0
-        self._transport = {"shared_memory": 0, "object_store": 0, "shared_memory_fallbacks": 0,
-                           "data_channel": 0, "data_channel_fallbacks": 0}
-        self._channel_enabled = config.uses_data_channel  # service.transport.channel
-        self._channel: ChannelClient | None = None
-        self._channel_replica: str | None = None
-        self._channel_retry_at = 0.0
+        self._node_id = node_id or ray.get_runtime_context().get_node_id()
+        shm_enabled = config.shm_transport and shm.available()
+        # How requests reach rank 0: chosen per gang status, not per request (service.transport.link).
+        self._link = GangLink(node_id=self._node_id, channel_enabled=config.uses_data_channel,
+                              shm_enabled=shm_enabled, call=self._request_call, bounded=self._request_bounded,
+                              on_route_lost=self._look_again)
         self._waiting = 0  # requests waiting for a gang to serve (bounded by max_queued_requests)
         self._outage_since: float | None = None  # first failure of the current outage
         self._last_outage_s: float | None = None  # how long the last one lasted
         self.retries = 0  # requests this client retried (tests read it; the metric counts them too)
         for reason in ("deadline", "disconnected"):
             process_metrics().inc("gangserve_requests_dropped", ("ingress", reason), 0.0)
-        if self._shm_enabled:
+        if shm_enabled:
             shm.sweep_stale()  # files a crashed ingress on this node left behind
 
     # -- public ---------------------------------------------------------------------------
@@ -156,7 +153,7 @@ class GangClient:
             _count_drop("deadline")
             raise DeadlineExceededBeforeStep("the request's deadline passed before it could be sent to the gang; "
                                              "it was not computed")
-        return await self._send(x, mask, causal, deadline)
+        return await self._link.infer(x, mask, causal, deadline)
 
     def _saw_outage(self) -> None:
         if self._outage_since is None:
@@ -270,9 +267,7 @@ class GangClient:
         """GangServer.describe, or a synthesized status explaining why it cannot answer;
         plus how this ingress replica has been handing tensors to the gang."""
         status = await self.status(max_age_s=0.0)
-        transport = IngressTransport(node_id=self._node_id, shm_enabled=self._shm_enabled,
-                                     data_channel_enabled=self._channel_enabled, **self._transport)
-        return {**status, "ingress_transport": dump(transport)}
+        return {**status, "ingress_transport": dump(self._link.transport())}
 
     async def status(self, max_age_s: float) -> dict[str, Any]:
         """The gang's status, at most `max_age_s` old (refreshed in the background when stale)."""
@@ -286,97 +281,17 @@ class GangClient:
         return self._status
 
     # -- internals ------------------------------------------------------------------------
-    async def _send(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
-                    deadline: float | None = None) -> np.ndarray:
-        """One request to the gang carrying x [batch, seq, E] with its key mask, causal flag
-        and deadline: over the data channel when rank 0 is on this node, else a handle call
-        (the mask, flag and deadline travel on every path)."""
-        status = self._status or {}
-        channel = self._channel_for(status)
-        if channel is not None:
-            try:
-                return await self._infer_channel(channel, x, self._can_share(x, status), mask, causal, deadline)
-            except ChannelUnavailable as exc:
-                self._transport["data_channel_fallbacks"] += 1
-                self._channel_retry_at = time.monotonic() + CHANNEL_RETRY_AFTER_S
-                self._status_at = 0.0  # the replica may have changed: look again
-                log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc, CHANNEL_RETRY_AFTER_S)
-        if self._can_share(x, status):
-            try:
-                return await self._infer_shared(x, mask, causal, deadline)
-            except shm.SharedMemoryUnavailable as exc:
-                self._shm_failed(exc)
-        self._transport["object_store"] += 1
-        return await self._call("infer", x, mask, causal, timeout_s=self._cfg.request_timeout_s, watch=True,
-                                deadline=deadline)
+    def _request_call(self, method: str, *args: Any, deadline: float | None) -> Awaitable[Any]:
+        """The link's handle call: bounded like every request (`request_timeout_s`, the
+        deadline, and the gang seen unable to answer)."""
+        return self._call(method, *args, timeout_s=self._cfg.request_timeout_s, watch=True, deadline=deadline)
 
-    def _shm_failed(self, exc: Exception) -> None:
-        self._transport["shared_memory_fallbacks"] += 1
-        process_metrics().inc("gangserve_shm_fallbacks")
-        self._shm_retry_at = time.monotonic() + SHM_RETRY_AFTER_S
-        log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs", exc, SHM_RETRY_AFTER_S)
+    def _request_bounded(self, call: Awaitable[T], what: str, deadline: float | None) -> Awaitable[T]:
+        """The link's wait for a call it made itself (the data channel), bounded the same way."""
+        return self._bounded(call, what, self._cfg.request_timeout_s, watch=True, deadline=deadline)
 
-    def _channel_for(self, status: dict[str, Any]) -> ChannelClient | None:
-        """The gang server's data channel, if this request may use it: one gang, ready,
-        rank 0 on this node, listening, and no recent failure of this replica's socket."""
-        if not self._channel_enabled or status.get("state") != "ready":
-            return None
-        replica = status.get("replica_id")
-        if not (replica and self._rank0_here(status) and (status.get("data_channel") or {}).get("listening")):
-            return None
-        if replica != self._channel_replica:  # a new gang server: new socket, fresh start
-            if self._channel is not None:
-                self._channel.close()
-            self._channel, self._channel_replica, self._channel_retry_at = ChannelClient(socket_path(replica)), replica, 0.0
-        if time.monotonic() < self._channel_retry_at:
-            return None
-        return self._channel
-
-    async def _infer_channel(self, channel: ChannelClient, x: np.ndarray, share: bool,
-                             mask: np.ndarray | None = None, causal: bool | None = None,
-                             deadline: float | None = None) -> np.ndarray:
-        """x to rank 0 over the data channel: inline, or (tensors worth it) through the
-        connection's shared region in /dev/shm; the mask always inline."""
-        timeout_s, what = self._cfg.request_timeout_s, "infer (data channel)"
-        self._transport["data_channel"] += 1
-        if share:
-            try:
-                out = await self._bounded(channel.infer(x, share=True, mask=mask, causal=causal,
-                                                        timeout_s=seconds_left(deadline)),
-                                          what, timeout_s, watch=True, deadline=deadline)
-                self._transport["shared_memory"] += 1
-                return out
-            except shm.SharedMemoryUnavailable as exc:
-                self._shm_failed(exc)  # /dev/shm full or unmappable: send the tensor itself
-        return await self._bounded(channel.infer(x, mask=mask, causal=causal, timeout_s=seconds_left(deadline)),
-                                   what, timeout_s, watch=True, deadline=deadline)
-
-    def _can_share(self, x: np.ndarray, status: dict[str, Any]) -> bool:
-        """Shared memory pays only for tensors Ray would not inline, and needs rank 0
-        (the GangServer replica) on this node."""
-        if not self._shm_enabled or x.size * 4 < shm.MIN_SHARED_BYTES:
-            return False
-        if time.monotonic() < self._shm_retry_at:
-            return False
-        return self._rank0_here(status)
-
-    def _rank0_here(self, status: dict[str, Any]) -> bool:
-        """Rank 0 (the GangServer replica) runs on this ingress replica's node."""
-        ranks = status.get("ranks") or []
-        return bool(ranks) and ranks[0].get("node_id") == self._node_id
-
-    async def _infer_shared(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
-                            deadline: float | None = None) -> np.ndarray:
-        ref, view = shm.create(x, self._node_id)
-        self._transport["shared_memory"] += 1  # calls made, like "object_store"
-        try:  # the mask is small: by value
-            shape = await self._call("infer_shared", ref, mask, causal, timeout_s=self._cfg.request_timeout_s,
-                                     watch=True, deadline=deadline)
-        finally:
-            shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
-        if tuple(shape) != ref.shape:
-            raise GangUnavailable(f"gang replied with shape {tuple(shape)} to a {ref.shape} request", code=ErrorCode.GANG_ERROR)
-        return view  # [batch, seq, E] float32, written by the gang
+    def _look_again(self) -> None:
+        self._status_at = 0.0  # the replica may have changed: the next status read is fresh
 
     async def _refresh_status(self) -> dict[str, Any]:
         try:
@@ -385,6 +300,7 @@ class GangClient:
                 self._last_ready = time.monotonic()
         except GangServeError as exc:
             status = await self.diagnose(f"gang server not answering ({exc.message})")
+        self._link.observe(GangStatus.model_validate(status))  # typed: a renamed field fails here, loudly
         self._status, self._status_at = status, time.monotonic()
         return status
 

@@ -14,6 +14,7 @@ unavailable right now, and the client may retry.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable
 
@@ -44,6 +45,27 @@ def gang_unavailable(message: str, code: ErrorCode, retry_after_s: float | None)
 async def awaited(response: Any) -> Any:
     """A coroutine awaiting a DeploymentResponse (asyncio.wait_for and tasks need one)."""
     return await response
+
+
+async def bounded_call(handle: Any, method: str, *args: Any, what: str, timeout_s: float,
+                       unavailable: Unavailable = gang_unavailable, timeout_code: ErrorCode | None = None,
+                       **kwargs: Any) -> Any:
+    """`handle.method.remote(*args, **kwargs)`, awaited for at most `timeout_s`: its result,
+    or a GangServeError. Past `timeout_s` the call is cancelled and `unavailable` says so
+    (`timeout_code`, default the peer's "unreachable" code, Retry-After 1 s); every other
+    failure goes through `map_handle_error`."""
+    response = getattr(handle, method).remote(*args, **kwargs)
+    try:
+        return await asyncio.wait_for(awaited(response), timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise unavailable(f"the {what} did not answer {method} within {timeout_s:g}s",
+                          timeout_code or _codes(what)[2], 1.0) from None
+    except Exception as exc:
+        error = map_handle_error(exc, what=what, method=method, unavailable=unavailable)
+        if error is None:
+            raise
+        raise error from None
 
 
 def map_handle_error(

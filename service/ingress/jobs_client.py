@@ -1,14 +1,13 @@
 """The ingress's view of the JobManager deployment: bounded handle calls, mapped errors."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import Request
 from ray.serve.handle import DeploymentHandle
 
 from service.errors import ErrorCode, GangServeError, GangUnavailable
-from service.ingress.handle_errors import awaited, map_handle_error
+from service.ingress.handle_errors import bounded_call
 from service.tunables import TUNABLES
 
 CALL_TIMEOUT_S = TUNABLES.ingress.jobs_call_timeout_s  # the state stores' waits stay below it
@@ -28,17 +27,8 @@ class JobsClient:
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._handle is None:
             raise JobsUnavailable("this application was deployed without a JobManager; training is unavailable")
-        response = getattr(self._handle, method).remote(*args, **kwargs)
-        try:
-            return await asyncio.wait_for(awaited(response), timeout=self._timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise JobsUnavailable(f"the job manager did not answer {method} within {self._timeout_s:.0f}s") from None
-        except Exception as exc:
-            mapped = map_handle_error(exc, what="job manager", method=method, unavailable=_jobs_unavailable)
-            if mapped is None:
-                raise
-            raise mapped from None
+        return await bounded_call(self._handle, method, *args, what="job manager", timeout_s=self._timeout_s,
+                                  unavailable=_jobs_unavailable, **kwargs)
 
 
 def _jobs_unavailable(message: str, _code: ErrorCode, retry_after_s: float | None) -> GangServeError:

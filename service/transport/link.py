@@ -1,0 +1,181 @@
+"""How a request reaches rank 0 of the gang: the one owner of the ingress -> gang hop.
+
+A request tensor x [batch, seq, E] float32 (with its key mask, causal flag and deadline)
+takes one of three routes, best first:
+
+- **data channel** (service.transport.channel): the GangServer replica's Unix socket, when
+  the app has one gang (`uses_data_channel`), that gang is ready, its rank 0 runs on this
+  ingress replica's node and the socket listens. Tensors of `shm.MIN_SHARED_BYTES` or more
+  cross through the connection's shared region in /dev/shm;
+- **handle call through shared memory** (service.transport.shm): a Serve handle call that
+  carries only a reference to pages in /dev/shm, when rank 0 shares this node (several gangs:
+  Serve's router picks the gang) and the tensor is big enough;
+- **handle call by value**: everything else (rank 0 on another node, no /dev/shm).
+
+The route is chosen when the link sees a new gang status (`observe`: a new replica, a new
+generation, a change of state), not per request; per request only the tensor's size and
+the fallback clocks count. A failed channel sends requests through the handle for
+`channel_retry_after_s` (the gang's status is then read again: the replica may have
+changed); a failed shared-memory hand-off sends tensors by value for `shm_retry_after_s`.
+The counters of each route (GET /gang `ingress_transport`) live here too.
+
+The link does not wait on its own: every call goes through the caller's bounded wait
+(`Bounded`: the request's deadline, the gang's timeout, and giving up as soon as the gang
+is seen unable to answer), so the rules for waiting have one home (service.ingress.gang_client).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
+
+import numpy as np
+
+from service.deadlines import seconds_left
+from service.errors import ErrorCode, GangUnavailable
+from service.gang_status import GangStatus, IngressTransport
+from service.metrics.process import process_metrics
+from service.transport import shm
+from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
+from service.tunables import TUNABLES
+
+log = logging.getLogger("gangserve.ingress")
+T = TypeVar("T")
+
+
+class Bounded(Protocol):
+    """The caller's bounded wait for one call to the gang (see the module docstring)."""
+
+    def __call__(self, call: Awaitable[T], what: str, deadline: float | None) -> Awaitable[T]: ...
+
+
+class HandleCall(Protocol):
+    """A bounded Serve handle call to a GangServer method (errors mapped to GangServeErrors)."""
+
+    def __call__(self, method: str, *args: Any, deadline: float | None) -> Awaitable[Any]: ...
+
+
+@dataclass
+class _Counters:
+    data_channel: int = 0  # requests sent over the channel
+    data_channel_fallbacks: int = 0  # channel failures (the request then took the handle)
+    shared_memory: int = 0  # requests whose tensor crossed through /dev/shm (either route)
+    shared_memory_fallbacks: int = 0
+    object_store: int = 0  # handle calls by value
+
+
+class GangLink:
+    """The route from this ingress replica to the gang's rank 0 (see the module docstring)."""
+
+    def __init__(self, *, node_id: str, channel_enabled: bool, shm_enabled: bool, call: HandleCall,
+                 bounded: Bounded, on_route_lost: Callable[[], None]) -> None:
+        self._node_id = node_id
+        self._on_route_lost = on_route_lost  # a route failed: the caller reads the gang's status again
+        self._channel_enabled = channel_enabled
+        self._shm_enabled = shm_enabled
+        self._call = call
+        self._bounded = bounded
+        self._seen: tuple[str | None, int | None, str] | None = None  # (replica, generation, state) last observed
+        self._channel: ChannelClient | None = None  # the current gang's socket, when the channel is the route
+        self._channel_replica: str | None = None
+        self._rank0_here = False
+        self._channel_retry_at = 0.0
+        self._shm_retry_at = 0.0
+        self._counts = _Counters()
+
+    def observe(self, status: GangStatus) -> None:
+        """A fresh status of the gang: choose the route again if its replica, generation or
+        state changed."""
+        key = (status.replica_id, status.generation, status.state)
+        if key == self._seen:
+            return
+        self._seen = key
+        self._rank0_here = bool(status.ranks) and status.ranks[0].node_id == self._node_id
+        listening = status.data_channel is not None and status.data_channel.listening
+        use_channel = (self._channel_enabled and status.state == "ready" and status.replica_id is not None
+                       and self._rank0_here and listening)
+        if not use_channel:
+            self._drop_channel()
+        elif status.replica_id != self._channel_replica:  # a new gang server: its socket, a fresh start
+            self._drop_channel()
+            self._channel, self._channel_replica = ChannelClient(socket_path(status.replica_id)), status.replica_id
+            self._channel_retry_at = 0.0
+
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
+                    deadline: float | None) -> np.ndarray:
+        """x [batch, seq, E] float32 to rank 0 and its output back, by the current route (the
+        mask, causal flag and deadline travel on every route)."""
+        share = self._can_share(x)
+        if self._channel is not None and time.monotonic() >= self._channel_retry_at:
+            try:
+                return await self._over_channel(self._channel, x, share, mask, causal, deadline)
+            except ChannelUnavailable as exc:
+                self._counts.data_channel_fallbacks += 1
+                self._channel_retry_at = time.monotonic() + TUNABLES.transport.channel_retry_after_s
+                self._on_route_lost()
+                log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc,
+                            TUNABLES.transport.channel_retry_after_s)
+        if share:
+            try:
+                return await self._through_shared_memory(x, mask, causal, deadline)
+            except shm.SharedMemoryUnavailable as exc:
+                self._shm_failed(exc)
+        self._counts.object_store += 1
+        return await self._call("infer", x, mask, causal, deadline=deadline)
+
+    def transport(self) -> IngressTransport:
+        """GET /gang `ingress_transport`: how this ingress replica has been sending requests."""
+        return IngressTransport(node_id=self._node_id, shm_enabled=self._shm_enabled,
+                                data_channel_enabled=self._channel_enabled, **vars(self._counts))
+
+    def close(self) -> None:
+        self._drop_channel()
+
+    # -- the routes ------------------------------------------------------------------------
+    async def _over_channel(self, channel: ChannelClient, x: np.ndarray, share: bool, mask: np.ndarray | None,
+                            causal: bool | None, deadline: float | None) -> np.ndarray:
+        """Inline, or (tensors worth it) through the connection's shared region; the mask inline."""
+        self._counts.data_channel += 1
+        what = "infer (data channel)"
+        if share:
+            try:
+                out = await self._bounded(channel.infer(x, share=True, mask=mask, causal=causal,
+                                                        timeout_s=seconds_left(deadline)), what, deadline)
+                self._counts.shared_memory += 1
+                return out
+            except shm.SharedMemoryUnavailable as exc:
+                self._shm_failed(exc)  # /dev/shm full or unmappable: send the tensor itself
+        return await self._bounded(channel.infer(x, mask=mask, causal=causal, timeout_s=seconds_left(deadline)),
+                                   what, deadline)
+
+    async def _through_shared_memory(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
+                                     deadline: float | None) -> np.ndarray:
+        """A handle call carrying a reference to x's pages; rank 0 writes the output into them."""
+        ref, view = shm.create(x, self._node_id)
+        self._counts.shared_memory += 1
+        try:  # the mask is small: by value
+            shape = await self._call("infer_shared", ref, mask, causal, deadline=deadline)
+        finally:
+            shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
+        if tuple(shape) != ref.shape:
+            raise GangUnavailable(f"gang replied with shape {tuple(shape)} to a {ref.shape} request",
+                                  code=ErrorCode.GANG_ERROR)
+        return view  # [batch, seq, E] float32, written by the gang
+
+    def _can_share(self, x: np.ndarray) -> bool:
+        """Shared memory pays only for tensors Ray would not inline, and needs rank 0 on this node."""
+        return (self._shm_enabled and self._rank0_here and x.size * 4 >= shm.MIN_SHARED_BYTES
+                and time.monotonic() >= self._shm_retry_at)
+
+    def _shm_failed(self, exc: Exception) -> None:
+        self._counts.shared_memory_fallbacks += 1
+        process_metrics().inc("gangserve_shm_fallbacks")
+        self._shm_retry_at = time.monotonic() + TUNABLES.transport.shm_retry_after_s
+        log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs", exc,
+                    TUNABLES.transport.shm_retry_after_s)
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel, self._channel_replica = None, None
