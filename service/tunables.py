@@ -115,6 +115,9 @@ class FleetTunables:
     watch_interval_s: float = knob(0.5, (
         "The Controller pings every gang's replica actor this often: a dead rank 0 stops counting as "
         "ready within one period, before Serve's health check or a stale report."))
+    watch_fleet_max_s: float = knob(10.0, (
+        "The longest the Controller holds an ingress replica's long poll of the fleet view before it "
+        "answers unchanged (the ingress asks again at once)."))
     ping_timeout_s: float = knob(5.0, (
         "A ping slower than this is left to the staleness rule (the gang may be busy), not taken as a loss."))
     ray_flush_interval_s: float = knob(1.0, (

@@ -57,3 +57,92 @@ def test_withdrawn_and_long_silent_gangs_leave_the_view() -> None:
     fleet.withdraw("A")
     assert [g["replica_id"] for g in fleet.view(1.0)["gangs"]] == ["B"]
     assert fleet.view(f.FOLD_AFTER_S + 1)["gangs"] == []
+
+
+@pytest.mark.unit
+def test_the_version_moves_on_what_a_request_path_acts_on_and_only_then() -> None:
+    """Controller.watch_fleet wakes its long polls when `version` moves: on a new gang, a
+    change of state, generation, weights or placement, a loss, a withdrawal, a gang that turns
+    unreachable or reachable, or one that reports again after going stale; never on a report
+    that only refreshes counters."""
+    fleet = f.Fleet()
+    seen = [fleet.version]
+
+    def moved() -> bool:
+        seen.append(fleet.version)
+        return seen[-1] != seen[-2]
+
+    fleet.report("A", READY, 0.0)
+    assert moved()  # a new gang
+    fleet.report("A", {**READY, "step_timings": {"steps": 5}}, 1.0)
+    assert not moved()  # the same gang, only its counters changed
+    fleet.report("A", {**READY, "state": "rebuilding", "reason": "rank 1 died"}, 2.0)
+    assert moved()
+    fleet.report("A", {**READY, "generation": 2}, 3.0)
+    assert moved()  # back to ready, in a new generation
+    fleet.report("A", {**READY, "generation": 2, "weights_version": 4}, 4.0)
+    assert moved()
+    fleet.mark_unreachable("A", 4.5)
+    assert moved()
+    fleet.mark_unreachable("A", 4.6)
+    assert not moved()  # still unreachable
+    fleet.mark_reachable("A")
+    assert moved()
+    fleet.report("A", {**READY, "generation": 2, "weights_version": 4}, 4.0 + f.STALE_AFTER_S + 1)
+    assert moved()  # it had gone stale: serving again is news
+    fleet.report("B", READY, 20.0)
+    fleet.withdraw("B")
+    assert moved()
+    fleet.withdraw("B")
+    assert not moved()  # nothing was there
+    fleet.mark_lost("A", "its replica process died", 21.0)
+    assert moved()
+
+
+@pytest.mark.unit
+def test_the_long_poll_wakes_when_a_serving_gang_would_turn_stale() -> None:
+    fleet = f.Fleet()
+    assert fleet.next_stale_s(0.0) == float("inf")  # no gang: nothing to wake for
+    fleet.report("A", READY, 10.0)
+    fleet.report("B", READY, 12.0)
+    assert fleet.next_stale_s(11.0) == pytest.approx(f.STALE_AFTER_S - 1.0 + 0.01)  # A's report ages first
+    fleet.report("A", {**READY, "state": "broken", "reason": "rank 1 died"}, 13.0)
+    assert fleet.next_stale_s(13.0) == pytest.approx(f.STALE_AFTER_S - 1.0 + 0.01)  # only B serves
+
+
+@pytest.mark.ray
+def test_the_ingress_follows_the_controllers_pushed_view(app_url: str) -> None:
+    """Controller.watch_fleet answers a caller behind the current version at once; a real
+    GangClient (the ingress's code, here in the test process) follows that long poll and
+    then reads the gang's status from the pushed view: the gang that GET /gang describes."""
+    import asyncio
+    import time
+
+    import httpx
+    from ray import serve
+
+    from service.config import AppConfig
+    from service.ingress.fleet_client import FleetClient
+    from service.ingress.gang_client import GangClient
+    from tests.conftest import local_yaml_args
+
+    controller = serve.get_deployment_handle("Controller", app_name="gangserve")
+    version = controller.fleet.remote().result(timeout_s=30)["version"]
+    behind = controller.watch_fleet.remote(version - 1, 30.0).result(timeout_s=10)  # at once, not after 30 s
+    assert behind["version"] >= version and [g["state"] for g in behind["gangs"]] == ["ready"], behind
+
+    client = GangClient(serve.get_deployment_handle("GangServer", app_name="gangserve"),
+                        AppConfig.model_validate(local_yaml_args()), FleetClient(controller))
+
+    async def follow() -> dict:
+        await client.status(max_age_s=1.0)  # the first read starts the follower
+        deadline = time.monotonic() + 30
+        while not client._status_pushed:
+            assert time.monotonic() < deadline, "the client never adopted a pushed status"
+            await asyncio.sleep(0.05)
+        return await client.status(max_age_s=1.0)
+
+    pushed = asyncio.run(follow())
+    gang = httpx.get(app_url + "/gang", timeout=30).json()
+    assert (pushed["replica_id"], pushed["state"], pushed["generation"]) == \
+        (gang["replica_id"], "ready", gang["generation"]), (pushed, gang)

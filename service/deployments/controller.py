@@ -14,14 +14,19 @@ so the gang stops counting as ready within a ping period, not after Serve's heal
 check or a stale report. A ping that fails because the actor's node cannot be reached
 marks the gang unreachable until a ping succeeds again.
 
-Nothing here is on the request path: an inference request never calls the controller.
+Ingress replicas follow the fleet view with a long poll (`watch_fleet`, as Serve's own
+controller pushes its config to the proxies): it answers at once when the view moved past the
+version the caller knows, else when it moves, when a ready gang's last report turns stale,
+or after the caller's timeout. The request path reads that pushed view; an inference request
+never calls the controller.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from ray import serve
 from ray.actor import ActorHandle
@@ -37,6 +42,7 @@ log = logging.getLogger("gangserve.controller")
 
 WATCH_INTERVAL_S = TUNABLES.fleet.watch_interval_s
 PING_TIMEOUT_S = TUNABLES.fleet.ping_timeout_s
+WATCH_MAX_S = TUNABLES.fleet.watch_fleet_max_s
 
 
 @serve.deployment(name="Controller", num_replicas=1, max_ongoing_requests=1000,
@@ -53,25 +59,45 @@ class Controller:
         self._pings: dict[str, asyncio.Task[None]] = {}
         self._record = WeightsRecord(state_dir())
         self._record_lock = asyncio.Lock()  # one write at a time: versions are max + 1
+        self._moved = asyncio.Event()  # set (and replaced) whenever the fleet's version moves
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     # -- the fleet ----------------------------------------------------------------------------
     async def report_gang(self, replica_id: str, info: dict[str, Any], metrics: dict[str, list] | None = None,
                           actor: ActorHandle | None = None) -> None:
         """A GangServer replica's status (its /gang description) and metric snapshot."""
-        self._fleet.report(replica_id, info, time.time(), metrics)
+        with self._telling():
+            self._fleet.report(replica_id, info, time.time(), metrics)
         if actor is not None and replica_id not in self._actors and replica_id not in self._fleet.lost:
             self._actors[replica_id] = actor
 
     async def withdraw_gang(self, replica_id: str) -> None:
         """A GangServer replica is shutting down gracefully."""
-        self._fleet.withdraw(replica_id)
+        with self._telling():
+            self._fleet.withdraw(replica_id)
         self._forget_actor(replica_id)
 
     async def fleet(self) -> dict[str, Any]:
-        """{"gangs": [...], "ready": n, "lost": [...], "controller_up_s"} (Fleet.view)."""
+        """{"gangs": [...], "ready": n, "lost": [...], "controller_up_s", "version"} (Fleet.view)."""
         now = time.time()
-        return {**self._fleet.view(now), "controller_up_s": round(now - self._started, 1)}
+        with self._telling():  # the view forgets old gangs as it is read
+            view = self._fleet.view(now)
+        return {**view, "controller_up_s": round(now - self._started, 1), "version": self._fleet.version}
+
+    async def watch_fleet(self, known_version: int, timeout_s: float) -> dict[str, Any]:
+        """The fleet view (`fleet()`), once its version differs from `known_version`: at once if
+        it does, else when it moves, when a ready gang's report turns stale (a gang that went
+        silent), or after `timeout_s` (at most WATCH_MAX_S), whichever comes first."""
+        deadline = time.monotonic() + min(max(0.0, timeout_s), WATCH_MAX_S)
+        while self._fleet.version == known_version:
+            wait_s = min(deadline - time.monotonic(), self._fleet.next_stale_s(time.time()))
+            if wait_s <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._moved.wait(), wait_s)
+            except asyncio.TimeoutError:
+                break
+        return await self.fleet()
 
     async def report_metrics(self, source: str, snapshot: dict[str, list]) -> None:
         self._fleet.report_metrics(source, snapshot, time.time())
@@ -107,6 +133,15 @@ class Controller:
         """Every recorded version of the app, oldest first (GET /weights); the newest is in force."""
         return await asyncio.to_thread(self._record.history, self._app)
 
+    @contextmanager
+    def _telling(self) -> Iterator[None]:
+        """Wake the long polls if what runs inside moved the fleet's version."""
+        before = self._fleet.version
+        yield
+        if self._fleet.version != before:
+            self._moved.set()
+            self._moved = asyncio.Event()
+
     # -- watching the gangs ---------------------------------------------------------------------
     async def _watch(self) -> None:
         while True:
@@ -119,13 +154,16 @@ class Controller:
     async def _ping(self, replica_id: str, actor: ActorHandle) -> None:
         try:
             await asyncio.wait_for(actor.__ray_ready__.remote(), PING_TIMEOUT_S)
-            self._fleet.mark_reachable(replica_id)
+            with self._telling():
+                self._fleet.mark_reachable(replica_id)
         except ActorUnavailableError:
-            self._fleet.mark_unreachable(replica_id, time.time())
+            with self._telling():
+                self._fleet.mark_unreachable(replica_id, time.time())
         except (ActorDiedError, RayActorError) as exc:
             log.warning("gang replica %s is gone: %s", replica_id, str(exc).splitlines()[0][:200])
-            self._fleet.mark_lost(replica_id, "its replica process died (rank 0); Serve is starting a new one",
-                                  time.time())
+            with self._telling():
+                self._fleet.mark_lost(replica_id, "its replica process died (rank 0); Serve is starting a new one",
+                                      time.time())
             self._forget_actor(replica_id)
         except asyncio.TimeoutError:
             pass  # busy or stopped: the report's staleness decides

@@ -24,6 +24,7 @@ log = logging.getLogger("gangserve.ingress")
 READINESS_TIMEOUT_S = TUNABLES.ingress.readiness_timeout_s
 FLEET_TIMEOUT_S = TUNABLES.ingress.fleet_timeout_s
 SKIP_AFTER_FAILURE_S = TUNABLES.ingress.skip_after_failure_s
+WATCH_MAX_S = TUNABLES.fleet.watch_fleet_max_s  # how long the Controller holds a long poll
 # The controller timed out, is gone or pushes back (not an error it raised itself).
 _CONTROLLER_AWAY = (ErrorCode.CONTROLLER_UNREACHABLE, ErrorCode.CONTROLLER_RESTARTING, ErrorCode.OVERLOADED)
 
@@ -50,6 +51,14 @@ class FleetClient:
         if for_readiness:
             return await self._call("fleet", timeout_s=READINESS_TIMEOUT_S, skip_after_failure=True)
         return await self._call("fleet")
+
+    async def watch(self, known_version: int) -> dict[str, Any]:
+        """The fleet view (as `view`, plus its "version") once it moved past `known_version`,
+        or unchanged after `fleet.watch_fleet_max_s` (Controller.watch_fleet, a long poll)."""
+        if self._handle is None:
+            raise GangUnavailable("this application was deployed without a Controller; no fleet view",
+                                  code=ErrorCode.CONTROLLER_UNREACHABLE)
+        return await self._call("watch_fleet", known_version, WATCH_MAX_S, timeout_s=WATCH_MAX_S + FLEET_TIMEOUT_S)
 
     async def report_metrics(self, source: str, snapshot: dict[str, list]) -> None:
         if self._handle is not None:

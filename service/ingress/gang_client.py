@@ -62,6 +62,9 @@ DESCRIBE_TIMEOUT_S = TUNABLES.ingress.describe_timeout_s
 RETRY_BACKOFF_S = TUNABLES.ingress.retry_backoff_s  # by attempt, the last one repeated
 WAIT_POLL_S = TUNABLES.ingress.wait_poll_s  # how often a request waiting for a gang looks again
 DEFAULT_OUTAGE_S = TUNABLES.ingress.default_outage_s  # expected outage before one was measured
+# The pushed fleet view is current while its long poll answers within its hold plus a call's bound.
+FOLLOW_FRESH_S = TUNABLES.fleet.watch_fleet_max_s + TUNABLES.ingress.fleet_timeout_s
+FOLLOW_RETRY_S = TUNABLES.ingress.skip_after_failure_s  # after a failed long poll
 
 
 class GangClient:
@@ -83,6 +86,9 @@ class GangClient:
         self._last_ready: float | None = None
         self._status: dict[str, Any] | None = None
         self._status_at = 0.0
+        self._status_pushed = False  # `_status` came from the Controller's pushed view
+        self._follower: asyncio.Task | None = None  # follows the pushed view (`_follow_fleet`)
+        self._pushed_at = 0.0  # when the long poll last answered
         self._refresh: asyncio.Task | None = None
         self._node_id = node_id or ray.get_runtime_context().get_node_id()
         shm_enabled = config.shm_transport and shm.available()
@@ -270,7 +276,13 @@ class GangClient:
         return {**status, "ingress_transport": dump(self._link.transport())}
 
     async def status(self, max_age_s: float) -> dict[str, Any]:
-        """The gang's status, at most `max_age_s` old (refreshed in the background when stale)."""
+        """The gang's status, at most `max_age_s` old: the Controller's pushed view while this
+        client follows it and it names a gang (see `_follow_fleet`), else the gang server's
+        own `describe` (refreshed in the background when stale), or a diagnosis when no gang
+        server answers. `max_age_s <= 0`: always the gang server's own, fresh."""
+        self._start_following()
+        if max_age_s > 0 and self._status_pushed and self._status_at and self._following():
+            return self._status  # type: ignore[return-value]  # current: every change is pushed
         age = time.monotonic() - self._status_at
         if self._status is None or max_age_s <= 0:
             return await self._refresh_status()
@@ -296,13 +308,65 @@ class GangClient:
     async def _refresh_status(self) -> dict[str, Any]:
         try:
             status = await self._call("describe", timeout_s=DESCRIBE_TIMEOUT_S)
-            if status.get("state") == "ready":
-                self._last_ready = time.monotonic()
         except GangServeError as exc:
             status = await self.diagnose(f"gang server not answering ({exc.message})")
-        self._link.observe(GangStatus.model_validate(status))  # typed: a renamed field fails here, loudly
-        self._status, self._status_at = status, time.monotonic()
+        self._adopt(status, pushed=False)
         return status
+
+    def _adopt(self, status: dict[str, Any], pushed: bool) -> None:
+        """`status` is the gang's status from now on (the link chooses its route from it)."""
+        self._link.observe(GangStatus.model_validate(status))  # typed: a renamed field fails here, loudly
+        if status.get("state") == "ready":
+            self._last_ready = time.monotonic()
+        self._status, self._status_at, self._status_pushed = status, time.monotonic(), pushed
+
+    # -- the pushed fleet view -------------------------------------------------------------
+    def _start_following(self) -> None:
+        if self._fleet.connected and (self._follower is None or self._follower.done()):
+            self._follower = asyncio.get_running_loop().create_task(self._follow_fleet())
+
+    def _following(self) -> bool:
+        """The long poll answered recently enough that the pushed view is current."""
+        return time.monotonic() - self._pushed_at <= FOLLOW_FRESH_S
+
+    async def _follow_fleet(self) -> None:
+        """Follow the Controller's fleet view (a long poll, Controller.watch_fleet): every
+        change of a gang's state, generation, weights or placement arrives at once, and the
+        request path reads it instead of asking the gang server. While the Controller cannot
+        answer (it restarts), `status` asks the gang server itself, as it does when the view
+        names no gang (none placed yet, or the one there was is lost)."""
+        version = -1
+        while True:
+            try:
+                view = await self._fleet.watch(version)
+            except GangServeError as exc:
+                log.info("not following the fleet view for %.0fs: %s", FOLLOW_RETRY_S, exc.message)
+                self._pushed_at, self._status_pushed = 0.0, False
+                await asyncio.sleep(FOLLOW_RETRY_S)
+                continue
+            except Exception:  # noqa: BLE001 - the follower must outlive any one failure
+                log.exception("the fleet view's long poll failed")
+                self._pushed_at, self._status_pushed = 0.0, False
+                await asyncio.sleep(FOLLOW_RETRY_S)
+                continue
+            version, self._pushed_at = int(view.get("version", -1)), time.monotonic()
+            status = self._gang_in(view["gangs"])
+            if status is not None:
+                self._adopt(status, pushed=True)
+            else:
+                self._status_pushed = False  # no gang to show: the gang server (or a diagnosis) says
+
+    def _gang_in(self, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The status a request path acts on, from the fleet's rows: a ready gang if any (with
+        several, Serve's router picks among the ready ones); with one gang, that gang in any
+        state it reported; None when there is none to show. A row the Controller could not
+        confirm (`unreachable`: no fresh report, or its pings fail) is not shown: the gang
+        server's own answer decides then (it may well reach this ingress)."""
+        ready = [row for row in rows if row.get("state") == "ready"]
+        if ready:
+            return ready[0]
+        reported = [row for row in rows if row.get("state") != "unreachable"]
+        return reported[0] if self._single_gang and reported else None
 
     def saw_ready(self) -> None:
         """A gang was seen serving (by the fleet view): the schedule timeout counts from now."""

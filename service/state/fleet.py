@@ -13,6 +13,12 @@ Who tells the fleet what:
   never counts a dead gang;
 - every ingress replica reports its metric snapshot and reads the view.
 
+Every change a request path acts on (a gang's state, generation, weights version, rank
+placement or data channel; a gang lost, withdrawn, unreachable or reachable again) bumps
+`version`: the controller's long poll (`Controller.watch_fleet`) answers each ingress
+replica as soon as it moves, so the request path reads a pushed view instead of polling
+every gang.
+
 A gang counts as serving only while its last report said `ready`, is fresher than
 `STALE_AFTER_S` and its process is not known to be dead. A replica's counters outlive it:
 when it is lost, withdrawn or silent for `FOLD_AFTER_S`, its counters and histograms are
@@ -67,6 +73,7 @@ class Fleet:
     lost: dict[str, LostGang] = field(default_factory=dict)
     _metrics: dict[str, tuple[float, dict[str, list]]] = field(default_factory=dict)  # source -> (at, snapshot)
     _retired: dict[str, list] = field(default_factory=dict)
+    version: int = 0  # bumped on every change a request path acts on (see the module docstring)
 
     # -- gangs ------------------------------------------------------------------------------
     def report(self, replica_id: str, info: dict[str, Any], now: float,
@@ -80,7 +87,11 @@ class Fleet:
         except ValidationError as exc:  # one line: which gang, which field, what it was
             raise ValueError(f"gang {replica_id}'s report is not a GangStatus (service.gang_status): "
                              f"{_errors(exc)}") from None
-        self.gangs[replica_id] = GangReport(replica_id, status, now)
+        previous = self.gangs.get(replica_id)
+        if (previous is None or previous.unreachable_since is not None or now - previous.reported_at > STALE_AFTER_S
+                or _routing_key(previous.info) != _routing_key(status)):
+            self.version += 1
+        self.gangs[replica_id] = GangReport(replica_id, status, now)  # a report: it reached us
         if metrics is not None:
             self.report_metrics(gang_source(replica_id), metrics, now)
 
@@ -88,26 +99,36 @@ class Fleet:
         """The gang's process is gone (the controller saw it die): not counted from now on."""
         self.gangs.pop(replica_id, None)
         self.lost[replica_id] = LostGang(replica_id, reason, now)
+        self.version += 1
         self._retire(gang_source(replica_id))
 
     def mark_unreachable(self, replica_id: str, now: float) -> None:
         gang = self.gangs.get(replica_id)
         if gang is not None and gang.unreachable_since is None:
             gang.unreachable_since = now
+            self.version += 1
 
     def mark_reachable(self, replica_id: str) -> None:
         gang = self.gangs.get(replica_id)
-        if gang is not None:
+        if gang is not None and gang.unreachable_since is not None:
             gang.unreachable_since = None
+            self.version += 1
 
     def withdraw(self, replica_id: str) -> None:
         """A gang shut down gracefully (scale-down, redeploy): forget it, keep its counters."""
-        self.gangs.pop(replica_id, None)
+        if self.gangs.pop(replica_id, None) is not None:
+            self.version += 1
         self._retire(gang_source(replica_id))
 
     def serving(self, gang: GangReport, now: float) -> bool:
         return (gang.info.state == "ready" and now - gang.reported_at <= STALE_AFTER_S
                 and gang.unreachable_since is None)
+
+    def next_stale_s(self, now: float) -> float:
+        """Seconds until the first gang now counted as serving stops being (its report turns
+        stale); infinity when none will."""
+        ends = [g.reported_at + STALE_AFTER_S for g in self.gangs.values() if self.serving(g, now)]
+        return max(0.0, min(ends) - now) + 0.01 if ends else float("inf")
 
     def view(self, now: float) -> dict[str, Any]:
         """{"gangs": [the latest /gang of each live gang + replica_id, reported_s_ago],
@@ -160,6 +181,13 @@ class Fleet:
         entry = self._metrics.pop(source, None)
         if entry is not None:
             self._retired = to_snapshot(merge([self._retired, entry[1]], kinds=("counter", "histogram")))
+
+
+def _routing_key(info: GangStatus) -> tuple[Any, ...]:
+    """What a request path acts on in a gang's report (its counters and timings are not)."""
+    return (info.state, info.reason, info.generation, info.weights_version,
+            info.data_channel.listening if info.data_channel else None,
+            tuple(r.node_id for r in info.ranks or ()))
 
 
 def _errors(exc: ValidationError) -> str:
