@@ -94,15 +94,20 @@ def test_registry_evicts_least_recently_used_and_plans_a_recompute() -> None:
 
 # ---------------------------------------------------------------- the served apps
 
-pytestmark_ray = [pytest.mark.ray]
-
-
 def app_args(world_size: int, **extra: object) -> dict:
     return {**local_yaml_args(), "init": "random", "seed": SEED, "world_size": world_size,
             "cpus_per_rank": 0.25, "session_block_tokens": 16, **extra}
 
 
-EXTRA_ARGS: dict[int, dict] = {1: {}, 2: {}}
+# ws1: a small cache (1024 tokens: 64 blocks of 16) and a short idle timeout, for eviction,
+# 507 and expiry; ws2: appends linger 20 ms for company (continuous batching), for the
+# batching, memory, kill -9 and weights-swap tests.
+SMALL_CACHE_TOKENS = 1024
+EXTRA_ARGS: dict[int, dict] = {
+    1: {"session_cache_bytes": SMALL_CACHE_TOKENS * 2 * E * 4, "max_session_tokens": 2048,
+        "session_idle_timeout_s": 6},
+    2: {"batch_wait_timeout_s": 0.02},
+}
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +221,185 @@ def test_bad_input_is_refused_and_changes_nothing(apps: Callable[[int], str]) ->
                             timeout=30), 404, "session_not_found")
     assert s.info()["length"] == 3  # nothing above changed the session
     assert s.append(rand(2, E, seed=5), length=3).status_code == 200  # and it still answers right
+
+
+@pytest.mark.ray
+def test_concurrent_sessions_share_steps(apps: Callable[[int], str]) -> None:
+    """32 sessions appending one row each at once: their appends share gang steps (each with
+    its own context length), and every answer is right."""
+    base = apps(2)
+    sessions = [Client(base, prefill=rand(2 + i % 5, E, seed=300 + i)) for i in range(32)]
+    before = gang(base)["sessions"]["batching"]
+    rounds = 3
+    with ThreadPoolExecutor(32) as pool:
+        for r in range(rounds):
+            replies = list(pool.map(lambda s: s.append(rand(1, E, seed=len(s.seq) * 7 + hash(s.id) % 1000)),
+                                    sessions))
+            assert all(x.status_code == 200 for x in replies), [x.text for x in replies if x.status_code != 200]
+    after = gang(base)["sessions"]["batching"]
+    steps, appends = after["steps"] - before["steps"], after["appends"] - before["appends"]
+    print(f"32 sessions x {rounds} appends: {appends} appends in {steps} steps")
+    assert appends == 32 * rounds
+    assert steps <= appends / 4, (steps, appends)
+    assert after["max_sessions_in_a_step"] >= 4
+
+
+@pytest.mark.ray
+def test_cache_bytes_per_token_and_gang_report(apps: Callable[[int], str]) -> None:
+    """Bytes per cached token per rank = 2 * (E / ws) * 4 (float32) plus at most 10% layout
+    overhead, as /gang and GET /sessions/{id} report; the pool is what the budget says."""
+    base = apps(2)
+    s = Client(base, prefill=rand(200, E, seed=11))
+    formula = 2 * (E // 2) * 4
+    report = gang(base)["sessions"]
+    assert report["bytes_per_token_per_rank"] == formula
+    assert report["per_rank"][0]["allocated_bytes"] == report["capacity_bytes_per_rank"]
+    assert report["capacity_bytes_per_rank"] <= 64 * 1024 * 1024
+    assert len(report["per_rank"]) == 2 and report["active"] >= 1
+    info = s.info()
+    assert info["kv_bytes_per_rank"] / info["length"] <= 1.1 * formula, info
+    assert report["used_bytes_per_rank"] >= info["kv_bytes_per_rank"]
+    text = httpx.get(base + "/metrics", timeout=30).text
+    assert "gangserve_sessions_active" in text and "gangserve_session_cache_bytes" in text
+
+
+@pytest.mark.ray
+def test_eviction_recomputes_and_stays_right(apps: Callable[[int], str]) -> None:
+    """The cache holds 1024 tokens: a second 600-token session evicts the first (LRU), whose
+    next append is recomputed from its kept inputs (counted) and still exact."""
+    base = apps(1)
+    a = Client(base, prefill=rand(600, E, seed=21))
+    before = gang(base)["sessions"]
+    b = Client(base, prefill=rand(600, E, seed=22))
+    mid = gang(base)["sessions"]
+    assert mid["evictions"] > before["evictions"]
+    assert a.info()["cached_tokens"] == 0
+    r = a.append(rand(1, E, seed=23))
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-recomputed-tokens"]) == 600
+    after = gang(base)["sessions"]
+    assert after["recomputed_tokens"] - mid["recomputed_tokens"] >= 600
+    assert b.append(rand(2, E, seed=24)).status_code == 200  # b was evicted in turn: right again
+    # a session longer than the whole cache can never be held: 507, nothing appended
+    c = Client(base)
+    doc = assert_error(c.append(rand(SMALL_CACHE_TOKENS + 16, E, seed=25)), 507, "session_cache_full")
+    assert "blocks" in doc["error"]
+    assert c.info()["length"] == 0
+
+
+@pytest.mark.ray
+def test_idle_session_expires_distinct_from_unknown(apps: Callable[[int], str]) -> None:
+    base = apps(1)
+    s = Client(base, prefill=rand(2, E, seed=31))
+    doc = eventually(lambda: httpx.get(f"{base}/sessions/{s.id}", timeout=10).json().get("code") == "session_expired"
+                     and True, 30, "the idle session to expire")
+    assert doc
+    r = s.append(rand(1, E))
+    assert_error(r, 404, "session_expired")
+    assert_error(httpx.delete(f"{base}/sessions/{s.id}", timeout=10), 404, "session_expired")
+    gid = gang(base)["replica_id"]
+    assert_error(httpx.get(f"{base}/sessions/{gid}-ffff", timeout=10), 404, "session_not_found")
+
+
+@pytest.mark.ray
+def test_kill_rank1_under_load_recomputes_every_session(apps: Callable[[int], str]) -> None:
+    """8 sessions appending in a loop while rank 1 is killed with SIGKILL: the gang is
+    rebuilt, every append answers 200 and right (the ingress retries the failed step, which
+    appended nothing), and the lost K/V is recomputed (counted)."""
+    base = apps(2)
+    sessions = [Client(base, prefill=rand(5, E, seed=400 + i)) for i in range(8)]
+    info = gang(base)
+    victim, before = info["ranks"][1]["pid"], info["sessions"]["recomputed_tokens"]
+    stop = time.monotonic() + 1e9
+    counts = [0] * len(sessions)
+
+    def loop(i: int) -> None:
+        s = sessions[i]
+        while time.monotonic() < stop and counts[i] < 400:
+            r = s.append(rand(1, E, seed=i * 1000 + counts[i]))
+            assert r.status_code == 200, r.text
+            counts[i] += 1
+
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        futures = [pool.submit(loop, i) for i in range(len(sessions))]
+        eventually(lambda: sum(counts) >= 16, 60, "appends before the kill")
+        os.kill(victim, signal.SIGKILL)
+        killed_at = sum(counts)
+        eventually(lambda: (g := gang(base)).get("state") == "ready" and victim not in
+                   {r["pid"] for r in g["ranks"]}, 120, "the gang rebuilt")
+        eventually(lambda: sum(counts) >= killed_at + 32, 120, "appends after the rebuild")
+        stop = time.monotonic()
+        for f in futures:
+            f.result(timeout=120)
+    after = gang(base)["sessions"]["recomputed_tokens"]
+    assert after > before, (before, after)
+    for s in sessions:  # no session lost, none appended twice
+        assert s.info()["length"] == len(s.seq)
+
+
+@pytest.mark.ray
+def test_weights_swap_recomputes_under_the_new_version(apps: Callable[[int], str]) -> None:
+    """A session computed with version V answers, after a swap to V+1, with V+1 named and the
+    rows of the new weights over its whole sequence (recomputed): never a mix."""
+    from service.parallel.weights import save_checkpoint
+    from service.state.paths import state_dir
+    from tests.helpers import AUTH
+
+    base = apps(2)
+    s = Client(base, prefill=rand(9, E, seed=51))
+    old = int(s.append(rand(1, E, seed=52)).headers["x-weights-version"])
+    new_weights = random_weights(512, 77)
+    rel = "checkpoints/sessions-swap-77.safetensors"
+    path = state_dir() / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, new_weights, 8)
+    swap = httpx.post(base + "/weights", json={"checkpoint": rel}, headers=AUTH, timeout=330)
+    assert swap.status_code == 200, swap.text
+    rows = rand(2, E, seed=53)
+    r = httpx.post(f"{base}/sessions/{s.id}/append", content=npy_bytes(rows),
+                   headers={"content-type": "application/x-npy"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-weights-version"]) > old
+    assert int(r.headers["x-recomputed-tokens"]) == len(s.seq)
+    seq = np.concatenate([s.seq, rows])
+    want = reference(seq, causal=True, weights=new_weights)[-2:]
+    assert relative_error(torch.from_numpy(np.load(io.BytesIO(r.content))), want) <= TOL
+    assert s.info()["weights_version"] == int(r.headers["x-weights-version"])
+
+
+@pytest.mark.ray
+def test_stock_tritonclient_drives_a_sequence(apps: Callable[[int], str]) -> None:
+    """tritonclient's own request for infer(sequence_id=, sequence_start=, sequence_end=)
+    drives a session: start opens it, every request appends, end ends it."""
+    base = apps(1)
+    seq = np.zeros((0, E), np.float32)
+    for i, (n, start, end) in enumerate(((3, True, False), (1, False, False), (2, False, True))):
+        rows = rand(1, n, E, seed=600 + i)
+        result = _infer_at(base, rows, 4242, start, end)
+        seq = np.concatenate([seq, rows[0]])
+        want = reference(seq, causal=True, weights=WEIGHTS)[-n:]
+        assert relative_error(torch.from_numpy(np.asarray(result)).reshape(n, E), want) <= TOL, i
+    with pytest.raises(AssertionError, match="session_not_found"):  # ended by sequence_end
+        _infer_at(base, rand(1, 1, E), 4242, False, False)
+    _infer_at(base, rand(1, 1, E), 4243, True, False)
+    with pytest.raises(AssertionError, match="session_exists"):  # start on a live id
+        _infer_at(base, rand(1, 1, E), 4243, True, False)
+
+
+def _infer_at(base: str, rows: np.ndarray, seq_id: int, start: bool, end: bool) -> np.ndarray:
+    """tritonclient's own request body (InferenceServerClient.generate_request_body, the bytes
+    its infer() sends), POSTed to the app under its route prefix (tritonclient's client takes
+    no path prefix); the output through tritonclient's own InferResult."""
+    import tritonclient.http as triton
+
+    inp = triton.InferInput("hidden_states", list(rows.shape), "FP32").set_data_from_numpy(rows)
+    body, header_length = triton.InferenceServerClient.generate_request_body(
+        [inp], sequence_id=seq_id, sequence_start=start, sequence_end=end)
+    headers = {"content-type": "application/octet-stream"}
+    if header_length is not None:
+        headers["Inference-Header-Content-Length"] = str(header_length)
+    r = httpx.post(f"{base}/v2/models/attention/infer", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    length = r.headers.get("Inference-Header-Content-Length")
+    result = triton.InferResult.from_response_body(r.content, header_length=int(length) if length else None)
+    return result.as_numpy("output")

@@ -121,7 +121,8 @@ class GangServer:
             self._gang.shutdown()
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
-        self._sessions = SessionService(self._gang, cfg, self._replica_id)  # service.sessions
+        self._sessions = SessionService(self._gang, cfg, self._replica_id,  # service.sessions
+                                        on_append=self._metrics.session_append)
         self._sessions.start()
 
     async def _weights_at_start(self) -> tuple[ConfigWeights, ServedWeights]:

@@ -48,8 +48,9 @@ class AppendBatcher:
     """Groups queued appends of distinct sessions into steps (see the module docstring)."""
 
     def __init__(self, run_step: RunStep, *, max_sessions_per_step: int, max_rows_per_step: int,
-                 num_blocks: int, blocks_for: Callable[[int], int]) -> None:
+                 num_blocks: int, blocks_for: Callable[[int], int], wait_s: float = 0.0) -> None:
         self._run_step = run_step
+        self._wait_s = wait_s  # linger this long for company when fewer sessions than a full step wait
         self._max_sessions = max_sessions_per_step
         self._max_rows = max_rows_per_step
         self._num_blocks = num_blocks
@@ -99,6 +100,8 @@ class AppendBatcher:
 
     async def _drain(self) -> None:
         while self._pending:
+            if self._wait_s > 0 and len({q.session.id for q in self._pending}) < self._max_sessions:
+                await asyncio.sleep(self._wait_s)
             group = self._take_group()
             if not group:
                 continue

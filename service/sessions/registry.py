@@ -125,7 +125,7 @@ class SessionRegistry:
                     f"(session_idle_timeout_s={self.limits.idle_timeout_s:g})")
             sid = session_id or self.new_id()
             if sid in self._sessions:
-                raise InvalidInput(f"session {sid!r} is live", code=ErrorCode.SESSION_EXISTS)
+                raise Conflict(f"session {sid!r} is live: end it (sequence_end, DELETE) before starting it again", code=ErrorCode.SESSION_EXISTS)
             now = time.monotonic()
             s = Session(sid, time.time(), now, time.time())
             self._sessions[sid] = s

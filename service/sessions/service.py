@@ -16,7 +16,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -53,14 +53,16 @@ def limits_of(cfg: AppConfig) -> Limits:
 class SessionService:
     """Sessions of one gang."""
 
-    def __init__(self, gang: Gang, cfg: AppConfig, owner: str) -> None:
+    def __init__(self, gang: Gang, cfg: AppConfig, owner: str,
+                 on_append: Callable[[str, float], None] | None = None) -> None:
         self._gang = gang
+        self._on_append = on_append  # (context bucket, seconds): the replica's metrics
         self._cfg = cfg
         self.limits = limits_of(cfg)
         self.registry = SessionRegistry(self.limits, owner)
         self._batcher = AppendBatcher(
             self._step, max_sessions_per_step=cfg.max_batch_size, max_rows_per_step=cfg.max_tokens_per_request,
-            num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for)
+            num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for, wait_s=cfg.batch_wait_timeout_s)
         self._latency: dict[str, deque[float]] = {}
         self._sweeper: asyncio.Task | None = None
 
@@ -105,7 +107,10 @@ class SessionService:
         context = s.length
         started = time.perf_counter()
         rows, info = await self._batcher.submit(s, np.ascontiguousarray(x, dtype=np.float32), deadline, length)
-        self._latency.setdefault(context_bucket(context), deque(maxlen=512)).append(time.perf_counter() - started)
+        took, bucket = time.perf_counter() - started, context_bucket(context)
+        self._latency.setdefault(bucket, deque(maxlen=512)).append(took)
+        if self._on_append is not None:
+            self._on_append(bucket, took)
         return rows, info
 
     def info(self, session_id: str) -> dict[str, Any]:
