@@ -107,6 +107,7 @@ EXTRA_ARGS: dict[int, dict] = {
     1: {"session_cache_bytes": SMALL_CACHE_TOKENS * 2 * E * 4, "max_session_tokens": 2048,
         "session_idle_timeout_s": 6},
     2: {"batch_wait_timeout_s": 0.02},
+    4: {},  # parity only
 }
 
 
@@ -173,7 +174,7 @@ def gang(base: str) -> dict:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("ws", [1, 2, 4])
 def test_interleaved_sessions_match_causal_mha(apps: Callable[[int], str], ws: int) -> None:
     base = apps(ws)
     a = Client(base, prefill=rand(7, E, seed=1))
@@ -403,3 +404,67 @@ def _infer_at(base: str, rows: np.ndarray, seq_id: int, start: bool, end: bool) 
     length = r.headers.get("Inference-Header-Content-Length")
     result = triton.InferResult.from_response_body(r.content, header_length=int(length) if length else None)
     return result.as_numpy("output")
+
+
+@pytest.mark.ray
+def test_python_client_session_object(apps: Callable[[int], str]) -> None:
+    from gangserve_client import GangServeClient
+
+    base = apps(1)
+    prompt = rand(5, E, seed=700)
+    with GangServeClient(base) as client:
+        with client.session(prefill=prompt) as s:
+            seq = prompt
+            assert relative_error(torch.from_numpy(np.asarray(s.prefill_output)),
+                                  reference(seq, causal=True, weights=WEIGHTS)) <= TOL
+            for i in range(3):
+                row = rand(1, E, seed=701 + i)
+                out = s.append(row, fmt="npy" if i % 2 else "safetensors")
+                seq = np.concatenate([seq, row])
+                assert relative_error(torch.from_numpy(np.asarray(out)),
+                                      reference(seq, causal=True, weights=WEIGHTS)[-1:]) <= TOL
+            assert s.length == 8 and s.weights_version >= 1
+            assert s.refresh()["length"] == 8
+            sid = s.id
+        assert_error(httpx.get(f"{base}/sessions/{sid}", timeout=30), 404, "session_not_found")  # ended on exit
+
+
+@pytest.fixture(scope="module")
+def two_gangs(serve_url: str) -> Iterator[str]:
+    """Two gangs of world size 1 (num_replicas: 2): two GangServer replicas."""
+    from ray import serve
+
+    base = deploy(serve_url, "sessions-gangs", "/sessions-gangs",
+                  app_args(1, num_replicas=2, data_channel=False))
+    eventually(lambda: httpx.get(base + "/gangs", timeout=10).json().get("ready") == 2, 120, "both gangs ready")
+    yield base
+    serve.delete("sessions-gangs")
+
+
+@pytest.mark.ray
+def test_several_gangs_affinity_then_rank0_loss_answers_410(two_gangs: str) -> None:
+    """Sessions opened on either gang keep answering right (each call reaches the gang that
+    holds it); kill -9 of one gang's rank 0 (its GangServer replica) makes its sessions answer
+    410 session_lost, while the other gang's sessions go on."""
+    base = two_gangs
+    sessions = [Client(base, prefill=rand(3, E, seed=800 + i)) for i in range(8)]
+    owners = {s.id.rsplit("-", 1)[0] for s in sessions}
+    if len(owners) < 2:  # the router's random choice put all 8 on one gang: open more
+        sessions += [Client(base, prefill=rand(3, E, seed=900 + i)) for i in range(16)]
+        owners = {s.id.rsplit("-", 1)[0] for s in sessions}
+    assert len(owners) == 2, owners
+    for _ in range(3):
+        for s in sessions:
+            assert s.append(rand(1, E, seed=len(s.seq))).status_code == 200
+    gangs = httpx.get(base + "/gangs", timeout=30).json()["gangs"]
+    victim = gangs[0]
+    lost_owner, victim_pid = victim["replica_id"], victim["ranks"][0]["pid"]
+    os.kill(victim_pid, signal.SIGKILL)
+    for s in sessions:
+        if s.id.startswith(lost_owner + "-"):
+            doc = eventually(lambda: (r := s.append(rand(1, E))).status_code == 410 and r.json(), 120,
+                             f"session {s.id} of the lost gang answering 410")
+            assert doc["code"] == "session_lost" and lost_owner in doc["error"]
+        else:
+            r = s.append(rand(1, E, seed=len(s.seq)))
+            assert r.status_code == 200, r.text
