@@ -304,11 +304,11 @@ def test_idle_session_expires_distinct_from_unknown(apps: Callable[[int], str]) 
 
 @pytest.mark.ray
 def test_kill_rank1_under_load_recomputes_every_session(apps: Callable[[int], str]) -> None:
-    """8 sessions appending in a loop while rank 1 is killed with SIGKILL: the gang is
+    """16 sessions appending in a loop while rank 1 is killed with SIGKILL: the gang is
     rebuilt, every append answers 200 and right (the ingress retries the failed step, which
     appended nothing), and the lost K/V is recomputed (counted)."""
     base = apps(2)
-    sessions = [Client(base, prefill=rand(5, E, seed=400 + i)) for i in range(8)]
+    sessions = [Client(base, prefill=rand(5, E, seed=400 + i)) for i in range(16)]
     info = gang(base)
     victim, before = info["ranks"][1]["pid"], info["sessions"]["recomputed_tokens"]
     stop = time.monotonic() + 1e9
