@@ -177,8 +177,11 @@ def append_attention(model: TensorParallelAttention, pool: PagedKVPool, x: torch
         keys = pool.k[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
         vals = pool.v[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
         qi = q[start:start + n].transpose(0, 1)  # [h_l, n, d]
-        # new row j sits at position c + j and attends positions 0 .. c + j
-        allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
-        out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=model.scale)  # [h_l, n, d]
+        if c == 0:  # a prefill or a recompute: plain causal attention, no mask tensor (SDPA's own)
+            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=model.scale)  # [h_l, n, d]
+        else:
+            # new row j sits at position c + j and attends positions 0 .. c + j
+            allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
+            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=model.scale)  # [h_l, n, d]
         ctx[start:start + n] = out.transpose(0, 1)
     return model.out_proj(ctx.reshape(rows, h * d))  # [T, E], all-reduced

@@ -233,6 +233,7 @@ class SessionRegistry:
                 tables.append(tuple(s.blocks))
             plan = AppendPlan(self.limits.num_blocks, self.limits.block_size, tuple(new_rows), tuple(cached),
                               tuple(tables))
+            plan.check()  # here, before any header goes out: a rank must never refuse a plan mid-step
             x = np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.zeros((0, 0), np.float32))
             return RegistryStep(self, live, items, plan, x, generation, version)
 
