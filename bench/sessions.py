@@ -62,6 +62,19 @@ def bench_sessions(base: str, n: int = 30) -> dict[str, Any]:
             at2048 += _appends(client, base, long, 1, rng)
         rows["append_ctx16_ms_p50"] = _p50(at16)
         rows["append_ctx2048_ms_p50"] = _p50(at2048)
+        # Floors of the path: GET /sessions/{id} (HTTP + the handle call, no gang step) and a
+        # one-row stateless /infer (HTTP + the data channel + a gang step).
+        info, one_row = [], _npy(rng.standard_normal((1, 1, E), dtype=np.float32))
+        infer = []
+        for _ in range(n):
+            t = time.perf_counter()
+            client.get(f"{base}/sessions/{long}").raise_for_status()
+            info.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            client.post(f"{base}/infer", content=one_row, headers=NPY).raise_for_status()
+            infer.append(time.perf_counter() - t)
+        rows["get_session_ms_p50"] = _p50(info)
+        rows["stateless_one_row_infer_ms_p50"] = _p50(infer)
         prefix = _npy(rng.standard_normal((1, 2049, E), dtype=np.float32))
         stateless, beside = [], []
         for _ in range(max(5, n // 3)):  # each beside an append at 2048 (the same load)
