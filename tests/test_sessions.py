@@ -194,7 +194,8 @@ def test_interleaved_sessions_match_causal_mha(apps: Callable[[int], str], ws: i
     b.seq = np.concatenate([b.seq, rows[0]])
     want = reference(b.seq, causal=True, weights=WEIGHTS)[-2:]
     assert relative_error(torch.tensor(doc["output"]).reshape(2, E), want) <= TOL
-    assert doc["session"]["length"] == len(b.seq) and doc["shape"] == [1, 2, E]
+    assert doc["session"]["length"] == len(b.seq) == doc["length"] and doc["shape"] == [1, 2, E]
+    assert doc["session_id"] == b.id and doc["weights_version"] >= 1
     assert httpx.delete(f"{base}/sessions/{a.id}", timeout=30).status_code == 200
     assert_error(httpx.get(f"{base}/sessions/{a.id}", timeout=30), 404, "session_not_found")
 

@@ -5,7 +5,8 @@ deadlines): the rows `[n, E]` or `[1, n, E]`; an `attention_mask` is refused (42
 session's rows are all tokens, and its causal order is the mask). Replies carry the outputs
 of the new rows in the negotiated format, and the session's state in headers
 (`X-Session-Id`, `X-Session-Length`, `X-Weights-Version`: the version every row of this
-answer was computed with, `X-Recomputed-Tokens`); a JSON reply also has it under `session`.
+answer was computed with, `X-Recomputed-Tokens`); a JSON reply also has `session_id`,
+`length` and `weights_version` next to `output`, and the whole state under `session`.
 Bad input changes no state: it is refused here, before the gang server sees it, or there
 before the append is queued (unknown session, past `max_session_tokens`).
 """
@@ -149,5 +150,6 @@ def _headers(info: dict[str, Any]) -> dict[str, str]:
 def _reply(out: np.ndarray, info: dict[str, Any], dtype: np.dtype, media: str, status: int) -> Response:
     content = _encode(out, dtype, media)
     if media == codecs.JSON and content.endswith(b"}"):
-        content = content[:-1] + b',"session":' + orjson.dumps(info) + b"}"
+        top = {k: info.get(k) for k in ("session_id", "length", "weights_version")}  # the contract's keys
+        content = content[:-1] + b"," + orjson.dumps(top)[1:-1] + b',"session":' + orjson.dumps(info) + b"}"
     return Response(content=content, media_type=media, status_code=status, headers=_headers(info))
