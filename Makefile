@@ -54,6 +54,7 @@ test-unit: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+	$(PY) bench/run.py --only sessions
 
 # The builder-argument and tunables references are generated from their field descriptions,
 # docs/api.md's error table from the error-code registry (service/errors.py).

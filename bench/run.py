@@ -604,6 +604,13 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
         if only == "front":
             results["front"] = bench_front_door(base, n, load_s)
             return results
+        if only == "sessions":
+            from bench.sessions import bench_sessions
+
+            serve.run(build_app({**local_yaml_args(), "init": "random", "batch_wait_timeout_s": 0.005}),
+                      name="gangserve", route_prefix="/")
+            results["sessions"] = bench_sessions(base, n)
+            return results
         if only == "steploop":
             from bench.peers import NaivePeer as _Naive
 
@@ -953,11 +960,18 @@ def bench_codecs(x: np.ndarray, n: int = 50) -> dict[str, dict[str, float]]:
     return rows
 
 
+def _print_sessions(rows: dict[str, Any]) -> dict[str, float]:
+    from bench.sessions import print_sessions
+
+    return print_sessions(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
-    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "front", "train", "rebuild"],
+    parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "front", "train", "rebuild",
+                                           "sessions"],
                         default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
@@ -965,7 +979,8 @@ def main() -> None:
                         "against Serve echo + the bare TP step, also part of equal; front: port 8000 (HAProxy) "
                         "vs Serve's Python proxy, ws2 and ws1, against echo + bare and the naive peer; train: the default DDP job vs the same "
                         "loop under torchrun --nproc_per_node 2; rebuild: kill -9 of rank 1 with "
-                        "and without the warm spare) and print its table")
+                        "and without the warm spare; sessions: appends at context 16 vs 2048, vs the stateless "
+                        "causal resend, and 32 concurrent sessions) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -980,6 +995,7 @@ def main() -> None:
         "front": ("front", lambda rows: print_front_door(rows, load_s), True),
         "train": ("training", print_training, False),
         "rebuild": ("rebuild", print_rebuild, False),
+        "sessions": ("sessions", _print_sessions, True),
     }
     if args.only is not None:
         key, show, goals_again = sections[args.only]

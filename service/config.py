@@ -252,7 +252,39 @@ class ServingConfig(BaseModel):
         return self
 
 
-class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
+class SessionConfig(BaseModel):
+    """Stateful sessions: each rank's KV cache for its heads, and the session limits (service.sessions)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_cache_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, le=1 << 40,
+        description="KV cache budget per rank, bytes on the rank's device (CUDA memory on GPUs), allocated "
+        "on the first session append: 2 * (embed_dim / world_size) * dtype bytes per cached token, in "
+        "blocks of session_block_tokens. When it is full, idle sessions are evicted (least recently used "
+        "first) and recomputed from their kept inputs on their next append. 0 = sessions off.",
+    )
+    session_block_tokens: int = Field(
+        16, ge=1, le=4096,
+        description="Tokens per KV cache block (the paging unit: a session wastes at most one block's "
+        "worth less one token).",
+    )
+    max_sessions: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Open sessions per gang; one more gets 429 `too_many_sessions` with Retry-After. Each "
+        "keeps its inputs in rank 0's host memory (seq * embed_dim * 4 bytes) for recompute.",
+    )
+    max_session_tokens: int = Field(
+        4096, ge=1, le=1 << 24,
+        description="Longest session (tokens); an append past it gets 422 `session_too_long`.",
+    )
+    session_idle_timeout_s: float = Field(
+        600.0, gt=0, le=30 * 86400,
+        description="A session unused this long is ended; its id then answers 404 `session_expired`.",
+    )
+
+
+class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingLimits):
     """Every `build_app` argument. Unknown keys are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -299,7 +331,8 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, TrainingLimits):
 
 # -- the builder-argument reference (docs/builder-arguments.md is generated from this) ------
 _SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
-    ("Model", ModelConfig), ("Gang", GangConfig), ("Serving", ServingConfig), ("Training quotas", TrainingLimits),
+    ("Model", ModelConfig), ("Gang", GangConfig), ("Serving", ServingConfig), ("Sessions", SessionConfig),
+    ("Training quotas", TrainingLimits),
 )
 
 

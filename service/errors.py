@@ -67,6 +67,11 @@ class ErrorCode(enum.StrEnum):
         "a finished job's final checkpoint is gone from the artifact store")
     WEIGHTS_VERSION_NOT_FOUND = "weights_version_not_found", (404,), False, (
         "`POST /weights {\"version\": N}`: version N is not recorded (`GET /weights` lists them)")
+    SESSION_NOT_FOUND = "session_not_found", (404,), False, (
+        "no session with that id on the gang that holds it (never opened, or ended by `DELETE`, "
+        "`sequence_end`)")
+    SESSION_EXPIRED = "session_expired", (404,), False, (
+        "the session was idle longer than `session_idle_timeout_s` and was ended")
     METHOD_NOT_ALLOWED = "method_not_allowed", (405,), False, "the route exists, but not with this method"
     NOT_ACCEPTABLE = "not_acceptable", (406,), False, "`Accept` names no supported format"
     CONFLICT = "conflict", (409,), False, "valid, but does not fit the current state (the default of a 409)"
@@ -87,6 +92,15 @@ class ErrorCode(enum.StrEnum):
     WEIGHTS_VERSION_UNAVAILABLE = "weights_version_unavailable", (409,), False, (
         "a recorded weights version that cannot be served again (its file is gone or corrupt, or `init` "
         "generated it under an earlier config)")
+    SESSION_EXISTS = "session_exists", (409,), False, (
+        "OIP `sequence_start` with a `sequence_id` whose session is live (end it first, or append without "
+        "`sequence_start`)")
+    SESSION_LENGTH_MISMATCH = "session_length_mismatch", (409,), False, (
+        "an append's `?length=` precondition (the session's length before it) does not hold; nothing "
+        "was appended")
+    SESSION_LOST = "session_lost", (410,), False, (
+        "the gang that held the session is gone (its GangServer replica was lost or replaced): the "
+        "session's registry died with it; open a new session")
     BODY_TOO_LARGE = "body_too_large", (413,), False, (
         "body over `max_body_bytes`, or a JSON body (also after gzip/deflate) over `max_json_bytes` "
         "(refused from `Content-Length` before reading)")
@@ -100,6 +114,8 @@ class ErrorCode(enum.StrEnum):
         "`max_tokens_per_request`, a JSON body shaped like no tensor (millions of lists, objects, keys or "
         "strings); an `attention_mask` of the wrong shape or dtype, with values other than 0/1, or with a "
         "sequence that is all padding; a non-boolean OIP `parameters.causal`")
+    SESSION_TOO_LONG = "session_too_long", (422,), False, (
+        "an append that would take the session past `max_session_tokens`; nothing was appended")
     INVALID_REQUEST = "invalid_request", (422,), False, (
         "parameters that fail the route's schema, a `limit`/`tail` out of range, a cursor `GET /train` did "
         "not return, or a `POST /weights` body naming not exactly one source")
@@ -123,6 +139,9 @@ class ErrorCode(enum.StrEnum):
     QUOTA_EXCEEDED = "quota_exceeded", (429,), False, (
         "a training limit is full (active jobs, their workers or GPUs, stored datasets or their bytes); "
         "no `Retry-After`: it fits once jobs end or are deleted")
+    TOO_MANY_SESSIONS = "too_many_sessions", (429,), False, (
+        "`max_sessions` sessions are open on the gang; has `Retry-After` (idle ones expire after "
+        "`session_idle_timeout_s`)")
     # -- 500 and the framework's own
     INTERNAL = "internal", (500,), False, "an unexpected failure; its traceback is in the service log"
     HTTP_ERROR = "http_error", (), False, "any other HTTP error of the web framework, with its status"
@@ -171,6 +190,10 @@ class ErrorCode(enum.StrEnum):
     STATE_UNAVAILABLE = "state_unavailable", (503,), False, "the state database cannot be reached"
     STORAGE_UNAVAILABLE = "storage_unavailable", (503,), False, (
         "the artifact store (the state dir or an S3 bucket) cannot be reached")
+    # -- 507
+    SESSION_CACHE_FULL = "session_cache_full", (507,), False, (
+        "the session would need more KV blocks than one rank's whole cache (`session_cache_bytes`) holds, "
+        "even with every other session evicted; nothing was appended")
     # -- 504
     DEADLINE_EXCEEDED = "deadline_exceeded", (504,), False, (
         "the request's own deadline passed (`X-Request-Timeout-Seconds`, OIP `parameters.timeout`, else "
@@ -348,6 +371,26 @@ class DeadlineExceeded(GangServeError):
 
 class DeadlineExceededBeforeStep(DeadlineExceeded):
     """The deadline passed before the request's gang step started: it was never computed."""
+
+
+class SessionGone(GangServeError):
+    """The gang that held a session is gone (410 `session_lost`)."""
+
+    code = ErrorCode.SESSION_LOST
+
+
+class TooManySessions(GangServeError):
+    """`max_sessions` sessions are open (429 with Retry-After)."""
+
+    code = ErrorCode.TOO_MANY_SESSIONS
+    retry_after_s = 5.0
+
+
+class SessionCacheFull(GangServeError):
+    """A session that cannot fit one rank's KV cache (507)."""
+
+    code = ErrorCode.SESSION_CACHE_FULL
+    retry_after_s = 30.0
 
 
 class GangStartupError(GangServeError):

@@ -146,6 +146,8 @@ class GangStatus(_Open):
     data_channel: DataChannelStatus | None = None
     step_timings: dict[str, Any] | None = Field(default=None, description="Where the recent steps' time went, "
                                                 "per rank (medians, ms).")
+    sessions: dict[str, Any] | None = Field(default=None, description="Stateful sessions (service.sessions): "
+                                            "active, KV cache bytes per rank, evictions, recomputed tokens.")
     reported_s_ago: float | None = Field(default=None, description="GET /gangs: age of this gang's last report.")
     ingress_transport: IngressTransport | None = None
 

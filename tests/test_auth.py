@@ -18,7 +18,7 @@ from tests.conftest import TEST_API_TOKEN, local_yaml_args
 pytestmark = pytest.mark.unit
 
 INFER_TOKEN = "infer-token-0123456789"
-JOB, DATASET = "job-0123abcd4567", "ds-0123abcd4567"
+JOB, DATASET, SESSION = "job-0123abcd4567", "ds-0123abcd4567", "gang0-0123abcd4567"
 
 # (method, path) -> the token it needs; paths as the client sends them.
 API_ROUTES = [
@@ -31,6 +31,8 @@ API_ROUTES = [
 ]
 INFER_ROUTES = [
     ("POST", "/infer"), ("POST", "/v2/models/attention/infer"), ("POST", "/v2/models/attention/versions/1/infer"),
+    ("POST", "/sessions"), ("POST", f"/sessions/{SESSION}/append"), ("GET", f"/sessions/{SESSION}"),
+    ("DELETE", f"/sessions/{SESSION}"),
 ]
 # Open to anyone (the full /gang only with the API token: tested with the service).
 OPEN_ROUTES = [
@@ -89,7 +91,7 @@ def test_every_route_of_the_app_is_classified(client: TestClient) -> None:
     """The app's operations (from its OpenAPI description) are exactly the routes above."""
     def template(path: str) -> str:
         return re.sub(r"job-[0-9a-f]{12}", "{job_id}", re.sub(r"ds-[0-9a-f]{12}", "{dataset_id}", path)) \
-            .replace("/versions/1/", "/versions/{version}/")
+            .replace("/versions/1/", "/versions/{version}/").replace(SESSION, "{session_id}")
 
     declared = {(m, template(p)) for m, p, _ in CASES} - {("POST", "/train/"), ("GET", "/weights/anything")}
     declared |= set(OPEN_ROUTES)

@@ -3,6 +3,8 @@
     from gangserve_client import GangServeClient
     with GangServeClient("http://127.0.0.1:8000") as c:
         y = c.infer(x)          # numpy in, numpy out (safetensors | npy | json on the wire)
+        with c.session(prefill=x0) as s:
+            y1 = s.append(row)  # a stateful session: causal over everything it was given
 
 Modules: `client` (inference, sync and async), `training` (jobs, datasets, weights),
 `codecs` (the wire formats, shared with the service), `errors` (typed errors), `retries`
@@ -29,6 +31,7 @@ from gangserve_client.errors import (
     UnsupportedMediaTypeError,
 )
 from gangserve_client.retries import RetryPolicy
+from gangserve_client.sessions import Session
 from gangserve_client.training import TrainingClient
 
 __version__ = "0.1.0"
@@ -51,6 +54,7 @@ __all__ = [
     "QuotaExceededError",
     "RetryPolicy",
     "ServerError",
+    "Session",
     "ServiceUnreachableError",
     "TrainingClient",
     "UnavailableError",

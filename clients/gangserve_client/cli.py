@@ -2,6 +2,7 @@
 
     gangserve infer input.npy -o out.npy                 # also .safetensors in/out
     gangserve infer x.safetensors -o y.safetensors --output-dtype bfloat16
+    gangserve session rows1.npy rows2.npy -o out          # one session: each file's rows appended in turn
     gangserve gang                                       # the gang's ranks and state
     gangserve ready
     gangserve train --epochs 3 --follow                  # training jobs: see gangserve_client.training
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p_infer.add_argument("--token", help="inference token (default: $GANGSERVE_INFER_TOKEN)")
     p_infer.add_argument("--deadline", type=float, metavar="SECONDS",
                          help="the request's deadline (X-Request-Timeout-Seconds; default: the service's)")
+    p_session = sub.add_parser("session", help="open a session, append each file's rows [n, E] in turn, end it")
+    p_session.add_argument("inputs", type=Path, nargs="+")
+    p_session.add_argument("-o", "--output", type=Path, help="write each answer as OUTPUT-<i>.npy")
+    p_session.add_argument("--keep", action="store_true", help="do not end the session (print its id)")
+    p_session.add_argument("--token", help="inference token (default: $GANGSERVE_INFER_TOKEN)")
     sub.add_parser("gang", help="print GET /gang")
     sub.add_parser("ready", help="exit 0 if the gang is ready")
     training.add_commands(sub)
@@ -77,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
                     write_tensor(args.output, out)
                 print(f"output shape {list(out.shape)} dtype {codecs.dtype_name(out.dtype)} "
                       f"mean {float(out.astype(np.float64).mean()):.6g}")
+            elif args.command == "session":
+                session = client.session()
+                for i, path in enumerate(args.inputs):
+                    out = session.append(read_tensor(path))
+                    if args.output:
+                        write_tensor(args.output.with_name(f"{args.output.stem}-{i}.npy"), out)
+                    print(f"{path}: output shape {list(out.shape)}; session {session.id} length {session.length} "
+                          f"weights version {session.weights_version}")
+                if not args.keep:
+                    session.close()
             elif args.command == "gang":
                 print(json.dumps(client.gang(), indent=2))
             elif args.command == "ready":

@@ -25,6 +25,7 @@ import orjson
 from gangserve_client import codecs, tokens
 from gangserve_client.errors import ServiceUnreachableError
 from gangserve_client.retries import RetryPolicy, asend, send
+from gangserve_client.sessions import Session, _info_from
 
 FORMATS = {
     "safetensors": codecs.SAFETENSORS,
@@ -153,6 +154,25 @@ class GangServeClient(_Base):
         """
         args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal, deadline_s)
         return decode_reply(self._request("POST", "/infer", **args))
+
+    def session(self, prefill: np.ndarray | None = None, fmt: str = "safetensors", *,
+                deadline_s: float | None = None) -> Session:
+        """Open a stateful session (POST /sessions), with `prefill` [n, E] as its first rows
+        (their outputs in `.prefill_output`); see gangserve_client.sessions."""
+        if prefill is None:
+            reply = self._request("POST", "/sessions", idempotent=False, headers=self._infer_headers())
+            return Session(self, reply.json())
+        reply = self._session_request("/sessions", prefill, fmt, deadline_s, idempotent=False)
+        return Session(self, _info_from(reply, {}), decode_reply(reply))
+
+    def _infer_headers(self) -> dict[str, str]:
+        return _bearer(self._infer_token)
+
+    def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
+                         params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
+        args = self._infer_args(rows, fmt, None, None, None, None, deadline_s)
+        args["params"] = params
+        return self._request("POST", path, idempotent=idempotent, **args)
 
     def gang(self) -> dict[str, Any]:
         """GET /gang (file-system paths in it only with the API token)."""

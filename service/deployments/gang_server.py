@@ -50,6 +50,7 @@ from service.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 from service.metrics.recorders import GangServerMetrics
 from service.parallel.weights import check_checkpoint
+from service.sessions.service import SessionService
 from service.weights.record import (
     ConfigWeights,
     ServedWeights,
@@ -120,6 +121,9 @@ class GangServer:
             self._gang.shutdown()
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+        self._sessions = SessionService(self._gang, cfg, self._replica_id,  # service.sessions
+                                        on_append=self._metrics.session_append)
+        self._sessions.start()
 
     async def _weights_at_start(self) -> tuple[ConfigWeights, ServedWeights]:
         """The version this replica must serve: the app's record, unless its config changed."""
@@ -160,6 +164,32 @@ class GangServer:
             out = await self._gang.infer(view, mask, causal, local_deadline(timeout_s))
         view[...] = out  # the ingress reads the reply from the same pages
         return tuple(int(d) for d in out.shape)
+
+    # -- sessions (service.sessions; the ingress's routes: service.ingress.routes.sessions) -------
+    # `session_id` is a keyword on every call: the request router sends a session's calls to
+    # the gang whose replica id the session id names (service.gang.router).
+    async def session_open(self, x: np.ndarray | None = None, timeout_s: float | None = None,
+                           session_id: str | None = None) -> tuple[np.ndarray | None, dict[str, object]]:
+        """A new session; `x` [n, E] float32: its first rows (outputs returned)."""
+        return await self._sessions.open(x, local_deadline(timeout_s))
+
+    async def session_append(self, x: np.ndarray, length: int | None = None, timeout_s: float | None = None,
+                             session_id: str = "") -> tuple[np.ndarray, dict[str, object]]:
+        """x [n, E] float32 appended to the session -> (outputs [n, E], its info)."""
+        with self._metrics.queued():
+            return await self._sessions.append(session_id, x, local_deadline(timeout_s), length)
+
+    async def session_oip(self, x: np.ndarray, start: bool, end: bool, timeout_s: float | None = None,
+                          session_id: str = "") -> tuple[np.ndarray, dict[str, object]]:
+        """OIP v2 sequence semantics (Triton's sequence_id/start/end) on `session_id`."""
+        with self._metrics.queued():
+            return await self._sessions.oip(session_id, x, start, end, local_deadline(timeout_s))
+
+    async def session_info(self, timeout_s: float | None = None, session_id: str = "") -> dict[str, object]:
+        return self._sessions.info(session_id)
+
+    async def session_close(self, timeout_s: float | None = None, session_id: str = "") -> dict[str, object]:
+        return self._sessions.close(session_id)
 
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
                              eval_loss: float | None = None) -> dict[str, object]:
@@ -271,6 +301,9 @@ class GangServer:
         # summary, refreshed in the background (readiness calls describe too, and must never
         # wait on a peer).
         status.step_timings = self._step_timings
+        sessions = getattr(self, "_sessions", None)
+        if sessions is not None:
+            status.sessions = sessions.stats()
         if self._gang.state is GangState.READY and (self._timings_task is None or self._timings_task.done()):
             self._timings_task = asyncio.get_running_loop().create_task(self._refresh_step_timings())
         return dump(status)
@@ -414,7 +447,9 @@ class GangServer:
             # The channel stops taking requests (its clients fall back to the handle), then
             # its accepted requests finish.
             drained = await channel.drain(DRAIN_TIMEOUT_S)
-            while not gang.idle and asyncio.get_running_loop().time() < budget:
+            sessions = getattr(self, "_sessions", None)
+            while not (gang.idle and (sessions is None or sessions.idle)) and \
+                    asyncio.get_running_loop().time() < budget:
                 await asyncio.sleep(0.02)
             drained = drained and gang.idle
             log.info("drained before shutdown: %s (data channel: %s)",
@@ -426,6 +461,9 @@ class GangServer:
         channel = getattr(self, "_channel", None)
         if channel is not None:
             channel.close()
+        sessions = getattr(self, "_sessions", None)
+        if sessions is not None:
+            sessions.stop()
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.shutdown()

@@ -10,9 +10,10 @@ group is still gloo, so a waiting peer never holds a CUDA stream.
 
 Header: `HEADER_LEN` int64 values, indices named by the constants below::
 
-    [OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, 0 (reserved)]
+    [OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, META_LEN]
 
-    OP       OP_STEP, OP_HEARTBEAT or OP_STOP
+    OP       OP_STEP, OP_HEARTBEAT, OP_STOP or OP_APPEND (a session append step: BATCH is
+             the number of sessions, SEQ_LEN the step's new rows T; see below)
     SEQ      rank 0's sequence number of this header (+1 per header, heartbeats included)
     BATCH, SEQ_LEN, WIDTH   the step's input shape [batch, seq, E] (OP_STEP only)
     FLAGS    FLAG_MASKED: a key mask follows x in the data broadcast; FLAG_CAUSAL
@@ -20,6 +21,12 @@ Header: `HEADER_LEN` int64 values, indices named by the constants below::
     VERSION  the weights version the step expects (a peer holding another computes on
              NaN and records the mismatch; see RankWorker._forward)
     SENT_NS  rank 0's time.time_ns() when it sent the header (instrumentation only)
+    META_LEN OP_APPEND only: the int64 values of the step's plan (0 otherwise)
+
+OP_APPEND (sessions, service.parallel.kv_cache): the header is followed on the control
+group by one broadcast of the plan (`AppendPlan.encode()`, META_LEN int64 values: which
+blocks of each rank's KV pool every session's rows go to, and its cached length), then on
+the data group by the new rows [T, E] and the out projection's all_reduce, as a step.
 
 Ordering: rank 0 sends headers only from the gang's sequencer thread, and a step's
 header is followed by that step's collectives on the data group, in the same order on
@@ -43,11 +50,12 @@ import torch
 from service.tunables import TUNABLES
 
 HEADER_LEN = 10
-OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS = range(9)
+OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, META_LEN = range(10)
 
 OP_STEP = 1
 OP_HEARTBEAT = 2
 OP_STOP = 3
+OP_APPEND = 4
 
 FLAG_MASKED = 1
 FLAG_CAUSAL = 2
@@ -69,6 +77,13 @@ def step_header(seq: int, shape: tuple[int, ...], flags: int, dtype: torch.dtype
                 sent_ns: int) -> torch.Tensor:
     batch, seq_len, width = shape
     return torch.tensor([OP_STEP, seq, batch, seq_len, width, flags, DTYPE_CODES[dtype], version, sent_ns, 0],
+                        dtype=torch.int64)
+
+
+def append_header(seq: int, sessions: int, rows: int, width: int, dtype: torch.dtype, version: int,
+                  sent_ns: int, meta_len: int) -> torch.Tensor:
+    """An OP_APPEND header: `sessions` sessions, `rows` new rows of `width`, a plan of `meta_len` values."""
+    return torch.tensor([OP_APPEND, seq, sessions, rows, width, 0, DTYPE_CODES[dtype], version, sent_ns, meta_len],
                         dtype=torch.int64)
 
 

@@ -49,7 +49,7 @@ import threading
 import time
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import numpy as np
 import ray
@@ -77,6 +77,18 @@ SHUTDOWN_TIMEOUT_S = TUNABLES.gang.shutdown_timeout_s
 
 
 RankActor = ray.remote(max_restarts=0, max_task_retries=0)(RankWorker)
+
+
+class SessionStepPlan(Protocol):
+    """What `Gang.session_step` runs (built by service.sessions.registry on the sequencer)."""
+
+    sessions: int  # sessions in the step
+    x: np.ndarray  # [T, E] float32: their new rows (recomputed ones: all kept rows), concatenated
+    meta: Any  # torch int64: service.parallel.kv_cache.AppendPlan.encode()
+
+    def commit(self, out: np.ndarray) -> Any: ...
+
+    def abort(self) -> None: ...
 
 
 class Gang:
@@ -165,6 +177,72 @@ class Gang:
         self._require_ready()
         return await self._sequencer.run(self._infer_step, x, mask, causal, received_ns,
                                          step_timeout_s=self.cfg.collective_timeout_s, request_deadline=deadline)
+
+    async def session_step(self, prepare: Callable[[int, int], "SessionStepPlan"],
+                           deadline: float | None = None) -> Any:
+        """One append step of sessions (service.sessions), sequenced like a request.
+
+        On the sequencer, `prepare(generation, weights_version)` is asked for the step (the
+        registry decides placements against the gang as it is *now*: a rebuild bumped the
+        generation and emptied every pool, a swap changed the version, so their sessions
+        are recomputed); then the step runs (service.gang.control OP_APPEND), and the plan's
+        `commit(out)` (after success) or `abort()` (after any failure) runs there too. Returns
+        what `commit` returns. Failures map as for `infer` (the gang turns BROKEN)."""
+        self._require_ready()
+        return await self._sequencer.run(self._session_step, prepare, time.time_ns(),
+                                         step_timeout_s=self.cfg.collective_timeout_s, request_deadline=deadline)
+
+    def kv_pool_bytes(self) -> int:
+        """Rank 0's KV pool, bytes on its device (every rank's pool has the same shape)."""
+        return self._root.kv_pool_bytes() if self._root is not None else 0
+
+    def _session_step(self, prepare: Callable[[int, int], "SessionStepPlan"], received_ns: int) -> Any:
+        self._require_ready()
+        assert self._root is not None
+        if self.cfg.world_size > 1 and not self._loop_on:
+            raise Conflict("sessions need the step loop (builder arg step_loop=true)", code=ErrorCode.CONFLICT)
+        version = self.weights_version
+        plan = prepare(self.generation, version)
+        if not plan.sessions:  # every session of the step ended meanwhile: nothing to compute
+            return plan.commit(np.zeros((0, self.declared_model.embed_dim), dtype=np.float32))
+        x, meta = plan.x, plan.meta
+        seq, sent_ns = 0, time.time_ns()
+        try:
+            if self._loop_on:
+                seq = self._seq + 1
+                self._send_header(control.append_header(seq, plan.sessions, int(x.shape[0]), int(x.shape[1]),
+                                                        self._root.dtype, version, sent_ns, int(meta.numel())))
+                self._root.step_seq = seq
+            out = self._root.root_append(x, meta, version)
+            if out.size and np.isnan(out.flat[0]) and self._loop_on:
+                self._ask_step_errors(seq)
+            if self._loop_on:
+                self._timings.append((seq, received_ns or sent_ns, sent_ns, self._root.last_bcast_ns,
+                                      self._root.last_forward_ns, time.time_ns()))
+                if len(self._timings) > 2 * control.TIMINGS_KEPT:
+                    del self._timings[:control.TIMINGS_KEPT]
+        except (RayError, RuntimeError) as exc:
+            plan.abort()
+            if is_version_mismatch(exc):
+                self._mark_broken(f"weights versions disagree: {first_line(cause(exc))}")
+                raise GangUnavailable(
+                    f"a rank did not hold the expected weights version {version} ({first_line(cause(exc))}); "
+                    "no answer was computed from mixed weights; the gang is being rebuilt",
+                    code=ErrorCode.WEIGHTS_VERSION_MISMATCH) from exc
+            self._mark_broken(f"collective failed in an append step: {type(exc).__name__}: {first_line(exc)}")
+            if is_timeout(exc):
+                raise CollectiveTimeout(
+                    f"a collective timed out after collective_timeout_s={self.cfg.collective_timeout_s:.1f}s "
+                    "(a rank is stuck); the gang is being rebuilt") from exc
+            raise GangUnavailable(f"a rank failed during the append step ({type(exc).__name__}); the gang is "
+                                  "being rebuilt", code=ErrorCode.GANG_BROKEN) from exc
+        except BaseException:
+            plan.abort()
+            raise
+        if self.state is not GangState.READY:  # timed out meanwhile (the caller got 504): keep nothing
+            plan.abort()
+            raise GangUnavailable(f"the gang broke during the append step: {self.reason}", code=ErrorCode.GANG_BROKEN)
+        return plan.commit(out)
 
     async def swap_weights(
         self, model: ModelConfig, record: Callable[[], ServedWeights]

@@ -41,6 +41,7 @@ from service.gang.failpoints import Failpoints
 from service.gang.staging import PinnedStaging
 from service.gang.stepclock import StepClock
 from service.parallel import ParallelGroup, TensorParallelAttention
+from service.parallel.kv_cache import AppendPlan, PagedKVPool, append_attention
 from service.parallel.weights import (
     checkpoint_causal,
     load_checkpoint_shard,
@@ -209,6 +210,9 @@ class Rank:
         # (seq, header sent ns, woke ns, the step's clock: broadcast done, forward done)
         self._timings: deque[tuple[int, int, int, StepClock]] = deque(maxlen=control.TIMINGS_KEPT)
         self._clock: StepClock | None = None  # the last step's
+        # Sessions' K/V for this rank's heads (service.parallel.kv_cache), allocated on the
+        # first append step with the shape rank 0's plan names; gone with this object.
+        self.kv_pool: PagedKVPool | None = None
 
     def _prepare_cuda(self) -> None:
         torch.cuda.set_device(self.device)
@@ -514,6 +518,10 @@ class Rank:
             if op == control.OP_STOP:
                 log.info("rank %d: step loop stopped by rank 0", self.rank)
                 return
+            if op == control.OP_APPEND:
+                if not self._loop_append(h):
+                    return
+                continue
             if op != control.OP_STEP:
                 self._loop_failed(f"unknown header op {op} (header {h})")
                 return
@@ -534,6 +542,76 @@ class Rank:
             assert self._clock is not None
             self._timings.append((h[control.SEQ], h[control.SENT_NS], woke, self._clock))
 
+    # -- session append steps (OP_APPEND; service.parallel.kv_cache) ----------------------
+    def root_append(self, x: np.ndarray, meta: torch.Tensor, weights_version: int) -> np.ndarray:
+        """Rank 0: after the gang sent the OP_APPEND header, broadcast the plan `meta` (the
+        control group) and the new rows x [T, E] float32 (the data group); returns the
+        all-reduced output [T, E] float32."""
+        if self.world_size > 1:
+            if self._control is None:
+                raise RuntimeError(f"rank {self.rank}: append steps need the step loop's control group")
+            dist.broadcast(meta, src=0, group=self._control)
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        buf = xt.to(device=self.device, dtype=self.dtype).reshape(-1)
+        out = self._append_forward(buf, meta, int(x.shape[1]), weights_version)
+        return out.to(torch.float32).cpu().numpy()
+
+    def _loop_append(self, h: list[int]) -> bool:
+        """A peer's OP_APPEND: the plan, then the rows, then its heads' share; False when the
+        loop must stop (it then exits the process, see _loop_failed)."""
+        if h[control.DTYPE] != control.DTYPE_CODES[self.dtype]:
+            self._loop_failed(f"the append step computes in dtype code {h[control.DTYPE]}, this rank in {self.dtype}")
+            return False
+        self.step_seq = h[control.SEQ]
+        try:
+            meta = torch.empty(h[control.META_LEN], dtype=torch.int64)
+            dist.broadcast(meta, src=0, group=self._control)
+            buf = torch.empty(h[control.SEQ_LEN] * h[control.WIDTH], dtype=self.dtype, device=self.device)
+            self._append_forward(buf, meta, h[control.WIDTH], h[control.VERSION])
+        except self.version_mismatch_error:
+            pass  # took part in every collective on NaN; recorded for rank 0 (step_error)
+        except Exception as exc:  # the group is out of step now: only a rebuild helps
+            self._loop_failed(f"append step {h[control.SEQ]} failed: {type(exc).__name__}: {first_line(exc)}")
+            return False
+        assert self._clock is not None
+        self._timings.append((h[control.SEQ], h[control.SENT_NS], time.time_ns(), self._clock))
+        return True
+
+    def _append_forward(self, buf: torch.Tensor, meta: torch.Tensor, width: int, weights_version: int) -> torch.Tensor:
+        """One append step on every rank: broadcast the rows, write and attend over this
+        rank's pool (service.parallel.kv_cache.append_attention), all-reduce. A rank holding
+        another weights version computes on NaN and raises afterwards, as `_forward` does."""
+        if self.model is None or self.group is None:
+            raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
+        plan = AppendPlan.decode(meta)
+        plan.check()
+        model = self.model
+        if self.kv_pool is None or not self.kv_pool.fits(plan, model.heads_per_rank, model.head_dim, self.dtype):
+            self.kv_pool = PagedKVPool(plan.num_blocks, plan.block_size, model.heads_per_rank, model.head_dim,
+                                       self.dtype, self.device)
+            log.info("rank %d: KV pool of %d blocks x %d tokens (%d bytes)", self.rank, plan.num_blocks,
+                     plan.block_size, self.kv_pool.nbytes)
+        clock = self._clock = StepClock(self.device)
+        with torch.inference_mode():
+            self.group.broadcast_(buf, src=0)
+            clock.mark()
+            x = buf.view(-1, width)  # [T, E]
+            mismatch = weights_version != self.weights_version
+            if mismatch:
+                why = (f"rank {self.rank} holds weights version {self.weights_version}, "
+                       f"the step expected {weights_version}")
+                self._mismatches.append((self.step_seq, why))
+                x = torch.full_like(x, float("nan"))
+            out = append_attention(model, self.kv_pool, x, plan)
+            clock.mark()
+        if mismatch:
+            raise self.version_mismatch_error(why)
+        return out  # [T, E], all-reduced
+
+    def kv_pool_bytes(self) -> int:
+        """Bytes this rank's KV pool holds on its device (0 before the first append step)."""
+        return self.kv_pool.nbytes if self.kv_pool is not None else 0
+
     def _loop_failed(self, why: str) -> None:
         """Mark this rank broken and exit its process after a short grace (no orphans when
         rank 0 is gone; rank 0 may still ask `step_error` meanwhile)."""
@@ -548,6 +626,7 @@ class Rank:
         (service.gang.backends), within `timeout_s`. Raises DeadlineExceeded when that did
         not return in time; this process is then marked `abandoned` (to be replaced)."""
         self.model = self._staged = None
+        self.kv_pool = None
         group, self.group, self._control, self._store = self.group, None, None, None
         if group is None or group.world_size == 1 or not dist.is_initialized():
             return

@@ -26,6 +26,7 @@ from service.ingress.oip import routes as oip
 from service.ingress.routes import datasets, train, weights
 from service.ingress.routes import retention
 from service.ingress.routes import metrics
+from service.ingress.routes import sessions
 from service.ingress.observe import RequestMetrics, make_publisher
 from service.ingress.routes.ui import mount_ui
 
@@ -64,6 +65,7 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     app.add_middleware(RequestMetrics, publisher=app.state.metrics_publisher)
     app.include_router(health.router)
     app.include_router(infer.router)
+    app.include_router(sessions.router)
     app.include_router(oip.router)
     app.include_router(train.router)
     app.include_router(datasets.router)

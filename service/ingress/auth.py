@@ -7,8 +7,8 @@ Two tokens:
   inference: every method on `/train*`, `/datasets*` and `/weights*` (job specs, trained
   checkpoints, logs and datasets are read-protected too), and it unlocks the full `/gang`
   description (unauthenticated callers get it without file-system paths);
-- the optional **inference token** (`GANGSERVE_INFER_TOKEN`): when set, `POST /infer` and
-  the OIP `.../infer` routes need it (the API token is accepted there too).
+- the optional **inference token** (`GANGSERVE_INFER_TOKEN`): when set, `POST /infer`,
+  the OIP `.../infer` routes and every `/sessions*` route need it (the API token is accepted there too).
 
 `AuthMiddleware` enforces both on the raw ASGI scope, so a request without the right token
 is answered 401 before the route, its dependencies or its body parsing run: an attacker's
@@ -48,7 +48,7 @@ TOKEN_FILE = tokens.TOKEN_FILE
 # Every method on these path prefixes needs the API token (segment-wise: /train, /train/..).
 PROTECTED_PREFIXES = ("/train", "/datasets", "/weights")
 # Inference routes: need the inference token when GANGSERVE_INFER_TOKEN is set.
-INFER_PATH = re.compile(r"^/(infer|v2/models/[^/]+(/versions/[^/]+)?/infer)/?$")
+INFER_PATH = re.compile(r"^/(infer|v2/models/[^/]+(/versions/[^/]+)?/infer|sessions(/[^/]+(/append)?)?)/?$")
 
 log = logging.getLogger("gangserve.auth")
 

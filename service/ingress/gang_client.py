@@ -395,6 +395,34 @@ class GangClient:
             reason=f"{what}, {waited:.0f}s without a ready gang; {waiting_reason(snapshot, self._request)}",
         ))
 
+    async def session_call(self, method: str, *args: Any, session_id: str | None, deadline: float,
+                           **kwargs: Any) -> Any:
+        """GangServer.<method>(*args, session_id=..., timeout_s=<left>, **kwargs) by `deadline`
+        (service.sessions): routed to the gang holding the session (service.gang.router),
+        retried through the retryable gang failures (a failed step appended nothing) while
+        the deadline allows."""
+        attempt = 0
+        while True:
+            call_kwargs = {**kwargs, "timeout_s": seconds_left(deadline)}
+            if session_id is not None:
+                call_kwargs["session_id"] = session_id
+            response = getattr(self._handle, method).remote(*args, **call_kwargs)
+            try:
+                return await self._bounded(awaited(response), method, self._cfg.request_timeout_s,
+                                           on_cancel=response.cancel, deadline=deadline)
+            except Exception as exc:
+                error = exc if isinstance(exc, GangServeError) and not isinstance(exc, RayTaskError) else \
+                    map_handle_error(exc, what="gang server", method=method)
+                if error is None:
+                    raise
+                if error.code not in RETRYABLE_CODES:
+                    raise error from None
+                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                attempt += 1
+                self.retries += 1
+                process_metrics().inc("gangserve_request_retries", (error.code,))
+                await _pause(delay, deadline, f"retrying a session call after {error.code}: {error.message}")
+
     async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False,
                     deadline: float | None = None) -> Any:
         """One handle call bounded by timeout_s, or by `deadline` (see _bounded), which it

@@ -62,6 +62,8 @@ class GangServerMetrics:
         self._m = metrics or process_metrics()
         self._replica = (replica_id,)
         self.in_flight = 0
+        self._session_counts: dict[str, int] = {}  # the registry's counters already exported
+        self._m.declare("gangserve_session_evictions", "gangserve_session_recomputed_tokens")
         self._m.declare("gangserve_gang_rebuilds", "gangserve_collective_timeouts",
                         "gangserve_gang_step_seconds", "gangserve_batch_size", "gangserve_step_padded_share")
 
@@ -85,6 +87,25 @@ class GangServerMetrics:
         """StepBatcher's drop observer: `n` queued requests dropped uncomputed."""
         self._m.inc("gangserve_requests_dropped", ("gang", reason), float(n))
 
+    def session_append(self, context: str, seconds: float) -> None:
+        """One session append answered (service.sessions), `context`: its length bucket."""
+        self._m.observe("gangserve_session_append_seconds", seconds, (context,))
+
+    def sessions(self, stats: dict[str, Any]) -> None:
+        """Gauges and counters from service.sessions.service.SessionService.stats()."""
+        self._m.set("gangserve_sessions_active", float(stats.get("active", 0)), self._replica)
+        for row in stats.get("per_rank", []):
+            for kind in ("used", "capacity"):
+                self._m.set("gangserve_session_cache_bytes", float(row[f"{kind}_bytes"]),
+                            (*self._replica, str(row["rank"]), kind))
+        for name, key in (("gangserve_session_evictions", "evictions"),
+                          ("gangserve_session_recomputed_tokens", "recomputed_tokens")):
+            seen = self._session_counts.get(key, 0)
+            now = int(stats.get(key, 0))
+            if now > seen:
+                self._m.inc(name, (), float(now - seen))
+                self._session_counts[key] = now
+
     def rebuilt(self) -> None:
         self._m.inc("gangserve_gang_rebuilds")
 
@@ -96,6 +117,8 @@ class GangServerMetrics:
         self._m.set("gangserve_gang_ready", 1.0 if info.get("state") == "ready" else 0.0, self._replica)
         self._m.set("gangserve_weights_version", float(info.get("weights_version") or 0), self._replica)
         self._m.set("gangserve_queue_depth", float(self.in_flight), self._replica)
+        if info.get("sessions"):
+            self.sessions(info["sessions"])
         return self._m.snapshot()
 
 

@@ -58,6 +58,16 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("gangserve_weights_version", "gauge", "The weights version a gang serves", ("replica",)),
     Spec("gangserve_shm_fallbacks", "counter", "Shared-memory hand-offs that failed and went through "
          "Ray's object store instead"),
+    Spec("gangserve_sessions_active", "gauge", "Open stateful sessions on a gang", ("replica",)),
+    Spec("gangserve_session_cache_bytes", "gauge", "KV cache bytes of one rank of a gang: `used` (blocks held "
+         "by sessions) and `capacity` (session_cache_bytes in whole blocks)", ("replica", "rank", "kind")),
+    Spec("gangserve_session_evictions", "counter", "Sessions whose KV blocks were taken for others (LRU); "
+         "they are recomputed from their kept inputs on their next append"),
+    Spec("gangserve_session_recomputed_tokens", "counter", "Session tokens whose K/V was computed again "
+         "(after an eviction, a rebuilt rank or a weights swap)"),
+    Spec("gangserve_session_append_seconds", "histogram", "Session append latency in the gang server, by the "
+         "session's context length before the append (`le_16`, `le_128`, `le_1024`, `le_4096`, `gt_4096`)",
+         ("context",), LATENCY_BUCKETS),
     Spec("gangserve_training_jobs", "gauge", "Training jobs by status", ("status",)),
     Spec("gangserve_training_loss", "gauge", "Loss of the last finished epoch of an active training job",
          ("job",)),

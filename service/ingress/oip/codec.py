@@ -164,11 +164,13 @@ def _binary_outputs(req: InferenceRequest) -> bool:
     return binary
 
 
-def reply(req: InferenceRequest, out: np.ndarray, binary: bool) -> Response:
+def reply(req: InferenceRequest, out: np.ndarray, binary: bool, parameters: dict[str, Any] | None = None) -> Response:
     tensor: dict[str, Any] = {"name": codecs.OUTPUT_NAME, "datatype": codecs.oip_datatype(out.dtype), "shape": list(out.shape)}
     doc: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION, "outputs": [tensor]}
     if req.id is not None:
         doc["id"] = req.id
+    if parameters:  # a sequence's answer: its length and the weights version (service.ingress.oip.sequences)
+        doc["parameters"] = parameters
     if not binary:
         tensor["data"] = codecs.json_values(out.reshape(-1))  # serialized in chunks
         return Response(orjson.dumps(doc), media_type=codecs.JSON)

@@ -18,6 +18,7 @@ from service.ingress.deps import (
 )
 from service.ingress.gang_client import GangClient
 from service.ingress.oip.codec import causal, content_encoding, prepare, reply
+from service.ingress.oip.sequences import rows_of, sequence_of
 from service.ingress.oip.schemas import (
     BINARY_MEDIA, HEADER_LENGTH, MODEL_NAME, MODEL_VERSION, SERVER_NAME, SERVER_VERSION, InferenceRequest,
     InferenceResponse, Liveness, ModelMetadata, Readiness, ServerMetadata, TensorMetadata,
@@ -176,11 +177,20 @@ async def _infer(
         req, x, mask, squeezed, reply_dtype, binary = prepare(*args)
     deadline = deadlines.request_deadline(started, cfg.request_timeout_s, header_s,
                                           deadlines.oip_timeout(req.parameters))
-    out = await gang.infer(x, mask, causal(req), deadline)  # [batch, seq, E] float32
+    sequence = sequence_of(req)  # Triton's sequence parameters: a session (service.ingress.oip.sequences)
+    parameters = None
+    if sequence is not None:
+        rows, info = await gang.session_call("session_oip", rows_of(x), sequence.start, sequence.end,
+                                             session_id=sequence.id, deadline=deadline)
+        out = rows[None]  # [1, n, E]
+        parameters = {"sequence_id": (req.parameters or {}).get("sequence_id"), "sequence_length": info["length"],
+                      "weights_version": info["weights_version"]}
+    else:
+        out = await gang.infer(x, mask, causal(req), deadline)  # [batch, seq, E] float32
     out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
     if out.size > INLINE_ENCODE_VALUES:
-        return await pool.run_unbounded(reply, req, out, binary)
-    return reply(req, out, binary)
+        return await pool.run_unbounded(reply, req, out, binary, parameters)
+    return reply(req, out, binary, parameters)
 
 
 # ---------------------------------------------------------------- helpers

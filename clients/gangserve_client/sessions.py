@@ -1,0 +1,80 @@
+"""A stateful session of the gangserve API (POST /sessions, .../append, GET/DELETE /sessions/{id}).
+
+    with GangServeClient(url) as c, c.session(prefill=x0) as s:   # x0 [n, E] (optional)
+        y = s.append(row)          # row [n, E] -> the outputs of those rows, [n, E]
+        s.length, s.weights_version
+
+Each `append` sends `?length=` (the session's length before it), so a retried attempt
+whose first try did reach the service is refused (409 `session_length_mismatch`) instead
+of appending twice. `weights_version` is the version the last answer was computed with.
+Leaving the `with` block ends the session (DELETE).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+
+from gangserve_client.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from gangserve_client.client import GangServeClient
+
+
+class Session:
+    """One session; made by `GangServeClient.session()` (a prefill's outputs are in `prefill_output`)."""
+
+    def __init__(self, client: "GangServeClient", info: dict[str, Any], prefill_output: np.ndarray | None = None) -> None:
+        self._client = client
+        self.id: str = str(info["session_id"])
+        self.info: dict[str, Any] = info
+        self.prefill_output = prefill_output
+
+    @property
+    def length(self) -> int:
+        return int(self.info.get("length", 0))
+
+    @property
+    def weights_version(self) -> int:
+        return int(self.info.get("weights_version", 0))
+
+    def append(self, rows: np.ndarray, fmt: str = "safetensors", *, deadline_s: float | None = None) -> np.ndarray:
+        """rows [n, E] (or [1, n, E]) -> their outputs, same shape; each attends causally to the
+        whole session so far."""
+        reply = self._client._session_request(f"/sessions/{self.id}/append", rows, fmt, deadline_s,
+                                              params={"length": str(self.length)})
+        self.info = _info_from(reply, self.info)
+        from gangserve_client.client import decode_reply
+
+        return decode_reply(reply)
+
+    def refresh(self) -> dict[str, Any]:
+        """GET /sessions/{id}: length, weights version, created, last used, bytes held."""
+        self.info = self._client._request("GET", f"/sessions/{self.id}", headers=self._client._infer_headers()).json()
+        return self.info
+
+    def close(self) -> None:
+        """DELETE /sessions/{id} (an already ended or expired session is fine)."""
+        try:
+            self._client._request("DELETE", f"/sessions/{self.id}", headers=self._client._infer_headers())
+        except NotFoundError:
+            pass
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _info_from(reply: httpx.Response, previous: dict[str, Any]) -> dict[str, Any]:
+    """The session's state from an append's headers (every format carries them)."""
+    h = reply.headers
+    info = dict(previous)
+    for key, header in (("length", "x-session-length"), ("weights_version", "x-weights-version")):
+        if h.get(header, "").isdigit():
+            info[key] = int(h[header])
+    if h.get("x-session-id"):
+        info["session_id"] = h["x-session-id"]
+    return info

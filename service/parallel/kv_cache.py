@@ -1,0 +1,187 @@
+"""A rank's paged KV cache and the attention of new rows over it (an append step).
+
+Pure torch, no Ray: the same code runs on rank 0 (in the GangServer replica) and on the
+peers. Every placement decision is rank 0's (service.sessions.registry); a rank only
+reads the plan it is sent and writes where it says, so every rank's pool holds the same
+positions of the same sessions, each for its own heads.
+
+Layout
+------
+One pool per rank, allocated once: ``k, v [num_blocks, block_size, heads_local, head_dim]``
+in the compute dtype on the rank's device. A session of length L owns ``ceil(L / B)``
+blocks (B = block_size) listed in its block table; position p lives in block
+``table[p // B]`` at offset ``p % B``. Bytes per cached token per rank::
+
+    2 (K and V) * heads_local * head_dim * dtype bytes = 2 * (E / p) * dtype bytes
+
+and a session wastes at most B - 1 slots of its last block (the only layout overhead).
+Sessions of any lengths share the pool without fragmenting it: any free block serves any
+session.
+
+The plan (`AppendPlan`, one int64 tensor on the wire, `encode` / `decode`)
+------------------------------------------------------------------------
+Sessions i = 0..S-1 of one step, each with n_i new rows (the step's x is their rows
+concatenated in session order, [T, E], T = sum n_i), c_i positions already cached (0: the
+session is computed from scratch, e.g. a recompute of its kept inputs) and a block table
+covering its c_i + n_i positions.
+
+Math, rank r (heads h of r)::
+
+    q, k, v = x W_{q,k,v}[h]^T + b[h]                  # [T, h_l, d] each
+    K_i[c_i + j], V_i[c_i + j] = k, v of new row j     # written into the pool first
+    ctx_ij = softmax(q_ij K_i[0 : c_i + j + 1]^T / sqrt(d)) V_i[0 : c_i + j + 1]
+    out = sum_r ctx_r W_out[:, h]^T + b_out            # the step's one all_reduce
+
+so new row j of session i gets row c_i + j of causal `nn.MultiheadAttention` over the
+session's whole sequence. No K/V crosses ranks: each rank attends over its own heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from service.parallel.layers import TensorParallelAttention
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """Where one append step's rows go (see the module docstring).
+
+    num_blocks, block_size: the pool's shape (every rank allocates the same pool from it);
+    new_rows[i] = n_i, cached[i] = c_i, tables[i] = the block ids of session i's
+    c_i + n_i positions (ceil((c_i + n_i) / block_size) of them)."""
+
+    num_blocks: int
+    block_size: int
+    new_rows: tuple[int, ...]
+    cached: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+
+    @property
+    def sessions(self) -> int:
+        return len(self.new_rows)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.new_rows)
+
+    def check(self) -> None:
+        """ValueError naming the first session whose table cannot hold its positions."""
+        for i, (n, c, table) in enumerate(zip(self.new_rows, self.cached, self.tables)):
+            need = -(-(c + n) // self.block_size)
+            if n < 1 or c < 0 or len(table) != need:
+                raise ValueError(f"session {i} of the plan: {n} new rows after {c} cached need {need} blocks of "
+                                 f"{self.block_size}, the table has {len(table)}")
+            if any(not 0 <= b < self.num_blocks for b in table):
+                raise ValueError(f"session {i} of the plan: block ids {table} outside the pool's {self.num_blocks}")
+
+    def encode(self) -> torch.Tensor:
+        """[num_blocks, block_size, S, n_0.., c_0.., len(table_0).., table_0..., table_1..., ...] int64."""
+        flat = [self.num_blocks, self.block_size, self.sessions, *self.new_rows, *self.cached,
+                *(len(t) for t in self.tables)]
+        for t in self.tables:
+            flat.extend(t)
+        return torch.tensor(flat, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, meta: torch.Tensor) -> "AppendPlan":
+        v = meta.tolist()
+        num_blocks, block_size, s = v[0], v[1], v[2]
+        new_rows, cached, lens = v[3:3 + s], v[3 + s:3 + 2 * s], v[3 + 2 * s:3 + 3 * s]
+        tables, at = [], 3 + 3 * s
+        for n in lens:
+            tables.append(tuple(v[at:at + n]))
+            at += n
+        return cls(num_blocks, block_size, tuple(new_rows), tuple(cached), tuple(tables))
+
+
+class PagedKVPool:
+    """One rank's K/V blocks: k, v [num_blocks, block_size, heads_local, head_dim]."""
+
+    def __init__(self, num_blocks: int, block_size: int, heads_local: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (num_blocks, block_size, heads_local, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """What the pool holds on the device (both tensors)."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 * heads_local * head_dim * dtype bytes: one cached position of one session."""
+        return self.nbytes // (self.num_blocks * self.block_size)
+
+    def fits(self, plan: AppendPlan, heads_local: int, head_dim: int, dtype: torch.dtype) -> bool:
+        return (self.num_blocks, self.block_size) == (plan.num_blocks, plan.block_size) and \
+            tuple(self.k.shape[2:]) == (heads_local, head_dim) and self.k.dtype == dtype
+
+
+def _write_slots(plan: AppendPlan) -> np.ndarray:
+    """[T] flat slot (block * B + offset) of every new row, in the step's row order."""
+    bs = plan.block_size
+    slots = []
+    for n, c, table in zip(plan.new_rows, plan.cached, plan.tables):
+        pos = np.arange(c, c + n)
+        slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+    return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+
+
+def append_attention(model: TensorParallelAttention, pool: PagedKVPool, x: torch.Tensor,
+                     plan: AppendPlan) -> torch.Tensor:
+    """x [T, E] (the new rows of the plan's sessions, identical on every rank) -> [T, E].
+
+    Writes this rank's k/v of the new rows into `pool` at the plan's positions, attends each
+    new row over its session's cached positions and the earlier new rows (module docstring),
+    and returns the all-reduced out projection. Sessions of one new row (decode steps)
+    share one batched attention over their block tables padded to the longest; sessions of
+    several rows (a prefill, a recompute) get one causal attention each.
+    """
+    rows, h, d = x.shape[0], model.heads_per_rank, model.head_dim
+    bs, device = plan.block_size, x.device
+    q = model.q_proj(x).view(rows, h, d)  # [T, h_l, d]
+    k = model.k_proj(x).view(rows, h, d)  # [T, h_l, d]
+    v = model.v_proj(x).view(rows, h, d)  # [T, h_l, d]
+    slots = torch.from_numpy(_write_slots(plan)).to(device)
+    pool.k.view(-1, h, d).index_copy_(0, slots, k)  # flat pool [num_blocks * B, h_l, d]
+    pool.v.view(-1, h, d).index_copy_(0, slots, v)
+    ctx = torch.empty(rows, h, d, dtype=q.dtype, device=device)  # [T, h_l, d]
+    starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
+    single = [i for i, n in enumerate(plan.new_rows) if n == 1]
+    if single:
+        widest = max(len(plan.tables[i]) for i in single)
+        tables = torch.tensor([list(plan.tables[i]) + [0] * (widest - len(plan.tables[i])) for i in single],
+                              dtype=torch.int64, device=device)  # [S1, nb_max]
+        lengths = torch.tensor([plan.cached[i] + 1 for i in single], dtype=torch.int64, device=device)
+        s1 = len(single)
+        keys = pool.k[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
+        vals = pool.v[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
+        allowed = torch.arange(widest * bs, device=device)[None, :] < lengths[:, None]  # [S1, L_max]
+        at = torch.from_numpy(starts[single]).to(device)
+        qs = q[at][:, :, None, :]  # [S1, h_l, 1, d]
+        out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=allowed[:, None, None, :],
+                                             scale=model.scale)  # [S1, h_l, 1, d]
+        ctx[at] = out[:, :, 0, :]
+    for i, n in enumerate(plan.new_rows):
+        if n == 1:
+            continue
+        c, table, start = plan.cached[i], plan.tables[i], int(starts[i])
+        length = c + n
+        ids = torch.tensor(table, dtype=torch.int64, device=device)
+        keys = pool.k[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
+        vals = pool.v[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
+        qi = q[start:start + n].transpose(0, 1)  # [h_l, n, d]
+        if c == 0:  # a prefill or a recompute: plain causal attention, no mask tensor (SDPA's own)
+            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=model.scale)  # [h_l, n, d]
+        else:
+            # new row j sits at position c + j and attends positions 0 .. c + j
+            allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
+            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=model.scale)  # [h_l, n, d]
+        ctx[start:start + n] = out.transpose(0, 1)
+    return model.out_proj(ctx.reshape(rows, h * d))  # [T, E], all-reduced

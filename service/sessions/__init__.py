@@ -1,0 +1,11 @@
+"""Stateful sessions (issue 31): a sharded, paged KV cache held by the gang.
+
+- `registry`: the one owner of session state (ids, lengths, kept inputs, block tables,
+  LRU, idle expiry), in rank 0's process (the GangServer replica); it plans every append
+  step's block placement on the gang's sequencer.
+- `batcher`: continuous batching of appends: many sessions' new rows share one gang step.
+- `service`: what the GangServer calls (open, append, info, close, stats, the sweeper).
+
+The rank side is service.parallel.kv_cache (the pool and the attention over it); the step
+travels as service.gang.control's OP_APPEND.
+"""

@@ -1,0 +1,159 @@
+"""Continuous batching of session appends: many sessions' new rows share one gang step.
+
+Appends queue here; one step runs at a time (the gang's sequencer runs one anyway), and the
+appends that arrive while it runs form the next one. A step takes the oldest queued
+append, then the next queued appends of *other* sessions (a session's appends are ordered:
+its second append attends over its first, so at most one per session per step), while
+
+    sessions <= max_sessions_per_step, new rows <= max_rows_per_step, and
+    sum over its sessions of blocks(length + n) <= num_blocks
+
+(the last bound: the step's sessions must fit the pool together even if every one of them
+is recomputed, so its placement can always succeed by evicting sessions outside it). Each
+session keeps its own context length: the step's plan carries every one
+(service.parallel.kv_cache), no padding to a common length.
+
+Deadlines: an append whose deadline passes while queued is dropped (never computed:
+504 `deadline_exceeded`, nothing appended). One whose deadline passes while its step runs
+answers 504 at once, and the append still completes (GET /sessions/{id} shows the length;
+`?length=` makes a retry safe).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+from service.sessions.registry import Session, StepItem
+
+# (items of one step, latest deadline or None) -> [(rows or None, info or error)] in item order
+RunStep = Callable[[list[StepItem], "float | None"], Awaitable[list[tuple[Any, Any]]]]
+
+
+@dataclass(eq=False)
+class _Queued:
+    session: Session
+    x: np.ndarray
+    future: asyncio.Future
+    deadline: float | None
+    expect_length: int | None = None
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class AppendBatcher:
+    """Groups queued appends of distinct sessions into steps (see the module docstring)."""
+
+    def __init__(self, run_step: RunStep, *, max_sessions_per_step: int, max_rows_per_step: int,
+                 num_blocks: int, blocks_for: Callable[[int], int], wait_s: float = 0.0) -> None:
+        self._run_step = run_step
+        self._wait_s = wait_s  # linger this long for company when fewer sessions than a full step wait
+        self._max_sessions = max_sessions_per_step
+        self._max_rows = max_rows_per_step
+        self._num_blocks = num_blocks
+        self._blocks_for = blocks_for
+        self._pending: list[_Queued] = []
+        self._drainer: asyncio.Task | None = None
+        self.steps = 0
+        self.appends = 0
+        self.max_step_sessions = 0
+        self.expired_queued = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": self.steps, "appends": self.appends, "max_sessions_in_a_step": self.max_step_sessions,
+                "queued": len(self._pending), "expired_queued": self.expired_queued,
+                "appends_per_step": round(self.appends / self.steps, 3) if self.steps else 0.0}
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and (self._drainer is None or self._drainer.done())
+
+    async def submit(self, session: Session, x: np.ndarray, deadline: float | None,
+                     expect_length: int | None = None) -> tuple[np.ndarray, dict]:
+        """x [n, E] float32 appended to `session` -> (its output rows [n, E], the session's info)."""
+        loop = asyncio.get_running_loop()
+        item = _Queued(session, x, loop.create_future(), deadline, expect_length)
+        session.busy += 1
+        self._pending.append(item)
+        if self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain())
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return await asyncio.wait_for(asyncio.shield(item.future), timeout)
+        except asyncio.TimeoutError:
+            if item in self._pending:
+                self._pending.remove(item)
+                self.expired_queued += 1
+                raise DeadlineExceededBeforeStep(
+                    "the append's deadline passed while it was queued; nothing was appended") from None
+            raise DeadlineExceeded("the append's deadline passed while its step ran; the append itself "
+                                   "completes (GET /sessions/{id} shows the length)") from None
+        except asyncio.CancelledError:
+            if item in self._pending:
+                self._pending.remove(item)
+            raise
+        finally:
+            session.busy -= 1
+
+    async def _drain(self) -> None:
+        while self._pending:
+            if self._wait_s > 0 and len({q.session.id for q in self._pending}) < self._max_sessions:
+                await asyncio.sleep(self._wait_s)
+            group = self._take_group()
+            if not group:
+                continue
+            deadlines = [q.deadline for q in group]
+            step_deadline = None if None in deadlines else max(d for d in deadlines if d is not None)
+            items = [StepItem(q.session, q.x, q.expect_length) for q in group]
+            try:
+                results = await self._run_step(items, step_deadline)
+            except BaseException as exc:  # noqa: BLE001 - every member gets the step's error
+                for q in group:
+                    if not q.future.done():
+                        q.future.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self.steps += 1
+            self.appends += len(group)
+            self.max_step_sessions = max(self.max_step_sessions, len(group))
+            for q, (rows, info) in zip(group, results):
+                if q.future.done():
+                    continue
+                if isinstance(info, BaseException):
+                    q.future.set_exception(info)
+                else:
+                    q.future.set_result((rows, info))
+
+    def _take_group(self) -> list[_Queued]:
+        now = time.monotonic()
+        late = [q for q in self._pending if q.deadline is not None and q.deadline <= now]
+        for q in late:
+            self._pending.remove(q)
+            self.expired_queued += 1
+            if not q.future.done():
+                q.future.set_exception(DeadlineExceededBeforeStep(
+                    "the append's deadline passed before its step started; nothing was appended"))
+        group: list[_Queued] = []
+        seen: set[str] = set()
+        rows = blocks = 0
+        for q in self._pending:
+            if q.session.id in seen:
+                continue
+            seen.add(q.session.id)  # a session's later appends wait behind its first queued one
+            n = int(q.x.shape[0])
+            # rows it brings: n, or its whole length again if it will be recomputed
+            mine = n if q.session.cached == q.session.length else q.session.length + n
+            need = self._blocks_for(q.session.length + n)
+            if group and (len(group) >= self._max_sessions or rows + mine > self._max_rows
+                          or blocks + need > self._num_blocks):
+                continue
+            group.append(q)
+            rows += mine
+            blocks += need
+        taken = {id(q) for q in group}
+        self._pending = [q for q in self._pending if id(q) not in taken]
+        return group

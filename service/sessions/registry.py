@@ -1,0 +1,348 @@
+"""The session registry: every session's state, owned by rank 0's process alone.
+
+State per session: its id, its kept inputs (every row it was given, float32, host memory:
+what makes eviction and the loss of a rank recoverable), its length, and its place in the
+ranks' KV pools (a block table, see service.parallel.kv_cache) together with what that
+cached K/V is valid for: the gang's `generation` (a rebuild bumps it and every pool is
+new, i.e. empty) and the weights version it was computed with.
+
+Invariant: a session's cached K/V is used only if it covers its whole length and was
+computed by this generation of the gang with the weights version of the step; otherwise
+the step recomputes it from the kept inputs (the session's rows go into the step with
+cached length 0), which is counted (`recomputed_tokens`). So no answer mixes weights
+versions, and a rebuilt rank is repaired by the next append.
+
+Blocks: a free list over the pool's `num_blocks`. A step takes the blocks its sessions
+need; when too few are free, sessions outside the step are evicted, least recently used
+first (idle ones, i.e. with no append queued, before queued ones): their blocks return to
+the free list and they keep their inputs (recomputed on their next append).
+
+Threads: the event loop (open, lookups, close, expiry) and the gang's sequencer (plan and
+commit of a step) both use the registry; one lock guards it. Blocks are only *taken* on
+the sequencer, between steps, so blocks freed while a step runs are reused at the earliest
+by the next step, after that one finished with them.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.errors import Conflict, ErrorCode, InvalidInput, NotFound, SessionCacheFull, SessionGone, TooManySessions
+from service.parallel.kv_cache import AppendPlan
+
+ENDED_KEPT = 100_000  # ended ids remembered (expired vs never known)
+OIP_PREFIX = "oip:"  # ids chosen by OIP clients (`sequence_id`) live beside ours in one registry
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The registry's bounds (service.config.SessionConfig, and the pool's shape)."""
+
+    num_blocks: int
+    block_size: int
+    max_sessions: int
+    max_session_tokens: int
+    idle_timeout_s: float
+    bytes_per_token: int  # per rank: 2 * (E / world_size) * dtype bytes
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    created_at: float  # wall clock
+    last_used: float  # time.monotonic()
+    last_used_at: float  # wall clock
+    inputs: list[np.ndarray] = field(default_factory=list)  # kept rows, each [n, E] float32
+    length: int = 0
+    blocks: list[int] = field(default_factory=list)  # its block table in the ranks' pools
+    cached: int = 0  # positions whose K/V in the pools are valid (for `generation`, `version`)
+    generation: int = -1
+    version: int = 0  # weights version of the cached K/V and of the last answer
+    busy: int = 0  # appends queued or running
+    appends: int = 0
+    recomputed_tokens: int = 0
+    evictions: int = 0
+
+    def kept(self) -> np.ndarray:
+        """All kept rows [length, E] (one array: joined once on a recompute)."""
+        if len(self.inputs) > 1:
+            self.inputs = [np.concatenate(self.inputs)]
+        return self.inputs[0]
+
+
+@dataclass
+class StepItem:
+    """One session's part of a step: its new rows, and what the step made of it."""
+
+    session: Session
+    x: np.ndarray  # [n, E] float32
+    expect_length: int | None = None  # the append's `?length=` precondition, checked when it runs
+    recompute: bool = False
+    start: int = 0  # its first row in the step's x
+    rows: int = 0  # its rows in the step (n, or length + n when recomputed)
+    error: BaseException | None = None
+
+
+class SessionRegistry:
+    """Sessions of one gang (see the module docstring)."""
+
+    def __init__(self, limits: Limits, owner: str) -> None:
+        self.limits = limits
+        self.owner = owner  # this gang's replica id: the prefix of every id it hands out
+        self._lock = threading.RLock()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._ended: OrderedDict[str, str] = OrderedDict()  # id -> "expired" | "ended"
+        self._free = list(range(limits.num_blocks - 1, -1, -1))  # a stack: low ids first
+        self.evictions = 0
+        self.recomputed_tokens = 0
+        self.expired = 0
+        self.opened = 0
+        self.ended = 0
+        self.appends = 0
+        self.steps = 0
+
+    # -- ids ---------------------------------------------------------------------------------
+    def new_id(self) -> str:
+        return f"{self.owner}-{secrets.token_hex(12)}"
+
+    # -- the event loop's side ----------------------------------------------------------------
+    def open(self, session_id: str | None = None) -> Session:
+        """A new empty session (429 at max_sessions); `session_id`: an OIP client's own id."""
+        with self._lock:
+            if len(self._sessions) >= self.limits.max_sessions:
+                raise TooManySessions(
+                    f"{len(self._sessions)} sessions are open on this gang (max_sessions={self.limits.max_sessions}); "
+                    f"end some (DELETE /sessions/{{id}}) or wait for idle ones to expire "
+                    f"(session_idle_timeout_s={self.limits.idle_timeout_s:g})")
+            sid = session_id or self.new_id()
+            if sid in self._sessions:
+                raise Conflict(f"session {sid!r} is live: end it (sequence_end, DELETE) before starting it again", code=ErrorCode.SESSION_EXISTS)
+            now = time.monotonic()
+            s = Session(sid, time.time(), now, time.time())
+            self._sessions[sid] = s
+            self._ended.pop(sid, None)
+            self.opened += 1
+            return s
+
+    def lookup(self, session_id: str) -> Session:
+        """The live session, or: 410 session_lost (an id of a gang that is gone), 404
+        session_expired (ended by the idle timeout), 404 session_not_found."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is not None:
+                return s
+            why = self._ended.get(session_id)
+        if why == "expired":
+            raise NotFound(f"session {session_id!r} expired: idle longer than session_idle_timeout_s="
+                           f"{self.limits.idle_timeout_s:g}", code=ErrorCode.SESSION_EXPIRED)
+        owner = session_id.rsplit("-", 1)[0] if "-" in session_id else None
+        if why is None and owner is not None and not session_id.startswith(OIP_PREFIX) and owner != self.owner:
+            raise SessionGone(
+                f"session {session_id!r} was held by gang {owner!r}, which is gone (this gang is {self.owner!r}); "
+                "its state was lost with that gang's rank 0: open a new session")
+        raise NotFound(f"no session {session_id!r} on this gang (never opened, or ended)",
+                       code=ErrorCode.SESSION_NOT_FOUND)
+
+    def close(self, session_id: str, why: str = "ended") -> Session:
+        with self._lock:
+            s = self.lookup(session_id)
+            self._drop(s, why)
+            return s
+
+    def check_append(self, s: Session, rows: int) -> None:
+        """Refuse (no state change) an append the limits can never allow."""
+        total = s.length + rows
+        if total > self.limits.max_session_tokens:
+            raise InvalidInput(
+                f"session {s.id!r} has {s.length} tokens; {rows} more would make {total}, past "
+                f"max_session_tokens={self.limits.max_session_tokens}; nothing was appended",
+                code=ErrorCode.SESSION_TOO_LONG)
+        need = self.limits.blocks_for(total)
+        if need > self.limits.num_blocks:
+            raise SessionCacheFull(
+                f"session {s.id!r} would need {need} KV blocks of {self.limits.block_size} tokens for {total} "
+                f"tokens; one rank's whole cache holds {self.limits.num_blocks} (session_cache_bytes); nothing "
+                "was appended")
+
+    def expire_idle(self, now: float | None = None) -> int:
+        """End the sessions idle past idle_timeout_s (none with an append queued or running)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [s for s in self._sessions.values()
+                    if not s.busy and now - s.last_used > self.limits.idle_timeout_s]
+            for s in idle:
+                self._drop(s, "expired")
+            self.expired += len(idle)
+            return len(idle)
+
+    def _drop(self, s: Session, why: str) -> None:
+        self._sessions.pop(s.id, None)
+        self._free.extend(reversed(s.blocks))
+        s.blocks, s.cached, s.inputs = [], 0, []
+        self._ended[s.id] = why
+        self._ended.move_to_end(s.id)
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+        if why == "ended":
+            self.ended += 1
+
+    def is_live(self, s: Session) -> bool:
+        with self._lock:
+            return self._sessions.get(s.id) is s
+
+    # -- the sequencer's side: one step ---------------------------------------------------------
+    def plan(self, items: list[StepItem], generation: int, version: int) -> "RegistryStep":
+        """Place `items` (distinct sessions) for one step on the gang as it is now."""
+        with self._lock:
+            live = []
+            for item in items:
+                if not self.is_live(item.session):
+                    item.error = NotFound(f"session {item.session.id!r} ended before its append ran; nothing "
+                                          "was appended", code=ErrorCode.SESSION_NOT_FOUND)
+                elif item.expect_length is not None and item.expect_length != item.session.length:
+                    item.error = Conflict(
+                        f"session {item.session.id!r} has length {item.session.length}, the append expected "
+                        f"{item.expect_length}; nothing was appended", code=ErrorCode.SESSION_LENGTH_MISMATCH)
+                else:
+                    live.append(item)
+            pinned = {item.session.id for item in live}
+            xs, new_rows, cached, tables, at = [], [], [], [], 0
+            for item in live:
+                s, n = item.session, int(item.x.shape[0])
+                valid = s.generation == generation and s.version == version and s.cached == s.length
+                item.recompute = not valid and s.length > 0
+                total = s.length + n
+                self._grow(s, self.limits.blocks_for(total), pinned)
+                c = s.length if valid else 0
+                if item.recompute:
+                    xs.append(s.kept())
+                xs.append(item.x)
+                item.start, item.rows = at, total - c
+                at += item.rows
+                new_rows.append(total - c)
+                cached.append(c)
+                tables.append(tuple(s.blocks))
+            plan = AppendPlan(self.limits.num_blocks, self.limits.block_size, tuple(new_rows), tuple(cached),
+                              tuple(tables))
+            plan.check()  # here, before any header goes out: a rank must never refuse a plan mid-step
+            x = np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.zeros((0, 0), np.float32))
+            return RegistryStep(self, live, items, plan, x, generation, version)
+
+    def _grow(self, s: Session, need: int, pinned: set[str]) -> None:
+        """Give `s` `need` blocks in all, evicting unpinned sessions (LRU, idle first) if needed."""
+        short = need - len(s.blocks)
+        if short <= 0:
+            return
+        if len(self._free) < short:
+            order = [v for v in self._sessions.values() if v.id not in pinned and v.blocks]
+            order.sort(key=lambda v: (v.busy > 0, v.last_used))  # idle before queued, then LRU
+            for victim in order:
+                if len(self._free) >= short:
+                    break
+                self._free.extend(reversed(victim.blocks))
+                victim.blocks, victim.cached = [], 0
+                victim.evictions += 1
+                self.evictions += 1
+        if len(self._free) < short:
+            raise SessionCacheFull(
+                f"session {s.id!r} needs {short} more KV blocks; {len(self._free)} are free and the rest hold "
+                f"sessions of this very step (num_blocks={self.limits.num_blocks})")
+        for _ in range(short):
+            s.blocks.append(self._free.pop())
+
+    def _commit(self, step: "RegistryStep", out: np.ndarray) -> list[tuple[np.ndarray | None, dict[str, Any] | BaseException]]:
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            self.steps += 1
+            for item in step.live:
+                s, n = item.session, int(item.x.shape[0])
+                if self._sessions.get(s.id) is not s:  # ended while the step ran: nothing to keep
+                    item.error = NotFound(f"session {s.id!r} ended while its append ran",
+                                          code=ErrorCode.SESSION_NOT_FOUND)
+                    continue
+                if item.recompute:
+                    s.recomputed_tokens += s.length
+                    self.recomputed_tokens += s.length
+                s.inputs.append(np.array(item.x, dtype=np.float32, copy=True))
+                s.length += n
+                s.cached, s.generation, s.version = s.length, step.generation, step.version
+                s.last_used, s.last_used_at = now, wall
+                s.appends += 1
+                self.appends += 1
+                self._sessions.move_to_end(s.id)
+        results: list[tuple[np.ndarray | None, dict[str, Any] | BaseException]] = []
+        for item in step.items:
+            if item.error is not None:
+                results.append((None, item.error))
+                continue
+            n = int(item.x.shape[0])
+            end = item.start + item.rows
+            results.append((np.ascontiguousarray(out[end - n:end]),
+                            {**self.public(item.session), "recomputed_tokens_this_append":
+                             item.rows - n if item.recompute else 0}))
+        return results
+
+    def _abort(self, step: "RegistryStep") -> None:
+        with self._lock:
+            for item in step.live:
+                item.session.cached = 0  # the step may have written part of its blocks: recompute next time
+
+    # -- reading --------------------------------------------------------------------------------
+    def public(self, s: Session) -> dict[str, Any]:
+        """GET /sessions/{id}: length, weights version, created, last used, bytes held."""
+        blocks = len(s.blocks)
+        return {
+            "session_id": s.id, "length": s.length, "weights_version": s.version,
+            "created_at": s.created_at, "last_used_at": s.last_used_at,
+            "cached_tokens": s.cached, "kv_blocks": blocks,
+            "kv_bytes_per_rank": blocks * self.limits.block_size * self.limits.bytes_per_token,
+            "input_bytes": int(sum(a.nbytes for a in s.inputs)),
+            "appends": s.appends, "recomputed_tokens": s.recomputed_tokens, "evictions": s.evictions,
+            "idle_timeout_s": self.limits.idle_timeout_s,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            used_blocks = self.limits.num_blocks - len(self._free)
+            tokens = sum(s.cached for s in self._sessions.values() if s.blocks)
+            lim = self.limits
+            block_bytes = lim.block_size * lim.bytes_per_token
+            return {
+                "active": len(self._sessions), "max_sessions": lim.max_sessions,
+                "max_session_tokens": lim.max_session_tokens, "idle_timeout_s": lim.idle_timeout_s,
+                "block_tokens": lim.block_size, "num_blocks": lim.num_blocks, "free_blocks": len(self._free),
+                "bytes_per_token_per_rank": lim.bytes_per_token,
+                "capacity_bytes_per_rank": lim.num_blocks * block_bytes,
+                "used_bytes_per_rank": used_blocks * block_bytes,
+                "cached_tokens": tokens,
+                "kept_input_bytes": int(sum(a.nbytes for s in self._sessions.values() for a in s.inputs)),
+                "evictions": self.evictions, "recomputed_tokens": self.recomputed_tokens,
+                "expired": self.expired, "opened": self.opened, "ended": self.ended,
+                "appends": self.appends, "append_steps": self.steps,
+            }
+
+
+class RegistryStep:
+    """A planned step (service.gang.gang.SessionStepPlan): x, the encoded plan, commit/abort."""
+
+    def __init__(self, registry: SessionRegistry, live: list[StepItem], items: list[StepItem], plan: AppendPlan,
+                 x: np.ndarray, generation: int, version: int) -> None:
+        self._registry, self.live, self.items = registry, live, items
+        self.plan, self.x, self.generation, self.version = plan, x, generation, version
+        self.sessions = plan.sessions
+        self.meta = plan.encode()
+
+    def commit(self, out: np.ndarray) -> list[tuple[np.ndarray | None, dict[str, Any] | BaseException]]:
+        return self._registry._commit(self, out)
+
+    def abort(self) -> None:
+        self._registry._abort(self)
