@@ -270,6 +270,63 @@ def test_requests_take_the_data_channel_and_match_the_reference(app_url: str) ->
 
 
 @pytest.mark.ray
+def test_session_appends_take_the_data_channel_and_match_causal_attention(app_url: str) -> None:
+    """A session's appends travel over the data channel when it is the route (one gang, rank
+    0 on this node): three appends of 3, 1 and 3 rows give the rows of causal attention over
+    the whole 7-row sequence (the dense reference), and the session's state comes back too."""
+    client = _driver_side_client(app_url)
+    rows = rand(1, 7, 512, seed=31)[0]  # [7, E]
+
+    async def run() -> tuple[np.ndarray, dict]:
+        deadline = time.monotonic() + 60
+        _, opened = await client.session_call("session_open", None, session_id=None, deadline=deadline)
+        sid, outs, info = opened["session_id"], [], opened
+        for part in (rows[:3], rows[3:4], rows[4:]):
+            out, info = await client.session_call("session_append", part, info["length"], session_id=sid,
+                                                  deadline=deadline)
+            outs.append(np.array(out))
+        await client.session_call("session_close", session_id=sid, deadline=deadline)
+        return np.concatenate(outs), info
+
+    out, info = asyncio.run(run())
+    assert relative_error(torch.from_numpy(out), reference(rows, causal=True)) < 1e-5
+    assert info["length"] == 7, info
+    t = client._link.transport().model_dump()
+    assert (t["data_channel"], t["data_channel_fallbacks"], t["object_store"]) == (3, 0, 0), t
+
+
+@pytest.mark.unit
+def test_a_session_append_crosses_the_channel_with_its_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session op's wire: rows [n, E] and the length precondition to rank 0's side, the
+    outputs and the session's state back; a malformed one gets an error reply, not a crash."""
+    monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)
+    seen: list[tuple] = []
+
+    async def append(x: np.ndarray, length: int | None, timeout_s: float | None = None,
+                     session_id: str = "") -> tuple[np.ndarray, dict]:
+        seen.append((x.shape, length, session_id, timeout_s is not None))
+        return _affine(x), {"session_id": session_id, "length": (length or 0) + x.shape[0]}
+
+    async def main() -> None:
+        server = ChannelServer(lambda x: _affine(x), max_in_flight=4, session_append=append)  # type: ignore[arg-type,return-value]
+        assert await server.start("sess")
+        client = ChannelClient(channel.socket_path("sess"))
+        try:
+            x = rand(1, 5, 8, seed=2)[0]
+            out, info = await client.session_append(x, "r-abc", 3, timeout_s=9.0)
+            np.testing.assert_array_equal(out, _affine(x))
+            assert info == {"session_id": "r-abc", "length": 8}
+            with pytest.raises(GangUnavailable, match="session_id"):
+                await client.session_append(x, "", None)
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+    assert seen == [((5, 8), 3, "r-abc", True)]
+
+
+@pytest.mark.ray
 def test_an_unusable_channel_falls_back_to_the_handle(app_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     client = _driver_side_client(app_url)
     monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)  # as if the socket were gone

@@ -106,6 +106,7 @@ class GangServer:
         # Same-node requests from the ingress may skip the handle call (service.transport.channel).
         self._channel = ChannelServer(
             self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
+            session_append=self.session_append,
         )
         try:
             # Datasets, checkpoints and the served-weights copies: fail the start (with the

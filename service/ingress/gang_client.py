@@ -293,10 +293,11 @@ class GangClient:
         return self._status
 
     # -- internals ------------------------------------------------------------------------
-    def _request_call(self, method: str, *args: Any, deadline: float | None) -> Awaitable[Any]:
+    def _request_call(self, method: str, *args: Any, deadline: float | None, **kwargs: Any) -> Awaitable[Any]:
         """The link's handle call: bounded like every request (`request_timeout_s`, the
         deadline, and the gang seen unable to answer)."""
-        return self._call(method, *args, timeout_s=self._cfg.request_timeout_s, watch=True, deadline=deadline)
+        return self._call(method, *args, timeout_s=self._cfg.request_timeout_s, watch=True, deadline=deadline,
+                          **kwargs)
 
     def _request_bounded(self, call: Awaitable[T], what: str, deadline: float | None) -> Awaitable[T]:
         """The link's wait for a call it made itself (the data channel), bounded the same way."""
@@ -402,21 +403,18 @@ class GangClient:
         retried through the retryable gang failures (a failed step appended nothing) while
         the deadline allows."""
         attempt = 0
+        if session_id is not None:
+            kwargs["session_id"] = session_id
+        await self.status(max_age_s=STATUS_MAX_AGE_S)  # the link's route follows the gang's status
         while True:
-            call_kwargs = {**kwargs, "timeout_s": seconds_left(deadline)}
-            if session_id is not None:
-                call_kwargs["session_id"] = session_id
-            response = getattr(self._handle, method).remote(*args, **call_kwargs)
             try:
-                return await self._bounded(awaited(response), method, self._cfg.request_timeout_s,
-                                           on_cancel=response.cancel, deadline=deadline)
-            except Exception as exc:
-                error = exc if isinstance(exc, GangServeError) and not isinstance(exc, RayTaskError) else \
-                    map_handle_error(exc, what="gang server", method=method)
-                if error is None:
-                    raise
+                if method == "session_append" and session_id is not None:  # the hot path: the link's route
+                    return await self._link.session_append(*args, session_id=session_id, deadline=deadline)
+                return await self._call(method, *args, timeout_s=self._cfg.request_timeout_s, deadline=deadline,
+                                        **kwargs)
+            except GangServeError as error:
                 if error.code not in RETRYABLE_CODES:
-                    raise error from None
+                    raise
                 delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
                 attempt += 1
                 self.retries += 1
@@ -424,13 +422,14 @@ class GangClient:
                 await _pause(delay, deadline, f"retrying a session call after {error.code}: {error.message}")
 
     async def _call(self, method: str, *args: Any, timeout_s: float, watch: bool = False,
-                    deadline: float | None = None) -> Any:
+                    deadline: float | None = None, **kwargs: Any) -> Any:
         """One handle call bounded by timeout_s, or by `deadline` (see _bounded), which it
-        also carries to the gang server as `timeout_s=` (the seconds left); Ray's errors mapped."""
+        also carries to the gang server as `timeout_s=` (the seconds left); Ray's errors
+        mapped. `kwargs` go to the method (a `session_id` also steers the request router)."""
         if deadline is None:
-            response = getattr(self._handle, method).remote(*args)
+            response = getattr(self._handle, method).remote(*args, **kwargs)
         else:
-            response = getattr(self._handle, method).remote(*args, timeout_s=seconds_left(deadline))
+            response = getattr(self._handle, method).remote(*args, timeout_s=seconds_left(deadline), **kwargs)
         try:
             return await self._bounded(awaited(response), method, timeout_s, watch, on_cancel=response.cancel,
                                        deadline=deadline)

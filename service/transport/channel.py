@@ -18,8 +18,14 @@ Wire format, both directions, one frame per message:
               "timeout_s": null | <seconds left until the request's deadline>}
              payload: the float32 tensor, C order (empty when it travels through shm),
              then, with "mask": true, the key mask [b, s] as bytes 0/1 (always inline)
+    request  {"op": "session_append", "shape": [n, E], "session_id": "<id>",
+              "length": null | <the session's length before it, a precondition>,
+              "timeout_s": null | <seconds left>}
+             payload: the rows, float32, C order (always inline: appends are a few rows)
     reply    {"ok": true, "shape": [b, s, E]}     payload: float32 output (empty with shm:
              the output was written into the same shared pages)
+             {"ok": true, "shape": [n, E], "session": {...}}  (session_append; the session's
+             state after the append, as GET /sessions/{id} shows it)
              {"ok": false, "error": {type, message, code, status, retry_after_s}}
              {"ok": false, "shm_unavailable": "<why>"}  (the client resends inline)
 
@@ -75,6 +81,9 @@ STALE_AFTER_S = TUNABLES.transport.stale_socket_s  # a socket file nobody listen
 # rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages)[, key mask [b, s]
 # bool or None, causal or None] -> the output (called with x alone when neither is sent)
 InferFn = Callable[..., Awaitable[np.ndarray]]
+# rank 0's side of a session append: (rows [n, E] float32, length precondition or None,
+# timeout_s=, session_id=) -> (outputs [n, E], the session's state)
+SessionAppendFn = Callable[..., Awaitable[tuple[np.ndarray, dict[str, Any]]]]
 
 
 class ChannelUnavailable(RuntimeError):
@@ -113,8 +122,9 @@ def socket_path(replica_id: str) -> Path:
 class ChannelServer:
     """Rank 0's listener, inside the GangServer replica's event loop."""
 
-    def __init__(self, infer: InferFn, max_in_flight: int) -> None:
+    def __init__(self, infer: InferFn, max_in_flight: int, session_append: SessionAppendFn | None = None) -> None:
         self._infer = infer
+        self._session_append = session_append
         self._max_in_flight = max_in_flight
         self._in_flight = 0
         self._server: asyncio.AbstractServer | None = None
@@ -205,6 +215,9 @@ class ChannelServer:
 
     async def _answer(self, header: dict[str, Any], payload: bytes, region: tuple[str, Any] | None
                       ) -> tuple[dict[str, Any], memoryview | bytes, tuple[str, Any] | None]:
+        if header.get("op") == "session_append" and self._session_append is not None:
+            reply, out = await self._answer_append(header, payload)
+            return reply, out, region
         try:  # a malformed frame: only a buggy client sends one; nothing reaches the gang
             if header.get("op") != "infer":
                 raise ValueError(f"unknown op {header.get('op')!r}")
@@ -252,6 +265,42 @@ class ChannelServer:
             log.exception("data channel request failed")
             return _error(GangUnavailable(f"the gang server failed ({type(exc).__name__}); see the service log",
                                           code=ErrorCode.GANG_ERROR)), b"", region
+        finally:
+            self._in_flight -= 1
+
+
+    async def _answer_append(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], memoryview | bytes]:
+        """A session append (see the wire format): the rows inline, the outputs and the
+        session's state back."""
+        assert self._session_append is not None
+        try:
+            shape = _shape(header.get("shape"), ndim=2)
+            session_id, length, timeout_s = header.get("session_id"), header.get("length"), header.get("timeout_s")
+            if not isinstance(session_id, str) or not session_id:
+                raise ValueError(f"session_id must be a non-empty string, got {session_id!r:.50}")
+            if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
+                raise ValueError(f"length must be null or an integer, got {length!r:.50}")
+            if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
+                raise ValueError(f"timeout_s must be null or a number, got {timeout_s!r:.50}")
+            x = _tensor(payload, shape)
+        except ValueError as exc:
+            return _error(GangUnavailable(f"bad data-channel request: {exc}", code=ErrorCode.CHANNEL_ERROR)), b""
+        if self._in_flight >= self._max_in_flight:
+            self.refused += 1
+            return _error(Overloaded(f"the gang server has {self._in_flight} requests in flight "
+                                     f"(max_ongoing_requests + max_queued_requests = {self._max_in_flight})")), b""
+        self._in_flight += 1
+        self.requests += 1
+        try:
+            out, info = await self._session_append(x, length, timeout_s=timeout_s, session_id=session_id)
+            out = np.ascontiguousarray(out, dtype=np.float32)
+            return {"ok": True, "shape": list(out.shape), "session": info}, memoryview(out).cast("B")
+        except GangServeError as exc:
+            return _error(exc), b""
+        except Exception as exc:  # noqa: BLE001 - the reply must say something; the log has the rest
+            log.exception("data channel session append failed")
+            return _error(GangUnavailable(f"the gang server failed ({type(exc).__name__}); see the service log",
+                                          code=ErrorCode.GANG_ERROR)), b""
         finally:
             self._in_flight -= 1
 
@@ -342,6 +391,45 @@ class ChannelClient:
                 conn.writer.close()
                 conn.region.release()
 
+    async def session_append(self, x: np.ndarray, session_id: str, length: int | None = None,
+                             timeout_s: float | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        """Rows x [n, E] appended to session `session_id` -> (their outputs [n, E], the
+        session's state). The rows travel inline. Raises as `infer` does."""
+        conn = await self._connection()
+        done = False
+        data = np.ascontiguousarray(x, dtype=np.float32)
+        header: dict[str, Any] = {"op": "session_append", "shape": [int(d) for d in data.shape],
+                                  "session_id": session_id, "length": length}
+        if timeout_s is not None:
+            header["timeout_s"] = float(timeout_s)
+        try:
+            await write_frame(conn.writer, header, memoryview(data).cast("B"))
+            try:
+                reply, payload = await read_frame(conn.reader)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                raise ChannelUnavailable(f"the gang server closed the data channel ({type(exc).__name__})") from None
+            except ValueError as exc:
+                raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            done = True
+            if not reply.get("ok"):
+                raise error_from_wire(reply.get("error") or {})
+            try:
+                out = _tensor(payload, _shape(reply.get("shape"), ndim=2))
+                info = reply.get("session")
+                if not isinstance(info, dict):
+                    raise ValueError(f"no session state in the reply (found {info!r:.50})")
+            except ValueError as exc:
+                raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            return out, info
+        except (ConnectionError, OSError) as exc:
+            raise ChannelUnavailable(f"data channel write failed: {exc}") from None
+        finally:
+            if done:
+                self._idle.append(conn)
+            else:  # cancelled or failed mid-call: the stream is in an unknown state
+                conn.writer.close()
+                conn.region.release()
+
     def close(self) -> None:
         for conn in self._idle:
             conn.writer.close()
@@ -392,9 +480,12 @@ async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payl
     await writer.drain()
 
 
-def _shape(value: Any) -> tuple[int, ...]:
-    if not (isinstance(value, list) and len(value) == 3 and all(isinstance(d, int) and 0 <= d < 2**31 for d in value)):
-        raise ValueError(f"shape must be [batch, seq, E] of non-negative ints, got {value!r}")
+def _shape(value: Any, ndim: int = 3) -> tuple[int, ...]:
+    """A tensor's shape from a header: `ndim` non-negative ints ([batch, seq, E], or a session's [n, E])."""
+    if not (isinstance(value, list) and len(value) == ndim
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in value)):
+        what = "[batch, seq, E]" if ndim == 3 else "[n, E]"
+        raise ValueError(f"shape must be {what} of non-negative ints, got {value!r:.80}")
     return tuple(value)
 
 

@@ -51,9 +51,10 @@ class Bounded(Protocol):
 
 
 class HandleCall(Protocol):
-    """A bounded Serve handle call to a GangServer method (errors mapped to GangServeErrors)."""
+    """A bounded Serve handle call to a GangServer method (errors mapped to GangServeErrors);
+    keyword arguments go to the method (a `session_id` also steers the request router)."""
 
-    def __call__(self, method: str, *args: Any, deadline: float | None) -> Awaitable[Any]: ...
+    def __call__(self, method: str, *args: Any, deadline: float | None, **kwargs: Any) -> Awaitable[Any]: ...
 
 
 @dataclass
@@ -111,11 +112,7 @@ class GangLink:
             try:
                 return await self._over_channel(self._channel, x, share, mask, causal, deadline)
             except ChannelUnavailable as exc:
-                self._counts.data_channel_fallbacks += 1
-                self._channel_retry_at = time.monotonic() + TUNABLES.transport.channel_retry_after_s
-                self._on_route_lost()
-                log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc,
-                            TUNABLES.transport.channel_retry_after_s)
+                self._channel_failed(exc)
         if share:
             try:
                 return await self._through_shared_memory(x, mask, causal, deadline)
@@ -123,6 +120,22 @@ class GangLink:
                 self._shm_failed(exc)
         self._counts.object_store += 1
         return await self._call("infer", x, mask, causal, deadline=deadline)
+
+    async def session_append(self, x: np.ndarray, length: int | None, *, session_id: str,
+                             deadline: float | None) -> tuple[np.ndarray, dict[str, Any]]:
+        """Rows x [n, E] float32 appended to session `session_id` (service.sessions) ->
+        (their outputs, the session's state): over the data channel when it is the route
+        (one gang: the session's), else a handle call the request router sends to the gang
+        the session id names."""
+        if self._channel is not None and time.monotonic() >= self._channel_retry_at:
+            self._counts.data_channel += 1
+            try:
+                return await self._bounded(self._channel.session_append(
+                    x, session_id, length, timeout_s=seconds_left(deadline)), "session append (data channel)", deadline)
+            except ChannelUnavailable as exc:  # nothing was appended: the server never answered
+                self._channel_failed(exc)
+        self._counts.object_store += 1
+        return await self._call("session_append", x, length, deadline=deadline, session_id=session_id)
 
     def transport(self) -> IngressTransport:
         """GET /gang `ingress_transport`: how this ingress replica has been sending requests."""
@@ -167,6 +180,13 @@ class GangLink:
         """Shared memory pays only for tensors Ray would not inline, and needs rank 0 on this node."""
         return (self._shm_enabled and self._rank0_here and x.size * 4 >= shm.MIN_SHARED_BYTES
                 and time.monotonic() >= self._shm_retry_at)
+
+    def _channel_failed(self, exc: Exception) -> None:
+        self._counts.data_channel_fallbacks += 1
+        self._channel_retry_at = time.monotonic() + TUNABLES.transport.channel_retry_after_s
+        self._on_route_lost()
+        log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc,
+                    TUNABLES.transport.channel_retry_after_s)
 
     def _shm_failed(self, exc: Exception) -> None:
         self._counts.shared_memory_fallbacks += 1
