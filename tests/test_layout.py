@@ -14,7 +14,10 @@ The house rules, each a test:
   module may read it;
 - error codes are ErrorCode members (service.errors, the one registry), not string literals;
 - the ingress -> rank 0 hop has one owner (service.transport.link): no other module of the
-  ingress or the deployments opens the data channel or hands tensors through /dev/shm.
+  ingress or the deployments opens the data channel or hands tensors through /dev/shm;
+- the weights rollout has one home: only service.weights.rollout drives the gang's swap and
+  asks the Controller to record a version; only the gang (and the rank that implements
+  them) stages, commits or discards a rank's weights.
 """
 from __future__ import annotations
 
@@ -237,3 +240,37 @@ def test_the_code_walk_sees_the_tree(tmp_path: Path) -> None:
     found = code_sites(tmp_path)
     assert any(s.literal == "quota_exceeded" and s.raised is None for s in found), found
     assert any(s.fstring == 'f"gang_{state}"' and s.raised == "Late" for s in found), found
+
+# Who may name each step of a swap (as an attribute, or as the method name of a call by
+# name such as a Controller `_ask("record_weights", ...)`); a definition is not a use.
+SWAP_STEPS = {
+    "swap_weights": {"service/weights/rollout.py"},
+    "record_weights": {"service/weights/rollout.py"},
+    **{step: {"service/gang/gang.py",  # the Gang's primitive, over every rank
+              "service/gang/worker.py",  # the rank implementing it
+              "service/gang/failpoints.py"}  # the failpoints named after the steps
+       for step in ("stage_weights", "commit_weights", "discard_staged")},
+}
+
+
+def _swap_step_uses(root: Path) -> dict[str, set[str]]:
+    """step name -> the files under root/service that name it (attribute or string)."""
+    uses: dict[str, set[str]] = defaultdict(set)
+    for path in (root / "service").rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.attr if isinstance(node, ast.Attribute) else \
+                node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+            if name in SWAP_STEPS:
+                uses[name].add(rel)
+    return uses
+
+
+def test_only_the_rollout_drives_a_swap() -> None:
+    uses = _swap_step_uses(ROOT)
+    offenders = sorted(f"{path} names {step}" for step, paths in uses.items()
+                       for path in paths - SWAP_STEPS[step])
+    assert not offenders, "the weights rollout has one home (service.weights.rollout):\n" + "\n".join(offenders)
+    # Not vacuous: the walk sees the rollout drive the swap and the gang stage and commit.
+    assert "service/weights/rollout.py" in uses["swap_weights"] & uses["record_weights"], uses
+    assert "service/gang/gang.py" in uses["stage_weights"] & uses["commit_weights"], uses

@@ -14,10 +14,10 @@ Recovery, in two tiers:
    dies, Serve does the same on its own.
 
 Served weights are durable (service.weights.record), recorded by the app's Controller
-(the record's one writer): every bring-up, at either tier and on every restart of the app,
-loads the app's recorded version; `reload_weights` has the Controller record a new version
-before any rank serves it; the supervisor also moves the gang to a newer recorded version
-another replica of the app had recorded.
+(the record's one writer). Their rollout is service.weights.rollout: what every bring-up
+loads (at either tier and on every restart of the app), the swaps of POST /weights
+(`reload_weights`, `rollback_weights`), and the supervisor's move to a newer version
+another replica of the app recorded; this class delegates to it.
 
 The gang reports its status (and its metric snapshot) to the Controller at once on every
 state change and every `REPORT_INTERVAL_S` (service.state.fleet): that is what `/gangs`,
@@ -41,7 +41,7 @@ from service.transport.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.deadlines import local_deadline
 from service.gang import worker as rank_worker
-from service.errors import Conflict, ErrorCode, GangStartupError, GangUnavailable, NotFound
+from service.errors import ErrorCode, GangUnavailable
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.gang.gang import Gang
 from service.gang_status import DataChannelStatus, GangState, dump
@@ -49,17 +49,8 @@ from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 from service.metrics.recorders import GangServerMetrics
-from service.parallel.weights import check_checkpoint
 from service.sessions.service import SessionService
-from service.weights.record import (
-    ConfigWeights,
-    ServedWeights,
-    Source,
-    WeightsRecordError,
-    describe_config_weights,
-    store_immutable_copy,
-    verify_recorded_file,
-)
+from service.weights.rollout import Rollout
 from service.state import artifacts
 from service.state.fleet import REPORT_INTERVAL_S
 from service.state.paths import state_dir
@@ -72,7 +63,6 @@ PROBE_INTERVAL_S = TUNABLES.gang.probe_interval_s
 SUPERVISOR_TICK_S = TUNABLES.gang.supervisor_tick_s
 MAX_REBUILD_ATTEMPTS = TUNABLES.gang.max_rebuild_attempts
 MAX_BACKOFF_S = TUNABLES.gang.max_backoff_s
-CONTROLLER_TIMEOUT_S = TUNABLES.gang.controller_timeout_s
 DRAIN_TIMEOUT_S = TUNABLES.gang.drain_timeout_s  # inside graceful_shutdown_timeout_s (service.tunables checks it)
 
 
@@ -100,7 +90,6 @@ class GangServer:
         self._node_id = ray.get_runtime_context().get_node_id()
         self._step_timings: dict[str, object] = {}
         self._timings_task: asyncio.Task | None = None
-        self._swap_lock = asyncio.Lock()  # one swap at a time (the second sees the first's version)
         self._controller = controller  # the weights record's writer and the fleet view's owner
         self._actor = ray.get_runtime_context().current_actor  # the Controller pings it
         # Same-node requests from the ingress may skip the handle call (service.transport.channel).
@@ -111,9 +100,9 @@ class GangServer:
         try:
             # Datasets, checkpoints and the served-weights copies: fail the start (with the
             # redacted URL and why) while the artifact store cannot be used.
-            self._artifacts = await asyncio.to_thread(artifacts.check_reachable)
-            self._config_weights, weights = await self._weights_at_start()
-            await self._gang.start(weights)
+            store = await asyncio.to_thread(artifacts.check_reachable)
+            self._rollout = Rollout(self._gang, self._model, store, self._ask, self._app)
+            await self._gang.start(await self._rollout.weights_at_start())
             if cfg.uses_data_channel:
                 await asyncio.to_thread(sweep_stale_sockets)
                 await self._channel.start(self._replica_id)
@@ -125,22 +114,6 @@ class GangServer:
         self._sessions = SessionService(self._gang, cfg, self._replica_id,  # service.sessions
                                         on_append=self._metrics.session_append)
         self._sessions.start()
-
-    async def _weights_at_start(self) -> tuple[ConfigWeights, ServedWeights]:
-        """The version this replica must serve: the app's record, unless its config changed."""
-        config = await asyncio.to_thread(describe_config_weights, self._model)
-        weights: ServedWeights = await self._ask("reconcile_weights", config, timeout_s=CONTROLLER_TIMEOUT_S)
-        try:
-            await asyncio.to_thread(verify_recorded_file, weights, self._artifacts)
-        except WeightsRecordError as exc:
-            raise GangStartupError(
-                f"{exc}. Restore the file, or start the app with a different weights config "
-                "(a changed config wins over the record)",
-                code=ErrorCode.WEIGHTS_RECORD_BROKEN,
-            ) from None
-        log.info("app %r serves weights version %d (%s: %s, sha256 %s)", self._app, weights.version,
-                 weights.source, weights.description, weights.sha256[:16])
-        return config, weights
 
     async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                     timeout_s: float | None = None) -> np.ndarray:
@@ -195,96 +168,21 @@ class GangServer:
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
                              eval_loss: float | None = None) -> dict[str, object]:
         """Hot-swap to a dense checkpoint (an artifact key, or an absolute local path), or
-        with `checkpoint=None` back to the app's configured weights; returns the /gang
-        description. `eval_loss`: the job's final held-out loss, kept in the record.
-
-        The checkpoint is first copied into the artifact store's content-addressed `weights/`
-        (what the record points to, immutable), then staged on every rank, recorded as the
-        app's next version, and committed. Raises Conflict (409) if its shapes do not fit
-        the serving model or a rank cannot stage it (nothing changes then); in-flight and
-        queued requests are unaffected (the swap is sequenced between them).
-        """
-        async with self._swap_lock:
-            if checkpoint is None:
-                config = self._config_weights
-                await self._swap_to(self._model, "config", config.description, config.sha256, config.checkpoint)
-            else:
-                current = self._model
-                try:
-                    # A local copy (downloaded once, hashed), its header checked, then the
-                    # immutable copy: I/O, off the event loop. A store outage is a 503.
-                    local, sha = await asyncio.to_thread(self._artifacts.fetch, checkpoint)
-                    await asyncio.to_thread(check_checkpoint, local, current.embed_dim, current.num_heads)
-                    stored, sha = await asyncio.to_thread(store_immutable_copy, local, self._artifacts, sha)
-                except (ValueError, OSError) as exc:
-                    raise Conflict(str(exc), code=ErrorCode.CHECKPOINT_MISMATCH) from None
-                description = f"job {job_id}" if job_id else f"checkpoint {checkpoint.rsplit('/', 1)[-1]}"
-                await self._swap_to(current.model_copy(update={"checkpoint": stored}), "swap", description, sha,
-                                    stored, job_id, eval_loss)
+        with `checkpoint=None` back to the app's configured weights, recorded as the app's
+        next version (service.weights.rollout.Rollout.reload); returns the /gang
+        description. Conflict (409) and nothing changes when it does not fit or a rank
+        cannot stage it; in-flight and queued requests are unaffected."""
+        await self._rollout.reload(checkpoint, job_id, eval_loss)
         await self._publish()  # the rollout's progress is read from the fleet view
         return await self.describe()
 
     async def rollback_weights(self, version: int) -> dict[str, object]:
         """Serve recorded version `version` again, recorded as the app's next version
-        (`rollback_of = version`, its sha256, job and eval loss); returns the /gang description.
-
-        The same atomic swap as `reload_weights`. NotFound (404) for a version never
-        recorded; Conflict (409, nothing changes) when its file is gone or altered, does not
-        fit the serving model, or it was generated by `init` under an earlier weights config
-        (those tensors are not kept: only the current config's can be made again)."""
-        async with self._swap_lock:
-            target: ServedWeights | None = await self._ask("weights_version", version, timeout_s=CONTROLLER_TIMEOUT_S)
-            if target is None:
-                raise NotFound(f"no weights version {version} is recorded for app {self._app!r} "
-                               "(GET /weights lists them)", code=ErrorCode.WEIGHTS_VERSION_NOT_FOUND)
-            config = self._config_weights
-            if target.checkpoint is None and target.fingerprint != config.fingerprint:
-                raise Conflict(
-                    f"weights version {version} ({target.description}) was generated by init under an earlier "
-                    f"weights config of this app, which now declares {config.description}; only versions with a "
-                    "checkpoint file, and those of the current config, can be served again",
-                    code=ErrorCode.WEIGHTS_VERSION_UNAVAILABLE,
-                )
-            if target.checkpoint is not None:
-                try:
-                    local = await asyncio.to_thread(self._artifacts.materialize, target.checkpoint, target.sha256)
-                except artifacts.ArtifactCorrupt as exc:
-                    raise Conflict(f"weights version {version} ({target.description}): {exc}",
-                                   code=ErrorCode.WEIGHTS_VERSION_UNAVAILABLE) from None
-                except OSError as exc:
-                    raise Conflict(f"weights version {version} ({target.description}): its file cannot be read: "
-                                   f"{getattr(exc, 'strerror', None) or exc}", code=ErrorCode.WEIGHTS_VERSION_UNAVAILABLE) from None
-                try:
-                    await asyncio.to_thread(check_checkpoint, local, self._model.embed_dim, self._model.num_heads)
-                except (ValueError, OSError) as exc:
-                    raise Conflict(f"weights version {version} ({target.description}): {exc}",
-                                   code=ErrorCode.CHECKPOINT_MISMATCH) from None
-            # A rollback to a config row of the current config serves the config's weights
-            # (source `config`, as a reset does); any other is a swap to a recorded file.
-            source: Source = "config" if target.source == "config" and target.fingerprint == config.fingerprint \
-                else "swap"
-            await self._swap_to(target.model_config(self._model), source,
-                                f"rollback of {version}: {target.description}", target.sha256, target.checkpoint,
-                                target.job_id, target.eval_loss, rollback_of=version)
+        (service.weights.rollout.Rollout.rollback: 404 for a version never recorded, 409
+        when it cannot be served again); returns the /gang description."""
+        await self._rollout.rollback(version)
         await self._publish()
         return await self.describe()
-
-    async def _swap_to(self, model: ModelConfig, source: Source, description: str, sha: str,
-                       stored: str | None, job_id: str | None = None, eval_loss: float | None = None,
-                       rollback_of: int | None = None) -> ServedWeights:
-        """Stage `model`'s weights on every rank, record them (the Controller assigns the
-        version), commit; the caller holds the swap lock."""
-        loop = asyncio.get_running_loop()
-
-        def record() -> ServedWeights:
-            # Runs on the gang's sequencer thread, after staging succeeded on every rank:
-            # the Controller (the record's one writer) assigns the version, through this
-            # replica's event loop (where its handles live).
-            asking = self._ask("record_weights", source, description, sha, self._config_weights.fingerprint,
-                               stored, job_id, eval_loss, rollback_of, timeout_s=CONTROLLER_TIMEOUT_S)
-            return asyncio.run_coroutine_threadsafe(asking, loop).result(timeout=CONTROLLER_TIMEOUT_S + 5)
-
-        return await self._gang.swap_weights(model, record)
 
     async def arm_failpoint(self, rank: int, name: str) -> None:
         """Tests only (the cluster must run with GANGSERVE_FAILPOINTS=1): make one rank fail
@@ -350,7 +248,8 @@ class GangServer:
             if state is GangState.READY and since_probe >= PROBE_INTERVAL_S:
                 probed_at = now
                 await self._gang.probe()
-                await self._follow_record()
+                if await self._rollout.follow():
+                    await self._publish()
             elif state is GangState.BROKEN:
                 await self._rebuild_once()
 
@@ -380,37 +279,6 @@ class GangServer:
                 raise
             raise error from None
 
-    async def _recorded_weights(self) -> ServedWeights:
-        """The app's newest recorded version (what a bring-up loads); falls back to the
-        version the gang last held if the record cannot be read right now."""
-        try:
-            recorded = await self._ask("current_weights", timeout_s=PROBE_INTERVAL_S * 2)
-        except Exception as exc:  # the controller restarts, the database hiccups: keep serving what we had
-            log.error("cannot read the weights record (%s); using version %d", exc, self._gang.weights_version)
-            recorded = None
-        if recorded is None or recorded.fingerprint != self._config_weights.fingerprint:
-            # No row (deleted by hand) or written under another config (an older replica
-            # of a redeployed app): this replica's own version stands.
-            assert self._gang.weights is not None
-            return self._gang.weights
-        return recorded
-
-    async def _follow_record(self) -> None:
-        """Serve a newer version another replica of this app recorded (multi-replica apps)."""
-        if self._swap_lock.locked():
-            return
-        recorded = await self._recorded_weights()
-        if recorded.version <= self._gang.weights_version or self._gang.state is not GangState.READY:
-            return
-        async with self._swap_lock:
-            log.info("following the record: weights version %d -> %d", self._gang.weights_version, recorded.version)
-            model = recorded.model_config(self._model)
-            try:
-                await self._gang.swap_weights(model, lambda: recorded)
-            except Exception as exc:
-                log.error("could not move to recorded weights version %d: %s", recorded.version, exc)
-        await self._publish()
-
     async def _rebuild_once(self) -> None:
         cause = self._gang.reason
         if self._failed_rebuilds:
@@ -425,7 +293,7 @@ class GangServer:
         log.warning("rebuilding gang (attempt %d) after: %s", self._failed_rebuilds + 1, cause)
         self._gang.reason = f"rebuilding after: {cause}"
         try:
-            await self._gang.rebuild(await self._recorded_weights())
+            await self._gang.rebuild(await self._rollout.recorded())
             self._metrics.rebuilt()
             self._failed_rebuilds = 0
             await self._publish()

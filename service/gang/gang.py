@@ -255,6 +255,7 @@ class Gang:
         `record()` (durably assigns the new version; it runs on the sequencer, after staging
         succeeded everywhere), then commit that version on every rank. A failed commit
         marks the gang BROKEN: the rebuild loads the recorded version, never a mix.
+        Driven by service.weights.rollout only (what to swap to, and how it is recorded).
         """
         self._require_ready()
         return await self._sequencer.run(self._swap_weights, model, record)

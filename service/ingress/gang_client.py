@@ -238,21 +238,6 @@ class GangClient:
         return {"desired": desired, "ready": ready, "gangs": rows, "missing": missing, "lost": lost,
                 "controller_up_s": view.get("controller_up_s")}
 
-    async def wait_rollout(self, version: int, timeout_s: float) -> tuple[bool, list[dict[str, Any]]]:
-        """Wait (bounded) until every live gang serves weights `version` or newer; returns
-        (all there, each gang's {replica_id, state, weights_version})."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                rows = (await self._fleet.view())["gangs"]
-            except GangServeError:
-                rows = []  # the controller restarts: the gangs report again within a second
-            outcome = [{k: g.get(k) for k in ("replica_id", "state", "weights_version")} for g in rows]
-            done = all((g.get("weights_version") or 0) >= version for g in rows)
-            if done or time.monotonic() >= deadline:
-                return done, outcome
-            await asyncio.sleep(0.5)
-
     async def _desired(self) -> int:
         """Gangs the app should have: num_replicas, or Serve's current target when autoscaling."""
         if self._cfg.autoscaling_config is None:

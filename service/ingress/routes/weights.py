@@ -10,12 +10,14 @@
   with `rollback_of = N`);
 - {"reset": true} (back to the weights the app's config declares).
 
-The JobManager resolves a job's or a path's file; the GangServer copies it into the state
-dir's immutable `weights/`, stages it on every rank, has the Controller record it as the
-app's next weights version and commits it between requests, so in-flight requests finish on
-the old weights and none fails; the other gangs follow the record. The recorded version is
-what every later bring-up serves (replica loss, restart), until the app is started with a
-changed weights config. `GET /weights` lists the recorded versions (service.weights.record).
+This route picks the target: the JobManager resolves a job's or a path's file (and the
+eval gate reads the job), then one gang swaps to it and the route waits for the others.
+The rollout itself is service.weights.rollout: the copy into the immutable `weights/`, the
+stage on every rank, the Controller's record of the app's next weights version, the commit
+between requests (in-flight requests finish on the old weights and none fails), and the
+other gangs following the record. The recorded version is what every later bring-up serves
+(replica loss, restart), until the app is started with a changed weights config.
+`GET /weights` lists the recorded versions (service.weights.record).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, ErrorBody
 from service.weights.gate import check_eval_gate, job_eval_loss
 from service.weights.record import ServedWeights
+from service.weights.rollout import wait_for_gangs
 from service.tunables import TUNABLES
 
 router = APIRouter(tags=["training"])
@@ -136,7 +139,7 @@ def _one_target(req: WeightsRequest) -> str:
                                     "recorded version)"}},
 )
 async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs),
-                       gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
+                       gang: GangClient = Depends(get_gang), fleet: FleetClient = Depends(get_fleet)) -> dict[str, Any]:
     what = _one_target(req)
     target: dict[str, Any] = {"job_id": None, "path": None}
     if what == "version":
@@ -154,6 +157,6 @@ async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs)
     # One gang swaps and records the new version; every other gang of the app follows the
     # record within a few seconds (each swap atomic); the reply reports where each one is.
     version = int(info.get("weights_version") or 0)
-    rolled_out, gangs = await gang.wait_rollout(version, timeout_s=ROLLOUT_TIMEOUT_S)
+    rolled_out, gangs = await wait_for_gangs(fleet.view, version, timeout_s=ROLLOUT_TIMEOUT_S)
     return {"job_id": target["job_id"], "checkpoint": target["path"], "weights_version": version,
             "rollback_of": req.version, "rolled_out": rolled_out, "gangs": gangs, "gang": info}
