@@ -17,6 +17,20 @@ class WeightsVersionMismatch(RuntimeError):
     """A step expected another weights version than the one this rank holds."""
 
 
+class PeerCallFailed(RuntimeError):
+    """A lifecycle call to the peers (service.gang.peers) failed on some ranks: the message
+    names the stage and, per rank, why; `failed` the ranks, `late` those that did not
+    answer in time (all of them late: the call ran out of time, a 504 where it matters)."""
+
+    def __init__(self, message: str, stage: str, failed: list[int], late: list[int]) -> None:
+        super().__init__(message)
+        self.stage, self.failed, self.late = stage, failed, late
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.late) and self.late == self.failed
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an error's message (at most 300 characters), else its type's name."""
     text = str(exc).strip().splitlines()
@@ -36,8 +50,8 @@ def is_timeout(exc: BaseException) -> bool:
     """504 (a collective or a peer's ack ran out of time) vs 503 (a rank failed).
 
     Decided by type wherever a type exists: Ray's GetTimeoutError (a bounded ray.get on
-    the peers' acks) and Python's TimeoutError mean out of time; RayActorError means a
-    peer process died. The collective's own failure has no distinguishing type: with
+    the peers' acks), Python's TimeoutError and a PeerCallFailed whose every failed rank
+    was late mean out of time; RayActorError means a peer process died. The collective's own failure has no distinguishing type: with
     torch 2.13, gloo raises a plain RuntimeError both for its timeout ("Timed out waiting
     2000ms for recv operation to complete", then "Application timeout caused pair
     closure") and for a dead peer ("Connection closed by peer"), and NCCL raises
@@ -47,6 +61,8 @@ def is_timeout(exc: BaseException) -> bool:
     """
     inner = cause(exc)
     for e in (exc, inner):
+        if isinstance(e, PeerCallFailed):
+            return e.timed_out
         if isinstance(e, (GetTimeoutError, TimeoutError)):
             return True
         if isinstance(e, RayActorError):

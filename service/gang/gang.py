@@ -36,7 +36,8 @@ requests get 503 immediately, and `rebuild()` (driven by the GangServer's superv
 kills the peers, leaves the group and brings the gang up again in the same bundles.
 
 Its parts live beside it: the sequencer thread and its deadlines (service.gang.sequencer),
-the bounded lifecycle calls to the peers (service.gang.rpc), the warm spare
+the bounded lifecycle calls to the peers (service.gang.peers: every one goes through
+`PeerGroup.call`), the warm spare
 (service.gang.spare), the reading of failures (service.gang.failures), the step loop's
 header protocol (service.gang.control), the rank itself (service.gang.rank).
 """
@@ -62,8 +63,10 @@ from service.errors import (CollectiveTimeout, Conflict, ErrorCode, GangServeErr
                             gang_state_code)
 from service.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
-from service.gang import control, rpc
-from service.gang.failures import WeightsVersionMismatch, cause, first_line, is_timeout, is_version_mismatch, kill_quietly
+from service.gang import control
+from service.gang.failures import (PeerCallFailed, WeightsVersionMismatch, cause, first_line, is_timeout,
+                                   is_version_mismatch)
+from service.gang.peers import Calls, PeerGroup
 from service.gang.rank import RankInfo, RankWorker
 from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
@@ -116,7 +119,6 @@ class Gang:
         # The last (re)build's stages, ms (GET /gang `last_bring_up`): where a rebuild's time goes.
         self.last_bring_up: dict[str, float] = {}
         self._root: RankWorker | None = None
-        self._actors: list[Any] = []
         # An idle rank process, adopted by a rebuild (service.gang.spare).
         self._spare = WarmSpare(gang, placement_group, RankActor)
         self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
@@ -126,6 +128,7 @@ class Gang:
         self._last_header = time.monotonic()
         self._heartbeat_queued = False
         self._heartbeat_s = control.heartbeat_interval(gang.collective_timeout_s)
+        self._peers = self._new_peers([])  # ranks 1..N-1 of the current generation
         self._heartbeats_stop: threading.Event | None = None  # set to end this generation's timer
         # rank 0's (seq, received, header sent, broadcast done, forward done, reply), ns
         self._timings: list[tuple[int, int, int, int, int, int]] = []
@@ -140,6 +143,11 @@ class Gang:
     @property
     def weights_version(self) -> int:
         return self.weights.version if self.weights else 0
+
+    @property
+    def _actors(self) -> list[Any]:
+        """The peer rank actors (ranks 1..N-1), in rank order."""
+        return self._peers.actors
 
     async def start(self, weights: ServedWeights) -> None:
         """Bring the gang up serving `weights` (the app's recorded version)."""
@@ -280,9 +288,10 @@ class Gang:
         if not self._loop_on:
             return {"enabled": False}
         mine = {t[0]: t for t in self._timings[-window:]}
-        try:
-            peers = await asyncio.wait_for(
-                asyncio.gather(*(a.loop_timings.remote() for a in self._actors)), timeout=timeout_s)
+        group = self._peers
+        try:  # off the sequencer (a stats read never waits behind a step): no heartbeats from here
+            peers = await asyncio.to_thread(group.call, "loop_timings", stage="step timings", timeout_s=timeout_s,
+                                            tick=False)
         except Exception as exc:  # a stats read must never fail /gang
             return {"enabled": True, "error": f"{type(exc).__name__}: {first_line(exc)}"}
         by_peer = [{t[0]: t for t in p} for p in peers]
@@ -329,8 +338,7 @@ class Gang:
         self._stop_heartbeats()
         # Killing the peers first unblocks rank 0 if it is inside a collective; then rank 0
         # leaves the group on the sequencer thread, never concurrently with a step.
-        for actor in self._actors:
-            kill_quietly(actor)
+        self._peers.kill()
         try:
             self._sequencer.submit(lambda: (self._teardown(), self._spare.drop())).result(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:
@@ -344,10 +352,15 @@ class Gang:
                 f"gang is {self.state.value}: {self.reason}", code=gang_state_code(self.state.value)
             )
 
-    def _get(self, refs: list, stage: str, timeout_s: float) -> list:
-        """Every peer's answer within timeout_s (service.gang.rpc.get_all); a late `create`
-        is most likely an unplaced bundle (e.g. a node was lost), so it says needed vs free."""
-        return rpc.get_all(refs, stage, timeout_s, self._placement_diagnosis if stage == "create" else None)
+    def _new_peers(self, actors: list[Any]) -> PeerGroup:
+        """A generation's peers: waits bounded by stage_timeout_s, heartbeats sent while
+        the sequencer waits, a dead peer marks this generation BROKEN."""
+        return PeerGroup(actors, self.cfg.stage_timeout_s, on_died=self._peer_died,
+                         on_wait=self._heartbeat_if_idle, wait_slice_s=self._heartbeat_s / 2)
+
+    def _peer_died(self, group: PeerGroup, rank: int, stage: str) -> None:
+        if group is self._peers:  # a call to an earlier generation's peers breaks nothing now
+            self._mark_broken(f"rank {rank} died during {stage}")
 
     def _placement_diagnosis(self) -> str:
         """Needed vs free, in the words of the fail-fast check (best effort)."""
@@ -374,17 +387,20 @@ class Gang:
             # them the warm spare when it is warm and on that rank's node.
             self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank)
             previous_nodes = {info.rank: info.node_id for info in self.rank_infos}  # bundles stay put
-            self._actors, refs = [], []
-            for rank in range(1, ws):
+            self._peers, refs = self._new_peers([]), []  # filled as they start: a teardown kills any
+            actors = self._peers.actors
+            for rank in range(1, ws):  # each rank its own first call: the spare's adopt, a new one's describe
                 spare = self._spare.take(previous_nodes.get(rank))
                 if spare is not None:
-                    self._actors.append(spare)
+                    actors.append(spare)
                     refs.append(spare.adopt.remote(rank))
                     stages.adopted = rank
                 else:
-                    self._actors.append(self._spawn_actor(rank))
-                    refs.append(self._actors[-1].describe.remote())
-            peer_infos = self._get(refs, "create", cfg.stage_timeout_s)
+                    actors.append(self._spawn_actor(rank))
+                    refs.append(actors[-1].describe.remote())
+            # A late `create` is most likely an unplaced bundle (e.g. a node was lost): needed vs free.
+            peer_infos = self._peers.collect(Calls(list(range(1, ws)), refs), stage="create",
+                                             diagnose=self._placement_diagnosis)
             self.rank_infos = [self._root.describe(), *peer_infos]
             self.backend = self._choose_backend(self.rank_infos)
             stages.done("create")
@@ -392,22 +408,22 @@ class Gang:
             # Stage 2: rendezvous at rank 0's node IP and an OS-chosen port.
             port = self._root.open_store(cfg.collective_timeout_s) if ws > 1 else 0
             host = self._root.info.node_ip
-            refs = [a.rendezvous.remote(host, port, self.backend, cfg.collective_timeout_s) for a in self._actors]
+            calls = self._peers.submit("rendezvous", host, port, self.backend, cfg.collective_timeout_s)
             self._root.rendezvous(host, port, self.backend, cfg.collective_timeout_s)
-            self._get(refs, "rendezvous", cfg.stage_timeout_s)
+            self._peers.collect(calls, stage="rendezvous")
             stages.done("rendezvous")
 
             # Stage 3: load. Each rank reads only its own slice of the recorded version.
-            refs = [a.load_weights.remote(model, weights.version) for a in self._actors]
+            calls = self._peers.submit("load_weights", model, weights.version)
             root_bytes = self._root.load_weights(model, weights.version)
-            self.param_bytes_per_rank = [root_bytes, *self._get(refs, "load", cfg.stage_timeout_s)]
+            self.param_bytes_per_rank = [root_bytes, *self._peers.collect(calls, stage="load")]
             self.weights = weights
             stages.done("load")
 
             # Stage 4: the peers' step loops (from here on a peer's wait is bounded by the
             # control group's timeout, so heartbeats start with them).
             if cfg.step_loop and ws > 1:
-                self._get([a.start_loop.remote() for a in self._actors], "start step loop", cfg.stage_timeout_s)
+                self._peers.call("start_loop", stage="start step loop")
                 self._loop_on, self._seq, self._last_header = True, 0, time.monotonic()
                 self._start_heartbeats()
                 stages.done("start_loop")
@@ -441,9 +457,8 @@ class Gang:
     def _teardown(self) -> None:
         self._loop_on = False  # no more headers: the group is going
         self._stop_heartbeats()
-        for actor in self._actors:
-            kill_quietly(actor)
-        self._actors = []
+        self._peers.kill()
+        self._peers = self._new_peers([])
         self._unacked = []
         if self._root is not None:
             try:
@@ -550,8 +565,7 @@ class Gang:
 
     def _ask_step_errors(self, seq: int) -> None:
         """After a poisoned output: raise the first peer's reason for refusing step `seq`."""
-        whys = ray.get([a.step_error.remote(seq) for a in self._actors],
-                       timeout=min(5.0, self.cfg.collective_timeout_s))
+        whys = self._peers.call("step_error", seq, stage="step error", timeout_s=min(5.0, self.cfg.collective_timeout_s))
         for why in whys:
             if why:
                 raise WeightsVersionMismatch(why) if "weights version" in why else RuntimeError(why)
@@ -643,8 +657,7 @@ class Gang:
         timeout_s = min(5.0, self.cfg.collective_timeout_s)
         try:
             self._reap_acks([])
-            refs = [a.describe.remote() for a in self._actors]
-            self._wait_heartbeating(lambda: ray.get(refs, timeout=timeout_s))
+            self._peers.call("describe", stage="liveness probe", timeout_s=timeout_s)
         except (RayError, RuntimeError, GangServeError) as exc:
             self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {first_line(exc)}")
 
@@ -652,7 +665,7 @@ class Gang:
         assert self._root is not None
         self._require_ready()
         # Phase 1: stage everywhere; the old weights stay in force until every rank has staged.
-        refs = [a.stage_weights.remote(model) for a in self._actors]
+        calls = self._peers.submit("stage_weights", model)
         failures: list[str] = []
         root_bytes = 0
         root = self._root
@@ -660,7 +673,8 @@ class Gang:
             root_bytes = self._wait_heartbeating(lambda: root.stage_weights(model))
         except Exception as exc:
             failures.append(f"rank 0: {type(exc).__name__}: {first_line(exc)}")
-        peer_bytes = self._wait_heartbeating(lambda: self._settle(refs, "stage weights", failures))
+        staged = self._peers.collect(calls, stage="stage weights", collect="settle")
+        failures += staged.failures
         if failures:
             self._discard_staged()
             if self.state is GangState.BROKEN:  # a rank died meanwhile: nothing to keep serving
@@ -680,13 +694,13 @@ class Gang:
             self._discard_staged()
             raise
         # Phase 3: commit everywhere. Steps are sequenced behind this, so none can run in between.
-        refs = [a.commit_weights.remote(weights.version) for a in self._actors]
+        calls = self._peers.submit("commit_weights", weights.version)
         failures = []
         try:
             self._root.commit_weights(weights.version)
         except Exception as exc:
             failures.append(f"rank 0: {type(exc).__name__}: {first_line(exc)}")
-        self._wait_heartbeating(lambda: self._settle(refs, "commit weights", failures))
+        failures += self._peers.collect(calls, stage="commit weights", collect="settle").failures
         self.weights = weights  # the version every step now expects (and a rebuild would load)
         if failures:
             self._mark_broken(f"commit of weights version {weights.version} failed: {'; '.join(failures)}")
@@ -695,23 +709,16 @@ class Gang:
                 f"{'; '.join(failures)}; the gang is being rebuilt with version {weights.version}",
                 code=ErrorCode.WEIGHTS_COMMIT_FAILED,
             )
-        self.param_bytes_per_rank = [root_bytes, *peer_bytes]
+        self.param_bytes_per_rank = [root_bytes, *(staged.results[r] for r in sorted(staged.results))]
         log.info("weights swapped to version %d (%s, %s)", weights.version, weights.source, weights.description)
         return weights
-
-    def _settle(self, refs: list, stage: str, failures: list[str]) -> list:
-        """Each peer's result of `stage` within stage_timeout_s (service.gang.rpc.settle); a
-        peer that died marks the gang BROKEN."""
-        return rpc.settle(refs, stage, self.cfg.stage_timeout_s, failures,
-                          on_died=lambda rank: self._mark_broken(f"rank {rank} died during {stage}"))
 
     def _discard_staged(self) -> None:
         assert self._root is not None
         self._root.discard_staged()
         try:
-            refs = [a.discard_staged.remote() for a in self._actors]
-            self._wait_heartbeating(lambda: ray.get(refs, timeout=self.cfg.stage_timeout_s))
-        except RayError as exc:
+            self._peers.call("discard_staged", stage="discard staged weights")
+        except PeerCallFailed as exc:
             self._mark_broken(f"a rank failed while discarding staged weights: {first_line(exc)}")
 
     def _arm_failpoint(self, rank: int, name: str) -> None:
@@ -721,8 +728,7 @@ class Gang:
             assert self._root is not None
             self._root.arm_failpoint(name)
         else:
-            ref = self._actors[rank - 1].arm_failpoint.remote(name)
-            self._wait_heartbeating(lambda: ray.get(ref, timeout=self.cfg.stage_timeout_s))
+            self._peers.call("arm_failpoint", name, stage="arm failpoint", ranks=[rank])
 
     def _mark_broken(self, reason: str) -> None:
         if self.state in (GangState.READY, GangState.STARTING):
