@@ -245,13 +245,13 @@ def bench_equal_compute(base: str, n: int, load_s: float) -> dict[str, dict]:
     return {"latency": rows, "small_c16": load, "batching": steps, "ws2": ws2}
 
 
-WS2_LOOP, WS2_RAY = "gangserve ws2 (step loop)", "gangserve ws2, step_loop off (a Ray call per step)"
+WS2_LOOP = "gangserve ws2 (step loop)"
 
 
 def bench_step_loop(base: str, client: httpx.Client, big: np.ndarray, small: np.ndarray, n: int,
                     load_s: float) -> dict[str, dict]:
-    """Issue 20: world size 2 with the peers' step loop vs one Ray call per step, on both
-    shapes, next to Serve echo of the same body; the bare 2-process TP step of each shape
+    """World size 2 with the peers' step loop, on both shapes, next to Serve echo of the
+    same body; the bare 2-process TP step of each shape
     (no service); small requests at 16 clients (against the naive peer, still deployed by
     the caller); and where the loop's steps spend their time (`/gang` step_timings)."""
     from ray import serve
@@ -263,7 +263,6 @@ def bench_step_loop(base: str, client: httpx.Client, big: np.ndarray, small: np.
 
     serve.run(EchoPeer.bind(), name="eq_echo", route_prefix="/eq_echo")
     serve.run(build_app(local_yaml_args()), name="eq_ws2", route_prefix="/eq_ws2")
-    serve.run(build_app({**local_yaml_args(), "step_loop": False}), name="eq_ws2r", route_prefix="/eq_ws2r")
     out: dict[str, dict] = {"latency": {}, "bare": {}}
     for label, x in (("notes' shape [128, 8, 512]", big), ("small [1, 8, 512]", small)):
         body = npy(x)
@@ -271,15 +270,14 @@ def bench_step_loop(base: str, client: httpx.Client, big: np.ndarray, small: np.
         out["latency"][label] = interleaved({
             "Serve echo (same npy body)": post(base + "/eq_echo"),
             WS2_LOOP: post(base + "/eq_ws2/infer"),
-            WS2_RAY: post(base + "/eq_ws2r/infer"),
         }, n)
         client.get(base + "/eq_ws2/gang")  # kicks a refresh of the step timings of this shape's steps
         time.sleep(1.0)
         out["latency"][label]["step_timings"] = client.get(base + "/eq_ws2/gang").json().get("step_timings", {})
     out["small_c16"] = {name: throughput(url, npy(small), "application/x-npy", clients=16, seconds=load_s)
                         for name, url in (("naive peer (2 threads)", base + "/naive2"),
-                                          (WS2_LOOP, base + "/eq_ws2/infer"), (WS2_RAY, base + "/eq_ws2r/infer"))}
-    for app in ("eq_echo", "eq_ws2", "eq_ws2r"):
+                                          (WS2_LOOP, base + "/eq_ws2/infer"))}
+    for app in ("eq_echo", "eq_ws2"):
         serve.delete(app)
     # After the apps are gone, so the bare processes have the cores the gang had.
     out["bare"] = {"notes' shape [128, 8, 512]": bare_step_ms(tuple(big.shape)),
@@ -328,20 +326,17 @@ def print_small_c16(c16: dict[str, dict], load_s: float) -> None:
 
 
 def print_step_loop(ws2: dict[str, dict], load_s: float) -> dict[str, float]:
-    print("\nworld size 2 (issue 20): ours vs Serve echo + the bare 2-process TP step, step loop vs "
-          "a Ray call per step, interleaved\n")
+    print("\nworld size 2: ours vs Serve echo + the bare 2-process TP step, interleaved\n")
     print_latency_rows(ws2["latency"], ws2["bare"])
     ratios: dict[str, float] = {}
     for label, rows in ws2["latency"].items():
         floor = rows["Serve echo (same npy body)"]["p50_ms"] + ws2["bare"][label]
         ratios[f"ws2 step loop: ours - (echo + bare), {label}, ms (goal <= 1.5)"] = rows[WS2_LOOP]["p50_ms"] - floor
-        ratios[f"ws2 Ray call per step: ours - (echo + bare), {label}, ms"] = rows[WS2_RAY]["p50_ms"] - floor
     print_step_timings(ws2["latency"], "the step loop's steps, from every rank's timestamps (medians, ms; `/gang` step_timings)")
     c16 = ws2["small_c16"]
     print_small_c16(c16, load_s)
     naive = c16["naive peer (2 threads)"]["req_per_s"]
     ratios["small req/s at 16 clients, ws2 step loop / naive (goal >= 1.2)"] = c16[WS2_LOOP]["req_per_s"] / naive
-    ratios["small req/s at 16 clients, ws2 Ray call per step / naive"] = c16[WS2_RAY]["req_per_s"] / naive
     return ratios
 
 
@@ -975,7 +970,7 @@ def main() -> None:
                         default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
-                        "mask's latency; steploop: world size 2 with the peers' step loop vs a Ray call per step, "
+                        "mask's latency; steploop: world size 2 with the peers' step loop, "
                         "against Serve echo + the bare TP step, also part of equal; front: port 8000 (HAProxy) "
                         "vs Serve's Python proxy, ws2 and ws1, against echo + bare and the naive peer; train: the default DDP job vs the same "
                         "loop under torchrun --nproc_per_node 2; rebuild: kill -9 of rank 1 with "

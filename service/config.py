@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.training.limits import TrainingLimits
 from service.tunables import TUNABLES
@@ -110,12 +110,11 @@ class GangConfig(BaseModel):
     )
     step_loop: bool = Field(
         True,
-        description="Peer ranks take their steps from rank 0's headers on the gang's own gloo control "
-        "group (a persistent step loop, see service.gang.control) instead of one Ray actor call "
-        f"per step; heartbeats every collective_timeout_s / {TUNABLES.gang.heartbeats_per_timeout} while "
-        f"idle; a peer whose loop fails exits within {TUNABLES.gang.peer_exit_grace_s:g} s. Ray calls "
-        "remain for bring-up, weights, probes and teardown. "
-        "false: one Ray actor call per peer per step (the previous path).",
+        description="Always true: peer ranks take their steps from rank 0's headers on the gang's own gloo "
+        "control group (a persistent step loop, see service.gang.control); heartbeats every "
+        f"collective_timeout_s / {TUNABLES.gang.heartbeats_per_timeout} while idle; a peer whose loop fails "
+        f"exits within {TUNABLES.gang.peer_exit_grace_s:g} s. Ray calls remain for bring-up, weights, probes "
+        "and teardown. false (one Ray actor call per peer per step) was removed and is refused.",
     )
 
     max_batch_size: int = Field(
@@ -133,6 +132,15 @@ class GangConfig(BaseModel):
         description="Extra wait for company before a step when fewer than max_batch_size rows are queued; "
         "0 = none (batches still form from requests that arrive while a step runs).",
     )
+
+    @field_validator("step_loop")
+    @classmethod
+    def _only_the_step_loop(cls, value: bool) -> bool:
+        # Accepted so that configs written with `step_loop: true` keep deploying.
+        if not value:
+            raise ValueError("false (a Ray call per peer per step) was removed: the step loop is the only "
+                             "protocol; omit it")
+        return value
 
     @model_validator(mode="after")
     def _check_backend(self) -> "GangConfig":

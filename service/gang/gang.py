@@ -15,18 +15,18 @@ the new version durably, then commits it on every rank; a failed commit marks th
 BROKEN and the rebuild loads the recorded version.
 
 Sequencer: every operation that touches the ranks (bring-up, inference, weight swap,
-liveness probe, teardown) runs on ONE thread. Rank 0 submits the peers' control messages
-and then runs its own side; Ray executes each actor's calls in submission order, so all
+liveness probe, teardown) runs on ONE thread. Rank 0 sends the peers' step headers and
+lifecycle calls and then runs its own side; the peers take both in the order sent, so all
 ranks see one global sequence of collectives and concurrent requests cannot deadlock.
 
-Step loop (`step_loop`, default on; protocol in service.gang.control): after bring-up
-the peers block in a broadcast of a small header from rank 0 on the gang's gloo control
-group instead of receiving a Ray call per step. The sequencer sends each step's header
-before rank 0 prepares its own input (a late follower stalls the first collective), and
-a heartbeat header whenever no header went out for a quarter of `collective_timeout_s`,
-also while it waits on lifecycle Ray calls (staging weights can take longer than the
-group timeout). Lifecycle operations stay Ray calls, issued by the sequencer between
-steps. A peer refusing a step for its weights version records why before the all_reduce;
+Steps (the step loop; protocol in service.gang.control): after bring-up the peers block
+in a broadcast of a small header from rank 0 on the gang's gloo control group; a step is
+one header, never a Ray call (a gang of one rank has no peers to tell). The sequencer
+sends each step's header before rank 0 prepares its own input (a late follower stalls the
+first collective), and a heartbeat header whenever no header went out for a quarter of
+`collective_timeout_s`, also while it waits on lifecycle Ray calls (staging weights can
+take longer than the group timeout). Lifecycle operations stay Ray calls
+(service.gang.peers), issued by the sequencer between steps. A peer refusing a step for its weights version records why before the all_reduce;
 rank 0, seeing the poisoned output, asks it over Ray (`step_error`).
 
 Failure model: the process group's timeout is `collective_timeout_s`, so a stuck peer
@@ -121,9 +121,8 @@ class Gang:
         self._root: RankWorker | None = None
         # An idle rank process, adopted by a rebuild (service.gang.spare).
         self._spare = WarmSpare(gang, placement_group, RankActor)
-        self._unacked: list = []  # peers' step results not yet collected (see _reap_acks)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
-        self._loop_on = False  # the peers' loops run: steps go as headers, not Ray calls
+        self._loop_on = False  # the peers' loops run (every bring-up with peers starts them)
         self._seq = 0  # last header sequence number sent
         self._last_header = time.monotonic()
         self._heartbeat_queued = False
@@ -422,7 +421,7 @@ class Gang:
 
             # Stage 4: the peers' step loops (from here on a peer's wait is bounded by the
             # control group's timeout, so heartbeats start with them).
-            if cfg.step_loop and ws > 1:
+            if ws > 1:
                 self._peers.call("start_loop", stage="start step loop")
                 self._loop_on, self._seq, self._last_header = True, 0, time.monotonic()
                 self._start_heartbeats()
@@ -459,7 +458,6 @@ class Gang:
         self._stop_heartbeats()
         self._peers.kill()
         self._peers = self._new_peers([])
-        self._unacked = []
         if self._root is not None:
             try:
                 self._root.close()
@@ -505,30 +503,19 @@ class Gang:
         # None = the served weights' default, read here on the sequencer: the same weights
         # this step runs on (a swap is sequenced between steps).
         causal = self._root.default_causal if causal is None else bool(causal)
-        refs: list = []
         seq = 0
         try:
-            if self._loop_on:
+            if self._loop_on:  # (no peers: rank 0 computes alone)
                 # The header first, before rank 0 converts its own input: the peers allocate
                 # their buffers meanwhile, so the data broadcast does not wait for them.
                 seq, sent_ns = self._seq + 1, time.time_ns()
                 flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
                 self._send_header(control.step_header(seq, shape, flags, self._root.dtype, version, sent_ns))
                 self._root.step_seq = seq
-            elif mask is None:  # the unmasked control message unchanged
-                refs = [a.step.remote(shape, version) if not causal else a.step.remote(shape, version, False, True)
-                        for a in self._actors]
-            else:
-                refs = [a.step.remote(shape, version, True, causal) for a in self._actors]  # control messages only
             out = self._root.root_step(x, version, mask, causal)
-            if out.size and np.isnan(out.flat[_first_token(mask, shape[2])]):
+            if self._loop_on and out.size and np.isnan(out.flat[_first_token(mask, shape[2])]):
                 # Maybe a rank refused the step (see RankWorker._forward): it says so.
-                if self._loop_on:
-                    self._ask_step_errors(seq)
-                else:
-                    self._collect_acks(refs)
-            elif not self._loop_on:
-                self._reap_acks(refs)
+                self._ask_step_errors(seq)
             if self._loop_on:
                 self._timings.append((seq, received_ns or sent_ns, sent_ns, self._root.last_bcast_ns,
                                       self._root.last_forward_ns, time.time_ns()))
@@ -629,34 +616,11 @@ class Gang:
             self._heartbeat_if_idle()
         return done.result()
 
-    def _collect_acks(self, refs: list) -> None:
-        """Wait (bounded) for every outstanding peer ack, raising the first peer error."""
-        pending, self._unacked = [*self._unacked, *refs], []
-        ray.get(pending, timeout=self.cfg.collective_timeout_s)
-
-    def _reap_acks(self, refs: list) -> None:
-        """Collect the peers' step results without waiting a round trip on every request.
-
-        Rank 0's all_reduce completing already proves every peer took part, so the output
-        is final; the peers' acks only carry errors. They are checked without blocking
-        here and waited for (bounded) only when a backlog builds up.
-        """
-        self._unacked.extend(refs)
-        if not self._unacked:
-            return
-        ready, pending = ray.wait(self._unacked, num_returns=len(self._unacked), timeout=0)
-        ray.get(ready)  # raises a peer's error, if any
-        if len(pending) > 4 * max(1, len(self._actors)):
-            ray.get(pending, timeout=self.cfg.collective_timeout_s)
-            pending = []
-        self._unacked = pending
-
     def _probe_step(self) -> None:
         if self.state is not GangState.READY:
             return
         timeout_s = min(5.0, self.cfg.collective_timeout_s)
         try:
-            self._reap_acks([])
             self._peers.call("describe", stage="liveness probe", timeout_s=timeout_s)
         except (RayError, RuntimeError, GangServeError) as exc:
             self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {first_line(exc)}")

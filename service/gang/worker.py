@@ -379,8 +379,8 @@ class Rank:
         """Ranks 1..N-1: receive rank 0's input by broadcast and compute this rank's heads.
 
         `shape`, whether a key mask comes along, the causal flag and the weights version
-        the step expects arrive in a tiny control message; the tensors themselves only
-        travel through the process group (see `_forward`).
+        the step expects arrive in the step's header (the step loop, service.gang.control);
+        the tensors themselves only travel through the process group (see `_forward`).
         """
         batch, seq, width = shape
         buf = torch.empty(batch * seq * (width + 1) if masked else batch * seq * width, dtype=self.dtype,
@@ -424,8 +424,8 @@ class Rank:
         wait out the group timeout). So it computes on NaN: its partial output is NaN in
         every element (every output element depends on all of this rank's inputs), the
         all-reduced output is NaN everywhere except at padded query positions (set to 0),
-        and rank 0 refuses it by looking at one token's element. The rank then raises, so
-        its ack names the mismatch.
+        and rank 0 refuses it by looking at one token's element. The rank then raises; its
+        step loop keeps the reason for rank 0 (`step_error`).
         """
         if self.model is None or self.group is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
