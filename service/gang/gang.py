@@ -206,8 +206,6 @@ class Gang:
     def _session_step(self, prepare: Callable[[int, int], "SessionStepPlan"], received_ns: int) -> Any:
         self._require_ready()
         assert self._root is not None
-        if self.cfg.world_size > 1 and not self._loop_on:
-            raise Conflict("sessions need the step loop (builder arg step_loop=true)", code=ErrorCode.CONFLICT)
         version = self.weights_version
         plan = prepare(self.generation, version)
         if not plan.sessions:  # every session of the step ended meanwhile: nothing to compute
