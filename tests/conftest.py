@@ -23,6 +23,12 @@ TEST_CLUSTER_CPUS = 4
 WORKER_NODE_CPUS = 2
 GPUS_PER_NODE = 1
 TEST_API_TOKEN = "test-token-0123456789"
+# Behind HAProxy (the front door) Serve keeps a stopping ingress replica reachable for
+# RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S (default 30 s) before it closes its listener,
+# so every serve.delete and every replaced ingress replica waited 30 s: ~25 times a suite. On
+# one machine HAProxy learns of the change within a second or two, and a late arrival is
+# retried on another replica (retry-on conn-failure); the test clusters use 5 s.
+TEST_DEREGISTRATION_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
 
 
 # Every test is marked `unit` (no Ray: `pytest -m unit`) or `ray`; a unit test must not
@@ -70,6 +76,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # The product's front door (Serve's HAProxy straight to the Ingress replicas), as `make
     # serve` starts it; read by Serve's controller, proxy and replicas when they start.
     os.environ.update(front_door_env())
+    os.environ.update(TEST_DEREGISTRATION_ENV)
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
