@@ -135,6 +135,7 @@ class RequestLoop:
             "statuses": statuses,
             "max_latency_s": round(max((o.latency_s for o in outcomes), default=0.0), 3),
             "wrong": sum(1 for o in outcomes if o.correct is False),
+            "errors": sorted({f"{o.status}: {o.body[:200]}" for o in outcomes if o.status != 200})[:5],
         }
 
 

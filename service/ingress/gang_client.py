@@ -453,7 +453,10 @@ class GangClient:
                     return task.result()
                 if watch:
                     status = await self.status(max_age_s=STATUS_MAX_AGE_S)
-                    if status["state"] in ("scheduling", "unschedulable"):
+                    # With several gangs the call is on a placed gang the router chose: a
+                    # "scheduling" status (one gang server's describe failed, a new gang
+                    # waits for its bundles) says nothing about it; only "unschedulable" is app-wide.
+                    if status["state"] == "unschedulable" or (self._single_gang and status["state"] == "scheduling"):
                         raise unavailable_error(status)
         finally:
             if not task.done():
