@@ -222,10 +222,7 @@ class Gang:
             if out.size and np.isnan(out.flat[0]) and self._loop_on:
                 self._ask_step_errors(seq)
             if self._loop_on:
-                self._timings.append((seq, received_ns or sent_ns, sent_ns, self._root.last_bcast_ns,
-                                      self._root.last_forward_ns, time.time_ns()))
-                if len(self._timings) > 2 * control.TIMINGS_KEPT:
-                    del self._timings[:control.TIMINGS_KEPT]
+                self._record_timing(seq, received_ns or sent_ns, sent_ns)
         except (RayError, RuntimeError) as exc:
             plan.abort()
             if is_version_mismatch(exc):
@@ -515,10 +512,7 @@ class Gang:
                 # Maybe a rank refused the step (see RankWorker._forward): it says so.
                 self._ask_step_errors(seq)
             if self._loop_on:
-                self._timings.append((seq, received_ns or sent_ns, sent_ns, self._root.last_bcast_ns,
-                                      self._root.last_forward_ns, time.time_ns()))
-                if len(self._timings) > 2 * control.TIMINGS_KEPT:
-                    del self._timings[:control.TIMINGS_KEPT]
+                self._record_timing(seq, received_ns or sent_ns, sent_ns)
         except (RayError, RuntimeError) as exc:
             if is_version_mismatch(exc):
                 self._mark_broken(f"weights versions disagree: {first_line(cause(exc))}")
@@ -691,6 +685,14 @@ class Gang:
             self._root.arm_failpoint(name)
         else:
             self._peers.call("arm_failpoint", name, stage="arm failpoint", ranks=[rank])
+
+    def _record_timing(self, seq: int, received_ns: int, sent_ns: int) -> None:
+        """Rank 0's timestamps of step `seq` (step_loop_stats), the last TIMINGS_KEPT..2x kept."""
+        assert self._root is not None
+        self._timings.append((seq, received_ns, sent_ns, self._root.last_bcast_ns, self._root.last_forward_ns,
+                              time.time_ns()))
+        if len(self._timings) > 2 * control.TIMINGS_KEPT:
+            del self._timings[:control.TIMINGS_KEPT]
 
     def _mark_broken(self, reason: str) -> None:
         if self.state in (GangState.READY, GangState.STARTING):

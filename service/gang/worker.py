@@ -437,16 +437,10 @@ class Rank:
             n = batch * seq * width
             x = buf[:n].view(batch, seq, width)  # [batch, seq, E]
             key_mask = buf[n:].view(batch, seq) > 0.5 if masked else None  # [batch, seq] bool
-            mismatch = weights_version != self.weights_version
-            if mismatch:
-                why = (f"rank {self.rank} holds weights version {self.weights_version}, "
-                       f"the step expected {weights_version}")
-                # Recorded before the all_reduce: once rank 0's all_reduce is done, it can ask.
-                self._mismatches.append((self.step_seq, why))
-                x = torch.full_like(x, float("nan"))
+            x, why = self._poison_if_stale(x, weights_version)
             out = self.model(x) if key_mask is None and not causal else self.model(x, key_mask, causal)
             clock.mark()
-        if mismatch:
+        if why is not None:
             raise self.version_mismatch_error(why)
         return out  # [batch, seq, E], all-reduced
 
@@ -596,17 +590,22 @@ class Rank:
             self.group.broadcast_(buf, src=0)
             clock.mark()
             x = buf.view(-1, width)  # [T, E]
-            mismatch = weights_version != self.weights_version
-            if mismatch:
-                why = (f"rank {self.rank} holds weights version {self.weights_version}, "
-                       f"the step expected {weights_version}")
-                self._mismatches.append((self.step_seq, why))
-                x = torch.full_like(x, float("nan"))
+            x, why = self._poison_if_stale(x, weights_version)
             out = append_attention(model, self.kv_pool, x, plan)
             clock.mark()
-        if mismatch:
+        if why is not None:
             raise self.version_mismatch_error(why)
         return out  # [T, E], all-reduced
+
+    def _poison_if_stale(self, x: torch.Tensor, weights_version: int) -> tuple[torch.Tensor, str | None]:
+        """x, or NaN in its shape when this rank holds another weights version than the step
+        expects (its contribution then poisons the all_reduce, so no answer mixes versions),
+        with why. The reason is recorded before the all_reduce: once rank 0's is done, it can ask."""
+        if weights_version == self.weights_version:
+            return x, None
+        why = f"rank {self.rank} holds weights version {self.weights_version}, the step expected {weights_version}"
+        self._mismatches.append((self.step_seq, why))
+        return torch.full_like(x, float("nan")), why
 
     def kv_pool_bytes(self) -> int:
         """Bytes this rank's KV pool holds on its device (0 before the first append step)."""

@@ -360,12 +360,7 @@ class ChannelClient:
                 data = np.ascontiguousarray(x, dtype=np.float32)
                 await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None, **extra},
                                   memoryview(data).cast("B"), tail)
-            try:
-                reply, payload = await read_frame(conn.reader)
-            except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                raise ChannelUnavailable(f"the gang server closed the data channel ({type(exc).__name__})") from None
-            except ValueError as exc:
-                raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            reply, payload = await _read_reply(conn)
             done = True
             if not reply.get("ok"):
                 if "shm_unavailable" in reply:
@@ -404,12 +399,7 @@ class ChannelClient:
             header["timeout_s"] = float(timeout_s)
         try:
             await write_frame(conn.writer, header, memoryview(data).cast("B"))
-            try:
-                reply, payload = await read_frame(conn.reader)
-            except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                raise ChannelUnavailable(f"the gang server closed the data channel ({type(exc).__name__})") from None
-            except ValueError as exc:
-                raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            reply, payload = await _read_reply(conn)
             done = True
             if not reply.get("ok"):
                 raise error_from_wire(reply.get("error") or {})
@@ -478,6 +468,16 @@ async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payl
     if tail:
         writer.write(tail)
     await writer.drain()
+
+
+async def _read_reply(conn: _Connection) -> tuple[dict[str, Any], bytes]:
+    """The server's reply frame; ChannelUnavailable when the connection closed or the frame is malformed."""
+    try:
+        return await read_frame(conn.reader)
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        raise ChannelUnavailable(f"the gang server closed the data channel ({type(exc).__name__})") from None
+    except ValueError as exc:
+        raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
 
 
 def _shape(value: Any, ndim: int = 3) -> tuple[int, ...]:
