@@ -126,6 +126,19 @@ def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -
     return wait_ready(serve_url + (route_prefix if route_prefix != "/" else ""), 180, f"app {name}")
 
 
+def undeploy(name: str) -> None:
+    """Delete app `name` without waiting for its replicas to stop: for module apps whose name is
+    not deployed again. A blocking delete waits out Serve's draining of the ingress replica
+    (TEST_DEREGISTRATION_ENV) and the gang's graceful shutdown, 6 to 24 s per app on this
+    machine, while the next test could already run; the replicas stop beside it, and a next
+    app that needs their logical CPUs waits for them like any placement. Tests that assert on
+    what a delete leaves behind (freed GPUs, exited processes, a redeploy under the same name,
+    a dropped database) call serve.delete and wait."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+
+
 def wait_ready(base: str, timeout_s: float, what: str = "the app") -> str:
     """Poll `base`/readyz until 200 (returns `base`); TimeoutError with the last answer after timeout_s."""
     deadline = time.monotonic() + timeout_s

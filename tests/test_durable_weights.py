@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args
+from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
 from tests.helpers import eventually, scrape, total
 from tests.reference import dense_attention, relative_error
@@ -99,9 +99,7 @@ def _args(seed: int) -> dict:
 def durable_url(serve_url: str):
     base = deploy(serve_url, APP, "/durable", _args(3))
     yield base
-    from ray import serve
-
-    serve.delete(APP)
+    undeploy(APP)
 
 
 def test_swap_survives_the_loss_of_rank_0(durable_url: str) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import deploy, local_yaml_args
+from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
 from tests.helpers import eventually, pid_alive, poll, scrape, total
 from tests.reference import dense_attention, notes_seed_weights, relative_error
@@ -33,9 +33,7 @@ def fault_url(serve_url: str) -> str:
             "warm_spare": True}  # the product's default, which the kill tests are about
     base = deploy(serve_url, "faults", "/faults", args)
     yield base
-    from ray import serve
-
-    serve.delete("faults")
+    undeploy("faults")
 
 
 def _check_one_request(base: str) -> None:
@@ -290,8 +288,6 @@ def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp
     retried with backoff; once the file is back the gang recovers on its own."""
     import shutil
 
-    from ray import serve
-
     from service.parallel.weights import random_weights, save_checkpoint
 
     weights = random_weights(512, seed=12)
@@ -321,4 +317,4 @@ def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp
         assert r.status_code == 200
         assert relative_error(torch.tensor(r.json()["output"]), dense_attention(weights, 8, torch.from_numpy(x))) < 1e-5
     finally:
-        serve.delete("rebuild")
+        undeploy("rebuild")

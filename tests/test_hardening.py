@@ -47,7 +47,7 @@ from service.ingress.oip import codec as oip_codec
 from service.ingress.oip import routes as oip
 from service.ingress.oip.schemas import HEADER_LENGTH as OIP_HEADER_LENGTH
 from service.state.paths import state_dir
-from tests.conftest import TEST_API_TOKEN, local_yaml_args, wait_ready
+from tests.conftest import TEST_API_TOKEN, local_yaml_args, undeploy, wait_ready
 from tests.helpers import eventually, eventually_async
 from tests.reference import reference, relative_error
 
@@ -816,7 +816,7 @@ def hard_url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
               route_prefix="/hardened", blocking=False)
     base = wait_ready(serve_url + "/hardened", 180, "app 'hardened'")
     yield base
-    serve.delete("hardened")
+    undeploy("hardened")
 
 
 @pytest.mark.ray

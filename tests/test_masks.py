@@ -21,7 +21,7 @@ from safetensors.numpy import save as st_save
 
 from gangserve_client import codecs as wire
 from service.parallel.weights import random_weights
-from tests.conftest import deploy, local_yaml_args
+from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.helpers import AUTH, post, rand, wait_done
 from tests.reference import dense_attention_masked, reference, relative_error
 
@@ -72,7 +72,6 @@ EXTRA_ARGS: dict[int, dict] = {
 @pytest.fixture(scope="module")
 def apps(serve_url: str) -> Iterator[Callable[[int], str]]:
     """world size -> the base URL of that module app, deployed on first use."""
-    from ray import serve
 
     deployed: dict[int, str] = {}
 
@@ -83,7 +82,7 @@ def apps(serve_url: str) -> Iterator[Callable[[int], str]]:
 
     yield get
     for ws in deployed:
-        serve.delete(f"masks{ws}")
+        undeploy(f"masks{ws}")
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda ws: f"ws{ws}")
@@ -227,7 +226,6 @@ def test_mixed_lengths_batched_under_concurrency(apps: Callable[[int], str]) -> 
 def test_bfloat16_compute_dtype_end_to_end(serve_url: str) -> None:
     """compute_dtype=bfloat16 at ws2: replies keep the requested dtype, and stay within the
     documented bfloat16 tolerance (1e-2 relative, measured 4-5e-3) of the float64 reference."""
-    from ray import serve
 
     base = deploy(serve_url, "masks_bf16", "/masks_bf16", app_args(2, compute_dtype="bfloat16"))
     try:
@@ -250,7 +248,7 @@ def test_bfloat16_compute_dtype_end_to_end(serve_url: str) -> None:
                 err = relative_error(torch.from_numpy(out.astype(np.float64)), want)
                 assert 1e-4 < err < 1e-2, f"bfloat16 compute, {np.dtype(dtype)} reply: relative error {err:.3e}"
     finally:
-        serve.delete("masks_bf16")
+        undeploy("masks_bf16")
 
 
 def test_a_causal_checkpoint_is_served_causal_unless_the_request_says_otherwise(
@@ -258,7 +256,6 @@ def test_a_causal_checkpoint_is_served_causal_unless_the_request_says_otherwise(
 ) -> None:
     """Training records `causal` in the checkpoint (save_checkpoint(causal=True), as save_model
     does); a gang serving it answers causally by default, and ?causal=false still works."""
-    from ray import serve
 
     from service.parallel.weights import save_checkpoint
 
@@ -273,7 +270,7 @@ def test_a_causal_checkpoint_is_served_causal_unless_the_request_says_otherwise(
             assert r.status_code == 200, r.text
             check(np.asarray(r.json()["output"], dtype=np.float32), x, None, causal, f"checkpoint causal, {params}")
     finally:
-        serve.delete("masks_ckpt")
+        undeploy("masks_ckpt")
 
 
 def test_causal_job_on_a_masked_dataset_trains_and_records_causal(app_url: str) -> None:

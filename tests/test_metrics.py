@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, TEST_API_TOKEN, deploy, local_yaml_args
+from tests.conftest import ROOT, TEST_API_TOKEN, deploy, local_yaml_args, undeploy
 from tests.helpers import poll, scrape, total, wait_done
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
@@ -41,9 +41,7 @@ def obs_url(serve_url: str) -> Iterator[str]:
     args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": 5.0, "log_encoding": "JSON"}
     base = deploy(serve_url, "obs", "/obs", args)
     yield base
-    from ray import serve
-
-    serve.delete("obs")
+    undeploy("obs")
 
 
 # ---------------------------------------------------------------- unit

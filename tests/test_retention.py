@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
+from tests.conftest import undeploy
 from tests.helpers import AUTH, assert_error, post, state_dir, wait_done
 
 # ---- units: limits --------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def tight(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
         name="tight-jobs", route_prefix=None,
     )
     yield JobsClient(handle, timeout_s=60), state
-    serve.delete("tight-jobs")
+    undeploy("tight-jobs")
 
 
 def _linear_ds(n: int) -> bytes:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from service.config import AppConfig
 from service.cluster.placement import ClusterSnapshot, GangUnschedulable, check_feasible, fits, gang_request
-from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args
+from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop
 from tests.helpers import eventually
 from tests.reference import dense_attention, notes_seed_weights, relative_error
@@ -37,9 +37,7 @@ def two_gangs(serve_url: str):
     base = deploy(serve_url, "scaleout", "/scaleout", args)
     eventually(lambda: _gangs(base)["ready"] == 2, 120, "both gangs of the two-gang app ready (/gangs)", 0.5)
     yield base
-    from ray import serve
-
-    serve.delete("scaleout")
+    undeploy("scaleout")
 
 
 def _gangs(base: str) -> dict:
@@ -271,7 +269,6 @@ def test_autoscaling_adds_a_gang_under_load_and_drains_it_without_failures(serve
     target_ongoing_requests 2 bring a second gang (each request is one ongoing request of
     the gang server, whose batcher is the only one on the path), back to 1 when one client
     remains; the gang that goes away is drained: no request fails or is wrong on the way."""
-    from ray import serve
 
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                    "upscale_delay_s": 1, "downscale_delay_s": 4, "metrics_interval_s": 0.5,
@@ -300,4 +297,4 @@ def test_autoscaling_adds_a_gang_under_load_and_drains_it_without_failures(serve
         assert set(busy.summary()["statuses"]) == {200} and busy.summary()["wrong"] == 0, busy.summary()
         assert set(light.summary()["statuses"]) == {200} and light.summary()["wrong"] == 0, light.summary()
     finally:
-        serve.delete("autoscale")
+        undeploy("autoscale")

@@ -20,7 +20,7 @@ from safetensors.numpy import save as st_save
 
 from gangserve_client import GangServeClient
 from service.gang_status import GangStatus, RankStatus
-from tests.conftest import ROOT, deploy, local_yaml_args
+from tests.conftest import ROOT, deploy, local_yaml_args, undeploy
 from tests.reference import reference, relative_error
 from tests.helpers import assert_error, eventually, npy_bytes, rand
 
@@ -261,7 +261,7 @@ def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> No
             assert client.gang()["weights_version"] == 2
             assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights=weights)) < 1e-5
     finally:
-        serve.delete("swap")
+        undeploy("swap")
 
 
 def test_concurrent_requests_of_equal_length_are_batched_and_split_exactly(app_url: str) -> None:

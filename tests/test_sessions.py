@@ -23,7 +23,7 @@ from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, append_attention
 from service.parallel.weights import random_weights, shard_dense
 from service.sessions.registry import Limits, SessionRegistry, StepItem
-from tests.conftest import deploy, local_yaml_args
+from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.helpers import assert_error, eventually, npy_bytes, rand
 from tests.reference import reference, relative_error
 
@@ -113,8 +113,6 @@ EXTRA_ARGS: dict[int, dict] = {
 
 @pytest.fixture(scope="module")
 def apps(serve_url: str) -> Iterator[Callable[[int], str]]:
-    from ray import serve
-
     deployed: dict[int, str] = {}
 
     def get(ws: int) -> str:
@@ -124,7 +122,7 @@ def apps(serve_url: str) -> Iterator[Callable[[int], str]]:
 
     yield get
     for ws in deployed:
-        serve.delete(f"sessions-ws{ws}")
+        undeploy(f"sessions-ws{ws}")
 
 
 class Client:
@@ -437,13 +435,12 @@ def test_python_client_session_object(apps: Callable[[int], str]) -> None:
 @pytest.fixture(scope="module")
 def two_gangs(serve_url: str) -> Iterator[str]:
     """Two gangs of world size 1 (num_replicas: 2): two GangServer replicas."""
-    from ray import serve
 
     base = deploy(serve_url, "sessions-gangs", "/sessions-gangs",
                   app_args(1, num_replicas=2, data_channel=False))
     eventually(lambda: httpx.get(base + "/gangs", timeout=10).json().get("ready") == 2, 120, "both gangs ready")
     yield base
-    serve.delete("sessions-gangs")
+    undeploy("sessions-gangs")
 
 
 @pytest.mark.ray

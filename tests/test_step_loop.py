@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from service.gang import control
-from tests.conftest import deploy, local_yaml_args
+from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
 from tests.helpers import eventually, pid_alive
 from tests.reference import dense_attention, notes_seed_weights, relative_error
@@ -47,9 +47,7 @@ def loop_url(serve_url: str) -> str:
     args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S}
     base = deploy(serve_url, "steploop", "/steploop", args)
     yield base
-    from ray import serve
-
-    serve.delete("steploop")
+    undeploy("steploop")
 
 
 def _check_one_request(base: str, timeout_s: float = 60) -> None:

@@ -23,7 +23,7 @@ import torch
 from safetensors.numpy import save as st_save
 from safetensors.torch import load as st_load_torch
 
-from tests.conftest import TEST_API_TOKEN, local_yaml_args, wait_ready
+from tests.conftest import TEST_API_TOKEN, local_yaml_args, undeploy, wait_ready
 from tests.helpers import wait_done
 from tests.reference import dense_attention, relative_error
 from tests.s3 import MotoS3
@@ -74,7 +74,7 @@ def s3_app(serve_url: str, s3: MotoS3, tmp_path_factory: pytest.TempPathFactory)
     try:
         yield wait_ready(serve_url + PREFIX, 240, f"app {APP}"), state
     finally:
-        serve.delete(APP)
+        undeploy(APP)
 
 
 def _objects(s3: MotoS3, prefix: str) -> dict[str, int]:
