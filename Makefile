@@ -56,11 +56,12 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/run.py --only sessions
 
-# The builder-argument and tunables references are generated from their field descriptions,
+# The builder-argument, tunables and environment references are generated from their declarations,
 # docs/api.md's error table from the error-code registry (service/errors.py).
 docs: $(STAMP)
 	$(PY) -m service.config > docs/builder-arguments.md
 	$(PY) -m service.tunables > docs/tunables.md
+	$(PY) -m service.environment > docs/environment.md
 	$(PY) -m service.errors --update docs/api.md
 
 clean:

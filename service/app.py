@@ -15,28 +15,24 @@ from service.config import AppConfig, ModelConfig
 from service.errors import describe_validation_errors
 from service.cluster.front_door import warn_if_slow_front_door
 from service.cluster.placement import check_feasible, cluster_snapshot, gang_request
-from service.gang.router import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S, ReadyGangRouter
+from service.gang.router import ReadyGangRouter
 from service.deployments.controller import Controller
 from service.deployments.ingress import Ingress
 from service.deployments.gang_server import GangServer
 from service.training.limits import TrainingLimits
 from service.deployments.job_manager import JobManager
-from service.tunables import TUNABLES
 
 
 class InvalidAppArgs(ValueError):
     """build_app arguments failed validation; the message lists every problem."""
 
 
-# How long Serve lets a stopping ingress replica finish its requests (see build_app).
-INGRESS_DRAIN_TIMEOUT_S = TUNABLES.ingress.drain_timeout_s
-
-
 def parse_args(args: dict[str, Any]) -> AppConfig:
     try:
         return AppConfig.model_validate(dict(args))
     except ValidationError as exc:
-        problems = describe_validation_errors(exc.errors(), "args", limit=20)
+        # Whole messages: a broken relation names both settings and both values.
+        problems = describe_validation_errors(exc.errors(), "args", limit=20, msg_chars=1000)
         raise InvalidAppArgs(
             f"invalid gangserve arguments: {problems}. Valid keys: {', '.join(sorted(AppConfig.model_fields))}"
         ) from None
@@ -85,6 +81,7 @@ def event_loop_options(cfg: AppConfig) -> dict[str, Any]:
 def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve;
     the Controller owns the fleet view and the weights record, the JobManager the jobs."""
+    t = cfg.tunables  # validated with the builder arguments (service.config)
     request = gang_request(cfg)
     bundle = dict(request.bundle)
     # One gang per replica: a fixed count, or Serve's autoscaling.
@@ -95,14 +92,14 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     # Structured logs: Serve's logging_config on every deployment (service.logs).
     logs: dict[str, Any] = {"logging_config": {"encoding": cfg.log_encoding}} if cfg.log_encoding else {}
     # One replica, no CPU: the app's shared state has one owner (service.deployments.controller).
-    controller = Controller.options(**logs).bind()
+    controller = Controller.options(**logs).bind(t)
     server = GangServer.options(
         **scale, **logs,
         # Requests go to ready gangs only (replicas report their gang's state).
         request_router_config=RequestRouterConfig(
             request_router_class=ReadyGangRouter,
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-            request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
+            request_routing_stats_period_s=t.gang.routing_stats_period_s,
+            request_routing_stats_timeout_s=t.gang.routing_stats_timeout_s,
         ),
         # One bundle per rank, reserved all-or-nothing; the replica is rank 0 in bundle 0.
         placement_group_bundles=[dict(bundle) for _ in range(cfg.world_size)],
@@ -110,12 +107,14 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), **event_loop_options(cfg)},
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
-        # Serve's default, explicit: the gang server's own drain must fit inside it (service.tunables).
-        graceful_shutdown_timeout_s=TUNABLES.gang.graceful_shutdown_timeout_s,
+        # Serve's default, explicit: the gang server's own drain must fit inside it (service.config).
+        graceful_shutdown_timeout_s=t.gang.graceful_shutdown_timeout_s,
+        health_check_period_s=t.gang.health_check_period_s,
+        health_check_timeout_s=t.gang.health_check_timeout_s,
     ).bind(cfg.model_dump(), controller)
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
     jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len,
-                                           cfg.part(ModelConfig).model_dump())
+                                           cfg.part(ModelConfig).model_dump(), t)
     # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
     # Several replicas are spread over the nodes (Serve alone packs 0-CPU replicas): at most
     # ceil(replicas / nodes) per node, so one lost node never takes every ingress with it.
@@ -127,7 +126,7 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         # A replica being replaced (redeploy, scale-down) holds requests that wait for a gang
         # (a redeploy replaces a gang by stopping it first): give them the time a new gang
         # takes to come up before Serve kills the replica (Serve's default: 20 s).
-        graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
+        graceful_shutdown_timeout_s=t.ingress.drain_timeout_s,
         ray_actor_options={"num_cpus": 0, **event_loop_options(cfg)}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
         **spread, **logs,
     ).bind(server, cfg.model_dump(), jobs, controller)

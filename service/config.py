@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.training.limits import TrainingLimits
-from service.tunables import TUNABLES
+from service.tunables import GangTunables, Tunables, TransportTunables
 
 _Part = TypeVar("_Part", bound=BaseModel)
 
@@ -112,8 +112,8 @@ class GangConfig(BaseModel):
         True,
         description="Always true: peer ranks take their steps from rank 0's headers on the gang's own gloo "
         "control group (a persistent step loop, see service.gang.control); heartbeats every "
-        f"collective_timeout_s / {TUNABLES.gang.heartbeats_per_timeout} while idle; a peer whose loop fails "
-        f"exits within {TUNABLES.gang.peer_exit_grace_s:g} s. Ray calls remain for bring-up, weights, probes "
+        "collective_timeout_s / tunables.gang.heartbeats_per_timeout while idle; a peer whose loop fails "
+        "exits within tunables.gang.peer_exit_grace_s. Ray calls remain for bring-up, weights, probes "
         "and teardown. false (one Ray actor call per peer per step) was removed and is refused.",
     )
 
@@ -231,8 +231,8 @@ class ServingConfig(BaseModel):
     )
     shm_transport: bool = Field(
         True,
-        description=f"Hand request/reply tensors of {TUNABLES.transport.min_shared_bytes // 1024} KiB "
-        "or more between the ingress and the "
+        description="Hand request/reply tensors of tunables.transport.min_shared_bytes "
+        f"({TransportTunables().min_shared_bytes // 1024} KiB by default) or more between the ingress and the "
         "GangServer through /dev/shm when both run on one node, instead of through Ray's object "
         "store; falls back to the object store otherwise (or when /dev/shm is missing or full).",
     )
@@ -298,6 +298,32 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingL
     """Every `build_app` argument. Unknown keys are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tunables: Tunables = Field(
+        default_factory=Tunables,
+        description="The machinery's timing and sizing knobs, by section (gang, fleet, transport, ingress, "
+        "training, state): see [tunables.md](tunables.md). A partial override keeps the other defaults, "
+        "e.g. `tunables: {state: {s3_request_timeout_s: 120.0}}`; an unknown key is refused.",
+    )
+
+    def relations(self) -> list[tuple[str, str, float, str, float]]:
+        """(why, smaller, its value, larger, its value): every ordering the code relies on, between
+        tunables and between a tunable and a builder argument."""
+        return [
+            *self.tunables.orderings(),
+            ("a draining ingress replica answers a request with the default deadline before Serve kills it",
+             "request_timeout_s", self.request_timeout_s, "tunables.ingress.drain_timeout_s",
+             self.tunables.ingress.drain_timeout_s),
+        ]
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> "AppConfig":
+        """The one check of relations across the settings: each broken one names both numbers."""
+        problems = [f"{a_name} ({a:g}) must be below {b_name} ({b:g}): {why}"
+                    for why, a_name, a, b_name, b in self.relations() if not a < b]
+        if problems:
+            raise ValueError("inconsistent settings: " + "; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _check_divisibility(self) -> "AppConfig":
@@ -378,6 +404,13 @@ def builder_args_markdown() -> str:
         for name, field in cls.model_fields.items():
             text = " ".join((field.description or "").split()).replace("|", "\\|")
             lines.append(f"| `{name}` | {_default_text(field.default)} | {text} |")
+    text = " ".join((AppConfig.model_fields["tunables"].description or "").split())
+    lines += ["", "## Tunables", "", "One optional nested section, validated by `service.tunables.Tunables`.", "",
+              "| arg | default | meaning |", "|---|---|---|", f"| `tunables` | the defaults | {text} |"]
+    lines += ["", "## Relations checked", "", "AppConfig's validator refuses arguments that break one, naming both values:", ""]
+    lines += [f"- `{a}` < `{b}`: {why}" for why, a, _, b, _ in AppConfig().relations()]
+    lines += ["", "## Environment", "", "Where state lives and the secrets are environment variables, not builder arguments:",
+              "[environment.md](environment.md) lists every one the service reads."]
     return "\n".join(lines) + "\n"
 
 

@@ -35,27 +35,26 @@ from typing import Any
 
 from service.cluster.front_door import header_timed_by_serve_proxy
 from service.errors import ErrorCode, InvalidInput
-from service.tunables import TUNABLES
+from service.tunables import IngressTunables
 
 HEADER = "x-request-timeout-seconds"
-# Answer this much before Serve's proxy would answer 408 (service.tunables says why).
-PROXY_MARGIN_S = TUNABLES.ingress.proxy_margin_s
-PROXY_MARGIN_SHARE = TUNABLES.ingress.proxy_margin_share  # ... plus this share of the header's time
-PROXY_MARGIN_MAX_S = TUNABLES.ingress.proxy_margin_max_s
 MAX_TIMEOUT_S = 86400.0
 # Read once: the environment Ray started this process with (service.cluster.front_door).
 BEHIND_SERVE_PROXY = header_timed_by_serve_proxy()
 
 
-def proxy_margin_s(header_s: float, behind_serve_proxy: bool | None = None) -> float:
+def proxy_margin_s(header_s: float, behind_serve_proxy: bool | None = None,
+                   tunables: IngressTunables | None = None) -> float:
     """How much earlier than a header deadline of `header_s` seconds we answer: 0 behind the
     front door; the margin when Serve's Python proxy times the header too (`behind_serve_proxy`,
-    default: this process's environment says so)."""
+    default: this process's environment says so), from the ingress tunables' proxy_margin_*
+    (default: their defaults). Answering that much before Serve's proxy answers 408."""
     if behind_serve_proxy is None:
         behind_serve_proxy = BEHIND_SERVE_PROXY
     if not behind_serve_proxy:
         return 0.0
-    return min(PROXY_MARGIN_MAX_S, PROXY_MARGIN_S + PROXY_MARGIN_SHARE * header_s)
+    t = tunables or IngressTunables()
+    return min(t.proxy_margin_max_s, t.proxy_margin_s + t.proxy_margin_share * header_s)
 
 
 def _timeout(value: float, what: str) -> float:
@@ -94,12 +93,13 @@ def oip_timeout(parameters: dict[str, Any] | None) -> float | None:
 
 
 def request_deadline(started: float, default_s: float, header_s: float | None,
-                     oip_s: float | None = None, behind_serve_proxy: bool | None = None) -> float:
+                     oip_s: float | None = None, behind_serve_proxy: bool | None = None,
+                     tunables: IngressTunables | None = None) -> float:
     """The monotonic instant a request started at `started` must be answered by
-    (`behind_serve_proxy`: as proxy_margin_s)."""
+    (`behind_serve_proxy`, `tunables`: as proxy_margin_s)."""
     candidates = [started + default_s] if header_s is None and oip_s is None else []
     if header_s is not None:
-        candidates.append(started + max(0.0, header_s - proxy_margin_s(header_s, behind_serve_proxy)))
+        candidates.append(started + max(0.0, header_s - proxy_margin_s(header_s, behind_serve_proxy, tunables)))
     if oip_s is not None:
         candidates.append(started + oip_s)
     return min(candidates)

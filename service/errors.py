@@ -248,16 +248,18 @@ def with_error_table(document: str) -> str:
     return f"{head}{TABLE_BEGIN}\n{error_table_markdown()}{TABLE_END}{tail}"
 
 
-def describe_validation_errors(errors: Sequence[Any], where: str = "body", limit: int = 5) -> str:
+def describe_validation_errors(errors: Sequence[Any], where: str = "body", limit: int = 5,
+                               msg_chars: int = 120) -> str:
     """pydantic/FastAPI validation errors as 'loc: msg; ...' for an error reply.
 
-    At most `limit` problems, each location and message cut short, and never the input
-    itself (it may be huge or secret); `where` names an error with an empty location.
+    At most `limit` problems, each location cut short and each message cut at `msg_chars`,
+    and never the input itself (it may be huge or secret); `where` names an error with an
+    empty location.
     """
     problems = []
     for error in list(errors)[:limit]:
         loc = ".".join(str(part) for part in error.get("loc", ()))[:80] or where
-        problems.append(f"{loc}: {str(error.get('msg', 'invalid'))[:120]}")
+        problems.append(f"{loc}: {str(error.get('msg', 'invalid'))[:msg_chars]}")
     more = len(errors) - len(problems)
     return "; ".join(problems) + (f" (and {more} more)" if more > 0 else "")
 

@@ -4,17 +4,21 @@ Builder arguments (service.config.AppConfig) are what an app is deployed with; t
 the numbers the machinery runs on: how often a gang is probed, how long a rebuild backs off,
 how stale a report may be, how big a shared region gets, how long a store waits for a lock.
 Like torchtitan's config sections, each concern is one frozen, typed dataclass whose every
-field says what it bounds and why that default; `TUNABLES` is the one instance the service
-runs with, and `python -m service.tunables` prints the reference (docs/tunables.md, `make
-docs`; tests/test_config.py checks it is current).
+field says what it bounds and why that default. They are set at deploy time in the builder
+arguments' optional `tunables:` section (`AppConfig.tunables`, e.g. `tunables: {gang:
+{probe_interval_s: 1.0}}`): pydantic validates a partial override against these classes and
+refuses an unknown key, naming it. `python -m service.tunables` prints the reference
+(docs/tunables.md, `make docs`; tests/test_config.py checks it is current).
 
-How modules use them: a module binds the values it reads once, at import, on its constant
-line (`PROBE_INTERVAL_S = TUNABLES.gang.probe_interval_s`), so the code that uses a value
-keeps a short name and the value, its type and its reason live here only. Values that must
-agree are one field, or derived from one in code (the properties below); relations between
-sections that must hold (a store's lock wait below the ingress's call timeout, ...) are
-checked when `Tunables` is built, so an edit that breaks one fails at import, naming both
-numbers.
+How code uses them: there is no module-level instance. The app builder validates one
+`Tunables` as part of `AppConfig` and passes it down: a deployment takes it from its
+AppConfig, a class takes the section it needs in its constructor, a free function takes
+the value as a parameter (tests/test_layout.py refuses a module that binds a tunable at
+import). A section built without a config (a test, a CLI) is default-constructed. Values
+that must agree are one field, or derived from one in code (the properties below);
+relations that must hold (a store's lock wait below the ingress's call timeout, ...) are
+listed by `Tunables.orderings()` and checked, with the builder arguments they relate to,
+by AppConfig's one validator, which names both numbers.
 
 Not here, on purpose: protocol and format constants (the step-loop header layout, frame
 structs, file and key names), input limits that are part of the HTTP API (the deadline cap,
@@ -30,6 +34,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict
+
 KIB = 1024
 MIB = 1024 * KIB
 FLOAT32_BYTES = 4  # the wire dtype of request and reply tensors (service.ingress.codecs.MODEL_DTYPE)
@@ -44,6 +50,8 @@ def knob(default: Any, doc: str) -> Any:
 class GangTunables:
     """Gang supervision: the GangServer's supervisor, the gang's lifecycle and its step loop
     (service.deployments.gang_server, service.gang)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     probe_interval_s: float = knob(2.0, (
         "How often the supervisor probes a ready gang's peers (one small Ray call per rank) and asks "
@@ -98,6 +106,8 @@ class FleetTunables:
     """Fleet reporting: what the Controller knows of the gangs and the replicas' metrics
     (service.state.fleet, service.deployments.controller, service.metrics)."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     report_interval_s: float = knob(1.0, (
         "A gang's report period to the Controller (it also reports at once on every state change): "
         "/gangs and the metrics are at most this old."))
@@ -137,6 +147,8 @@ class FleetTunables:
 class TransportTunables:
     """Transport: the ingress -> rank 0 data plane (service.transport, the ingress's GangClient)."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     min_shared_bytes: int = knob(64 * KIB, (
         "Tensors of this many bytes or more go through /dev/shm (a shared region or file) instead of by "
         "value. Ray sends objects under 100 KiB inline in the RPC, so little is saved below; the "
@@ -160,6 +172,8 @@ class TransportTunables:
 class IngressTunables:
     """Ingress: its waits on the gang, the Controller and the JobManager, and its request path
     (service.ingress, service.deadlines, the Ingress deployment)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     status_max_age_s: float = knob(1.0, "How stale the cached gang status may be on the request path.")
     describe_timeout_s: float = knob(2.0, (
@@ -186,9 +200,10 @@ class IngressTunables:
     rollout_timeout_s: float = knob(120.0, (
         "POST /weights waits this long for every gang to serve the new version (the others follow the "
         "record within a probe interval or two), then answers rolled_out: false."))
-    drain_timeout_s: float = knob(90.0, (
+    drain_timeout_s: float = knob(125.0, (
         "Serve's graceful_shutdown_timeout_s for the Ingress: a replica being replaced keeps the requests "
-        "that wait for a gang this long, the time a new gang takes to come up."))
+        "that wait for a gang this long, the time a new gang takes to come up. Above the builder argument "
+        "request_timeout_s, so a request with the default deadline gets its answer (or its 504) first."))
     inline_decode_bytes: int = knob(64 * KIB, (
         "Binary bodies up to this size are decoded on the event loop (a zero-copy view and a float32 "
         "check cost less than a hop to a decode thread); larger ones, and every compressed one, go to "
@@ -212,6 +227,8 @@ class IngressTunables:
 class TrainingTunables:
     """Training and job polling: the JobManager's loop, the run actors and the workers
     (service.deployments.job_manager, service.training)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     poll_interval_s: float = knob(0.5, "The JobManager's poll loop period (run snapshots, heartbeats, adoption, schedules).")
     heartbeat_interval_s: float = knob(2.0, "A JobManager replica writes its heartbeat to the job store this often.")
@@ -267,6 +284,8 @@ class StateTunables:
     """State: the database (SQLite or PostgreSQL) and the artifact storage (state dir or S3)
     (service.state.db, service.state.artifacts)."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     sqlite_busy_timeout_s: float = knob(10.0, (
         "SQLite's busy wait for another writer's lock; below the ingress's jobs_call_timeout_s, so the "
         "caller gets the store's 503 with a reason."))
@@ -291,7 +310,10 @@ class StateTunables:
 
 @dataclass(frozen=True)
 class Tunables:
-    """Every tunable, by concern. Relations between values are checked when it is built."""
+    """Every tunable, by concern (the builder arguments' `tunables:` section). The relations
+    between values (`orderings`) are checked by AppConfig's validator."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     gang: GangTunables = field(default_factory=GangTunables)
     fleet: FleetTunables = field(default_factory=FleetTunables)
@@ -300,36 +322,28 @@ class Tunables:
     training: TrainingTunables = field(default_factory=TrainingTunables)
     state: StateTunables = field(default_factory=StateTunables)
 
-    def __post_init__(self) -> None:
-        problems = [f"{what}: {a_name} ({a:g}) must be below {b_name} ({b:g})"
-                    for what, a_name, a, b_name, b in self._orderings() if not a < b]
-        if problems:
-            raise ValueError("inconsistent tunables: " + "; ".join(problems))
-
-    def _orderings(self) -> list[tuple[str, str, float, str, float]]:
-        """(why, smaller, its value, larger, its value): what the code relies on."""
+    def orderings(self) -> list[tuple[str, str, float, str, float]]:
+        """(why, smaller, its value, larger, its value): what the code relies on, each value
+        named as the builder arguments' `tunables:` section spells it."""
         g, f, i, t, s = self.gang, self.fleet, self.ingress, self.training, self.state
         return [
-            ("a store's wait answers before the caller gives up", "state.sqlite_busy_timeout_s",
-             s.sqlite_busy_timeout_s, "ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
-            ("a store's wait answers before the caller gives up", "state.pg_lock_timeout_ms / 1000",
-             s.pg_lock_timeout_ms / 1000, "ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
-            ("a store's wait answers before the caller gives up", "state.pg_statement_timeout_ms / 1000",
-             s.pg_statement_timeout_ms / 1000, "ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
-            ("the gang server drains inside Serve's shutdown bound", "gang.drain_timeout_s",
-             g.drain_timeout_s, "gang.graceful_shutdown_timeout_s", g.graceful_shutdown_timeout_s),
-            ("a silent replica's counters fold only once Serve replaced it", "gang.health_check_timeout_s",
-             g.health_check_timeout_s, "fleet.fold_after_s", f.fold_after_s),
-            ("one late report never makes a gang stale", "2 x fleet.report_interval_s",
-             2 * f.report_interval_s, "fleet.stale_after_s", f.stale_after_s),
-            ("a slow heartbeat write is not a manager's death", "2 x training.heartbeat_interval_s",
-             2 * t.heartbeat_interval_s, "training.owner_stale_s", t.owner_stale_s),
-            ("the run actor takes every line a worker's ring holds", "training.output_ring_lines",
-             t.output_ring_lines, "training.max_output_lines_per_call", t.max_output_lines_per_call),
+            ("a store's wait answers before the caller gives up", "tunables.state.sqlite_busy_timeout_s",
+             s.sqlite_busy_timeout_s, "tunables.ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
+            ("a store's wait answers before the caller gives up", "tunables.state.pg_lock_timeout_ms / 1000",
+             s.pg_lock_timeout_ms / 1000, "tunables.ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
+            ("a store's wait answers before the caller gives up", "tunables.state.pg_statement_timeout_ms / 1000",
+             s.pg_statement_timeout_ms / 1000, "tunables.ingress.jobs_call_timeout_s", i.jobs_call_timeout_s),
+            ("the gang server drains inside Serve's shutdown bound", "tunables.gang.drain_timeout_s",
+             g.drain_timeout_s, "tunables.gang.graceful_shutdown_timeout_s", g.graceful_shutdown_timeout_s),
+            ("a silent replica's counters fold only once Serve replaced it", "tunables.gang.health_check_timeout_s",
+             g.health_check_timeout_s, "tunables.fleet.fold_after_s", f.fold_after_s),
+            ("one late report never makes a gang stale", "2 x tunables.fleet.report_interval_s",
+             2 * f.report_interval_s, "tunables.fleet.stale_after_s", f.stale_after_s),
+            ("a slow heartbeat write is not a manager's death", "2 x tunables.training.heartbeat_interval_s",
+             2 * t.heartbeat_interval_s, "tunables.training.owner_stale_s", t.owner_stale_s),
+            ("the run actor takes every line a worker's ring holds", "tunables.training.output_ring_lines",
+             t.output_ring_lines, "tunables.training.max_output_lines_per_call", t.max_output_lines_per_call),
         ]
-
-
-TUNABLES = Tunables()
 
 
 # -- the reference (docs/tunables.md is generated from this) --------------------------------
@@ -341,16 +355,24 @@ def _value_text(name: str, value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def tunables_markdown(tunables: Tunables = TUNABLES) -> str:
+def tunables_markdown(tunables: Tunables | None = None) -> str:
     """The tunables reference as Markdown: one table per section, each field with its value
     and description, then the values derived from them and the relations checked."""
+    tunables = tunables or Tunables()
     lines = [
         "# Tunables",
         "",
         "Generated from `service/tunables.py` (`make docs`; `tests/test_config.py` checks it is current).",
-        "These are not builder arguments (those are in [builder-arguments.md](builder-arguments.md)):",
-        "they are the timing and sizing knobs of the service's own machinery, one frozen section per",
-        "concern. Each module reads its values from `service.tunables.TUNABLES`; change one there.",
+        "They are the timing and sizing knobs of the service's own machinery, one frozen section per",
+        "concern, set at deploy time in the `tunables:` section of the builder arguments",
+        "([builder-arguments.md](builder-arguments.md)); a partial override keeps the other defaults,",
+        "an unknown key is refused. Example (a Serve config's `args:`):",
+        "",
+        "```yaml",
+        "tunables:",
+        "  gang: {probe_interval_s: 1.0}",
+        "  state: {s3_request_timeout_s: 120.0}",
+        "```",
     ]
     for section in dataclasses.fields(tunables):
         part = getattr(tunables, section.name)
@@ -363,8 +385,8 @@ def tunables_markdown(tunables: Tunables = TUNABLES) -> str:
             if isinstance(attr, property):
                 text = " ".join((attr.__doc__ or "").split()).replace("|", "\\|")
                 lines.append(f"| `{section.name}.{name}` | {_value_text(name, getattr(part, name))} | derived: {text} |")
-    lines += ["", "## Relations checked when the tunables are built", ""]
-    lines += [f"- `{a}` < `{b}`: {why}" for why, a, _, b, _ in tunables._orderings()]
+    lines += ["", "## Relations checked when the builder arguments are validated", ""]
+    lines += [f"- `{a}` < `{b}`: {why}" for why, a, _, b, _ in tunables.orderings()]
     return "\n".join(lines) + "\n"
 
 

@@ -87,9 +87,10 @@ def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
         parse_args({"max_active_jobs": 0})
     cfg = parse_args({"max_active_jobs": "3", "max_runtime_s": "60", "max_seq_len": 128})
     # The JobManager deployment is bound with exactly these limits, the serving max_seq_len and
-    # the served model's config (init_from regenerates config weights from it).
+    # the served model's config (init_from regenerates config weights from it), and the app's tunables.
     ingress = compose_app(cfg)._bound_deployment
-    limits, max_seq_len, model = ingress.init_args[2]._bound_deployment.init_args
+    limits, max_seq_len, model, tunables = ingress.init_args[2]._bound_deployment.init_args
+    assert tunables == cfg.tunables
     assert TrainingLimits.model_validate(limits) == cfg.part(TrainingLimits)
     assert ModelConfig.model_validate(model) == cfg.part(ModelConfig)
     assert (limits["max_active_jobs"], limits["max_runtime_s"], max_seq_len) == (3, 60.0, 128)
@@ -114,25 +115,59 @@ def test_the_tunables_reference_is_generated_and_current() -> None:
     value and what it bounds."""
     import dataclasses
 
-    from service.tunables import TUNABLES, tunables_markdown
+    from service.tunables import Tunables, tunables_markdown
 
     path = ROOT / "docs" / "tunables.md"
     assert path.read_text() == tunables_markdown(), "docs/tunables.md is stale: run `make docs`"
-    for section in dataclasses.fields(TUNABLES):
-        for field in dataclasses.fields(getattr(TUNABLES, section.name)):
+    defaults = Tunables()
+    for section in dataclasses.fields(defaults):
+        for field in dataclasses.fields(getattr(defaults, section.name)):
             assert len(field.metadata["doc"]) > 20, f"{section.name}.{field.name} says what it bounds"
             assert f"| `{section.name}.{field.name}` |" in path.read_text()
 
 
-def test_the_tunables_relations_are_checked() -> None:
-    from service.tunables import IngressTunables, StateTunables, Tunables
+def test_a_tunables_override_in_the_builder_args_reaches_the_running_value() -> None:
+    """A partial `tunables:` section (as a YAML config's args carry it) overrides what it
+    names and keeps every other default, and survives the dump/validate round trip that
+    hands the config to each deployment."""
+    import yaml
 
-    # A store's lock wait must end before the ingress's call to the JobManager gives up.
-    with pytest.raises(ValueError, match=r"state.sqlite_busy_timeout_s \(40\) must be below "
-                                         r"ingress.jobs_call_timeout_s \(30\)"):
-        Tunables(state=StateTunables(sqlite_busy_timeout_s=40.0))
-    assert Tunables(state=StateTunables(sqlite_busy_timeout_s=40.0),
-                    ingress=IngressTunables(jobs_call_timeout_s=45.0)).state.sqlite_busy_timeout_s == 40.0
+    from service.app import parse_args
+    from service.config import AppConfig
+
+    args = yaml.safe_load("tunables:\n  gang: {probe_interval_s: 0.5}\n  state: {s3_request_timeout_s: 90}\n")
+    cfg = parse_args(args)
+    assert cfg.tunables.gang.probe_interval_s == 0.5
+    assert cfg.tunables.state.s3_request_timeout_s == 90.0
+    assert cfg.tunables.gang.max_backoff_s == 30.0  # untouched: the default
+    replica = AppConfig.model_validate(cfg.model_dump())  # what a deployment's __init__ does
+    assert replica.tunables == cfg.tunables
+
+
+def test_an_unknown_tunable_is_refused_naming_it() -> None:
+    from service.app import InvalidAppArgs, parse_args
+
+    with pytest.raises(InvalidAppArgs, match=r"tunables\.gang\.probe_intervl_s"):
+        parse_args({"tunables": {"gang": {"probe_intervl_s": 1.0}}})
+    with pytest.raises(InvalidAppArgs, match=r"tunables\.gangs"):
+        parse_args({"tunables": {"gangs": {}}})
+
+
+def test_a_broken_relation_is_refused_naming_both_numbers() -> None:
+    from service.app import InvalidAppArgs, parse_args
+
+    # Two tunables: a store's lock wait must end before the ingress's call to the JobManager gives up.
+    with pytest.raises(InvalidAppArgs, match=r"tunables.state.sqlite_busy_timeout_s \(40\) must be below "
+                                             r"tunables.ingress.jobs_call_timeout_s \(30\)"):
+        parse_args({"tunables": {"state": {"sqlite_busy_timeout_s": 40.0}}})
+    assert parse_args({"tunables": {"state": {"sqlite_busy_timeout_s": 40.0},
+                                    "ingress": {"jobs_call_timeout_s": 45.0}}}).tunables.state.sqlite_busy_timeout_s == 40
+    # A builder argument and a tunable: the ingress drain must outlast the default request deadline.
+    with pytest.raises(InvalidAppArgs, match=r"request_timeout_s \(300\) must be below "
+                                             r"tunables.ingress.drain_timeout_s \(125\)"):
+        parse_args({"request_timeout_s": 300})
+    assert parse_args({"request_timeout_s": 300,
+                       "tunables": {"ingress": {"drain_timeout_s": 310}}}).request_timeout_s == 300
 
 
 def test_a_worker_line_is_cut_once_at_the_tunable() -> None:
@@ -140,10 +175,11 @@ def test_a_worker_line_is_cut_once_at_the_tunable() -> None:
     actor logs what the worker kept without cutting it again."""
     from service.training.run import TrainRun
     from service.training.worker_output import OutputCapture
-    from service.tunables import TUNABLES
+    from service.tunables import TrainingTunables, Tunables
 
-    limit = TUNABLES.training.output_line_chars
-    capture = OutputCapture()
+    limit = 100  # a deployed value, not the default: both sides read the one they are given
+    tunables = Tunables(training=TrainingTunables(output_line_chars=limit))
+    capture = OutputCapture(tunables.training)
     capture.write("stdout", "x" * (limit + 50) + "\n" + "y" * limit + "\n")  # complete lines: cut, or kept
     capture.write("stdout", "z" * (limit + 50))  # a runaway line without newline: in pieces of the limit
     lines = capture.drain(final=True)
@@ -151,6 +187,7 @@ def test_a_worker_line_is_cut_once_at_the_tunable() -> None:
 
     class _Run:  # stands in for the actor's state: worker_output writes through self._log only
         logged: list[str] = []
+        _tunables = tunables
 
         def _log(self, *lines: str) -> None:
             self.logged += lines
@@ -167,3 +204,15 @@ def test_the_inline_encode_size_follows_the_decode_size() -> None:
 
     assert IngressTunables(inline_decode_bytes=4096).inline_encode_values == 1024
     assert IngressTunables(inline_decode_bytes=1 << 20).inline_encode_values == 1 << 18
+
+
+def test_the_environment_reference_is_generated_and_current() -> None:
+    """docs/environment.md is `python -m service.environment` (make docs), and the builder
+    arguments' reference links it: every variable the service reads, next to the arguments."""
+    from service.environment import VARIABLES, environment_markdown
+
+    path = ROOT / "docs" / "environment.md"
+    assert path.read_text() == environment_markdown(), "docs/environment.md is stale: run `make docs`"
+    names = {v.name for v in VARIABLES}
+    assert {"GANGSERVE_DATABASE_URL", "GANGSERVE_STORAGE_URL", "GANGSERVE_API_TOKEN", "GANGSERVE_FAILPOINTS"} <= names
+    assert "(environment.md)" in (ROOT / "docs" / "builder-arguments.md").read_text()

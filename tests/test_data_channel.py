@@ -17,6 +17,8 @@ from typing import Any, Awaitable, Callable
 import httpx
 import numpy as np
 import pytest
+
+from service.tunables import TransportTunables
 import torch
 
 from service.transport import channel, shm
@@ -192,14 +194,14 @@ def test_malformed_requests_get_an_error_reply_or_a_closed_connection(tmp_path: 
         reader, writer = await asyncio.open_unix_connection(path)
         # The payload does not match the declared shape: an error reply, connection kept.
         await channel.write_frame(writer, {"op": "infer", "shape": [1, 2, 8], "shm": None}, b"\0" * 12)
-        reply, _ = await channel.read_frame(reader)
+        reply, _ = await channel.read_frame(reader, TransportTunables().channel_max_header_bytes)
         assert reply["ok"] is False and reply["error"]["code"] == "channel_error"
         assert "payload of 12 bytes" in reply["error"]["message"]
         await channel.write_frame(writer, {"op": "infer", "shape": [1, -2, 8], "shm": None}, b"")
-        reply, _ = await channel.read_frame(reader)
+        reply, _ = await channel.read_frame(reader, TransportTunables().channel_max_header_bytes)
         assert reply["ok"] is False and "shape must be" in reply["error"]["message"]
         # A header over the limit: the server hangs up without reading it.
-        writer.write(channel.FRAME.pack(channel.MAX_HEADER_BYTES + 1, 0))
+        writer.write(channel.FRAME.pack(TransportTunables().channel_max_header_bytes + 1, 0))
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), timeout=10) == b""
         writer.close()
@@ -211,7 +213,7 @@ def test_malformed_requests_get_an_error_reply_or_a_closed_connection(tmp_path: 
 @pytest.mark.unit
 def test_sweep_removes_only_old_sockets_nobody_listens_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)
-    old = time.time() - 2 * channel.STALE_AFTER_S
+    old = time.time() - 2 * TransportTunables().stale_socket_s
     dead, young, live = (channel.socket_path(n) for n in ("dead", "young", "live"))
     listener = socket.socket(socket.AF_UNIX)
     for path in (dead, young):
@@ -222,7 +224,7 @@ def test_sweep_removes_only_old_sockets_nobody_listens_on(tmp_path: Path, monkey
     try:
         os.utime(dead, (old, old))
         os.utime(live, (old, old))
-        assert channel.sweep_stale_sockets() == 1
+        assert channel.sweep_stale_sockets(TransportTunables().stale_socket_s) == 1
         assert not dead.exists() and young.exists() and live.exists()
     finally:
         listener.close()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from service.tunables import FleetTunables
+
 from service.state import fleet as f
 
 READY = {"state": "ready", "reason": "ready", "world_size": 2, "backend": "gloo", "weights_version": 3}
@@ -15,11 +17,11 @@ def test_a_ready_report_counts_until_it_goes_stale() -> None:
     view = fleet.view(100.5)
     assert view["ready"] == 1 and view["gangs"][0]["replica_id"] == "A"
     assert view["gangs"][0]["weights_version"] == 3
-    stale = fleet.view(100.0 + f.STALE_AFTER_S + 0.1)
+    stale = fleet.view(100.0 + FleetTunables().stale_after_s + 0.1)
     assert stale["ready"] == 0
     assert stale["gangs"][0]["state"] == "unreachable" and "no report for" in stale["gangs"][0]["reason"]
-    fleet.report("A", READY, 100.0 + f.STALE_AFTER_S + 0.2)  # it reports again: serving again
-    assert fleet.view(100.0 + f.STALE_AFTER_S + 0.3)["ready"] == 1
+    fleet.report("A", READY, 100.0 + FleetTunables().stale_after_s + 0.2)  # it reports again: serving again
+    assert fleet.view(100.0 + FleetTunables().stale_after_s + 0.3)["ready"] == 1
 
 
 @pytest.mark.unit
@@ -32,7 +34,7 @@ def test_a_lost_gang_never_counts_again_and_is_named() -> None:
     view = fleet.view(100.4)
     assert [g["replica_id"] for g in view["gangs"]] == ["B"] and view["ready"] == 1
     assert view["lost"] == [{"replica_id": "A", "reason": "its replica process died", "s_ago": 0.2}]
-    assert fleet.view(100.2 + f.LOST_KEPT_S + 1)["lost"] == []
+    assert fleet.view(100.2 + FleetTunables().lost_kept_s + 1)["lost"] == []
 
 
 @pytest.mark.unit
@@ -56,7 +58,7 @@ def test_withdrawn_and_long_silent_gangs_leave_the_view() -> None:
     fleet.report("B", READY, 0.0)
     fleet.withdraw("A")
     assert [g["replica_id"] for g in fleet.view(1.0)["gangs"]] == ["B"]
-    assert fleet.view(f.FOLD_AFTER_S + 1)["gangs"] == []
+    assert fleet.view(FleetTunables().fold_after_s + 1)["gangs"] == []
 
 
 @pytest.mark.unit
@@ -88,7 +90,7 @@ def test_the_version_moves_on_what_a_request_path_acts_on_and_only_then() -> Non
     assert not moved()  # still unreachable
     fleet.mark_reachable("A")
     assert moved()
-    fleet.report("A", {**READY, "generation": 2, "weights_version": 4}, 4.0 + f.STALE_AFTER_S + 1)
+    fleet.report("A", {**READY, "generation": 2, "weights_version": 4}, 4.0 + FleetTunables().stale_after_s + 1)
     assert moved()  # it had gone stale: serving again is news
     fleet.report("B", READY, 20.0)
     fleet.withdraw("B")
@@ -105,9 +107,9 @@ def test_the_long_poll_wakes_when_a_serving_gang_would_turn_stale() -> None:
     assert fleet.next_stale_s(0.0) == float("inf")  # no gang: nothing to wake for
     fleet.report("A", READY, 10.0)
     fleet.report("B", READY, 12.0)
-    assert fleet.next_stale_s(11.0) == pytest.approx(f.STALE_AFTER_S - 1.0 + 0.01)  # A's report ages first
+    assert fleet.next_stale_s(11.0) == pytest.approx(FleetTunables().stale_after_s - 1.0 + 0.01)  # A's report ages first
     fleet.report("A", {**READY, "state": "broken", "reason": "rank 1 died"}, 13.0)
-    assert fleet.next_stale_s(13.0) == pytest.approx(f.STALE_AFTER_S - 1.0 + 0.01)  # only B serves
+    assert fleet.next_stale_s(13.0) == pytest.approx(FleetTunables().stale_after_s - 1.0 + 0.01)  # only B serves
 
 
 @pytest.mark.ray

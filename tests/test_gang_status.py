@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from service.tunables import FleetTunables
 from fastapi import FastAPI
 from pydantic import ValidationError
 from starlette.testclient import TestClient
@@ -25,7 +27,7 @@ from service.gang_status import (
     SYNTHESIZED_STATES, DataChannelStatus, GangState, GangStatus, dump,
 )
 from service.ingress.routes import health
-from service.state.fleet import STALE_AFTER_S, Fleet
+from service.state.fleet import Fleet
 
 pytestmark = pytest.mark.unit
 
@@ -127,7 +129,7 @@ def test_gang_routes_return_every_key_a_producer_set(tmp_path: Path) -> None:
 
     fleet = Fleet()
     fleet.report("r1", full, 100.0)
-    fleet.report("r2", {**full, "replica_id": "r2"}, 100.0 - STALE_AFTER_S)  # stale: shown unreachable
+    fleet.report("r2", {**full, "replica_id": "r2"}, 100.0 - FleetTunables().stale_after_s)  # stale: shown unreachable
     view = fleet.view(100.5)
     rows = {row["replica_id"]: row for row in view["gangs"]}
     assert rows["r1"] == {**full, "reported_s_ago": 0.5}

@@ -22,7 +22,7 @@ from service.training.lifecycle import ActorDied, Answered, Observation, TimedOu
 from service.training.limits import TrainingLimits
 from service.training.run_actors import RunActors
 from service.training.store import JobRecord, JobStore
-from service.tunables import TUNABLES
+from service.tunables import TrainingTunables
 from service.weights.record import WeightsRecord
 
 pytestmark = pytest.mark.unit
@@ -112,7 +112,7 @@ def world(tmp_path: Path) -> Iterator[World]:
     jobs = Jobs(store=store, artifacts=artifacts,
                 weights=WeightsRecord(tmp_path, store.database), limits=TrainingLimits(max_runtime_s=3600),
                 runs=runs, clock=clock, cluster=lambda: NODES, app="app",
-                tunables=dataclasses.replace(TUNABLES.training, max_missed_polls=2, max_resumes=1))
+                tunables=TrainingTunables(max_missed_polls=2, max_resumes=1))
     yield World(jobs, store, artifacts, runs, clock, tmp_path)
     store.close()
 

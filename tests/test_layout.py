@@ -147,7 +147,7 @@ def test_the_rules_see_the_tree() -> None:
     assert "service.transport.channel" in edges["service.deployments.gang_server"]
     assert "service.weights.record" in edges["service.deployments.controller"]
     assert "service.gang_status" in edges["service.state.fleet"]  # the status contract, below the state
-    assert "service.tunables" in edges["service.deployments.gang_server"]
+    assert "service.tunables" in edges["service.config"]  # the tunables reach the code through AppConfig
     assert "service.metrics.recorders" in edges["service.deployments.gang_server"]
 
 
@@ -274,3 +274,26 @@ def test_only_the_rollout_drives_a_swap() -> None:
     # Not vacuous: the walk sees the rollout drive the swap and the gang stage and commit.
     assert "service/weights/rollout.py" in uses["swap_weights"] & uses["record_weights"], uses
     assert "service/gang/gang.py" in uses["stage_weights"] & uses["commit_weights"], uses
+
+
+def test_no_module_binds_a_tunable_at_import() -> None:
+    """Tunables come from the deployed config (AppConfig.tunables), passed down as objects:
+    no module of service/ reads a module-level tunables instance or binds a tunable's value
+    at import (`X = Tunables().a.b`, a default read in a module constant)."""
+    offenders = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only: a constructor default is a value, not a binding
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            value = getattr(node, "value", None)
+            if value is None or not targets:
+                continue
+            text = ast.unparse(value)
+            if "Tunables(" in text or "TUNABLES" in text:
+                offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "TUNABLES":
+                offenders.append(f"{name}:{node.lineno}: reads TUNABLES")
+            if isinstance(node, ast.ImportFrom) and node.module == "service.tunables":
+                offenders += [f"{name}:{node.lineno}: imports TUNABLES" for a in node.names if a.name == "TUNABLES"]
+    assert not offenders, "tunables bound at import: " + "; ".join(offenders)

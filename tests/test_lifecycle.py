@@ -34,7 +34,7 @@ from service.training.lifecycle import (
 )
 from service.training.spec import JobSpec
 from service.training.store import JobRecord
-from service.tunables import TUNABLES
+from service.tunables import TrainingTunables
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +50,8 @@ def job(status: str = "RUNNING", *, owner: str | None = ME, **kw: Any) -> JobRec
 
 
 def test_the_rules_default_to_the_tunables() -> None:
-    assert Rules.of(TUNABLES.training) == Rules(TUNABLES.training.max_missed_polls, TUNABLES.training.max_resumes)
+    t = TrainingTunables(max_missed_polls=7, max_resumes=2)
+    assert Rules.of(t) == Rules(7, 2)
 
 
 # ---- before_poll: whose job, and within its wall clock -------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any, Iterator
 import httpx
 import numpy as np
 import pytest
+
+from service.tunables import FleetTunables
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, TEST_API_TOKEN, deploy, local_yaml_args, undeploy
@@ -99,14 +101,14 @@ def test_counters_survive_replicas_that_go_away() -> None:
     # A goes silent: past staleness its gauges drop, past folding its counters still count.
     # C's process dies (the controller sees it): folded at once, counted once.
     fleet.mark_lost("C", "died", t0 + 1)
-    for age in (f.STALE_AFTER_S + 1, f.FOLD_AFTER_S + 1):
+    for age in (FleetTunables().stale_after_s + 1, FleetTunables().fold_after_s + 1):
         fleet.report_metrics("gang:B", b.snapshot(), t0 + age)  # B keeps reporting
         now = service_wide(t0 + age)
         assert now["gangserve_gang_rebuilds"][()] == 6
         assert now["gangserve_gang_step_seconds"][()]["c"] == 1
         assert ("A",) not in now.get("gangserve_gang_ready", {})
         assert ("C",) not in now.get("gangserve_gang_ready", {})
-    text = exposition(service_wide(t0 + f.FOLD_AFTER_S + 2)).decode()
+    text = exposition(service_wide(t0 + FleetTunables().fold_after_s + 2)).decode()
     families = {fam.name: fam for fam in text_string_to_metric_families(text)}
     assert families["gangserve_gang_rebuilds"].samples[0].value == 6
 

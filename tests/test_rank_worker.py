@@ -63,7 +63,7 @@ def _peer_main(port: int, timeout_s: float) -> None:
     rank.load_weights(PlainModel(embed_dim=E, num_heads=H, init="seed"), 1)
     rank.start_loop()
     assert rank._loop is not None
-    rank._loop.join()  # a failed loop exits this process itself (control.PEER_EXIT_GRACE_S)
+    rank._loop.join()  # a failed loop exits this process itself (tunables.gang.peer_exit_grace_s)
 
 
 def _root_main(out: Any, cmd: Any) -> None:

@@ -307,7 +307,8 @@ def _job_named(job_id: str) -> Any:
 def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_back(
         tmp_path: Path, postgres_server: Any) -> None:
     from service.weights.record import WeightsRecord
-    from service.state.db import POOL_TIMEOUT_S, StateUnavailable
+    from service.state.db import StateUnavailable
+    from service.tunables import StateTunables
     from service.training.limits import TrainingLimits, check_job_fits
     from service.training.store import JobStore
 
@@ -331,7 +332,7 @@ def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_b
             with pytest.raises(StateUnavailable) as info:
                 call()
             took = time.monotonic() - started
-            assert took < POOL_TIMEOUT_S + 5, took  # bounded: never a hang
+            assert took < StateTunables().pool_timeout_s + 5, took  # bounded: never a hang
             message = info.value.message
             assert (info.value.status, info.value.code, info.value.retry_after_s) == (503, "state_unavailable", 5.0)
             assert "postgresql://***@127.0.0.1" in message and "s3cret" not in message, message

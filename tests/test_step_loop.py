@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from service.gang import control
+from service.tunables import GangTunables
 from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
 from tests.helpers import eventually, pid_alive
@@ -38,7 +39,7 @@ def test_header_layout_is_fixed_and_carries_every_step_field() -> None:
     beat = control.op_header(control.OP_HEARTBEAT, 8, 0)
     assert beat.shape == h.shape and beat.tolist()[control.OP] == control.OP_HEARTBEAT
     # Two heartbeats may be late before a peer's wait (the group timeout) runs out.
-    assert control.heartbeat_interval(30.0) * 2 < 30.0
+    assert GangTunables().heartbeat_interval(30.0) * 2 < 30.0
 
 
 
@@ -152,7 +153,7 @@ def test_peers_exit_within_a_bound_when_rank0_dies(loop_url: str) -> None:
     info = gang_info(loop_url)
     rank0, peers = info["ranks"][0]["pid"], {r["pid"] for r in info["ranks"][1:]}
     os.kill(rank0, signal.SIGKILL)
-    gone_s = _wait_gone(peers, bound_s=control.PEER_EXIT_GRACE_S + 10)
+    gone_s = _wait_gone(peers, bound_s=GangTunables().peer_exit_grace_s + 10)
     print(f"kill -9 rank 0: peers gone after {gone_s:.1f}s")
     assert not any(pid_alive(p) for p in peers), "a peer outlived rank 0"
     wait_for_new_gang(loop_url, {rank0, *peers}, timeout_s=120)
@@ -168,7 +169,7 @@ def test_peers_exit_when_rank0_is_stopped_past_the_group_timeout(loop_url: str) 
     try:
         # No heartbeat arrives: each peer's wait times out after collective_timeout_s, then
         # it exits after the grace.
-        bound = COLLECTIVE_TIMEOUT_S + control.PEER_EXIT_GRACE_S + 8
+        bound = COLLECTIVE_TIMEOUT_S + GangTunables().peer_exit_grace_s + 8
         gone_s = _wait_gone(peers, bound_s=bound)
         print(f"SIGSTOP rank 0: peers gone after {gone_s:.1f}s (bound {bound:.0f}s)")
         assert not any(pid_alive(p) for p in peers), "a peer kept waiting for a stopped rank 0"

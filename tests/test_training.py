@@ -755,9 +755,9 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
     from service.deployments.job_manager import JobManager
     from service.training.run import RUN_NAMESPACE, run_actor_name
     from service.training.store import JobRecord, JobStore
-    from service.tunables import TUNABLES
+    from service.tunables import TrainingTunables
 
-    MAX_RESUMES = TUNABLES.training.max_resumes  # the rules' budget (service.training.lifecycle)
+    MAX_RESUMES = TrainingTunables().max_resumes  # the budget of a JobManager bound without tunables
 
     for job_id in jobs.values():
         wait_done(app_url, job_id)

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from service.training.worker_output import OutputCapture
+from service.tunables import TrainingTunables
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +29,7 @@ def test_lines_are_teed_captured_and_restored(capsys: pytest.CaptureFixture[str]
 
 
 def test_the_ring_is_bounded_and_says_what_it_dropped() -> None:
-    capture = OutputCapture(max_lines=3, max_chars=10)
+    capture = OutputCapture(TrainingTunables(output_ring_lines=3, output_line_chars=10))
     capture.write("stdout", "".join(f"line {i}\n" for i in range(5)))
     capture.write("stdout", "\x1b[31mred\x1b[0m\n\n   \nprogress 1%\rprogress 100%\n")
     capture.write("stderr", "x" * 25)  # no newline: cut into max_chars pieces, the rest waits

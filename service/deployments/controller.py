@@ -8,7 +8,7 @@ It holds two things, and is the only writer of each:
   every GangServer asks it what to load at bring-up and to record a swapped version.
 
 It also watches every gang it has heard from: a ping (`__ray_ready__`, Ray's built-in
-no-op method) to the gang's replica actor every `WATCH_INTERVAL_S`. A replica whose
+no-op method) to the gang's replica actor every `tunables.watch_interval_s`. A replica whose
 process died fails that ping at once (Ray reports a dead actor's calls in milliseconds),
 so the gang stops counting as ready within a ping period, not after Serve's health
 check or a stale report. A ping that fails because the actor's node cannot be reached
@@ -36,13 +36,10 @@ from service.logs import route_logs_to_serve
 from service.weights.record import ConfigWeights, ServedWeights, Source, WeightsRecord
 from service.state.fleet import Fleet
 from service.state.paths import state_dir
-from service.tunables import TUNABLES
+from service.tunables import Tunables
 
 log = logging.getLogger("gangserve.controller")
 
-WATCH_INTERVAL_S = TUNABLES.fleet.watch_interval_s
-PING_TIMEOUT_S = TUNABLES.fleet.ping_timeout_s
-WATCH_MAX_S = TUNABLES.fleet.watch_fleet_max_s
 
 
 @serve.deployment(name="Controller", num_replicas=1, max_ongoing_requests=1000,
@@ -50,14 +47,18 @@ WATCH_MAX_S = TUNABLES.fleet.watch_fleet_max_s
 class Controller:
     """The app's fleet view and weights record (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tunables: Tunables | None = None) -> None:
+        """`tunables`: the app's (AppConfig.tunables; the defaults when None): the fleet
+        section's watch and ping times, the state section for the weights record."""
         route_logs_to_serve()
         self._app = serve.get_replica_context().app_name
-        self._fleet = Fleet()
+        tunables = tunables or Tunables()
+        self._t = tunables.fleet
+        self._fleet = Fleet(tunables=self._t)
         self._started = time.time()
         self._actors: dict[str, ActorHandle] = {}
         self._pings: dict[str, asyncio.Task[None]] = {}
-        self._record = WeightsRecord(state_dir())
+        self._record = WeightsRecord(state_dir(), tunables=tunables.state)
         self._record_lock = asyncio.Lock()  # one write at a time: versions are max + 1
         self._moved = asyncio.Event()  # set (and replaced) whenever the fleet's version moves
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -87,8 +88,8 @@ class Controller:
     async def watch_fleet(self, known_version: int, timeout_s: float) -> dict[str, Any]:
         """The fleet view (`fleet()`), once its version differs from `known_version`: at once if
         it does, else when it moves, when a ready gang's report turns stale (a gang that went
-        silent), or after `timeout_s` (at most WATCH_MAX_S), whichever comes first."""
-        deadline = time.monotonic() + min(max(0.0, timeout_s), WATCH_MAX_S)
+        silent), or after `timeout_s` (at most tunables.watch_fleet_max_s), whichever comes first."""
+        deadline = time.monotonic() + min(max(0.0, timeout_s), self._t.watch_fleet_max_s)
         while self._fleet.version == known_version:
             wait_s = min(deadline - time.monotonic(), self._fleet.next_stale_s(time.time()))
             if wait_s <= 0:
@@ -145,7 +146,7 @@ class Controller:
     # -- watching the gangs ---------------------------------------------------------------------
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
+            await asyncio.sleep(self._t.watch_interval_s)
             for replica_id, actor in list(self._actors.items()):
                 ping = self._pings.get(replica_id)
                 if ping is None or ping.done():
@@ -153,7 +154,7 @@ class Controller:
 
     async def _ping(self, replica_id: str, actor: ActorHandle) -> None:
         try:
-            await asyncio.wait_for(actor.__ray_ready__.remote(), PING_TIMEOUT_S)
+            await asyncio.wait_for(actor.__ray_ready__.remote(), self._t.ping_timeout_s)
             with self._telling():
                 self._fleet.mark_reachable(replica_id)
         except ActorUnavailableError:

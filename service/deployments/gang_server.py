@@ -20,7 +20,7 @@ loads (at either tier and on every restart of the app), the swaps of POST /weigh
 another replica of the app recorded; this class delegates to it.
 
 The gang reports its status (and its metric snapshot) to the Controller at once on every
-state change and every `REPORT_INTERVAL_S` (service.state.fleet): that is what `/gangs`,
+state change and every `tunables.fleet.report_interval_s`: that is what `/gangs`,
 `/readyz` and weights rollouts read.
 """
 from __future__ import annotations
@@ -52,22 +52,15 @@ from service.metrics.recorders import GangServerMetrics
 from service.sessions.service import SessionService
 from service.weights.rollout import Rollout
 from service.state import artifacts
-from service.state.fleet import REPORT_INTERVAL_S
 from service.state.paths import state_dir
-from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.server")
 
 # The supervisor's timing and bounds (service.tunables says why each value).
-PROBE_INTERVAL_S = TUNABLES.gang.probe_interval_s
-SUPERVISOR_TICK_S = TUNABLES.gang.supervisor_tick_s
-MAX_REBUILD_ATTEMPTS = TUNABLES.gang.max_rebuild_attempts
-MAX_BACKOFF_S = TUNABLES.gang.max_backoff_s
-DRAIN_TIMEOUT_S = TUNABLES.gang.drain_timeout_s  # inside graceful_shutdown_timeout_s (service.tunables checks it)
 
 
-@serve.deployment(name="GangServer", health_check_period_s=TUNABLES.gang.health_check_period_s,
-                  health_check_timeout_s=TUNABLES.gang.health_check_timeout_s)
+# Health-check periods and the graceful shutdown bound come from the tunables (service.app).
+@serve.deployment(name="GangServer")
 class GangServer:
     """Owns one Gang; answers inference and status calls from the ingress."""
 
@@ -75,17 +68,19 @@ class GangServer:
         route_logs_to_serve()
         cfg = AppConfig.model_validate(config)
         self._model = cfg.part(ModelConfig)
+        self._tunables = cfg.tunables
+        self._t = cfg.tunables.gang
         self._state = state_dir()
         context = serve.get_replica_context()
         self._app, self._replica_id = context.app_name, context.replica_id.unique_id
-        enable_ray_metrics()
+        enable_ray_metrics(cfg.tunables.fleet)
         self._metrics = GangServerMetrics(self._replica_id)  # here, not in the Gang: survives rebuilds
         loop = asyncio.get_running_loop()
         self._publishing: asyncio.Task | None = None  # a state report sent beside a rebuild
         self._wake = asyncio.Event()  # set when the gang turns BROKEN: the supervisor acts at once
         self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state,
                           on_step=self._metrics.on_step, on_drop=self._metrics.on_drop,
-                          on_broken=lambda: loop.call_soon_threadsafe(self._wake.set))
+                          on_broken=lambda: loop.call_soon_threadsafe(self._wake.set), tunables=self._t)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._step_timings: dict[str, object] = {}
@@ -95,16 +90,16 @@ class GangServer:
         # Same-node requests from the ingress may skip the handle call (service.transport.channel).
         self._channel = ChannelServer(
             self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
-            session_append=self.session_append,
+            session_append=self.session_append, tunables=cfg.tunables.transport,
         )
         try:
             # Datasets, checkpoints and the served-weights copies: fail the start (with the
             # redacted URL and why) while the artifact store cannot be used.
-            store = await asyncio.to_thread(artifacts.check_reachable)
-            self._rollout = Rollout(self._gang, self._model, store, self._ask, self._app)
+            store = await asyncio.to_thread(artifacts.check_reachable, self._tunables.state)
+            self._rollout = Rollout(self._gang, self._model, store, self._ask, self._app, self._t)
             await self._gang.start(await self._rollout.weights_at_start())
             if cfg.uses_data_channel:
-                await asyncio.to_thread(sweep_stale_sockets)
+                await asyncio.to_thread(sweep_stale_sockets, cfg.tunables.transport.stale_socket_s)
                 await self._channel.start(self._replica_id)
         except Exception:
             self._channel.close()
@@ -211,14 +206,14 @@ class GangServer:
         self._step_timings = await self._gang.step_loop_stats(timeout_s=2.0)
 
     def record_routing_stats(self) -> dict[str, object]:
-        """Serve asks every ROUTING_STATS_PERIOD_S; the router sends requests to ready gangs only."""
+        """Serve asks every tunables.gang.routing_stats_period_s; the router sends requests to ready gangs only."""
         return routing_stats(self._gang.state is GangState.READY, self._gang.weights_version)
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica (and gang)."""
         if rank_worker.abandoned is not None:  # a teardown that outlived its deadline: no new group here
             raise RuntimeError(f"rank 0's process cannot form a new process group: {rank_worker.abandoned}")
-        if self._failed_rebuilds >= MAX_REBUILD_ATTEMPTS:
+        if self._failed_rebuilds >= self._t.max_rebuild_attempts:
             raise RuntimeError(
                 f"gang could not be rebuilt in {self._failed_rebuilds} attempts: {self._gang.reason}"
             )
@@ -231,21 +226,21 @@ class GangServer:
         published: GangState | None = None
         while self._gang.state is not GangState.STOPPED:
             try:  # a tick, or at once when the gang broke (a rebuild must not wait for the tick)
-                await asyncio.wait_for(self._wake.wait(), timeout=SUPERVISOR_TICK_S)
+                await asyncio.wait_for(self._wake.wait(), timeout=self._t.supervisor_tick_s)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
             now = time.monotonic()
             since_probe, since_publish = now - probed_at, now - published_at
             state = self._gang.state
-            if since_publish >= REPORT_INTERVAL_S or state is not published:
+            if since_publish >= self._tunables.fleet.report_interval_s or state is not published:
                 # Periodically, and at once on a state change (so /gangs, /readyz see it).
                 published_at, published = now, state
                 if state is GangState.BROKEN:  # tell the fleet view beside the rebuild, not before it
                     self._publishing = asyncio.get_running_loop().create_task(self._publish())
                 else:
                     await self._publish()
-            if state is GangState.READY and since_probe >= PROBE_INTERVAL_S:
+            if state is GangState.READY and since_probe >= self._t.probe_interval_s:
                 probed_at = now
                 await self._gang.probe()
                 if await self._rollout.follow():
@@ -259,7 +254,7 @@ class GangServer:
         try:
             info = await self.describe()
             await self._ask("report_gang", self._replica_id, info, self._metrics.snapshot(info), self._actor,
-                            timeout_s=REPORT_INTERVAL_S * 2)
+                            timeout_s=self._tunables.fleet.report_interval_s * 2)
         except Exception as exc:
             log.warning("could not report the gang's status to the controller: %s", exc)
 
@@ -282,7 +277,7 @@ class GangServer:
     async def _rebuild_once(self) -> None:
         cause = self._gang.reason
         if self._failed_rebuilds:
-            delay = min(MAX_BACKOFF_S, 2.0 ** (self._failed_rebuilds - 1))
+            delay = min(self._t.max_backoff_s, 2.0 ** (self._failed_rebuilds - 1))
             self._gang.reason = (
                 f"rebuild attempt {self._failed_rebuilds} failed ({cause}); retrying in {delay:.0f}s"
             )
@@ -312,10 +307,10 @@ class GangServer:
         channel = getattr(self, "_channel", None)
         gang = getattr(self, "_gang", None)
         if channel is not None and gang is not None:
-            budget = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
+            budget = asyncio.get_running_loop().time() + self._t.drain_timeout_s
             # The channel stops taking requests (its clients fall back to the handle), then
             # its accepted requests finish.
-            drained = await channel.drain(DRAIN_TIMEOUT_S)
+            drained = await channel.drain(self._t.drain_timeout_s)
             sessions = getattr(self, "_sessions", None)
             while not (gang.idle and (sessions is None or sessions.idle)) and \
                     asyncio.get_running_loop().time() < budget:

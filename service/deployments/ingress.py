@@ -23,12 +23,12 @@ class Ingress:
     def __init__(self, gang: DeploymentHandle, config: dict, jobs: DeploymentHandle | None = None,
                  controller: DeploymentHandle | None = None) -> None:
         route_logs_to_serve()
-        enable_ray_metrics()
-        own_header_deadlines()  # the request's stated deadline is ours alone (service.cluster.front_door)
         self._config = AppConfig.model_validate(config)
-        self._fleet = FleetClient(controller)  # /gangs, /readyz, rollouts, /metrics -> the Controller
+        enable_ray_metrics(self._config.tunables.fleet)
+        own_header_deadlines()  # the request's stated deadline is ours alone (service.cluster.front_door)
+        self._fleet = FleetClient(controller, self._config.tunables)  # /gangs, /readyz, rollouts, /metrics -> the Controller
         self._gang = GangClient(gang, self._config, self._fleet, app_name=serve.get_replica_context().app_name)
-        self._jobs = JobsClient(jobs)  # training routes -> the JobManager deployment
+        self._jobs = JobsClient(jobs, self._config.tunables.ingress.jobs_call_timeout_s)  # training routes -> the JobManager deployment
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self._config, self._gang, self._jobs, self._fleet)

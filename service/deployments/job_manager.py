@@ -29,6 +29,7 @@ from service.training.jobs import DEFAULT_MAX_SEQ_LEN, Jobs
 from service.training.limits import TrainingLimits
 from service.training.run_actors import RunActors
 from service.training.store import JobStore
+from service.tunables import Tunables
 from service.weights.record import WeightsRecord
 
 log = logging.getLogger("gangserve.training")
@@ -44,25 +45,29 @@ class JobManager(Jobs):
     """The training jobs of one app, as a Serve deployment."""
 
     async def __init__(self, limits: dict[str, Any] | None = None, max_seq_len: int | None = None,
-                       model: dict[str, Any] | None = None) -> None:
+                       model: dict[str, Any] | None = None, tunables: Tunables | None = None) -> None:
         """`limits`: TrainingLimits fields (builder arguments; defaults otherwise).
         `max_seq_len`: the serving limit, applied to uploaded attention datasets too.
-        `model`: the app's ModelConfig, to regenerate a served version its `init` made."""
+        `model`: the app's ModelConfig, to regenerate a served version its `init` made.
+        `tunables`: the app's (AppConfig.tunables; default, the defaults)."""
         route_logs_to_serve()
         quotas = TrainingLimits.model_validate(limits or {})
+        tunables = tunables or Tunables()
         state = state_dir()
-        store = await asyncio.to_thread(artifacts.check_reachable)  # StorageConfigError / StorageUnavailable
-        records = JobStore(database_url(state))  # StateUnavailable: unreachable
-        enable_ray_metrics()
+        # StorageConfigError / StorageUnavailable
+        store = await asyncio.to_thread(artifacts.check_reachable, tunables.state)
+        records = JobStore(database_url(state), tunables.training, tunables.state)  # StateUnavailable: unreachable
+        enable_ray_metrics(tunables.fleet)
         super().__init__(
             store=records,
             artifacts=store,
             weights=WeightsRecord(state, records.database),  # read only: init_from a weights version
             limits=quotas,
-            runs=RunActors(ray.get_runtime_context().get_node_id()),
+            runs=RunActors(ray.get_runtime_context().get_node_id(), tunables),
             app=serve.get_replica_context().app_name,
             app_model=ModelConfig.model_validate(model) if model else None,
             max_seq_len=int(max_seq_len or DEFAULT_MAX_SEQ_LEN),
+            tunables=tunables.training,
         )
         await self.open()
         log.info("job manager %s on state dir %s", self.manager_id, state)

@@ -38,7 +38,7 @@ in a way that matters (a commit swaps a pointer the loop reads only after its ne
 header).
 
 Timeouts: the control group's timeout is `collective_timeout_s`. Rank 0 sends
-OP_HEARTBEAT when no header went out for `heartbeat_interval(collective_timeout_s)`, so
+OP_HEARTBEAT when no header went out for `tunables.gang.heartbeat_interval(collective_timeout_s)`, so
 an idle gang never trips it; a peer whose wait fails (rank 0's process gone: at once,
 its connection closes; rank 0 stopped: after `collective_timeout_s`) records why and
 exits its process within `PEER_EXIT_GRACE_S`, leaving nothing behind.
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import torch
 
-from service.tunables import TUNABLES
 
 HEADER_LEN = 10
 OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, META_LEN = range(10)
@@ -61,17 +60,6 @@ FLAG_MASKED = 1
 FLAG_CAUSAL = 2
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-PEER_EXIT_GRACE_S = TUNABLES.gang.peer_exit_grace_s  # a failed peer's wait before it exits
-TIMINGS_KEPT = TUNABLES.gang.timings_kept  # per-step timestamps each rank keeps for GET /gang
-
-
-def heartbeat_interval(collective_timeout_s: float) -> float:
-    """Idle time after which rank 0 sends a heartbeat: a quarter of the group timeout
-    (TUNABLES.gang.heartbeats_per_timeout), so two heartbeats may be late (a busy core)
-    before a peer's wait times out."""
-    return TUNABLES.gang.heartbeat_interval(collective_timeout_s)
-
 
 def step_header(seq: int, shape: tuple[int, ...], flags: int, dtype: torch.dtype, version: int,
                 sent_ns: int) -> torch.Tensor:

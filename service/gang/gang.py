@@ -72,11 +72,10 @@ from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
 from service.gang_status import GangState, GangStatus
 from service.weights.record import ServedWeights
-from service.tunables import TUNABLES
+from service.tunables import GangTunables
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
-SHUTDOWN_TIMEOUT_S = TUNABLES.gang.shutdown_timeout_s
 
 
 RankActor = ray.remote(max_restarts=0, max_task_retries=0)(RankWorker)
@@ -102,7 +101,9 @@ class Gang:
         on_step: StepObserver | None = None,  # told of every step (the GangServer's metrics)
         on_drop: DropObserver | None = None,  # told of requests dropped uncomputed (deadline, cancelled)
         on_broken: Callable[[], None] | None = None,  # told (from any thread) when the gang turns BROKEN
+        tunables: GangTunables = GangTunables(),  # the gang section (rank actors get it too)
     ) -> None:
+        self._t = tunables
         self._on_broken = on_broken
         self._broken_at: float | None = None  # when the gang last turned BROKEN (rebuild timings)
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
@@ -120,13 +121,13 @@ class Gang:
         self.last_bring_up: dict[str, float] = {}
         self._root: RankWorker | None = None
         # An idle rank process, adopted by a rebuild (service.gang.spare).
-        self._spare = WarmSpare(gang, placement_group, RankActor)
+        self._spare = WarmSpare(gang, placement_group, RankActor, tunables)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
         self._loop_on = False  # the peers' loops run (every bring-up with peers starts them)
         self._seq = 0  # last header sequence number sent
         self._last_header = time.monotonic()
         self._heartbeat_queued = False
-        self._heartbeat_s = control.heartbeat_interval(gang.collective_timeout_s)
+        self._heartbeat_s = tunables.heartbeat_interval(gang.collective_timeout_s)
         self._peers = self._new_peers([])  # ranks 1..N-1 of the current generation
         self._heartbeats_stop: threading.Event | None = None  # set to end this generation's timer
         # rank 0's (seq, received, header sent, broadcast done, forward done, reply), ns
@@ -334,9 +335,9 @@ class Gang:
         # leaves the group on the sequencer thread, never concurrently with a step.
         self._peers.kill()
         try:
-            self._sequencer.submit(lambda: (self._teardown(), self._spare.drop())).result(timeout=SHUTDOWN_TIMEOUT_S)
+            self._sequencer.submit(lambda: (self._teardown(), self._spare.drop())).result(timeout=self._t.shutdown_timeout_s)
         except Exception:
-            log.exception("gang teardown did not finish within %.0fs", SHUTDOWN_TIMEOUT_S)
+            log.exception("gang teardown did not finish within %.0fs", self._t.shutdown_timeout_s)
         self._sequencer.shutdown()
 
     # -- helpers -------------------------------------------------------------------------
@@ -379,7 +380,8 @@ class Gang:
         try:
             # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1, one of
             # them the warm spare when it is warm and on that rank's node.
-            self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank)
+            self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank,
+                                    tunables=self._t)
             previous_nodes = {info.rank: info.node_id for info in self.rank_infos}  # bundles stay put
             self._peers, refs = self._new_peers([]), []  # filled as they start: a teardown kills any
             actors = self._peers.actors
@@ -470,7 +472,8 @@ class Gang:
                 placement_group=self.placement_group, placement_group_bundle_index=rank
             )
         return RankActor.options(**options).remote(
-            rank, self.cfg.world_size, use_gpu=self.cfg.use_gpu, torch_threads=self.cfg.threads_per_rank
+            rank, self.cfg.world_size, use_gpu=self.cfg.use_gpu, torch_threads=self.cfg.threads_per_rank,
+            tunables=self._t,
         )
 
     def _choose_backend(self, infos: list[RankInfo]) -> str:
@@ -687,12 +690,12 @@ class Gang:
             self._peers.call("arm_failpoint", name, stage="arm failpoint", ranks=[rank])
 
     def _record_timing(self, seq: int, received_ns: int, sent_ns: int) -> None:
-        """Rank 0's timestamps of step `seq` (step_loop_stats), the last TIMINGS_KEPT..2x kept."""
+        """Rank 0's timestamps of step `seq` (step_loop_stats), the last timings_kept..2x kept."""
         assert self._root is not None
         self._timings.append((seq, received_ns, sent_ns, self._root.last_bcast_ns, self._root.last_forward_ns,
                               time.time_ns()))
-        if len(self._timings) > 2 * control.TIMINGS_KEPT:
-            del self._timings[:control.TIMINGS_KEPT]
+        if len(self._timings) > 2 * self._t.timings_kept:
+            del self._timings[:self._t.timings_kept]
 
     def _mark_broken(self, reason: str) -> None:
         if self.state in (GangState.READY, GangState.STARTING):

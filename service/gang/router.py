@@ -4,7 +4,7 @@ Each GangServer replica is one gang. Serve's default router spreads requests ove
 RUNNING replica, including one whose gang is BROKEN or REBUILDING (its replica process is
 fine): such a gang answers 503 at once, but every request sent to it is still one failed
 request. Every replica reports its gang's state as routing stats (`record_routing_stats`,
-every `ROUTING_STATS_PERIOD_S`); this router keeps to the replicas whose last report said
+every `tunables.gang.routing_stats_period_s`); this router keeps to the replicas whose last report said
 ready, and falls back to all of them when none did (those answer 503 with the reason, which
 is what the caller must see then). Stats are at most one period old, so a gang that just
 broke may still get the requests of that period: they fail fast (503), never wait.
@@ -21,10 +21,6 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from service.tunables import TUNABLES
-
-ROUTING_STATS_PERIOD_S = TUNABLES.gang.routing_stats_period_s
-ROUTING_STATS_TIMEOUT_S = TUNABLES.gang.routing_stats_timeout_s
 READY_STAT = "gang_ready"
 
 

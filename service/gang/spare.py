@@ -22,6 +22,7 @@ from service.config import GangConfig
 from service.gang.failures import first_line, kill_quietly
 from service.gang.rank import RankInfo
 from service.gang_status import SpareStatus
+from service.tunables import GangTunables
 
 log = logging.getLogger("gangserve.gang")
 
@@ -36,8 +37,9 @@ class WarmSpare:
     """At most one idle rank actor, started after a bring-up and handed to the next one."""
 
     def __init__(self, cfg: GangConfig, placement_group: PlacementGroup | None,
-                 actor_class: Callable[..., Any]) -> None:
+                 actor_class: Callable[..., Any], tunables: GangTunables = GangTunables()) -> None:
         self._cfg = cfg
+        self._tunables = tunables  # handed to the spare rank's constructor
         self._placement_group = placement_group
         self._actor_class = actor_class  # the Ray actor class of a rank (RankActor)
         self._actor: Any | None = None
@@ -54,7 +56,8 @@ class WarmSpare:
                 placement_group=self._placement_group, placement_group_bundle_index=self._cfg.world_size - 1
             )
         self._actor = self._actor_class.options(**options).remote(
-            -1, self._cfg.world_size, use_gpu=False, torch_threads=self._cfg.threads_per_rank
+            -1, self._cfg.world_size, use_gpu=False, torch_threads=self._cfg.threads_per_rank,
+            tunables=self._tunables,
         )
         self._ready = self._actor.describe.remote().future()
 

@@ -49,7 +49,7 @@ from service.parallel.weights import (
     seed_weights,
     shard_dense,
 )
-from service.tunables import TUNABLES
+from service.tunables import GangTunables
 
 log = logging.getLogger("gangserve.rank")
 
@@ -58,7 +58,6 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 # Leaving the groups (abort on NCCL, destroy on gloo) must return within this, or the
 # process is marked unusable (see `abandoned`). The shutdown bound is the right size: a
 # healthy teardown takes milliseconds (measured by bench/gpu_check.sh tier B).
-LEAVE_GROUP_TIMEOUT_S = TUNABLES.gang.shutdown_timeout_s
 # A rendezvous is three waits in a row, each bounded by the group timeout: the default
 # group's connections (and, on NCCL, its eagerly created communicator), then the control
 # group's. Past this, rank 0 (whose side no Ray call bounds) stops waiting.
@@ -170,8 +169,10 @@ class Rank:
     version_mismatch_error: type[RuntimeError] = WeightsVersionMismatch
 
     def __init__(self, rank: int, world_size: int, *, device: torch.device, node_ip: str, node_id: str = "",
-                 gpu_ids: list[str] | None = None, torch_threads: int = 1, device_how: str = "") -> None:
+                 gpu_ids: list[str] | None = None, torch_threads: int = 1, device_how: str = "",
+                 tunables: GangTunables = GangTunables()) -> None:
         torch.set_num_threads(torch_threads)
+        self.tunables = tunables  # the gang section: exit grace, leave-group bound, timings kept
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -208,7 +209,7 @@ class Rank:
         self.step_seq = 0  # the header sequence number of the step being computed
         self._mismatches: deque[tuple[int, str]] = deque(maxlen=64)  # (seq, why) refused steps
         # (seq, header sent ns, woke ns, the step's clock: broadcast done, forward done)
-        self._timings: deque[tuple[int, int, int, StepClock]] = deque(maxlen=control.TIMINGS_KEPT)
+        self._timings: deque[tuple[int, int, int, StepClock]] = deque(maxlen=tunables.timings_kept)
         self._clock: StepClock | None = None  # the last step's
         # Sessions' K/V for this rank's heads (service.parallel.kv_cache), allocated on the
         # first append step with the shape rank 0's plan names; gone with this object.
@@ -615,15 +616,16 @@ class Rank:
         """Mark this rank broken and exit its process after a short grace (no orphans when
         rank 0 is gone; rank 0 may still ask `step_error` meanwhile)."""
         self.loop_error = f"rank {self.rank}: {why}"
-        log.error("%s; exiting in %.0fs", self.loop_error, control.PEER_EXIT_GRACE_S)
-        timer = threading.Timer(control.PEER_EXIT_GRACE_S, os._exit, args=(1,))
+        log.error("%s; exiting in %.0fs", self.loop_error, self.tunables.peer_exit_grace_s)
+        timer = threading.Timer(self.tunables.peer_exit_grace_s, os._exit, args=(1,))
         timer.daemon = True
         timer.start()
 
-    def close(self, timeout_s: float = LEAVE_GROUP_TIMEOUT_S) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Leave the process groups (idempotent): abort on NCCL, destroy on gloo
-        (service.gang.backends), within `timeout_s`. Raises DeadlineExceeded when that did
+        (service.gang.backends), within `timeout_s` (default: tunables.shutdown_timeout_s). Raises DeadlineExceeded when that did
         not return in time; this process is then marked `abandoned` (to be replaced)."""
+        timeout_s = self.tunables.shutdown_timeout_s if timeout_s is None else timeout_s
         self.model = self._staged = None
         self.kv_pool = None
         group, self.group, self._control, self._store = self.group, None, None, None

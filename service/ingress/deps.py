@@ -13,15 +13,12 @@ from service.config import AppConfig
 from service.errors import BadRequest, ErrorCode, GangUnavailable, Overloaded, PayloadTooLarge
 from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
-from service.tunables import TUNABLES
 
 T = TypeVar("T")
 
 # Bodies up to this size in a binary format are decoded inline: a zero-copy view and a
 # float32 check costs less than a hop to a thread. Replies of as many float32 values are
 # encoded inline (one tunable, the other derived from it).
-INLINE_DECODE_BYTES = TUNABLES.ingress.inline_decode_bytes
-INLINE_ENCODE_VALUES = TUNABLES.ingress.inline_encode_values
 
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a

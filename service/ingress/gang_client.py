@@ -15,7 +15,7 @@ or, with one gang, once it is ready again. A request that arrives while no gang 
 serve waits for one instead of getting 503 at once, at most `max_queued_requests` of them
 at a time. Waiting and retrying end at the request's deadline: 504 `deadline_exceeded`
 then. 503 + Retry-After only when the gang is unschedulable, or when the expected wait
-(the length of the last outage this ingress saw, DEFAULT_OUTAGE_S before any) would end
+(the length of the last outage this ingress saw, ingress.default_outage_s before any) would end
 after the deadline: the message says both. Inference is idempotent and every step runs
 on one weights version across ranks (service.gang), so a retried answer is as right as
 a first one.
@@ -51,20 +51,11 @@ from service.metrics.process import process_metrics
 from service.gang_status import GangStatus, dump
 from service.ingress.fleet_client import FleetClient
 from service.ingress.handle_errors import awaited, map_handle_error
-from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
 
 # Waits, retries and fallbacks (service.tunables says why each value).
-STATUS_MAX_AGE_S = TUNABLES.ingress.status_max_age_s  # of the cached gang status, on the request path
-DESCRIBE_TIMEOUT_S = TUNABLES.ingress.describe_timeout_s
-RETRY_BACKOFF_S = TUNABLES.ingress.retry_backoff_s  # by attempt, the last one repeated
-WAIT_POLL_S = TUNABLES.ingress.wait_poll_s  # how often a request waiting for a gang looks again
-DEFAULT_OUTAGE_S = TUNABLES.ingress.default_outage_s  # expected outage before one was measured
-# The pushed fleet view is current while its long poll answers within its hold plus a call's bound.
-FOLLOW_FRESH_S = TUNABLES.fleet.watch_fleet_max_s + TUNABLES.ingress.fleet_timeout_s
-FOLLOW_RETRY_S = TUNABLES.ingress.skip_after_failure_s  # after a failed long poll
 
 
 class GangClient:
@@ -91,11 +82,15 @@ class GangClient:
         self._pushed_at = 0.0  # when the long poll last answered
         self._refresh: asyncio.Task | None = None
         self._node_id = node_id or ray.get_runtime_context().get_node_id()
+        self.tunables = config.tunables
+        self._t = config.tunables.ingress  # status age, describe bound, retry backoff, waits
+        # The pushed view is fresh while the Controller's long poll can still answer.
+        self._follow_fresh_s = config.tunables.fleet.watch_fleet_max_s + self._t.fleet_timeout_s
         shm_enabled = config.shm_transport and shm.available()
         # How requests reach rank 0: chosen per gang status, not per request (service.transport.link).
         self._link = GangLink(node_id=self._node_id, channel_enabled=config.uses_data_channel,
                               shm_enabled=shm_enabled, call=self._request_call, bounded=self._request_bounded,
-                              on_route_lost=self._look_again)
+                              on_route_lost=self._look_again, tunables=config.tunables.transport)
         self._waiting = 0  # requests waiting for a gang to serve (bounded by max_queued_requests)
         self._outage_since: float | None = None  # first failure of the current outage
         self._last_outage_s: float | None = None  # how long the last one lasted
@@ -119,7 +114,7 @@ class GangClient:
             # A gang seen not ready is looked at again sooner: a rebuild takes about a second,
             # and a 1 s old "broken" would hold requests for as long again after it.
             ready = (self._status or {}).get("state") == "ready"
-            status = await self.status(max_age_s=WAIT_POLL_S if attempt or not ready else STATUS_MAX_AGE_S)
+            status = await self.status(max_age_s=self._t.wait_poll_s if attempt or not ready else self._t.status_max_age_s)
             # The status is one gang's. With several gangs, one broken or rebuilding gang says
             # nothing about the others (the router sends to ready ones; a broken one answers 503
             # at once), so only app-wide conditions wait here.
@@ -137,7 +132,7 @@ class GangClient:
                 self._status_at = 0.0  # look at the gang again before the next try
                 if self._single_gang:
                     self._check_wait(exc.message, deadline)
-                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                delay = self._t.retry_backoff_s[min(attempt, len(self._t.retry_backoff_s) - 1)]
                 attempt += 1
                 self.retries += 1
                 process_metrics().inc("gangserve_request_retries", (exc.code,))
@@ -168,12 +163,12 @@ class GangClient:
     def _check_wait(self, why: str, deadline: float) -> None:
         """503 now (with the expected wait) when the gang is not expected back before `deadline`."""
         since = self._outage_since if self._outage_since is not None else time.monotonic()
-        expected = max(0.0, (self._last_outage_s or DEFAULT_OUTAGE_S) - (time.monotonic() - since))
+        expected = max(0.0, (self._last_outage_s or self._t.default_outage_s) - (time.monotonic() - since))
         left = deadline - time.monotonic()
         if expected > left:
             raise GangUnavailable(
                 f"no gang can serve now ({why}); one is expected in ~{expected:.1f}s (the last outage lasted "
-                f"{self._last_outage_s or DEFAULT_OUTAGE_S:.1f}s), after this request's deadline ({left:.2f}s left)",
+                f"{self._last_outage_s or self._t.default_outage_s:.1f}s), after this request's deadline ({left:.2f}s left)",
                 code=ErrorCode.DEADLINE_UNMEETABLE, retry_after_s=max(1.0, round(expected)))
 
     async def _wait_for_gang(self, status: dict[str, Any], deadline: float) -> None:
@@ -192,7 +187,7 @@ class GangClient:
                                   f"(max_queued_requests={limit})", code=ErrorCode.OVERLOADED, retry_after_s=1.0)
         self._waiting += 1
         try:
-            await _pause(WAIT_POLL_S, deadline, f"waiting for a gang ({why})")
+            await _pause(self._t.wait_poll_s, deadline, f"waiting for a gang ({why})")
         except asyncio.CancelledError:
             _count_drop("disconnected")
             raise
@@ -273,7 +268,7 @@ class GangClient:
             return await self._refresh_status()
         if age > max_age_s and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_status())
-        if age > 5 * max_age_s + DESCRIBE_TIMEOUT_S:  # far too stale to trust: wait for fresh
+        if age > 5 * max_age_s + self._t.describe_timeout_s:  # far too stale to trust: wait for fresh
             return await self._refresh_status()
         return self._status
 
@@ -293,7 +288,7 @@ class GangClient:
 
     async def _refresh_status(self) -> dict[str, Any]:
         try:
-            status = await self._call("describe", timeout_s=DESCRIBE_TIMEOUT_S)
+            status = await self._call("describe", timeout_s=self._t.describe_timeout_s)
         except GangServeError as exc:
             status = await self.diagnose(f"gang server not answering ({exc.message})")
         self._adopt(status, pushed=False)
@@ -313,7 +308,7 @@ class GangClient:
 
     def _following(self) -> bool:
         """The long poll answered recently enough that the pushed view is current."""
-        return time.monotonic() - self._pushed_at <= FOLLOW_FRESH_S
+        return time.monotonic() - self._pushed_at <= self._follow_fresh_s
 
     async def _follow_fleet(self) -> None:
         """Follow the Controller's fleet view (a long poll, Controller.watch_fleet): every
@@ -326,14 +321,14 @@ class GangClient:
             try:
                 view = await self._fleet.watch(version)
             except GangServeError as exc:
-                log.info("not following the fleet view for %.0fs: %s", FOLLOW_RETRY_S, exc.message)
+                log.info("not following the fleet view for %.0fs: %s", self._t.skip_after_failure_s, exc.message)
                 self._pushed_at, self._status_pushed = 0.0, False
-                await asyncio.sleep(FOLLOW_RETRY_S)
+                await asyncio.sleep(self._t.skip_after_failure_s)
                 continue
             except Exception:  # noqa: BLE001 - the follower must outlive any one failure
                 log.exception("the fleet view's long poll failed")
                 self._pushed_at, self._status_pushed = 0.0, False
-                await asyncio.sleep(FOLLOW_RETRY_S)
+                await asyncio.sleep(self._t.skip_after_failure_s)
                 continue
             version, self._pushed_at = int(view.get("version", -1)), time.monotonic()
             status = self._gang_in(view["gangs"])
@@ -390,7 +385,7 @@ class GangClient:
         attempt = 0
         if session_id is not None:
             kwargs["session_id"] = session_id
-        await self.status(max_age_s=STATUS_MAX_AGE_S)  # the link's route follows the gang's status
+        await self.status(max_age_s=self._t.status_max_age_s)  # the link's route follows the gang's status
         while True:
             try:
                 if method == "session_append" and session_id is not None:  # the hot path: the link's route
@@ -400,7 +395,7 @@ class GangClient:
             except GangServeError as error:
                 if error.code not in RETRYABLE_CODES:
                     raise
-                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                delay = self._t.retry_backoff_s[min(attempt, len(self._t.retry_backoff_s) - 1)]
                 attempt += 1
                 self.retries += 1
                 process_metrics().inc("gangserve_request_retries", (error.code,))
@@ -448,11 +443,11 @@ class GangClient:
                     raise CollectiveTimeout(
                         f"the gang did not answer {what} within {timeout_s:.1f}s", code=ErrorCode.GANG_TIMEOUT
                     )
-                done, _ = await asyncio.wait({task}, timeout=min(remaining, STATUS_MAX_AGE_S if watch else remaining))
+                done, _ = await asyncio.wait({task}, timeout=min(remaining, self._t.status_max_age_s if watch else remaining))
                 if done:
                     return task.result()
                 if watch:
-                    status = await self.status(max_age_s=STATUS_MAX_AGE_S)
+                    status = await self.status(max_age_s=self._t.status_max_age_s)
                     # With several gangs the call is on a placed gang the router chose: a
                     # "scheduling" status (one gang server's describe failed, a new gang
                     # waits for its bundles) says nothing about it; only "unschedulable" is app-wide.

@@ -8,9 +8,8 @@ from ray.serve.handle import DeploymentHandle
 
 from service.errors import ErrorCode, GangServeError, GangUnavailable
 from service.ingress.handle_errors import bounded_call
-from service.tunables import TUNABLES
+from service.tunables import IngressTunables
 
-CALL_TIMEOUT_S = TUNABLES.ingress.jobs_call_timeout_s  # the state stores' waits stay below it
 
 
 class JobsUnavailable(GangUnavailable):
@@ -20,7 +19,8 @@ class JobsUnavailable(GangUnavailable):
 class JobsClient:
     """Calls JobManager methods; every wait is bounded, every failure a GangServeError."""
 
-    def __init__(self, handle: DeploymentHandle | None, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, handle: DeploymentHandle | None, timeout_s: float = IngressTunables().jobs_call_timeout_s) -> None:
+        """`timeout_s`: ingress.jobs_call_timeout_s (the state stores' waits stay below it)."""
         self._handle = handle
         self._timeout_s = timeout_s
 

@@ -26,12 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.ingress.fleet_client import FleetClient
 from service.metrics.exposition import merge
 from service.metrics.process import MetricSet, process_metrics
-from service.state.fleet import METRICS_REPORT_INTERVAL_S
-from service.tunables import TUNABLES
 
 log = logging.getLogger("gangserve.ingress")
 
-JOBS_METRICS_TIMEOUT_S = TUNABLES.ingress.jobs_metrics_timeout_s  # a scrape must not wait long for the JobManager
 
 _FORMATS = {
     "application/json": "json",
@@ -131,7 +128,7 @@ def _templates(app: Any) -> list[tuple[re.Pattern[str], str]]:
 
 class Publisher:
     """Reports this ingress replica's metrics to the app's Controller every
-    METRICS_REPORT_INTERVAL_S (started by the first request), so a scrape of any other ingress
+    fleet.metrics_report_interval_s (started by the first request), so a scrape of any other ingress
     replica of the app counts them too."""
 
     def __init__(self, fleet: FleetClient, source: str | None) -> None:
@@ -153,7 +150,7 @@ class Publisher:
                 await self.fleet.report_metrics(self.source, process_metrics().snapshot())  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - best effort; the next round retries
                 log.warning("could not report this ingress replica's metrics: %s", exc)
-            await asyncio.sleep(METRICS_REPORT_INTERVAL_S)
+            await asyncio.sleep(self.fleet.tunables.fleet.metrics_report_interval_s)
 
 
 def replica_identity() -> tuple[str, str] | None:
@@ -183,7 +180,8 @@ async def gather(publisher: Publisher, jobs: Any) -> dict[str, dict[tuple[str, .
             log.warning("could not read the other replicas' metrics: %s", exc)
     if jobs is not None:
         try:
-            snapshots.append(await asyncio.wait_for(jobs.call("metrics"), JOBS_METRICS_TIMEOUT_S))
+            snapshots.append(await asyncio.wait_for(jobs.call("metrics"),
+                                                    publisher.fleet.tunables.ingress.jobs_metrics_timeout_s))
         except Exception as exc:  # noqa: BLE001 - no JobManager, or it is busy: no training figures
             log.debug("no training metrics this scrape: %s", exc)
     return merge(snapshots)

@@ -19,10 +19,8 @@ from service.ingress.auth import redact_paths
 from service.errors import ErrorCode, GangServeError, GangUnavailable
 from service.gang_status import Readiness, dump
 from service.ingress.gang_client import GangClient, unavailable_error
-from service.tunables import TUNABLES
 
 # A controller up for less than this may not have heard from every gang yet.
-WARM_UP_S = TUNABLES.fleet.warm_up_s
 
 
 async def readiness(gang: GangClient) -> dict[str, Any]:
@@ -33,7 +31,7 @@ async def readiness(gang: GangClient) -> dict[str, Any]:
     except GangServeError:
         fleet = None  # the controller is restarting: ask whichever gang the handle reaches
     up_s = fleet.get("controller_up_s") if fleet is not None else None
-    if fleet is not None and not fleet["gangs"] and not fleet["lost"] and up_s is not None and up_s < WARM_UP_S:
+    if fleet is not None and not fleet["gangs"] and not fleet["lost"] and up_s is not None and up_s < gang.tunables.fleet.warm_up_s:
         fleet = None  # a controller that just (re)started has not heard from the gangs yet
     if fleet is None:
         info = await gang.describe()

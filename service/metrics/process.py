@@ -11,7 +11,7 @@ recorded through `ray.serve.metrics`, so the same figures appear, per replica, o
 metrics export port as `ray_<name>` next to Serve's own `ray_serve_*` metrics. Those
 records happen off the request path: a Ray metric record costs far more than our own
 (the ingress's profile: bench/NOTES.md), so observations are queued and a background thread hands them to Ray every
-RAY_FLUSH_INTERVAL_S, counter increments summed per series, gauges as their last value,
+fleet.ray_flush_interval_s, counter increments summed per series, gauges as their last value,
 histogram observations one by one (Ray's histogram takes no bucket counts). Ray exports
 its metrics every few seconds anyway, so the delay is not visible there.
 """
@@ -26,12 +26,10 @@ import time
 from typing import Any
 
 from service.metrics.specs import SPECS, Spec
-from service.tunables import TUNABLES
+from service.tunables import FleetTunables
 
 log = logging.getLogger("gangserve.metrics")
 
-RAY_FLUSH_INTERVAL_S = TUNABLES.fleet.ray_flush_interval_s
-RAY_QUEUE_MAX = TUNABLES.fleet.ray_queue_max  # beyond this, observations are dropped (counted)
 
 
 class MetricSet:
@@ -45,6 +43,7 @@ class MetricSet:
         self._ray: dict[str, Any] | None = None
         self._ray_queue: collections.deque[tuple[str, tuple[str, ...], str, float]] = collections.deque()
         self._ray_dropped = 0
+        self._t = FleetTunables()  # flush period and queue bound; set by enable_ray
 
     def inc(self, name: str, labels: tuple[str, ...] = (), value: float = 1.0) -> None:
         with self._lock:
@@ -91,17 +90,19 @@ class MetricSet:
                     for name, series in self._values.items()}
 
     # -- Ray's metrics ---------------------------------------------------------------------
-    def enable_ray(self) -> None:
-        """Also record through ray.serve.metrics from now on (inside a Serve replica)."""
+    def enable_ray(self, tunables: FleetTunables) -> None:
+        """Also record through ray.serve.metrics from now on (inside a Serve replica), flushed
+        every `tunables.ray_flush_interval_s`, at most `tunables.ray_queue_max` queued."""
         with self._lock:
             if self._ray is not None:
                 return
             self._ray = {}
+            self._t = tunables
         threading.Thread(target=self._flush_forever, name="gangserve-ray-metrics", daemon=True).start()
 
     def _record_ray(self, name: str, labels: tuple[str, ...], how: str, value: float) -> None:
         """Queue one observation for Ray (the flusher records it); O(1) on the request path."""
-        if len(self._ray_queue) >= RAY_QUEUE_MAX:
+        if len(self._ray_queue) >= self._t.ray_queue_max:
             self._ray_dropped += 1
             return
         self._ray_queue.append((name, labels, how, value))  # deque.append is thread-safe
@@ -129,7 +130,7 @@ class MetricSet:
 
     def _flush_forever(self) -> None:
         while True:
-            time.sleep(RAY_FLUSH_INTERVAL_S)
+            time.sleep(self._t.ray_flush_interval_s)
             try:
                 self.flush_ray()
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any one failure
@@ -170,5 +171,5 @@ def process_metrics() -> MetricSet:
     return _PROCESS
 
 
-def enable_ray_metrics() -> None:
-    _PROCESS.enable_ray()
+def enable_ray_metrics(tunables: FleetTunables) -> None:
+    _PROCESS.enable_ray(tunables)

@@ -50,19 +50,13 @@ import pyarrow.fs as pafs
 from service.errors import ErrorCode, GangServeError
 from service.state.paths import resolve_inside, state_dir
 from service.state.urls import redact
-from service.tunables import TUNABLES
+from service.tunables import StateTunables
 
 STORAGE_URL_ENV = "GANGSERVE_STORAGE_URL"
 # The first one set wins: our own name first, so it can differ from the AWS CLI's.
 ENDPOINT_ENVS = ("GANGSERVE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
 LAYOUT = ("datasets", "checkpoints", "runs", "weights")
 CACHE_SUBDIR = "cache"
-CHUNK = TUNABLES.state.copy_chunk_bytes
-# Bounded waits on S3 and on a node's download lock (service.tunables says why each value).
-S3_CONNECT_TIMEOUT_S = TUNABLES.state.s3_connect_timeout_s
-S3_REQUEST_TIMEOUT_S = TUNABLES.state.s3_request_timeout_s
-S3_MAX_ATTEMPTS = TUNABLES.state.s3_max_attempts
-CACHE_LOCK_TIMEOUT_S = TUNABLES.state.cache_lock_timeout_s
 
 _SHA_NAME = re.compile(r"(?:^|/)([0-9a-f]{64})(?:\.[A-Za-z0-9]+)?$")
 _SECRET_ENVS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
@@ -110,20 +104,23 @@ def sha_of_key(key: str) -> str | None:
     return match.group(1) if match else None
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
+def file_sha256(path: str | os.PathLike[str], chunk_bytes: int) -> str:
+    """The file's sha256, read `chunk_bytes` at a time (the state tunable copy_chunk_bytes)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
+        while chunk := f.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 class ArtifactStore:
     """One artifact store (a local directory or an S3 bucket/prefix); thread-safe. Other
-    processes build their own from the same environment (`store()`)."""
+    processes build their own from the same environment (`store()`). Its chunk size and
+    download-lock wait are the state tunables it is built with (S3's waits are in `fs`)."""
 
     def __init__(self, fs: pafs.FileSystem, root: str, url: str, *, local: bool, cache_dir: Path,
-                 secrets: tuple[str, ...] = ()) -> None:
+                 secrets: tuple[str, ...] = (), tunables: StateTunables | None = None) -> None:
+        self.tunables = tunables or StateTunables()
         self.filesystem = fs  # also what Ray Train gets (ray_train_storage)
         self.root = root.rstrip("/")  # the file-system path of the root: /abs/dir or bucket/prefix
         self.url = url  # for messages: already redacted
@@ -243,7 +240,7 @@ class ArtifactStore:
 
         def copy(out: object) -> None:
             with open(src, "rb") as fin:
-                while chunk := fin.read(CHUNK):
+                while chunk := fin.read(self.tunables.copy_chunk_bytes):
                     digest.update(chunk)
                     out.write(chunk)  # type: ignore[attr-defined]
 
@@ -255,7 +252,7 @@ class ArtifactStore:
         """Store the local file `src` as the content-addressed `<subdir>/<sha256><suffix>`;
         returns (key, sha256). An object already there is kept as it is (never overwritten:
         same name, same content). The sha is computed here unless given."""
-        sha = sha256 or file_sha256(src)
+        sha = sha256 or self._sha256(src)
         key = f"{check_key(subdir)}/{sha}{suffix}"
         if self.exists(key):
             return key, sha
@@ -305,12 +302,12 @@ class ArtifactStore:
         the local backend as its file; a key on S3 downloaded (hashed on the way) into the
         node's cache. For checking and copying a file whose sha is not known yet."""
         if os.path.isabs(ref):
-            return Path(ref), file_sha256(ref)
+            return Path(ref), self._sha256(ref)
         if self.local:
             path = Path(self.path(ref))
             if not path.is_file():
                 raise FileNotFoundError(f"no artifact {ref!r} in {self.url}")
-            return path, file_sha256(path)
+            return path, self._sha256(path)
         return self._download(ref, expect=None)
 
     def materialize(self, ref: str, sha256: str | None = None) -> Path:
@@ -329,24 +326,27 @@ class ArtifactStore:
                     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), ref)
                 raise FileNotFoundError(f"no artifact {ref!r} in {self.url}")
             if sha is not None:
-                actual = file_sha256(path)
+                actual = self._sha256(path)
                 if actual != sha:
                     raise ArtifactCorrupt(f"{path} has sha256 {actual[:16]}..., expected {sha[:16]}...")
             return path
         if sha is None:
             return self._download(ref, expect=None)[0]
         cached = self._cache_path(ref, sha)
-        if cached.is_file() and file_sha256(cached) == sha:
+        if cached.is_file() and self._sha256(cached) == sha:
             return cached
         with self._cache_lock(sha):
             if cached.is_file():  # another rank may have just downloaded it
-                if file_sha256(cached) == sha:
+                if self._sha256(cached) == sha:
                     return cached
                 log.warning("cached %s does not have sha256 %s; downloading it again", cached, sha[:16])
                 cached.unlink(missing_ok=True)
             return self._download(ref, expect=sha)[0]
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _sha256(self, path: str | os.PathLike[str]) -> str:
+        return file_sha256(path, self.tunables.copy_chunk_bytes)
 
     def _cache_path(self, key: str, sha: str) -> Path:
         suffix = Path(key).suffix if re.fullmatch(r"\.[A-Za-z0-9]{1,16}", Path(key).suffix or "") else ""
@@ -357,7 +357,8 @@ class ArtifactStore:
         """A node-wide lock per object (flock: every process of this node shares the cache)."""
         self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(self.cache_dir / f".lock-{sha}", "a+") as handle:
-            deadline = time.monotonic() + CACHE_LOCK_TIMEOUT_S
+            wait_s = self.tunables.cache_lock_timeout_s
+            deadline = time.monotonic() + wait_s
             while True:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -366,7 +367,7 @@ class ArtifactStore:
                     if time.monotonic() > deadline:
                         raise StorageUnavailable(
                             f"artifact store {self.url}: another process on this node has been downloading "
-                            f"{sha[:16]}... for over {CACHE_LOCK_TIMEOUT_S:.0f}s") from None
+                            f"{sha[:16]}... for over {wait_s:.0f}s") from None
                     time.sleep(0.1)
             try:
                 yield
@@ -380,7 +381,7 @@ class ArtifactStore:
         digest = hashlib.sha256()
         try:
             with self.open_input(key) as fin, open(tmp, "xb") as fout:
-                while chunk := self._io("read", key, lambda: fin.read(CHUNK)):
+                while chunk := self._io("read", key, lambda: fin.read(self.tunables.copy_chunk_bytes)):
                     digest.update(chunk)
                     fout.write(chunk)
                 fout.flush()
@@ -470,15 +471,17 @@ def _remove_tree(root: Path) -> int:
 # ---- construction -----------------------------------------------------------------------------
 
 def open_store(url: str | None, *, endpoint: str | None = None, local_state: Path | None = None,
-               env: dict[str, str] | None = None) -> ArtifactStore:
+               env: dict[str, str] | None = None, tunables: StateTunables | None = None) -> ArtifactStore:
     """The store `url` names (None/"": the state dir). `endpoint` overrides the endpoint
-    variables; `env` (default os.environ) is where region/credential hints are read.
+    variables; `env` (default os.environ) is where region/credential hints are read;
+    `tunables`: its S3 waits, chunk size and lock wait (default: the state tunables' defaults).
     StorageConfigError for a URL we cannot use; nothing is contacted here."""
     env = dict(os.environ if env is None else env)
+    t = tunables or StateTunables()
     local_state = local_state or state_dir()
     cache = local_state / CACHE_SUBDIR
     if not url:
-        return ArtifactStore(pafs.LocalFileSystem(), str(local_state), str(local_state), local=True, cache_dir=cache)
+        return ArtifactStore(pafs.LocalFileSystem(), str(local_state), str(local_state), local=True, cache_dir=cache, tunables=t)
     try:
         parts = urlsplit(url)
     except ValueError as exc:
@@ -489,7 +492,7 @@ def open_store(url: str | None, *, endpoint: str | None = None, local_state: Pat
         if not os.path.isabs(os.path.expanduser(raw)):
             raise StorageConfigError(f"{STORAGE_URL_ENV}={redact(url)}: a local store needs an absolute path")
         root = Path(os.path.expanduser(raw)).resolve()
-        return ArtifactStore(pafs.LocalFileSystem(), str(root), str(root), local=True, cache_dir=cache)
+        return ArtifactStore(pafs.LocalFileSystem(), str(root), str(root), local=True, cache_dir=cache, tunables=t)
     if scheme != "s3":
         raise StorageConfigError(
             f"{STORAGE_URL_ENV}={redact(url)}: unsupported scheme {scheme!r}; use s3://bucket[/prefix] "
@@ -504,9 +507,9 @@ def open_store(url: str | None, *, endpoint: str | None = None, local_state: Pat
     secret_key = parts.password or None
     endpoint = endpoint or next((env[e] for e in ENDPOINT_ENVS if env.get(e)), None)
     options: dict[str, object] = {
-        "connect_timeout": S3_CONNECT_TIMEOUT_S,
-        "request_timeout": S3_REQUEST_TIMEOUT_S,
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS),
+        "connect_timeout": t.s3_connect_timeout_s,
+        "request_timeout": t.s3_request_timeout_s,
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=t.s3_max_attempts),
     }
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
     if region:
@@ -528,27 +531,30 @@ def open_store(url: str | None, *, endpoint: str | None = None, local_state: Pat
     shown = redact(url) + (f" (endpoint {shown_endpoint})" if shown_endpoint else "")
     secrets = tuple(s for s in (secret_key, access_key, *(env.get(e) for e in _SECRET_ENVS)) if s)
     return ArtifactStore(fs, f"{bucket}/{prefix}" if prefix else bucket, shown, local=False,
-                         cache_dir=cache, secrets=secrets)
+                         cache_dir=cache, secrets=secrets, tunables=t)
 
 
-_stores: dict[tuple[str, ...], ArtifactStore] = {}
+_stores: dict[tuple[object, ...], ArtifactStore] = {}
 _stores_lock = threading.Lock()
 
 
-def store() -> ArtifactStore:
-    """This process's artifact store, from the environment (one per distinct setting)."""
+def store(tunables: StateTunables | None = None) -> ArtifactStore:
+    """This process's artifact store, from the environment and the state `tunables` (default:
+    their defaults); one per distinct setting."""
     env = os.environ
-    key = (env.get(STORAGE_URL_ENV, ""), *(env.get(e, "") for e in ENDPOINT_ENVS), str(state_dir()))
+    t = tunables or StateTunables()
+    url = env.get(STORAGE_URL_ENV, "")
+    key = (url, *(env.get(e, "") for e in ENDPOINT_ENVS), str(state_dir()), t)
     with _stores_lock:
         found = _stores.get(key)
         if found is None:
-            found = _stores[key] = open_store(key[0] or None)
+            found = _stores[key] = open_store(url or None, tunables=t)
         return found
 
 
-def check_reachable() -> ArtifactStore:
+def check_reachable(tunables: StateTunables | None = None) -> ArtifactStore:
     """The start-up check of this process's store (see ArtifactStore.check_reachable);
     StorageConfigError / StorageUnavailable with the redacted URL when it is not usable."""
-    found = store()
+    found = store(tunables)
     found.check_reachable()
     return found

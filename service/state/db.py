@@ -56,7 +56,7 @@ from service.errors import ErrorCode, GangServeError
 from service.state.migrations import FLOAT
 from service.state.paths import state_dir
 from service.state.urls import redact, secrets_of
-from service.tunables import TUNABLES
+from service.tunables import StateTunables
 
 if TYPE_CHECKING:
     from alembic.script import ScriptDirectory
@@ -75,17 +75,10 @@ DEFAULT_DB_FILE = "jobs.sqlite"
 JOURNAL_ENV = "GANGSERVE_SQLITE_JOURNAL"
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
-# Every wait is bounded. SQLite's busy wait and PostgreSQL's lock and statement waits stay
-# below the ingress's call timeout (service.tunables checks it), so the caller gets this
-# module's 503 with a reason, not a timeout of its own.
-SQLITE_BUSY_TIMEOUT_S = TUNABLES.state.sqlite_busy_timeout_s
-CONNECT_TIMEOUT_S = TUNABLES.state.connect_timeout_s
-POOL_TIMEOUT_S = TUNABLES.state.pool_timeout_s
-PG_LOCK_TIMEOUT_MS = TUNABLES.state.pg_lock_timeout_ms
-PG_STATEMENT_TIMEOUT_MS = TUNABLES.state.pg_statement_timeout_ms
-PG_IDLE_IN_TRANSACTION_MS = TUNABLES.state.pg_idle_in_transaction_ms
-POOL_MIN_SIZE = TUNABLES.state.pool_min_size
-POOL_MAX_SIZE = TUNABLES.state.pool_max_size
+# Every wait is bounded, by the state tunables a Database is opened with. SQLite's busy wait
+# and PostgreSQL's lock and statement waits stay below the ingress's call timeout
+# (AppConfig's validator checks it), so the caller gets this module's 503 with a reason, not
+# a timeout of its own.
 
 Dialect = Literal["sqlite", "postgresql"]
 Row = dict[str, Any]
@@ -198,16 +191,16 @@ def journal_mode_for(db_path: str | Path, mounts: str | None = None) -> tuple[st
     return "wal", f"local file system ({fstype or 'type unknown'})"
 
 
-def open_sqlite(path: str | Path) -> tuple[sqlite3.Connection, str]:
+def open_sqlite(path: str | Path, busy_timeout_s: float) -> tuple[sqlite3.Connection, str]:
     """A raw connection to the SQLite file `path` with this module's pragmas: (connection,
     journal mode in force). Driver autocommit (`isolation_level=None`: transactions are
     explicit `BEGIN IMMEDIATE`s), usable from any thread (callers serialize their use),
-    busy wait SQLITE_BUSY_TIMEOUT_S.
+    busy wait `busy_timeout_s` (the state tunable sqlite_busy_timeout_s).
 
     Raises StateUnavailable naming the file if it cannot be opened or set up."""
     path = Path(path)
     try:
-        conn = sqlite3.connect(str(path), timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None,
+        conn = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None,
                                check_same_thread=False)
         wanted, why = journal_mode_for(path)
         got = str(conn.execute(f"PRAGMA journal_mode={wanted.upper()}").fetchone()[0]).lower()
@@ -331,7 +324,7 @@ def version_table(store: str) -> str:
 class Database:
     """A SQLAlchemy Engine on the state database: one shared connection (SQLite, statements
     serialized by a lock, as the file serializes writers anyway) or a pool of them
-    (PostgreSQL: up to POOL_MAX_SIZE, each checked with a round trip before use).
+    (PostgreSQL: up to the state tunable pool_max_size, each checked with a round trip before use).
 
     Thread-safe. `url` is the redacted URL (safe to log and to put in errors); `engine` the
     Engine (for SQLAlchemy Core; use `session`/`transaction` to keep this module's errors)."""
@@ -342,9 +335,11 @@ class Database:
     path: Path | None  # the SQLite file (None on PostgreSQL)
     journal_mode: str | None = None  # SQLite only
 
-    def __init__(self, raw_url: str) -> None:
+    def __init__(self, raw_url: str, tunables: StateTunables | None = None) -> None:
         """Open the engine and prove the database answers (StateUnavailable naming the
-        redacted URL and why, ValueError for a URL that is not sqlite:// or postgresql://)."""
+        redacted URL and why, ValueError for a URL that is not sqlite:// or postgresql://).
+        `tunables`: the waits and pool sizes (default: the state tunables' defaults)."""
+        self.tunables = tunables = tunables or StateTunables()
         self.dialect = dialect_of(raw_url)
         self.url = redact(raw_url)
         self._secrets = secrets_of(raw_url)
@@ -354,7 +349,7 @@ class Database:
         self._held: sa.Connection | None = None  # SQLite's one Connection
         if self.dialect == "sqlite":
             self.path = sqlite_path(raw_url)
-            conn, self.journal_mode = open_sqlite(self.path)
+            conn, self.journal_mode = open_sqlite(self.path, tunables.sqlite_busy_timeout_s)
             self._lock = threading.Lock()
             # One connection (StaticPool), held open by one SQLAlchemy Connection that every
             # session and transaction uses in turn, under `_lock` (no pool checkout per call);
@@ -363,15 +358,15 @@ class Database:
                                            isolation_level="AUTOCOMMIT")
         else:
             self.path = None
-            self.engine = _pg_engine(raw_url)
+            self.engine = _pg_engine(raw_url, tunables)
         try:
             # The first connection: the dialect's set-up, and the start-up error with the
-            # server's own reason; PostgreSQL's first POOL_MIN_SIZE connections stay pooled.
+            # server's own reason; PostgreSQL's first pool_min_size connections stay pooled.
             if self.dialect == "sqlite":
                 self._held = self.engine.connect()
             else:
                 with contextlib.ExitStack() as opened:
-                    for _ in range(max(1, POOL_MIN_SIZE)):
+                    for _ in range(max(1, tunables.pool_min_size)):
                         opened.enter_context(self.engine.connect())
         except sa_exc.DBAPIError as exc:
             self.engine.dispose()
@@ -524,7 +519,8 @@ class Database:
         """What went wrong, in one line: the driver's own error (not SQLAlchemy's wrapper, whose
         text carries the statement and its parameters), with any password scrubbed."""
         if isinstance(exc, sa_exc.TimeoutError):
-            return f"no pooled connection came free within {POOL_TIMEOUT_S:g}s (all {POOL_MAX_SIZE} busy)"
+            t = self.tunables
+            return f"no pooled connection came free within {t.pool_timeout_s:g}s (all {t.pool_max_size} busy)"
         orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None else exc
         text = str(orig).strip()
         return f"{type(orig).__name__}: {self._scrub(text.splitlines()[0] if text else '')}"
@@ -548,34 +544,35 @@ def _conninfo(raw_url: str) -> str:
     return "postgresql://" + raw_url.split("://", 1)[1]  # libpq takes both schemes; be explicit
 
 
-def _pg_engine(raw_url: str) -> sa.Engine:
+def _pg_engine(raw_url: str, t: StateTunables) -> sa.Engine:
     """An Engine of psycopg connections made from the libpq URL as given, with bounded
     timeouts; autocommit unless a transaction asks otherwise. The pool opens connections on
-    demand, keeps up to POOL_MAX_SIZE, waits POOL_TIMEOUT_S for one to come free, and checks
+    demand, keeps up to t.pool_max_size, waits t.pool_timeout_s for one to come free, and checks
     each before use (a connection the server dropped, at a restart or failover, is replaced,
     and while the server is away each call fails at once with its reason)."""
     import psycopg
 
     conninfo = _conninfo(raw_url)
-    options = (f"-c lock_timeout={PG_LOCK_TIMEOUT_MS} -c statement_timeout={PG_STATEMENT_TIMEOUT_MS} "
-               f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_MS}")
-    kwargs: dict[str, Any] = {"connect_timeout": int(CONNECT_TIMEOUT_S), "options": options,
+    options = (f"-c lock_timeout={t.pg_lock_timeout_ms} -c statement_timeout={t.pg_statement_timeout_ms} "
+               f"-c idle_in_transaction_session_timeout={t.pg_idle_in_transaction_ms}")
+    kwargs: dict[str, Any] = {"connect_timeout": int(t.connect_timeout_s), "options": options,
                               "application_name": "gangserve"}
     return sa.create_engine(
         "postgresql+psycopg://", creator=lambda: psycopg.connect(conninfo, **kwargs), poolclass=QueuePool,
-        pool_size=POOL_MAX_SIZE, max_overflow=0, pool_timeout=POOL_TIMEOUT_S, pool_pre_ping=True,
+        pool_size=t.pool_max_size, max_overflow=0, pool_timeout=t.pool_timeout_s, pool_pre_ping=True,
         isolation_level="AUTOCOMMIT",
     )
 
 
-def connect(url: str | None = None, *, state: Path | None = None) -> Database:
-    """Open the state database at `url` (default: `database_url(state)`).
+def connect(url: str | None = None, *, state: Path | None = None, tunables: StateTunables | None = None) -> Database:
+    """Open the state database at `url` (default: `database_url(state)`), with the state
+    `tunables` (default: their defaults).
 
     Raises StateUnavailable naming the redacted URL when it cannot be reached, and
     ValueError for a URL that is not sqlite:// or postgresql://."""
     raw = url if url is not None else database_url(state)
     dialect_of(raw)  # a clear ValueError before anything else
-    return Database(raw)
+    return Database(raw, tunables)
 
 
 class DatabaseStore:
@@ -586,9 +583,10 @@ class DatabaseStore:
     _db: Database
     _owned: bool
 
-    def _open(self, database: str | Database, store: str) -> None:
+    def _open(self, database: str | Database, store: str, tunables: StateTunables | None = None) -> None:
+        """`tunables`: the state tunables a Database opened here gets (a borrowed one has its own)."""
         self._owned = not isinstance(database, Database)
-        self._db = connect(database) if not isinstance(database, Database) else database
+        self._db = connect(database, tunables=tunables) if not isinstance(database, Database) else database
         try:
             self._db.migrate(store)
         except BaseException:

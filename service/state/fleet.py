@@ -7,7 +7,7 @@ own controller owns its view of the fleet; nothing writes them to a database.
 
 Who tells the fleet what:
 - every GangServer replica *reports* its `/gang` description (and its metric snapshot)
-  at once on every state change and every `REPORT_INTERVAL_S`;
+  at once on every state change and every `tunables.report_interval_s`;
 - the controller *watches* every gang it has heard from (service.deployments.controller):
   a replica whose process died is `lost` at once, before Serve notices, so `/readyz`
   never counts a dead gang;
@@ -20,8 +20,8 @@ replica as soon as it moves, so the request path reads a pushed view instead of 
 every gang.
 
 A gang counts as serving only while its last report said `ready`, is fresher than
-`STALE_AFTER_S` and its process is not known to be dead. A replica's counters outlive it:
-when it is lost, withdrawn or silent for `FOLD_AFTER_S`, its counters and histograms are
+`tunables.stale_after_s` and its process is not known to be dead. A replica's counters outlive it:
+when it is lost, withdrawn or silent for `tunables.fold_after_s`, its counters and histograms are
 folded into one `retired` snapshot, so a service-wide counter never goes backwards while
 the controller lives (a controller restart resets them, which Prometheus reads as a
 counter reset).
@@ -38,14 +38,9 @@ from pydantic import ValidationError
 from service.gang_status import GangStatus, LostGangStatus, dump
 from service.errors import ErrorCode
 from service.metrics.exposition import merge, to_snapshot
-from service.tunables import TUNABLES
+from service.tunables import FleetTunables
 
 # The reporting periods and ages (service.tunables says why each value).
-REPORT_INTERVAL_S = TUNABLES.fleet.report_interval_s  # a gang's (and at once on any state change)
-METRICS_REPORT_INTERVAL_S = TUNABLES.fleet.metrics_report_interval_s  # an ingress replica's
-STALE_AFTER_S = TUNABLES.fleet.stale_after_s  # an older ready report is not counted
-FOLD_AFTER_S = TUNABLES.fleet.fold_after_s  # a replica silent this long: counters into `retired`
-LOST_KEPT_S = TUNABLES.fleet.lost_kept_s  # how long a lost gang is still named in `lost`
 
 
 @dataclass
@@ -69,6 +64,7 @@ class LostGang:
 class Fleet:
     """The gangs and metric snapshots of one app. Not thread-safe: one event loop owns it."""
 
+    tunables: FleetTunables = field(default_factory=FleetTunables)  # staleness, folding, lost-kept times
     gangs: dict[str, GangReport] = field(default_factory=dict)
     lost: dict[str, LostGang] = field(default_factory=dict)
     _metrics: dict[str, tuple[float, dict[str, list]]] = field(default_factory=dict)  # source -> (at, snapshot)
@@ -88,7 +84,7 @@ class Fleet:
             raise ValueError(f"gang {replica_id}'s report is not a GangStatus (service.gang_status): "
                              f"{_errors(exc)}") from None
         previous = self.gangs.get(replica_id)
-        if (previous is None or previous.unreachable_since is not None or now - previous.reported_at > STALE_AFTER_S
+        if (previous is None or previous.unreachable_since is not None or now - previous.reported_at > self.tunables.stale_after_s
                 or _routing_key(previous.info) != _routing_key(status)):
             self.version += 1
         self.gangs[replica_id] = GangReport(replica_id, status, now)  # a report: it reached us
@@ -121,13 +117,13 @@ class Fleet:
         self._retire(gang_source(replica_id))
 
     def serving(self, gang: GangReport, now: float) -> bool:
-        return (gang.info.state == "ready" and now - gang.reported_at <= STALE_AFTER_S
+        return (gang.info.state == "ready" and now - gang.reported_at <= self.tunables.stale_after_s
                 and gang.unreachable_since is None)
 
     def next_stale_s(self, now: float) -> float:
         """Seconds until the first gang now counted as serving stops being (its report turns
         stale); infinity when none will."""
-        ends = [g.reported_at + STALE_AFTER_S for g in self.gangs.values() if self.serving(g, now)]
+        ends = [g.reported_at + self.tunables.stale_after_s for g in self.gangs.values() if self.serving(g, now)]
         return max(0.0, min(ends) - now) + 0.01 if ends else float("inf")
 
     def view(self, now: float) -> dict[str, Any]:
@@ -145,16 +141,16 @@ class Fleet:
                 update.update(state="unreachable", code=ErrorCode.GANG_UNREACHABLE, reason=(
                     f"the controller cannot reach this gang's replica for {now - gang.unreachable_since:.1f}s"
                     if gang.unreachable_since is not None else
-                    f"no report for {now - gang.reported_at:.1f}s (a gang reports every {REPORT_INTERVAL_S:g}s)"))
+                    f"no report for {now - gang.reported_at:.1f}s (a gang reports every {self.tunables.report_interval_s:g}s)"))
             rows.append(dump(gang.info.model_copy(update=update)))
         lost = [dump(LostGangStatus(replica_id=g.replica_id, reason=g.reason, s_ago=round(now - g.at, 1)))
                 for g in sorted(self.lost.values(), key=lambda g: -g.at)]
         return {"gangs": rows, "ready": sum(1 for r in rows if r.get("state") == "ready"), "lost": lost}
 
     def _forget_old(self, now: float) -> None:
-        for rid in [r for r, g in self.lost.items() if now - g.at > LOST_KEPT_S]:
+        for rid in [r for r, g in self.lost.items() if now - g.at > self.tunables.lost_kept_s]:
             del self.lost[rid]
-        for rid in [r for r, g in self.gangs.items() if now - g.reported_at > FOLD_AFTER_S]:
+        for rid in [r for r, g in self.gangs.items() if now - g.reported_at > self.tunables.fold_after_s]:
             self.withdraw(rid)  # silent far longer than any health check: it is gone
 
     # -- metrics ----------------------------------------------------------------------------
@@ -165,13 +161,13 @@ class Fleet:
     def metrics(self, now: float, exclude: str | None = None) -> list[dict[str, list]]:
         """Snapshots to merge for a scrape: every fresh replica's (gauges included), the
         counters and histograms of stale ones, and the retired counters of gone ones."""
-        for source in [s for s, (at, _) in self._metrics.items() if now - at > FOLD_AFTER_S]:
+        for source in [s for s, (at, _) in self._metrics.items() if now - at > self.tunables.fold_after_s]:
             self._retire(source)
         out: list[dict[str, list]] = [self._retired] if self._retired else []
         for source, (at, snapshot) in self._metrics.items():
             if source == exclude:
                 continue
-            if now - at <= STALE_AFTER_S:
+            if now - at <= self.tunables.stale_after_s:
                 out.append(snapshot)
             else:  # its gauges describe a replica that is not there now
                 out.append(to_snapshot(merge([snapshot], kinds=("counter", "histogram"))))

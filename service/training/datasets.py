@@ -186,14 +186,14 @@ class Samples:
         return Samples(self.x[index], self.y[index], None if self.mask is None else self.mask[index])
 
 
-def load_uploaded(ref: str | Path) -> tuple[Samples, Samples | None]:
+def load_uploaded(ref: str | Path, store: artifacts.ArtifactStore) -> tuple[Samples, Samples | None]:
     """(training samples, the dataset's own validation samples or None) of a stored dataset:
-    `ref` is its artifact key (read through the store, so a worker on any node reads it from
+    `ref` is its artifact key (read through `store`, so a worker on any node reads it from
     object storage) or a legacy absolute path."""
     if Path(ref).is_absolute():
         tensors = load_file(str(ref))
     else:
-        tensors = st_load_torch(artifacts.store().read_bytes(str(ref)))
+        tensors = st_load_torch(store.read_bytes(str(ref)))
 
     def samples(x: str, y: str, mask: str) -> Samples:
         m = tensors.get(mask)

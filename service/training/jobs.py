@@ -63,7 +63,7 @@ from service.training.spec import AttentionModel, JobSpec, UploadedDataset
 from service.training.status import JobStatus, can_move
 from service.training.store import JobRecord, JobStore, iso
 from service.training.uploads import Datasets
-from service.tunables import TUNABLES, TrainingTunables
+from service.tunables import TrainingTunables
 from service.weights import resolve
 from service.weights.record import WeightsRecord
 
@@ -100,7 +100,7 @@ class Jobs:
         the Serve application's name (its weights record). `app_model`: the app's ModelConfig,
         to regenerate a served version its `init` made. `max_seq_len`: the serving limit,
         applied to uploaded attention datasets too. `tunables`: the poll loop's timing and
-        budgets (default: service.tunables' training section)."""
+        budgets (the app's training tunables; default, their defaults)."""
         self._store = store
         self._artifacts = artifacts
         self._weights = weights
@@ -111,7 +111,7 @@ class Jobs:
         self._app = app
         self._app_model = app_model
         self._datasets = Datasets(store, artifacts, limits, max_seq_len)
-        self._t = tunables or TUNABLES.training
+        self._t = tunables or TrainingTunables()
         self._rules = lifecycle.Rules.of(self._t)
         self._id = f"mgr-{uuid.uuid4().hex[:12]}"
         self._runs: dict[str, _Run] = {}

@@ -49,17 +49,10 @@ from service.training.models import MODEL_FILE
 from service.training.runner import train_loop_per_worker
 from service.training.spec import AttentionModel, JobSpec
 from service.training.status import JobStatus, check_transition
-from service.tunables import TUNABLES
+from service.tunables import Tunables
 
 RUN_NAMESPACE = "gangserve"
 RESULT_FILE = "result.json"
-MAX_LOG_LINES = TUNABLES.training.max_run_log_lines
-# One worker_output call carries at most this many lines (more than the worker's ring holds:
-# service.tunables checks it), each cut as the worker cuts it (one value).
-MAX_OUTPUT_LINES_PER_CALL = TUNABLES.training.max_output_lines_per_call
-MAX_OUTPUT_LINE_CHARS = TUNABLES.training.output_line_chars
-# A finished run whose manager never collects it exits after this long (outcome in result.json).
-FINISHED_LINGER_S = TUNABLES.training.finished_linger_s
 
 
 def run_actor_name(job_id: str) -> str:
@@ -98,14 +91,18 @@ class TrainRun:
     """Live state of one run; `fit()` runs on a daemon thread started in __init__."""
 
     def __init__(self, job_id: str, spec: dict[str, Any], dataset_key: str | None,
-                 init_key: str | None = None, resume: dict[str, Any] | None = None) -> None:
+                 init_key: str | None = None, resume: dict[str, Any] | None = None,
+                 tunables: Tunables | None = None) -> None:
         """`dataset_key`: the uploaded dataset's artifact key (or a legacy absolute path).
         `init_key`: the job's copy of its init_from weights (loaded on a fresh start only).
         `resume`: {"attempts", "started_at", "progress"} of the job's record when this run
-        continues one that died with the service (None: the job's first run)."""
+        continues one that died with the service (None: the job's first run).
+        `tunables`: the app's (its training section bounds this actor's logs and linger; the
+        whole travels to the workers); default, the defaults."""
+        self._tunables = tunables or Tunables()
         self._job_id = job_id
         self._spec = JobSpec.model_validate(spec)
-        self._store = artifacts.store()  # from this actor's environment (inherited from the JobManager)
+        self._store = artifacts.store(self._tunables.state)  # from this actor's environment (inherited from the JobManager)
         self._dataset_path = dataset_key
         self._lock = threading.Lock()
         self._status = JobStatus.PENDING
@@ -137,7 +134,7 @@ class TrainRun:
             self._current_loss = progress.get("loss")
             self._resumed_from_epoch = resume.get("resumed_from_epoch")
         self._checkpoint: dict[str, Any] | None = None
-        self._logs: collections.deque[tuple[int, float, str]] = collections.deque(maxlen=MAX_LOG_LINES)
+        self._logs: collections.deque[tuple[int, float, str]] = collections.deque(maxlen=self._tunables.training.max_run_log_lines)
         self._log_seq = 0
         self._last_poll = time.monotonic()
         self._log(
@@ -164,7 +161,8 @@ class TrainRun:
             trainer = TorchTrainer(
                 train_loop_per_worker,
                 train_loop_config={"spec": spec.model_dump(), "reporter": self._handle,
-                                   "dataset_path": self._dataset_path, "init_key": self._init_key},
+                                   "dataset_path": self._dataset_path, "init_key": self._init_key,
+                                   "tunables": self._tunables},
                 scaling_config=ScalingConfig(
                     num_workers=spec.world_size, use_gpu=spec.use_gpu,
                     resources_per_worker={k: v for k, v in bundle.items()},
@@ -232,7 +230,7 @@ class TrainRun:
             with self._lock:
                 done = self._finished_at is not None
                 idle = time.monotonic() - self._last_poll
-            if done and idle > FINISHED_LINGER_S:
+            if done and idle > self._tunables.training.finished_linger_s:
                 os._exit(0)  # nobody collects us; result.json holds the outcome
 
     # ---- called by the train workers (fire-and-forget) ----------------------------------
@@ -260,10 +258,13 @@ class TrainRun:
     def worker_output(self, rank: int, lines: list[tuple[str, str]]) -> None:
         """A worker's captured stdout/stderr lines (service.training.worker_output), oldest
         first, as (stream, line): logged as "[rank R] line" (stderr: "[rank R stderr] line")."""
+        # At most max_output_lines_per_call lines (more than a worker's ring holds), each cut
+        # as the worker cuts it (one value).
+        t = self._tunables.training
         tagged = []
-        for stream, line in list(lines)[-MAX_OUTPUT_LINES_PER_CALL:]:
+        for stream, line in list(lines)[-t.max_output_lines_per_call:]:
             tag = f"[rank {int(rank)}]" if stream in ("stdout", "note") else f"[rank {int(rank)} {str(stream)[:10]}]"
-            tagged.append(f"{tag} {str(line)[:MAX_OUTPUT_LINE_CHARS]}")
+            tagged.append(f"{tag} {str(line)[:t.output_line_chars]}")
         self._log(*tagged)
 
     def step(self, epoch: int, step: int, loss: float) -> None:

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.training.lifecycle import ActorDied, Answered, Observation, TimedOut
 from service.training.run import RUN_NAMESPACE, TrainRun, run_actor_name
+from service.tunables import Tunables
 
 _RemoteTrainRun = ray.remote(TrainRun)
 T = TypeVar("T")
@@ -23,10 +24,12 @@ T = TypeVar("T")
 class RunActors:
     """The detached, named run actors of the jobs, placed on `node_id` (the manager's node:
     the Ray Train controller runs next to its driver, and a local artifact store's state dir
-    is known to be mounted there)."""
+    is known to be mounted there). Each gets the app's `tunables` (default: the defaults),
+    which it hands to its workers."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, tunables: Tunables | None = None) -> None:
         self._node_id = node_id
+        self._tunables = tunables or Tunables()
 
     async def launch(self, job_id: str, spec: dict[str, Any], dataset_path: str | None,
                      init_key: str | None, resume: dict[str, Any] | None = None) -> Any:
@@ -40,7 +43,7 @@ class RunActors:
             max_restarts=0,
             max_concurrency=16,
             scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=False),
-        ).remote, job_id, spec, dataset_path, init_key, resume)
+        ).remote, job_id, spec, dataset_path, init_key, resume, self._tunables)
 
     @staticmethod
     async def find(job_id: str) -> Any | None:

@@ -14,12 +14,12 @@ keeps plain SGD at lr 0.01 visibly learning). The epoch loss reported is the mea
 sample of every rank (all-reduced), so it is the same on all ranks.
 
 Progress goes to the job's run actor (`reporter`): every rank announces itself (pid, node)
-and rank 0 reports each finished epoch, both acknowledged within ACK_TIMEOUT_S; step
-progress is fire-and-forget, at most every PROGRESS_INTERVAL_S.
+and rank 0 reports each finished epoch, both acknowledged within training.ack_timeout_s; step
+progress is fire-and-forget, at most every training.progress_interval_s.
 
 The worker's own stdout/stderr (each rank prints one line per epoch; anything else the loop,
 torch or Ray print in this process too) is captured by `worker_output.OutputCapture` and
-sent to the run actor after every epoch, at most every OUTPUT_INTERVAL_S within one, and
+sent to the run actor after every epoch, at most every training.output_interval_s within one, and
 when the loop ends: the job's logs show it tagged by rank ("[rank 1] ...").
 
 Initial weights: a fresh start (no Ray Train checkpoint) loads `init_key` (the job's copy of
@@ -35,7 +35,7 @@ memory-speed write of the model and optimizer state) and reports them with
 `CheckpointUploadMode.ASYNC`: Ray Train's single upload thread copies them to storage while
 the next epoch trains, then deletes the temp dir. At most one upload is in flight: an epoch
 that ends while the previous upload still runs reports no checkpoint (the steps never wait
-for storage), except the last epoch, which waits for it (at most CHECKPOINT_WAIT_S) and
+for storage), except the last epoch, which waits for it (at most training.checkpoint_wait_s) and
 writes the final one. Bound on lost work: a crash loses the epochs since the newest
 uploaded checkpoint, at most ceil(upload time / epoch time) + 1 epochs. Each epoch's
 metrics carry rank 0's time on the step path: `checkpoint_s` writing the local files and
@@ -67,15 +67,9 @@ from service.training.datasets import Samples, load_uploaded, split, synthetic
 from service.training.models import MODEL_FILE, ModelSpecT, build_model, load_model, load_tensors, save_model
 from service.training.spec import JobSpec, SyntheticDataset
 from service.training.worker_output import OutputCapture
-from service.tunables import TUNABLES
+from service.tunables import Tunables
 
 TRAIN_STATE_FILE = "train_state.pt"
-# The worker's waits and report periods (service.tunables says why each value).
-CHECKPOINT_WAIT_S = TUNABLES.training.checkpoint_wait_s  # for the previous epoch's upload
-PROGRESS_INTERVAL_S = TUNABLES.training.progress_interval_s
-ACK_TIMEOUT_S = TUNABLES.training.ack_timeout_s
-OUTPUT_INTERVAL_S = TUNABLES.training.output_interval_s  # captured output, within a long epoch
-OUTPUT_ACK_TIMEOUT_S = TUNABLES.training.output_ack_timeout_s
 
 
 def vector_sq_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,29 +87,34 @@ def _batch(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch
     return (batch[0], batch[1], batch[2]) if len(batch) == 3 else (batch[0], batch[1], None)
 
 
-def send_output(reporter: Any, rank: int, capture: OutputCapture, final: bool = False) -> None:
+def send_output(reporter: Any, rank: int, capture: OutputCapture, ack_timeout_s: float, final: bool = False) -> None:
     """Send the captured lines to the run actor, acknowledged (so they arrive in order, and
-    the last ones before fit() returns); never fails the training for its logs."""
+    the last ones before fit() returns, each within `ack_timeout_s`); never fails the
+    training for its logs."""
     lines = capture.drain(final)
     if not lines:
         return
     try:
-        ray.get(reporter.worker_output.remote(rank, lines), timeout=OUTPUT_ACK_TIMEOUT_S)
+        ray.get(reporter.worker_output.remote(rank, lines), timeout=ack_timeout_s)
     except Exception as exc:  # noqa: BLE001
         print(f"could not send {len(lines)} output line(s) to the run actor: {type(exc).__name__}", file=sys.stderr)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """One worker's training: `config` is the run actor's train_loop_config (the job's spec,
+    the run actor's handle, its dataset and init keys, and the app's `tunables`)."""
     rank = ray.train.get_context().get_world_rank()
-    capture = OutputCapture()
+    tunables: Tunables = config["tunables"]
+    capture = OutputCapture(tunables.training)
     with capture.installed():
         try:
-            _train(config, capture)
+            _train(config, capture, tunables)
         finally:
-            send_output(config["reporter"], rank, capture, final=True)
+            send_output(config["reporter"], rank, capture, tunables.training.output_ack_timeout_s, final=True)
 
 
-def _train(config: dict[str, Any], capture: OutputCapture) -> None:
+def _train(config: dict[str, Any], capture: OutputCapture, tunables: Tunables) -> None:
+    t = tunables.training
     spec = JobSpec.model_validate(config["spec"])
     reporter = config["reporter"]
     ctx = ray.train.get_context()
@@ -137,14 +136,14 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
         start_epoch, step, optim_state = int(state["epoch"]), int(state["step"]), state["optimizer"]
     elif config.get("init_key"):
         # Fine-tuning: the job's own copy of its init_from weights (shapes checked at submit).
-        load_tensors(model, spec.model, st_load_torch(artifacts.store().read_bytes(config["init_key"])))
+        load_tensors(model, spec.model, st_load_torch(artifacts.store(tunables.state).read_bytes(config["init_key"])))
     ray.get(reporter.worker_started.remote(
         rank=rank, world_size=world, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
         resumed_epoch=start_epoch if restored is not None else None,
         node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
-    ), timeout=ACK_TIMEOUT_S)
+    ), timeout=t.ack_timeout_s)
 
-    train, val = load_samples(spec, config.get("dataset_path"))
+    train, val = load_samples(spec, config.get("dataset_path"), artifacts.store(tunables.state))
     loader = DataLoader(
         TensorDataset(*train.tensors()), batch_size=spec.batch_size, shuffle=True,
         generator=torch.Generator().manual_seed(spec.seed),
@@ -161,7 +160,7 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
     bare: nn.Module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     sampler = getattr(loader, "sampler", None)
 
-    writer = CheckpointWriter(spec.model)
+    writer = CheckpointWriter(spec.model, t.checkpoint_wait_s)
     last_progress, last_output = 0.0, time.monotonic()
     for epoch in range(start_epoch, spec.epochs):
         if isinstance(sampler, DistributedSampler):
@@ -183,11 +182,11 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
             n = xb.shape[0] if mb is None else mb.sum()  # vectors the loss averaged over (token vectors)
             loss_sum[0] += loss.detach().double() * n  # stays on the device: no sync per step
             loss_sum[1] += n
-            if rank == 0 and time.monotonic() - last_progress > PROGRESS_INTERVAL_S:
+            if rank == 0 and time.monotonic() - last_progress > t.progress_interval_s:
                 last_progress = time.monotonic()
                 reporter.step.remote(epoch=epoch, step=step, loss=float(loss.detach()))
-            if time.monotonic() - last_output > OUTPUT_INTERVAL_S and capture.pending():
-                send_output(reporter, rank, capture)
+            if time.monotonic() - last_output > t.output_interval_s and capture.pending():
+                send_output(reporter, rank, capture, t.output_ack_timeout_s)
                 last_output = time.monotonic()
         local_sum, local_n = loss_sum[0].item(), int(loss_sum[1].item())
         if world > 1 and dist.is_initialized():
@@ -210,26 +209,28 @@ def _train(config: dict[str, Any], capture: OutputCapture) -> None:
             metrics["checkpoint_wait_s"] = writer.wait_s if checkpoint is not None else None
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
                              delete_local_checkpoint_after_upload=True)
-            send_output(reporter, rank, capture)
+            send_output(reporter, rank, capture, t.output_ack_timeout_s)
             last_output = time.monotonic()
             # Acknowledged (bounded), so the run has the epoch before fit() can return. Its
             # checkpoint may still be uploading: a restart then resumes from the epoch before
             # and reports this one again (the history keeps one entry per epoch).
-            ray.get(reporter.epoch_done.remote(**metrics), timeout=ACK_TIMEOUT_S)
+            ray.get(reporter.epoch_done.remote(**metrics), timeout=t.ack_timeout_s)
         else:
             ray.train.report(metrics, checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
-            send_output(reporter, rank, capture)
+            send_output(reporter, rank, capture, t.output_ack_timeout_s)
             last_output = time.monotonic()
 
 
-def load_samples(spec: JobSpec, dataset_path: str | None) -> tuple[Samples, Samples | None]:
-    """(training samples, held-out samples or None) of a job, the same on every rank."""
+def load_samples(spec: JobSpec, dataset_path: str | None,
+                 store: artifacts.ArtifactStore) -> tuple[Samples, Samples | None]:
+    """(training samples, held-out samples or None) of a job, the same on every rank; an
+    uploaded dataset is read through `store`."""
     ds = spec.dataset
     if isinstance(ds, SyntheticDataset):
         x, y = synthetic(spec.model, ds)
         return split(Samples(x, y), ds.validation_fraction)
     assert dataset_path is not None, "an uploaded dataset needs its path"
-    train, own_val = load_uploaded(dataset_path)
+    train, own_val = load_uploaded(dataset_path, store)
     if own_val is not None and not ds.validation_fraction:
         return train, own_val
     return split(train, ds.validation_fraction)  # the submit refused a fraction next to own val tensors
@@ -264,8 +265,10 @@ class CheckpointWriter:
     """Rank 0's epoch checkpoints as local temp dirs for Ray Train's ASYNC upload, at most
     one in flight (see the module docstring)."""
 
-    def __init__(self, spec: ModelSpecT) -> None:
+    def __init__(self, spec: ModelSpecT, wait_bound_s: float) -> None:
+        """`wait_bound_s`: the longest wait for the previous upload (training.checkpoint_wait_s)."""
         self._spec = spec
+        self._wait_bound_s = wait_bound_s
         self._pending: Path | None = None  # the previous epoch's dir until its upload deletes it
         self.wait_s = 0.0   # the last write's wait for the previous upload
         self.write_s = 0.0  # the last write's own time (local files)
@@ -289,10 +292,10 @@ class CheckpointWriter:
         """Until the previous upload finished (Ray Train deletes the dir after uploading it)."""
         if self._pending is None:
             return
-        deadline = time.monotonic() + CHECKPOINT_WAIT_S
+        deadline = time.monotonic() + self._wait_bound_s
         while self._pending.exists():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the checkpoint upload of {self._pending.name} did not finish within "
-                                   f"{CHECKPOINT_WAIT_S:.0f}s (storage too slow or unreachable)")
+                                   f"{self._wait_bound_s:.0f}s (storage too slow or unreachable)")
             time.sleep(0.01)
         self._pending = None

@@ -30,11 +30,10 @@ from typing import Any, Callable, Iterable
 from service.state.db import Database, DatabaseStore, Row, Session, sqlite_url
 from service.training.limits import ActiveUsage
 from service.training.status import ACTIVE, JobStatus, parse, sources
-from service.tunables import TUNABLES
+from service.tunables import StateTunables, TrainingTunables
 
 log = logging.getLogger("gangserve.training")
 
-MAX_LOG_LINES_PER_JOB = TUNABLES.training.max_log_lines_per_job
 STORE = "jobs"
 LOCK = "jobs"  # the transaction lock of every multi-statement write of this store
 
@@ -120,12 +119,16 @@ class JobStore(DatabaseStore):
     transaction. Raises service.state.db.StateUnavailable (503) when the database cannot be
     reached, at construction or later; nothing is half-written then."""
 
-    def __init__(self, database: str | Path | Database) -> None:
+    def __init__(self, database: str | Path | Database, training: TrainingTunables | None = None,
+                 state: StateTunables | None = None) -> None:
         """`database`: a SQLite file path, a database URL (sqlite:/// or postgresql://), or an
-        open Database (then not closed by `close`)."""
+        open Database (then not closed by `close`). `training`: its log retention
+        (max_log_lines_per_job); `state`: the waits of a Database opened here (defaults: the
+        tunables' defaults)."""
         if not isinstance(database, Database):
             database = str(database) if "://" in str(database) else sqlite_url(database)
-        self._open(database, STORE)
+        self._max_log_lines = (training or TrainingTunables()).max_log_lines_per_job
+        self._open(database, STORE, state)
         self.path = self._db.path  # the SQLite file (None on PostgreSQL)
         self.journal_mode = self._db.journal_mode
         log.info("job store on %s%s", self._db.url,
@@ -251,7 +254,7 @@ class JobStore(DatabaseStore):
         """Insert (run_seq, ts, line) entries; run_seq None marks the manager's own lines.
 
         A run line already stored (same run_seq) is ignored, so re-polling is harmless.
-        Only the newest MAX_LOG_LINES_PER_JOB lines of a job are kept.
+        Only the newest training.max_log_lines_per_job lines of a job are kept.
         """
         entries = list(entries)
         if not entries:
@@ -267,7 +270,7 @@ class JobStore(DatabaseStore):
             s.execute(
                 "DELETE FROM job_logs WHERE job_id = ? AND id NOT IN "
                 "(SELECT id FROM job_logs WHERE job_id = ? ORDER BY id DESC LIMIT ?)",
-                (job_id, job_id, MAX_LOG_LINES_PER_JOB),
+                (job_id, job_id, self._max_log_lines),
             )
 
     def last_run_log_seq(self, job_id: str) -> int:

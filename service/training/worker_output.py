@@ -26,25 +26,25 @@ import sys
 import threading
 from typing import Any, Iterator, TextIO
 
-from service.tunables import TUNABLES
+from service.tunables import TrainingTunables
 
-MAX_LINES = TUNABLES.training.output_ring_lines
-MAX_CHARS = TUNABLES.training.output_line_chars  # the run actor cuts at the same value
-RECENT_STDOUT = TUNABLES.training.recent_stdout_lines
 # Terminal escapes (colours, cursor moves) mean nothing in a JSON log.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
 class OutputCapture:
-    """Complete lines written to the installed tees, newest `max_lines` kept, thread-safe."""
+    """Complete lines written to the installed tees, the newest training.output_ring_lines
+    kept, each cut at training.output_line_chars (the run actor cuts at the same value);
+    thread-safe. `training`: default, the training tunables' defaults."""
 
-    def __init__(self, max_lines: int = MAX_LINES, max_chars: int = MAX_CHARS) -> None:
-        self._max_chars = max_chars
+    def __init__(self, training: TrainingTunables | None = None) -> None:
+        t = training or TrainingTunables()
+        max_lines, self._max_chars = t.output_ring_lines, t.output_line_chars
         self._lock = threading.Lock()
         self._lines: collections.deque[tuple[str, str]] = collections.deque(maxlen=max_lines)
         self._dropped = 0
         self._partial: dict[str, str] = {"stdout": "", "stderr": ""}
-        self._recent_stdout: collections.deque[str] = collections.deque(maxlen=RECENT_STDOUT)
+        self._recent_stdout: collections.deque[str] = collections.deque(maxlen=t.recent_stdout_lines)
 
     def write(self, stream: str, text: str) -> None:
         with self._lock:

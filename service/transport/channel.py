@@ -39,15 +39,15 @@ that sends a new request without answering it (the client falls back
 to the Serve handle, which routes to another replica); requests already accepted finish
 and get their answers.
 
-Tensors of MIN_SHARED_BYTES or more travel through a shared region the connection keeps
+Tensors of transport.min_shared_bytes or more travel through a shared region the connection keeps
 (service.transport.shm.Arena): the ingress copies the request into it, the gang server maps it on
 first use and keeps the mapping, computes on it in place and writes the reply into it,
-the ingress copies the reply out. Up to MAX_SHARED_REGION_BYTES; larger (rare) requests
+the ingress copies the reply out. Up to transport.max_shared_region_bytes; larger (rare) requests
 go inline, so a connection never pins more than that.
 
 Who may connect: the socket file is created 0600 by the replica's user, and the client
 refuses a socket owned by anyone else (a squatter on the predictable path). Sizes are
-bounded on both sides (MAX_HEADER_BYTES; the payload must match the shape exactly).
+bounded on both sides (transport.channel_max_header_bytes; the payload must match the shape exactly).
 """
 from __future__ import annotations
 
@@ -68,15 +68,12 @@ import orjson
 
 from service.transport import shm
 from service.errors import ErrorCode, GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
-from service.tunables import TUNABLES
+from service.tunables import TransportTunables
 
 log = logging.getLogger("gangserve.channel")
 
 FRAME = struct.Struct("<IQ")
-MAX_HEADER_BYTES = TUNABLES.transport.channel_max_header_bytes
 SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and pod)
-MAX_SHARED_REGION_BYTES = TUNABLES.transport.max_shared_region_bytes
-STALE_AFTER_S = TUNABLES.transport.stale_socket_s  # a socket file nobody listens on, older, is a dead replica's
 
 # rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages)[, key mask [b, s]
 # bool or None, causal or None] -> the output (called with x alone when neither is sent)
@@ -91,14 +88,14 @@ class ChannelUnavailable(RuntimeError):
     the caller sends the request through the Serve handle instead."""
 
 
-def sweep_stale_sockets() -> int:
+def sweep_stale_sockets(stale_after_s: float) -> int:
     """Remove socket files of replicas that are gone (killed before they could clean up):
-    nobody accepts on them, and they are older than STALE_AFTER_S (so a replica that is
+    nobody accepts on them, and they are older than `stale_after_s` (transport.stale_socket_s) (so a replica that is
     just starting is never touched). Returns how many were removed."""
     removed = 0
     for path in SOCKET_DIR.glob("gangserve-ch-*.sock"):
         try:
-            if time.time() - path.stat().st_mtime < STALE_AFTER_S:
+            if time.time() - path.stat().st_mtime < stale_after_s:
                 continue
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 probe.settimeout(0.2)
@@ -122,7 +119,9 @@ def socket_path(replica_id: str) -> Path:
 class ChannelServer:
     """Rank 0's listener, inside the GangServer replica's event loop."""
 
-    def __init__(self, infer: InferFn, max_in_flight: int, session_append: SessionAppendFn | None = None) -> None:
+    def __init__(self, infer: InferFn, max_in_flight: int, session_append: SessionAppendFn | None = None,
+                 tunables: TransportTunables = TransportTunables()) -> None:
+        self._max_header = tunables.channel_max_header_bytes
         self._infer = infer
         self._session_append = session_append
         self._max_in_flight = max_in_flight
@@ -142,7 +141,7 @@ class ChannelServer:
                 path.unlink()  # a replica never reuses an id; a leftover is ours to replace
             # Connecting needs write permission on the socket: with the usual umask (022)
             # nobody else has it from the start; 0600 makes that explicit.
-            self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=MAX_HEADER_BYTES)
+            self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=self._max_header)
             os.chmod(path, 0o600)
         except OSError as exc:
             log.warning("data channel not available (%s); requests use the Serve handle", exc)
@@ -187,7 +186,7 @@ class ChannelServer:
         try:
             while True:
                 try:
-                    header, payload = await read_frame(reader)
+                    header, payload = await read_frame(reader, self._max_header)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the client closed the connection
                 if self._draining:
@@ -316,8 +315,10 @@ class ChannelClient:
     """The ingress's side: a few pooled connections to one gang server's socket, each with
     its own reusable shared region for tensors that travel through /dev/shm."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tunables: TransportTunables = TransportTunables()) -> None:
         self.path = path
+        self._max_header = tunables.channel_max_header_bytes
+        self._max_region = tunables.max_shared_region_bytes
         self._idle: list[_Connection] = []
 
     async def infer(self, x: np.ndarray, share: bool = False, mask: np.ndarray | None = None,
@@ -336,7 +337,7 @@ class ChannelClient:
         conn = await self._connection()
         done = False
         shape = tuple(int(d) for d in x.shape)
-        share = share and x.size * 4 <= MAX_SHARED_REGION_BYTES
+        share = share and x.size * 4 <= self._max_region
         extra: dict[str, Any] = {}
         tail = b""
         if mask is not None:
@@ -360,7 +361,7 @@ class ChannelClient:
                 data = np.ascontiguousarray(x, dtype=np.float32)
                 await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None, **extra},
                                   memoryview(data).cast("B"), tail)
-            reply, payload = await _read_reply(conn)
+            reply, payload = await _read_reply(conn, self._max_header)
             done = True
             if not reply.get("ok"):
                 if "shm_unavailable" in reply:
@@ -399,7 +400,7 @@ class ChannelClient:
             header["timeout_s"] = float(timeout_s)
         try:
             await write_frame(conn.writer, header, memoryview(data).cast("B"))
-            reply, payload = await _read_reply(conn)
+            reply, payload = await _read_reply(conn, self._max_header)
             done = True
             if not reply.get("ok"):
                 raise error_from_wire(reply.get("error") or {})
@@ -440,17 +441,18 @@ class ChannelClient:
         if owner != os.getuid():
             raise ChannelUnavailable(f"{self.path.name} belongs to uid {owner}, not to this service's user")
         try:
-            reader, writer = await asyncio.open_unix_connection(str(self.path), limit=MAX_HEADER_BYTES)
+            reader, writer = await asyncio.open_unix_connection(str(self.path), limit=self._max_header)
         except OSError as exc:
             raise ChannelUnavailable(f"cannot connect to {self.path.name}: {exc.strerror or exc}") from None
         return _Connection(reader, writer)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
+async def read_frame(reader: asyncio.StreamReader, max_header_bytes: int) -> tuple[dict[str, Any], bytes]:
+    """One frame; a header longer than `max_header_bytes` is refused (ValueError)."""
     head = await reader.readexactly(FRAME.size)
     header_len, payload_len = FRAME.unpack(head)
-    if header_len > MAX_HEADER_BYTES:
-        raise ValueError(f"data-channel header of {header_len} bytes (max {MAX_HEADER_BYTES})")
+    if header_len > max_header_bytes:
+        raise ValueError(f"data-channel header of {header_len} bytes (max {max_header_bytes})")
     header = orjson.loads(await reader.readexactly(header_len))
     if not isinstance(header, dict):
         raise ValueError("data-channel header is not an object")
@@ -470,10 +472,10 @@ async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payl
     await writer.drain()
 
 
-async def _read_reply(conn: _Connection) -> tuple[dict[str, Any], bytes]:
+async def _read_reply(conn: _Connection, max_header_bytes: int) -> tuple[dict[str, Any], bytes]:
     """The server's reply frame; ChannelUnavailable when the connection closed or the frame is malformed."""
     try:
-        return await read_frame(conn.reader)
+        return await read_frame(conn.reader, max_header_bytes)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise ChannelUnavailable(f"the gang server closed the data channel ({type(exc).__name__})") from None
     except ValueError as exc:

@@ -5,7 +5,7 @@ takes one of three routes, best first:
 
 - **data channel** (service.transport.channel): the GangServer replica's Unix socket, when
   the app has one gang (`uses_data_channel`), that gang is ready, its rank 0 runs on this
-  ingress replica's node and the socket listens. Tensors of `shm.MIN_SHARED_BYTES` or more
+  ingress replica's node and the socket listens. Tensors of `transport.min_shared_bytes` or more
   cross through the connection's shared region in /dev/shm;
 - **handle call through shared memory** (service.transport.shm): a Serve handle call that
   carries only a reference to pages in /dev/shm, when rank 0 shares this node (several gangs:
@@ -38,7 +38,7 @@ from service.gang_status import GangStatus, IngressTransport
 from service.metrics.process import process_metrics
 from service.transport import shm
 from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
-from service.tunables import TUNABLES
+from service.tunables import TransportTunables
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
@@ -70,7 +70,9 @@ class GangLink:
     """The route from this ingress replica to the gang's rank 0 (see the module docstring)."""
 
     def __init__(self, *, node_id: str, channel_enabled: bool, shm_enabled: bool, call: HandleCall,
-                 bounded: Bounded, on_route_lost: Callable[[], None]) -> None:
+                 bounded: Bounded, on_route_lost: Callable[[], None],
+                 tunables: TransportTunables = TransportTunables()) -> None:
+        self._t = tunables  # share threshold, retry-after times, the channel's bounds
         self._node_id = node_id
         self._on_route_lost = on_route_lost  # a route failed: the caller reads the gang's status again
         self._channel_enabled = channel_enabled
@@ -100,7 +102,7 @@ class GangLink:
             self._drop_channel()
         elif status.replica_id != self._channel_replica:  # a new gang server: its socket, a fresh start
             self._drop_channel()
-            self._channel, self._channel_replica = ChannelClient(socket_path(status.replica_id)), status.replica_id
+            self._channel, self._channel_replica = ChannelClient(socket_path(status.replica_id), self._t), status.replica_id
             self._channel_retry_at = 0.0
 
     async def infer(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
@@ -178,22 +180,22 @@ class GangLink:
 
     def _can_share(self, x: np.ndarray) -> bool:
         """Shared memory pays only for tensors Ray would not inline, and needs rank 0 on this node."""
-        return (self._shm_enabled and self._rank0_here and x.size * 4 >= shm.MIN_SHARED_BYTES
+        return (self._shm_enabled and self._rank0_here and x.size * 4 >= self._t.min_shared_bytes
                 and time.monotonic() >= self._shm_retry_at)
 
     def _channel_failed(self, exc: Exception) -> None:
         self._counts.data_channel_fallbacks += 1
-        self._channel_retry_at = time.monotonic() + TUNABLES.transport.channel_retry_after_s
+        self._channel_retry_at = time.monotonic() + self._t.channel_retry_after_s
         self._on_route_lost()
         log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc,
-                    TUNABLES.transport.channel_retry_after_s)
+                    self._t.channel_retry_after_s)
 
     def _shm_failed(self, exc: Exception) -> None:
         self._counts.shared_memory_fallbacks += 1
         process_metrics().inc("gangserve_shm_fallbacks")
-        self._shm_retry_at = time.monotonic() + TUNABLES.transport.shm_retry_after_s
+        self._shm_retry_at = time.monotonic() + self._t.shm_retry_after_s
         log.warning("shared-memory hand-off failed (%s); sending tensors by value for %.0fs", exc,
-                    TUNABLES.transport.shm_retry_after_s)
+                    self._t.shm_retry_after_s)
 
     def _drop_channel(self) -> None:
         if self._channel is not None:

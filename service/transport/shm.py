@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 
-from service.tunables import TUNABLES
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "gangserve-"
@@ -39,7 +38,6 @@ _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[0-9a-f]{{16}}$")  # PREFIX, cre
 # (max_direct_call_object_size) inline in the RPC, so little is saved below that; the
 # threshold (64 KiB) is one tunable, which the shm_transport builder argument's description
 # quotes, so 64-100 KiB tensors use /dev/shm too.
-MIN_SHARED_BYTES = TUNABLES.transport.min_shared_bytes
 
 
 class SharedMemoryUnavailable(RuntimeError):

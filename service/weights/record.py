@@ -47,6 +47,7 @@ from service.config import ModelConfig
 from service.parallel.weights import DENSE_KEYS, random_weights, seed_weights
 from service.state import artifacts
 from service.state.db import Database, DatabaseStore, Row, Session, database_url
+from service.tunables import StateTunables
 
 WEIGHTS_SUBDIR = "weights"
 
@@ -96,9 +97,6 @@ class ServedWeights:
 
 
 # ---- hashing and the immutable copies ----------------------------------------------------
-
-file_sha256 = artifacts.file_sha256  # one hashing routine for records and the store
-
 
 def dense_sha256(weights: dict[str, torch.Tensor]) -> str:
     """sha256 over the dense tensors in DENSE_KEYS order (float32, C order, native bytes)."""
@@ -161,10 +159,11 @@ class ConfigWeights:
     fingerprint: str
 
 
-def describe_config_weights(model: ModelConfig) -> ConfigWeights:
-    """Hash the configured weights (the checkpoint file, or the tensors `init` generates)."""
+def describe_config_weights(model: ModelConfig, tunables: StateTunables | None = None) -> ConfigWeights:
+    """Hash the configured weights (the checkpoint file, read in the state `tunables`'
+    copy_chunk_bytes, or the tensors `init` generates)."""
     if model.checkpoint:
-        sha = file_sha256(model.checkpoint)
+        sha = artifacts.file_sha256(model.checkpoint, (tunables or StateTunables()).copy_chunk_bytes)
         description = f"checkpoint {Path(model.checkpoint).name}"
     else:
         dense = seed_weights(model.embed_dim) if model.init == "seed" else random_weights(model.embed_dim, model.seed)
@@ -187,11 +186,13 @@ class WeightsRecord(DatabaseStore):
     transaction (thread-safe). Raises service.state.db.StateUnavailable (503) when the
     database cannot be reached, at construction or later."""
 
-    def __init__(self, state: Path, database: str | Database | None = None) -> None:
+    def __init__(self, state: Path, database: str | Database | None = None,
+                 tunables: StateTunables | None = None) -> None:
         """`database`: a URL or an open Database (not closed by `close`); default the one
-        GANGSERVE_DATABASE_URL names, else the SQLite file in `state`."""
+        GANGSERVE_DATABASE_URL names, else the SQLite file in `state`. `tunables`: the state
+        tunables of a Database opened here."""
         self.state = state
-        self._open(database or database_url(state), STORE)
+        self._open(database or database_url(state), STORE, tunables)
 
     def current(self, app: str) -> ServedWeights | None:
         """The newest version of `app` (what every gang of it must serve), or None."""

@@ -37,7 +37,7 @@ from service.errors import Conflict, ErrorCode, GangServeError, GangStartupError
 from service.gang_status import GangState
 from service.parallel.weights import check_checkpoint
 from service.state import artifacts
-from service.tunables import TUNABLES
+from service.tunables import GangTunables
 from service.weights.record import (
     ConfigWeights,
     ServedWeights,
@@ -75,7 +75,8 @@ class Rollout:
     second waits for the first and is recorded after it."""
 
     def __init__(self, gang: SwappableGang, model: ModelConfig, store: artifacts.ArtifactStore, ask: Ask,
-                 app: str) -> None:
+                 app: str, tunables: GangTunables = GangTunables()) -> None:
+        self._t = tunables  # the Controller calls' bounds
         self._gang = gang
         self._model = model
         self._artifacts = store
@@ -93,7 +94,7 @@ class Rollout:
         """The version this replica must serve: the app's record, unless its config changed.
         GangStartupError (`weights_record_broken`) when the recorded file is gone or altered."""
         config = await asyncio.to_thread(describe_config_weights, self._model)
-        weights: ServedWeights = await self._ask("reconcile_weights", config, timeout_s=_controller_timeout_s())
+        weights: ServedWeights = await self._ask("reconcile_weights", config, timeout_s=self._t.controller_timeout_s)
         try:
             await asyncio.to_thread(verify_recorded_file, weights, self._artifacts)
         except WeightsRecordError as exc:
@@ -143,7 +144,7 @@ class Rollout:
         tensors are not kept: only the current config's can be made again)."""
         async with self._lock:
             target: ServedWeights | None = await self._ask("weights_version", version,
-                                                           timeout_s=_controller_timeout_s())
+                                                           timeout_s=self._t.controller_timeout_s)
             if target is None:
                 raise NotFound(f"no weights version {version} is recorded for app {self._app!r} "
                                "(GET /weights lists them)", code=ErrorCode.WEIGHTS_VERSION_NOT_FOUND)
@@ -183,7 +184,7 @@ class Rollout:
         """Stage `model`'s weights on every rank, record them (the Controller assigns the
         version), commit; the caller holds the swap lock."""
         loop = asyncio.get_running_loop()
-        timeout_s = _controller_timeout_s()
+        timeout_s = self._t.controller_timeout_s
 
         def record() -> ServedWeights:
             # Runs on the gang's sequencer thread, after staging succeeded on every rank:
@@ -199,7 +200,7 @@ class Rollout:
         """The app's newest recorded version (what a bring-up loads); falls back to the
         version the gang last held if the record cannot be read right now."""
         try:
-            recorded = await self._ask("current_weights", timeout_s=TUNABLES.gang.probe_interval_s * 2)
+            recorded = await self._ask("current_weights", timeout_s=self._t.probe_interval_s * 2)
         except Exception as exc:  # the controller restarts, the database hiccups: keep serving what we had
             log.error("cannot read the weights record (%s); using version %d", exc, self._gang.weights_version)
             recorded = None
@@ -249,7 +250,3 @@ async def wait_for_gangs(fleet: Callable[[], Awaitable[dict[str, Any]]], version
         if done or time.monotonic() >= deadline:
             return done, outcome
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-
-
-def _controller_timeout_s() -> float:
-    return TUNABLES.gang.controller_timeout_s

@@ -13,7 +13,7 @@ from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.ingress.deps import (
-    INLINE_DECODE_BYTES, INLINE_ENCODE_VALUES, DecodePool, check_declared_length, get_config, get_decode_pool,
+    DecodePool, check_declared_length, get_config, get_decode_pool,
     get_gang, read_body_capped,
 )
 from service.ingress.gang_client import GangClient
@@ -171,12 +171,12 @@ async def _infer(
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
     cap = (cfg.max_json_bytes, "max_json_bytes") if json_only else (cfg.max_body_bytes, "max_body_bytes")
     args = (body, encoding, cap, header_length, limits, output_dtype)
-    if encoding != "identity" or len(body) > INLINE_DECODE_BYTES:
+    if encoding != "identity" or len(body) > cfg.tunables.ingress.inline_decode_bytes:
         req, x, mask, squeezed, reply_dtype, binary = await pool.run(prepare, *args)
     else:
         req, x, mask, squeezed, reply_dtype, binary = prepare(*args)
     deadline = deadlines.request_deadline(started, cfg.request_timeout_s, header_s,
-                                          deadlines.oip_timeout(req.parameters))
+                                          deadlines.oip_timeout(req.parameters), tunables=cfg.tunables.ingress)
     sequence = sequence_of(req)  # Triton's sequence parameters: a session (service.ingress.oip.sequences)
     parameters = None
     if sequence is not None:
@@ -188,7 +188,7 @@ async def _infer(
     else:
         out = await gang.infer(x, mask, causal(req), deadline)  # [batch, seq, E] float32
     out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
-    if out.size > INLINE_ENCODE_VALUES:
+    if out.size > cfg.tunables.ingress.inline_encode_values:
         return await pool.run_unbounded(reply, req, out, binary, parameters)
     return reply(req, out, binary, parameters)
 

@@ -2,7 +2,7 @@
 
 Bounded before it is decoded: the body by max_body_bytes (JSON: max_json_bytes), refused
 from Content-Length before it is read; the declared shape by max_seq_len /
-max_tokens_per_request before any value is converted. Bodies over INLINE_DECODE_BYTES are
+max_tokens_per_request before any value is converted. Bodies over tunables.ingress.inline_decode_bytes are
 decoded in the ingress's DecodePool (never on the event loop; 503 `overloaded` when it is
 full), smaller ones inline (they cost less than the hop to a thread).
 """
@@ -20,7 +20,7 @@ from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.config import AppConfig
 from service.ingress.deps import (
-    INLINE_DECODE_BYTES, INLINE_ENCODE_VALUES, DecodePool, check_declared_length, get_config, get_decode_pool,
+    DecodePool, check_declared_length, get_config, get_decode_pool,
     get_gang, read_body_capped,
 )
 from service.ingress.gang_client import GangClient
@@ -97,7 +97,8 @@ async def infer(
 ) -> Response:
     started = time.monotonic()  # the deadline counts from here (service.deadlines)
     deadline = deadlines.request_deadline(
-        started, cfg.request_timeout_s, deadlines.header_timeout(request.headers.get(deadlines.HEADER)))
+        started, cfg.request_timeout_s, deadlines.header_timeout(request.headers.get(deadlines.HEADER)),
+        tunables=cfg.tunables.ingress)
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
     t_start = time.perf_counter()
@@ -108,7 +109,7 @@ async def infer(
         body = await read_body_capped(request, cfg.max_body_bytes)
     t_read = time.perf_counter()
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
-    if len(body) > INLINE_DECODE_BYTES:
+    if len(body) > cfg.tunables.ingress.inline_decode_bytes:
         x, mask, squeezed, dtype = await pool.run(_prepare, body, media, limits, output_dtype, reply_media)
     else:
         x, mask, squeezed, dtype = _prepare(body, media, limits, output_dtype, reply_media)
@@ -117,7 +118,7 @@ async def infer(
     t_gang = time.perf_counter()
     if squeezed:
         out = out[0]
-    if out.size > INLINE_ENCODE_VALUES:
+    if out.size > cfg.tunables.ingress.inline_encode_values:
         content = await pool.run_unbounded(_encode, out, dtype, reply_media)
     else:
         content = _encode(out, dtype, reply_media)

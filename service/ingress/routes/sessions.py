@@ -26,7 +26,7 @@ from service.errors import InvalidInput
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.ingress.deps import (
-    INLINE_DECODE_BYTES, DecodePool, check_declared_length, get_config, get_decode_pool, get_gang, read_body_capped,
+    DecodePool, check_declared_length, get_config, get_decode_pool, get_gang, read_body_capped,
 )
 from service.ingress.gang_client import GangClient
 from service.ingress.routes.infer import _encode
@@ -89,7 +89,8 @@ async def delete_session(session_id: str, request: Request, cfg: AppConfig = Dep
 
 def _deadline(request: Request, cfg: AppConfig) -> float:
     return deadlines.request_deadline(time.monotonic(), cfg.request_timeout_s,
-                                      deadlines.header_timeout(request.headers.get(deadlines.HEADER)))
+                                      deadlines.header_timeout(request.headers.get(deadlines.HEADER)),
+                                      tunables=cfg.tunables.ingress)
 
 
 async def _rows(request: Request, cfg: AppConfig, pool: DecodePool, output_dtype: str | None,
@@ -109,7 +110,7 @@ async def _rows(request: Request, cfg: AppConfig, pool: DecodePool, output_dtype
     if not body and optional:
         return None
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
-    if len(body) > INLINE_DECODE_BYTES:
+    if len(body) > cfg.tunables.ingress.inline_decode_bytes:
         x, mask, squeezed, dtype = await pool.run(_prepare_rows, body, media, limits, output_dtype, reply_media)
     else:
         x, mask, squeezed, dtype = _prepare_rows(body, media, limits, output_dtype, reply_media)

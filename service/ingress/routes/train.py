@@ -17,7 +17,8 @@ from starlette.concurrency import iterate_in_threadpool
 
 from service.ingress.auth import require_token
 from service.errors import BadRequest, ErrorCode, NotFound
-from service.ingress.deps import read_body_capped
+from service.config import AppConfig
+from service.ingress.deps import get_config, read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, inline_defs
 from service.state import artifacts
@@ -91,11 +92,12 @@ async def cancel(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends
     responses={200: {"content": {"application/x-safetensors": {}}}, 409: {"description": "job has none"},
                503: {"description": "the artifact store cannot be reached (storage_unavailable)"}},
 )
-async def checkpoint(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs)) -> Response:
+async def checkpoint(job_id: str = Depends(job_id_param), jobs: JobsClient = Depends(get_jobs),
+                     cfg: AppConfig = Depends(get_config)) -> Response:
     """Streamed from the artifact store: a local file as it is, an S3 object in chunks (the
     object is opened before the reply starts, so a store outage is a 503, not a cut reply)."""
     key = await jobs.call("checkpoint_key", job_id)
-    store = artifacts.store()
+    store = artifacts.store(cfg.tunables.state)
     filename = f"{job_id}.safetensors"
     if store.local:
         return FileResponse(store.path(key), media_type="application/x-safetensors", filename=filename)

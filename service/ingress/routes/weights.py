@@ -37,7 +37,6 @@ from service.ingress.schemas import AUTH_RESPONSES, ErrorBody
 from service.weights.gate import check_eval_gate, job_eval_loss
 from service.weights.record import ServedWeights
 from service.weights.rollout import wait_for_gangs
-from service.tunables import TUNABLES
 
 router = APIRouter(tags=["training"])
 
@@ -77,7 +76,6 @@ class WeightsVersions(BaseModel):
 
 
 MAX_WEIGHTS_BODY_BYTES = 64 * 1024  # a job id or a path: never more
-ROLLOUT_TIMEOUT_S = TUNABLES.ingress.rollout_timeout_s  # the other gangs follow within a probe interval or two
 
 
 async def _small_body(request: Request) -> None:
@@ -157,6 +155,6 @@ async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs)
     # One gang swaps and records the new version; every other gang of the app follows the
     # record within a few seconds (each swap atomic); the reply reports where each one is.
     version = int(info.get("weights_version") or 0)
-    rolled_out, gangs = await wait_for_gangs(fleet.view, version, timeout_s=ROLLOUT_TIMEOUT_S)
+    rolled_out, gangs = await wait_for_gangs(fleet.view, version, timeout_s=fleet.tunables.ingress.rollout_timeout_s)
     return {"job_id": target["job_id"], "checkpoint": target["path"], "weights_version": version,
             "rollback_of": req.version, "rolled_out": rolled_out, "gangs": gangs, "gang": info}
