@@ -197,6 +197,10 @@ class IngressTunables:
         "Bound on the training routes' calls to the JobManager; the state stores' own waits stay below "
         "it, so the caller gets the store's 503 with a reason, not this timeout."))
     jobs_metrics_timeout_s: float = knob(5.0, "A /metrics scrape waits at most this long for the JobManager's figures.")
+    swap_timeout_s: float = knob(300.0, (
+        "Bound on POST /weights' swap call to one gang (every rank loads, stages and commits the new "
+        "weights; a big checkpoint on slow storage takes minutes); rollout_timeout_s then bounds the "
+        "wait for the other gangs."))
     rollout_timeout_s: float = knob(120.0, (
         "POST /weights waits this long for every gang to serve the new version (the others follow the "
         "record within a probe interval or two), then answers rolled_out: false."))

@@ -195,18 +195,18 @@ class GangClient:
             self._waiting -= 1
 
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
-                             eval_loss: float | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
+                             eval_loss: float | None = None) -> dict[str, Any]:
         """Hot-swap the gang to a dense checkpoint (None: back to the app's configured
         weights), recorded as the app's next weights version (with the job's final
-        `eval_loss`, if any); returns the new /gang description."""
+        `eval_loss`, if any); returns the new /gang description. Bounded by ingress.swap_timeout_s."""
         self._status_at = 0.0  # the version changes: next status read is fresh
-        return await self._call("reload_weights", checkpoint, job_id, eval_loss, timeout_s=timeout_s)
+        return await self._call("reload_weights", checkpoint, job_id, eval_loss, timeout_s=self._t.swap_timeout_s)
 
-    async def rollback_weights(self, version: int, timeout_s: float = 300.0) -> dict[str, Any]:
+    async def rollback_weights(self, version: int) -> dict[str, Any]:
         """Serve recorded weights `version` again (GangServer.rollback_weights), recorded as
-        the app's next version; returns the new /gang description."""
+        the app's next version; returns the new /gang description. Bounded by ingress.swap_timeout_s."""
         self._status_at = 0.0
-        return await self._call("rollback_weights", version, timeout_s=timeout_s)
+        return await self._call("rollback_weights", version, timeout_s=self._t.swap_timeout_s)
 
     async def gangs(self, for_readiness: bool = False) -> dict[str, Any]:
         """Every live gang of the app: {"desired", "ready", "gangs": [/gang + replica_id],
