@@ -80,7 +80,8 @@ class GangServer:
         self._wake = asyncio.Event()  # set when the gang turns BROKEN: the supervisor acts at once
         self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state,
                           on_step=self._metrics.on_step, on_drop=self._metrics.on_drop,
-                          on_broken=lambda: loop.call_soon_threadsafe(self._wake.set), tunables=self._t)
+                          on_broken=lambda: loop.call_soon_threadsafe(self._wake.set), tunables=self._t,
+                          state_tunables=cfg.tunables.state)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._step_timings: dict[str, object] = {}

@@ -72,7 +72,7 @@ from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
 from service.gang_status import GangState, GangStatus
 from service.weights.record import ServedWeights
-from service.tunables import GangTunables
+from service.tunables import GangTunables, StateTunables
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
@@ -102,8 +102,10 @@ class Gang:
         on_drop: DropObserver | None = None,  # told of requests dropped uncomputed (deadline, cancelled)
         on_broken: Callable[[], None] | None = None,  # told (from any thread) when the gang turns BROKEN
         tunables: GangTunables = GangTunables(),  # the gang section (rank actors get it too)
+        state_tunables: StateTunables = StateTunables(),  # the ranks' artifact store (checkpoints)
     ) -> None:
         self._t = tunables
+        self._state_t = state_tunables
         self._on_broken = on_broken
         self._broken_at: float | None = None  # when the gang last turned BROKEN (rebuild timings)
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
@@ -121,7 +123,7 @@ class Gang:
         self.last_bring_up: dict[str, float] = {}
         self._root: RankWorker | None = None
         # An idle rank process, adopted by a rebuild (service.gang.spare).
-        self._spare = WarmSpare(gang, placement_group, RankActor, tunables)
+        self._spare = WarmSpare(gang, placement_group, RankActor, tunables, state_tunables)
         # Step loop state (sequencer thread only, except the heartbeat timer's reads).
         self._loop_on = False  # the peers' loops run (every bring-up with peers starts them)
         self._seq = 0  # last header sequence number sent
@@ -381,7 +383,7 @@ class Gang:
             # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1, one of
             # them the warm spare when it is warm and on that rank's node.
             self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank,
-                                    tunables=self._t)
+                                    tunables=self._t, state_tunables=self._state_t)
             previous_nodes = {info.rank: info.node_id for info in self.rank_infos}  # bundles stay put
             self._peers, refs = self._new_peers([]), []  # filled as they start: a teardown kills any
             actors = self._peers.actors
@@ -473,7 +475,7 @@ class Gang:
             )
         return RankActor.options(**options).remote(
             rank, self.cfg.world_size, use_gpu=self.cfg.use_gpu, torch_threads=self.cfg.threads_per_rank,
-            tunables=self._t,
+            tunables=self._t, state_tunables=self._state_t,
         )
 
     def _choose_backend(self, infos: list[RankInfo]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from service.gang.devices import choose_device
-from service.tunables import GangTunables
+from service.tunables import GangTunables, StateTunables
 from service.gang.worker import (  # re-exported: the gang and its tests import them from here
     COMPUTE_DTYPES,
     PlainModel,
@@ -30,7 +30,7 @@ class RankWorker(Rank):
     """A `Rank` placed by Ray: its node identity and GPU come from Ray's runtime context."""
 
     def __init__(self, rank: int, world_size: int, *, use_gpu: bool, torch_threads: int,
-                 tunables: GangTunables = GangTunables()) -> None:
+                 tunables: GangTunables = GangTunables(), state_tunables: StateTunables = StateTunables()) -> None:
         import ray
 
         from service.gang.failures import WeightsVersionMismatch
@@ -46,5 +46,5 @@ class RankWorker(Rank):
         super().__init__(
             rank, world_size, device=choice.device, node_ip=ray.util.get_node_ip_address(),
             node_id=ctx.get_node_id(), gpu_ids=gpu_ids, torch_threads=torch_threads, device_how=choice.why,
-            tunables=tunables,
+            tunables=tunables, state_tunables=state_tunables,
         )

@@ -22,7 +22,7 @@ from service.config import GangConfig
 from service.gang.failures import first_line, kill_quietly
 from service.gang.rank import RankInfo
 from service.gang_status import SpareStatus
-from service.tunables import GangTunables
+from service.tunables import GangTunables, StateTunables
 
 log = logging.getLogger("gangserve.gang")
 
@@ -37,9 +37,11 @@ class WarmSpare:
     """At most one idle rank actor, started after a bring-up and handed to the next one."""
 
     def __init__(self, cfg: GangConfig, placement_group: PlacementGroup | None,
-                 actor_class: Callable[..., Any], tunables: GangTunables = GangTunables()) -> None:
+                 actor_class: Callable[..., Any], tunables: GangTunables = GangTunables(),
+                 state_tunables: StateTunables = StateTunables()) -> None:
         self._cfg = cfg
-        self._tunables = tunables  # handed to the spare rank's constructor
+        self._tunables = tunables  # handed to the spare rank's constructor, as is:
+        self._state_tunables = state_tunables
         self._placement_group = placement_group
         self._actor_class = actor_class  # the Ray actor class of a rank (RankActor)
         self._actor: Any | None = None
@@ -57,7 +59,7 @@ class WarmSpare:
             )
         self._actor = self._actor_class.options(**options).remote(
             -1, self._cfg.world_size, use_gpu=False, torch_threads=self._cfg.threads_per_rank,
-            tunables=self._tunables,
+            tunables=self._tunables, state_tunables=self._state_tunables,
         )
         self._ready = self._actor.describe.remote().future()
 

@@ -49,7 +49,7 @@ from service.parallel.weights import (
     seed_weights,
     shard_dense,
 )
-from service.tunables import GangTunables
+from service.tunables import GangTunables, StateTunables
 
 log = logging.getLogger("gangserve.rank")
 
@@ -144,18 +144,18 @@ def load_rank_shard(model: ModelSpec, rank: int, world_size: int, local: Path | 
     `local`: the checkpoint as a verified local file (see `materialize`); the rank maps
     only its own slice of it."""
     if model.checkpoint:
-        return load_checkpoint_shard(local or materialize(model.checkpoint), rank, world_size)
+        return load_checkpoint_shard(local or materialize(model.checkpoint, StateTunables()), rank, world_size)
     dense = seed_weights(model.embed_dim) if model.init == "seed" else random_weights(model.embed_dim, model.seed)
     return shard_dense(dense, rank, world_size)
 
 
-def materialize(checkpoint: str) -> Path:
+def materialize(checkpoint: str, tunables: StateTunables) -> Path:
     """A checkpoint (an absolute local path, or a key in the artifact store) as a verified
-    local file: on S3, this node's cache, downloaded once per node. The artifact store is
+    local file: on S3, this node's cache, downloaded once per node (the store's waits: `tunables`). The artifact store is
     imported only here, so a rank without checkpoints needs none of its dependencies."""
     from service.state import artifacts
 
-    return artifacts.store().materialize(checkpoint)
+    return artifacts.store(tunables).materialize(checkpoint)
 
 
 class Rank:
@@ -170,9 +170,10 @@ class Rank:
 
     def __init__(self, rank: int, world_size: int, *, device: torch.device, node_ip: str, node_id: str = "",
                  gpu_ids: list[str] | None = None, torch_threads: int = 1, device_how: str = "",
-                 tunables: GangTunables = GangTunables()) -> None:
+                 tunables: GangTunables = GangTunables(), state_tunables: StateTunables = StateTunables()) -> None:
         torch.set_num_threads(torch_threads)
         self.tunables = tunables  # the gang section: exit grace, leave-group bound, timings kept
+        self.state_tunables = state_tunables  # the artifact store's waits (checkpoint downloads)
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -350,7 +351,7 @@ class Rank:
         check_dtype_fits(model_cfg)
         model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group, dtype=dtype)
         # A recorded checkpoint may be an artifact key: one verified local file for both reads.
-        local = materialize(model_cfg.checkpoint) if model_cfg.checkpoint else None
+        local = materialize(model_cfg.checkpoint, self.state_tunables) if model_cfg.checkpoint else None
         model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local))
         recorded = checkpoint_causal(local) if local is not None else None
         model.eval()
