@@ -1,6 +1,8 @@
 """Builder arguments: one pydantic model, unknown keys and impossible shapes rejected."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
@@ -142,6 +144,25 @@ def test_a_tunables_override_in_the_builder_args_reaches_the_running_value() -> 
     assert cfg.tunables.gang.max_backoff_s == 30.0  # untouched: the default
     replica = AppConfig.model_validate(cfg.model_dump())  # what a deployment's __init__ does
     assert replica.tunables == cfg.tunables
+
+
+def test_a_tunables_override_reaches_the_owner_that_uses_it(tmp_path: Path) -> None:
+    """The job store built from a deployed config keeps the overridden number of log lines,
+    and its database waits the overridden busy time: the value travels as an object, not
+    through a module constant."""
+    from service.app import parse_args
+    from service.training.store import JobRecord, JobStore
+
+    cfg = parse_args({"tunables": {"training": {"max_log_lines_per_job": 3}, "state": {"sqlite_busy_timeout_s": 2.5}}})
+    store = JobStore(tmp_path / "jobs.sqlite", cfg.tunables.training, cfg.tunables.state)
+    try:
+        assert store.database.tunables.sqlite_busy_timeout_s == 2.5
+        store.create_job(JobRecord(id="job-1", status="PENDING", spec={}, created_at=1.0, updated_at=1.0,
+                                   progress={}))
+        store.append_logs("job-1", [(i, float(i), f"line {i}") for i in range(1, 8)])
+        assert [line for _, line in store.tail_logs("job-1", 100)] == ["line 5", "line 6", "line 7"]
+    finally:
+        store.close()
 
 
 def test_an_unknown_tunable_is_refused_naming_it() -> None:
