@@ -80,19 +80,30 @@ class _Pending:
         return int(self.x.shape[1])
 
 
-class StepBatcher:
-    """Coalesces concurrent `submit` calls into steps of at most `max_batch_size` rows."""
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How the batcher forms steps, in one place: the builder arguments max_batch_size,
+    batch_wait_timeout_s and max_padding_fraction (service.config.GangConfig.batching builds
+    it from them), and the steps in flight at once."""
 
-    def __init__(self, run_step: StepFn, *, max_batch_size: int, wait_s: float, max_in_flight: int = 1,
-                 on_step: StepObserver | None = None, max_padding_fraction: float = 0.0,
+    max_batch_size: int  # most rows one step coalesces
+    wait_s: float = 0.0  # extra wait for company when fewer rows are queued (0: none)
+    max_padding_fraction: float = 0.0  # most padded share of a step's tokens (0: equal lengths only)
+    max_in_flight: int = 1  # steps at once: 1 in front of the gang's sequencer
+
+
+class StepBatcher:
+    """Coalesces concurrent `submit` calls into steps, as `policy` says."""
+
+    def __init__(self, run_step: StepFn, policy: BatchPolicy, *, on_step: StepObserver | None = None,
                  on_drop: DropObserver | None = None) -> None:
         self._run_step = run_step
         self._on_step = on_step
         self._on_drop = on_drop
-        self._max_rows = max_batch_size
-        self._max_padding = max_padding_fraction
-        self._wait_s = wait_s
-        self._slots = asyncio.Semaphore(max_in_flight)
+        self._max_rows = policy.max_batch_size
+        self._max_padding = policy.max_padding_fraction
+        self._wait_s = policy.wait_s
+        self._slots = asyncio.Semaphore(policy.max_in_flight)
         self._running: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
         self._pending: list[_Pending] = []
         self._drainer: asyncio.Task | None = None

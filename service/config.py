@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.batching import BatchPolicy
 from service.training.limits import TrainingLimits
 from service.tunables import GangTunables, Tunables, TransportTunables
 
@@ -169,6 +170,12 @@ class GangConfig(BaseModel):
     def single_gang(self) -> bool:
         """Exactly one gang, always (no autoscaling): nothing for a router to choose."""
         return self.autoscaling_config is None and self.num_replicas == 1
+
+    @property
+    def batching(self) -> BatchPolicy:
+        """The batcher's policy: max_batch_size, batch_wait_timeout_s and max_padding_fraction."""
+        return BatchPolicy(max_batch_size=self.max_batch_size, wait_s=self.batch_wait_timeout_s,
+                           max_padding_fraction=self.max_padding_fraction)
 
     @property
     def threads_per_rank(self) -> int:

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from service.batching import StepBatcher
+from service.batching import BatchPolicy, StepBatcher
 from tests.helpers import eventually_async
 
 pytestmark = pytest.mark.unit
@@ -36,7 +36,7 @@ def _x(batch: int, seq: int, seed: int) -> np.ndarray:
 def test_concurrent_requests_share_steps_and_get_their_own_rows() -> None:
     async def scenario() -> tuple[list, list, RecordingStep, StepBatcher]:
         step = RecordingStep()
-        batcher = StepBatcher(step, max_batch_size=64, wait_s=0.0)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=64, wait_s=0.0))
         inputs = [_x(1 + i % 3, 5, i) for i in range(12)]
         outs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
         return inputs, outs, step, batcher
@@ -50,7 +50,7 @@ def test_concurrent_requests_share_steps_and_get_their_own_rows() -> None:
 def test_only_equal_seq_lens_are_coalesced_and_max_rows_is_respected() -> None:
     async def scenario() -> RecordingStep:
         step = RecordingStep()
-        batcher = StepBatcher(step, max_batch_size=4, wait_s=0.01, max_padding_fraction=0.0)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=4, wait_s=0.01, max_padding_fraction=0.0))
         inputs = [_x(2, 3, 0), _x(2, 7, 1), _x(2, 3, 2), _x(2, 3, 3), _x(2, 7, 4)]
         outs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
         for x, out in zip(inputs, outs):
@@ -66,7 +66,7 @@ def test_only_equal_seq_lens_are_coalesced_and_max_rows_is_respected() -> None:
 def test_a_failed_step_fails_every_request_in_it_and_the_next_step_runs() -> None:
     async def scenario() -> None:
         step = RecordingStep(fail=True)
-        batcher = StepBatcher(step, max_batch_size=8, wait_s=0.01)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=8, wait_s=0.01))
         results = await asyncio.gather(*(batcher.submit(_x(1, 2, i)) for i in range(3)), return_exceptions=True)
         assert all(isinstance(r, RuntimeError) for r in results)
         step.fail = False
@@ -79,7 +79,7 @@ def test_a_failed_step_fails_every_request_in_it_and_the_next_step_runs() -> Non
 def test_a_cancelled_request_is_dropped_before_it_runs() -> None:
     async def scenario() -> RecordingStep:
         step = RecordingStep(delay_s=0.05)
-        batcher = StepBatcher(step, max_batch_size=1, wait_s=0.0)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=1, wait_s=0.0))
         first = asyncio.ensure_future(batcher.submit(_x(1, 2, 0)))
         second = asyncio.ensure_future(batcher.submit(_x(1, 2, 1)))
         await eventually_async(lambda: len(step.shapes) == 1, 5, "the first request's step running")
@@ -114,7 +114,7 @@ class ConcurrencyProbe(RecordingStep):
 def test_steps_in_flight_never_exceed_the_limit_and_rows_stay_exact(max_in_flight: int) -> None:
     async def scenario() -> tuple[list, list, ConcurrencyProbe, StepBatcher]:
         step = ConcurrencyProbe()
-        batcher = StepBatcher(step, max_batch_size=3, wait_s=0.0, max_in_flight=max_in_flight)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=3, wait_s=0.0, max_in_flight=max_in_flight))
         inputs = [_x(1, 5, i) for i in range(20)]
         outs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
         return inputs, outs, step, batcher
@@ -159,7 +159,7 @@ def test_mixed_lengths_share_a_step_and_each_gets_what_it_would_alone() -> None:
 
     async def scenario() -> tuple[list, list, MixingStep, StepBatcher]:
         step = MixingStep()
-        batcher = StepBatcher(step, max_batch_size=64, wait_s=0.02, max_padding_fraction=0.3)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=64, wait_s=0.02, max_padding_fraction=0.3))
         inputs = [_x(1 + i % 2, n, i) for i, n in enumerate(lengths)]
         masks = [None] * len(inputs)
         masks[2] = np.array([[1, 1, 1, 1, 0, 0]] * inputs[2].shape[0], dtype=bool)  # its own padding too
@@ -181,7 +181,7 @@ def test_mixed_lengths_share_a_step_and_each_gets_what_it_would_alone() -> None:
 def test_padding_stays_within_max_padding_fraction() -> None:
     async def scenario() -> MixingStep:
         step = MixingStep()
-        batcher = StepBatcher(step, max_batch_size=64, wait_s=0.02, max_padding_fraction=0.25)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=64, wait_s=0.02, max_padding_fraction=0.25))
         inputs = [_x(1, n, n) for n in (1, 2, 8, 8, 7, 16, 15, 2, 1, 9)]
         outs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
         for x, out in zip(inputs, outs):
@@ -214,7 +214,7 @@ def test_a_request_whose_deadline_passes_while_queued_is_answered_then_and_never
 
     async def scenario() -> tuple[list, float, float, RecordingStep, StepBatcher]:
         step = RecordingStep(delay_s=0.5)  # a slow step: what follows it queues
-        batcher = StepBatcher(step, max_batch_size=1, wait_s=0.0, on_drop=lambda r, n: drops.append((r, n)))
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=1, wait_s=0.0), on_drop=lambda r, n: drops.append((r, n)))
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         first = loop.create_task(batcher.submit(_x(1, 2, 0)))  # runs inline, 0.5 s
@@ -246,7 +246,7 @@ def test_a_request_past_its_deadline_on_arrival_never_reaches_a_step() -> None:
 
     async def scenario() -> RecordingStep:
         step = RecordingStep()
-        batcher = StepBatcher(step, max_batch_size=4, wait_s=0.0)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=4, wait_s=0.0))
         with pytest.raises(DeadlineExceededBeforeStep) as info:
             await batcher.submit(_x(1, 2, 0), deadline=time.monotonic() - 0.001)
         assert info.value.status == 504 and info.value.code == "deadline_exceeded"
@@ -260,7 +260,7 @@ def test_cancelled_queued_request_is_dropped_and_counted() -> None:
 
     async def scenario() -> RecordingStep:
         step = RecordingStep(delay_s=0.2)
-        batcher = StepBatcher(step, max_batch_size=1, wait_s=0.0, on_drop=lambda r, n: drops.append((r, n)))
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=1, wait_s=0.0), on_drop=lambda r, n: drops.append((r, n)))
         first = asyncio.ensure_future(batcher.submit(_x(1, 2, 0)))
         await asyncio.sleep(0)
         gone = asyncio.ensure_future(batcher.submit(_x(1, 7, 1)))

@@ -136,10 +136,7 @@ class Gang:
         self._timings: list[tuple[int, int, int, int, int, int]] = []
         # One thread = one global order of collectives (service.gang.sequencer).
         self._sequencer = Sequencer(on_stuck=self._mark_broken)
-        self._batcher = StepBatcher(
-            self._batched_step, max_batch_size=gang.max_batch_size, wait_s=gang.batch_wait_timeout_s,
-            on_step=on_step, max_padding_fraction=gang.max_padding_fraction, on_drop=on_drop,
-        )
+        self._batcher = StepBatcher(self._batched_step, gang.batching, on_step=on_step, on_drop=on_drop)
 
     # -- public, async -------------------------------------------------------------------
     @property
