@@ -16,22 +16,34 @@ from service.weights.rollout import wait_for_gangs
 pytestmark = pytest.mark.unit
 
 
+def _watch_of(fleet: Fleet):
+    """What Controller.watch_fleet answers, over a real Fleet: the view once its version moved
+    past `known` (the Controller's own wait is tested in test_fleet.py)."""
+    async def watch(known: int) -> dict[str, Any]:
+        while fleet.version == known:
+            await asyncio.sleep(0.005)
+        return {**fleet.view(time.time()), "version": fleet.version}
+    return watch
+
+
 def _ready(version: int) -> dict[str, Any]:
     return {"state": "ready", "reason": "ready", "world_size": 2, "backend": "gloo", "weights_version": version}
 
 
-def test_the_wait_ends_when_every_gang_serves_the_version() -> None:
+def test_the_wait_ends_when_the_last_gang_reports_the_version() -> None:
     fleet = Fleet()
     fleet.report("A", _ready(4), time.time())
     fleet.report("B", _ready(3), time.time())
 
-    async def view() -> dict[str, Any]:
-        if fleet.view(time.time())["gangs"][1]["weights_version"] == 3:
-            fleet.report("B", _ready(4), time.time())  # B follows the record between two reads
-        return fleet.view(time.time())
+    async def scenario() -> tuple[bool, list[dict[str, Any]], float]:
+        started = time.monotonic()
+        # B follows the record 0.2 s into the wait: its report moves the fleet's version.
+        asyncio.get_running_loop().call_later(0.2, lambda: fleet.report("B", _ready(4), time.time()))
+        done, gangs = await wait_for_gangs(_watch_of(fleet), 4, timeout_s=10)
+        return done, gangs, time.monotonic() - started
 
-    done, gangs = asyncio.run(wait_for_gangs(view, 4, timeout_s=10, poll_s=0.05))
-    assert done is True
+    done, gangs, waited = asyncio.run(scenario())
+    assert done is True and 0.2 <= waited < 1.0, waited
     assert gangs == [{"replica_id": "A", "state": "ready", "weights_version": 4},
                      {"replica_id": "B", "state": "ready", "weights_version": 4}]
 
@@ -41,11 +53,8 @@ def test_the_wait_is_bounded_and_reports_where_each_gang_is() -> None:
     fleet.report("A", _ready(4), time.time())
     fleet.report("B", _ready(3), time.time())
 
-    async def view() -> dict[str, Any]:
-        return fleet.view(time.time())
-
     started = time.monotonic()
-    done, gangs = asyncio.run(wait_for_gangs(view, 4, timeout_s=0.5, poll_s=0.1))
+    done, gangs = asyncio.run(wait_for_gangs(_watch_of(fleet), 4, timeout_s=0.5))
     assert 0.5 <= time.monotonic() - started < 2.0
     assert done is False and [g["weights_version"] for g in gangs] == [4, 3]
 
@@ -53,17 +62,18 @@ def test_the_wait_is_bounded_and_reports_where_each_gang_is() -> None:
 def test_a_fleet_view_that_cannot_be_read_is_never_taken_for_done() -> None:
     fleet = Fleet()
     fleet.report("A", _ready(4), time.time())
+    watch_fleet = _watch_of(fleet)
     calls = 0
 
-    async def view() -> dict[str, Any]:
+    async def watch(known: int) -> dict[str, Any]:
         nonlocal calls
         calls += 1
         if calls <= 2:  # the Controller restarts
-            raise GangUnavailable("the controller did not answer fleet", code=ErrorCode.CONTROLLER_UNREACHABLE)
-        return fleet.view(time.time())
+            raise GangUnavailable("the controller did not answer watch_fleet", code=ErrorCode.CONTROLLER_UNREACHABLE)
+        return await watch_fleet(known)
 
-    done, gangs = asyncio.run(wait_for_gangs(view, 4, timeout_s=10, poll_s=0.05))
+    done, gangs = asyncio.run(wait_for_gangs(watch, 4, timeout_s=10, retry_s=0.05))
     assert calls == 3 and done is True and gangs[0]["replica_id"] == "A"
     # Away for the whole wait: not rolled out, no gang listed.
     calls = -10**6
-    assert asyncio.run(wait_for_gangs(view, 4, timeout_s=0.3, poll_s=0.05)) == (False, [])
+    assert asyncio.run(wait_for_gangs(watch, 4, timeout_s=0.3, retry_s=0.05)) == (False, [])

@@ -41,8 +41,7 @@ from service.transport.channel import ChannelServer, sweep_stale_sockets
 from service.config import AppConfig, GangConfig, ModelConfig
 from service.deadlines import local_deadline
 from service.gang import worker as rank_worker
-from service.errors import ErrorCode, GangUnavailable
-from service.ingress.handle_errors import awaited, map_handle_error
+from service.ingress.handle_errors import bounded_call
 from service.gang.gang import Gang
 from service.gang_status import DataChannelStatus, GangState, dump
 from service.gang.router import routing_stats
@@ -262,18 +261,7 @@ class GangServer:
     async def _ask(self, method: str, *args: Any, timeout_s: float) -> Any:
         """One call to the Controller, bounded by timeout_s; every failure is a GangServeError
         (503: the controller's own, e.g. `state_unavailable`, or `controller_*`)."""
-        response = getattr(self._controller, method).remote(*args)
-        try:
-            return await asyncio.wait_for(awaited(response), timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise GangUnavailable(f"the controller did not answer {method} within {timeout_s:.0f}s",
-                                  code=ErrorCode.CONTROLLER_UNREACHABLE) from None
-        except Exception as exc:
-            error = map_handle_error(exc, what="controller", method=method)
-            if error is None:
-                raise
-            raise error from None
+        return await bounded_call(self._controller, method, *args, what="controller", timeout_s=timeout_s)
 
     async def _rebuild_once(self) -> None:
         cause = self._gang.reason

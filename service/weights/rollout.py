@@ -22,7 +22,7 @@ version. The other gangs of the app follow the record (`follow`), each swap atom
 
 A `Rollout` lives in one GangServer replica, beside its gang; it reaches the Controller
 through the `ask` it is given (bounded, every failure a GangServeError). `wait_for_gangs`
-runs in the ingress and reads the Controller's fleet view. This module imports no gang or
+runs in the ingress and long-polls the Controller's fleet view. This module imports no gang or
 ingress code: the gang comes in as a `SwappableGang`.
 """
 from __future__ import annotations
@@ -231,22 +231,32 @@ class Rollout:
         return True
 
 
-async def wait_for_gangs(fleet: Callable[[], Awaitable[dict[str, Any]]], version: int, timeout_s: float,
-                         poll_s: float = 0.5) -> tuple[bool, list[dict[str, Any]]]:
+async def wait_for_gangs(watch: Callable[[int], Awaitable[dict[str, Any]]], version: int, timeout_s: float,
+                         retry_s: float = 0.5) -> tuple[bool, list[dict[str, Any]]]:
     """Wait (at most timeout_s) until every live gang of the app serves weights `version`
     or newer; returns (all there, each gang's {replica_id, state, weights_version}).
 
-    `fleet()`: the Controller's fleet view (service.ingress.fleet_client.FleetClient.view).
-    A view that cannot be read (the Controller restarts; the gangs report again within a
-    second) is never taken for "every gang is there": the wait goes on."""
+    `watch(known)`: the Controller's fleet view once its version moved past `known`
+    (service.ingress.fleet_client.FleetClient.watch, a long poll): a gang's weights version
+    is part of what moves it, so the wait ends when the last gang's report lands, not at a
+    poll tick. A view that cannot be read (the Controller restarts; the gangs report again
+    within a second) is never taken for "every gang is there": the wait goes on, retried
+    every `retry_s`."""
     deadline = time.monotonic() + timeout_s
+    known, outcome = -1, []
     while True:
+        left = deadline - time.monotonic()
         try:
-            rows, answered = (await fleet())["gangs"], True
-        except GangServeError:
-            rows, answered = [], False
-        outcome = [{k: g.get(k) for k in ("replica_id", "state", "weights_version")} for g in rows]
-        done = answered and all((g.get("weights_version") or 0) >= version for g in rows)
-        if done or time.monotonic() >= deadline:
-            return done, outcome
-        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+            view = await asyncio.wait_for(watch(known), max(0.0, left))
+        except (GangServeError, asyncio.TimeoutError):
+            view = None
+        if view is not None:
+            known = view.get("version", known)
+            rows = view["gangs"]
+            outcome = [{k: g.get(k) for k in ("replica_id", "state", "weights_version")} for g in rows]
+            if all((g.get("weights_version") or 0) >= version for g in rows):
+                return True, outcome
+        if time.monotonic() >= deadline:
+            return False, outcome
+        if view is None:
+            await asyncio.sleep(min(retry_s, max(0.0, deadline - time.monotonic())))

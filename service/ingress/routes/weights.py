@@ -155,6 +155,6 @@ async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs)
     # One gang swaps and records the new version; every other gang of the app follows the
     # record within a few seconds (each swap atomic); the reply reports where each one is.
     version = int(info.get("weights_version") or 0)
-    rolled_out, gangs = await wait_for_gangs(fleet.view, version, timeout_s=fleet.tunables.ingress.rollout_timeout_s)
+    rolled_out, gangs = await wait_for_gangs(fleet.watch, version, timeout_s=fleet.tunables.ingress.rollout_timeout_s)
     return {"job_id": target["job_id"], "checkpoint": target["path"], "weights_version": version,
             "rollback_of": req.version, "rolled_out": rolled_out, "gangs": gangs, "gang": info}
