@@ -213,7 +213,7 @@ class ServingConfig(BaseModel):
         description="Decodes admitted to the pool at once (running or waiting for a thread); one more "
         "gets 503 `overloaded` with Retry-After. Small binary bodies are decoded inline and never wait. "
         "The default is a gang's max_ongoing_requests: a request whose body has been read is not "
-        "refused while its gang has room (at 8, 12 clients sending 256 KiB bodies got 503s).",
+        "refused while its gang has room.",
     )
     max_seq_len: int = Field(4096, ge=1, description="Longest sequence accepted (attention is O(seq^2)).")
     max_tokens_per_request: int = Field(
