@@ -1,4 +1,4 @@
-"""The import structure of `service/` (read with ast; nothing is imported or run).
+"""The import structure of `service/` (read with ast; one test imports, in a child process).
 
 The house rules, each a test:
 - no import cycles between modules;
@@ -17,11 +17,16 @@ The house rules, each a test:
   ingress or the deployments opens the data channel or hands tensors through /dev/shm;
 - the weights rollout has one home: only service.weights.rollout drives the gang's swap and
   asks the Controller to record a version; only the gang (and the rank that implements
-  them) stages, commits or discards a rank's weights.
+  them) stages, commits or discards a rank's weights;
+- the ingress's process loads no torch (nor the tensor-parallel math or the KV cache): its
+  replicas start in a fraction of the time and hold a fraction of the memory.
 """
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -297,3 +302,14 @@ def test_no_module_binds_a_tunable_at_import() -> None:
             if isinstance(node, ast.ImportFrom) and node.module == "service.tunables":
                 offenders += [f"{name}:{node.lineno}: imports TUNABLES" for a in node.names if a.name == "TUNABLES"]
     assert not offenders, "tunables bound at import: " + "; ".join(offenders)
+
+
+def test_the_ingress_process_loads_no_torch() -> None:
+    # What an Ingress replica imports (its deployment module), in a fresh interpreter.
+    probe = ("import json, sys; import service.deployments.ingress; "
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'safetensors') "
+             "or m.startswith(('service.parallel', 'service.gang.', 'service.sessions.registry')))))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not loaded, f"importing the ingress deployment loads {loaded[:8]}: keep those imports out of its module tree"

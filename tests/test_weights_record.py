@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from service.config import ModelConfig
+from service.weights.declared import describe_config_weights
 from service.weights.record import (
     WeightsRecord,
     WeightsRecordError,
-    describe_config_weights,
     store_immutable_copy,
     verify_recorded_file,
 )

@@ -35,9 +35,9 @@ import numpy as np
 
 from service.errors import Conflict, ErrorCode, InvalidInput, NotFound, SessionCacheFull, SessionGone, TooManySessions
 from service.parallel.kv_cache import AppendPlan
+from service.sessions.ids import OIP_PREFIX
 
 ENDED_KEPT = 100_000  # ended ids remembered (expired vs never known)
-OIP_PREFIX = "oip:"  # ids chosen by OIP clients (`sequence_id`) live beside ours in one registry
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from service.config import AppConfig
 from service.errors import Conflict, ErrorCode, InvalidInput
 from service.gang.gang import Gang
 from service.sessions.batcher import AppendBatcher
-from service.sessions.registry import OIP_PREFIX, Limits, RegistryStep, SessionRegistry, StepItem
+from service.sessions.ids import OIP_PREFIX
+from service.sessions.registry import Limits, RegistryStep, SessionRegistry, StepItem
 
 log = logging.getLogger("gangserve.sessions")
 

@@ -33,18 +33,13 @@ the state dir's SQLite file, next to the job records).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from service.config import ModelConfig
-from service.parallel.weights import DENSE_KEYS, random_weights, seed_weights
 from service.state import artifacts
 from service.state.db import Database, DatabaseStore, Row, Session, database_url
 from service.tunables import StateTunables
@@ -96,15 +91,7 @@ class ServedWeights:
         }
 
 
-# ---- hashing and the immutable copies ----------------------------------------------------
-
-def dense_sha256(weights: dict[str, torch.Tensor]) -> str:
-    """sha256 over the dense tensors in DENSE_KEYS order (float32, C order, native bytes)."""
-    digest = hashlib.sha256()
-    for key in DENSE_KEYS:
-        digest.update(weights[key].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
-    return digest.hexdigest()
-
+# ---- the immutable copies ----------------------------------------------------
 
 def _store_at(where: Path | artifacts.ArtifactStore) -> artifacts.ArtifactStore:
     """`where` as a store: a store as it is, a directory as the local store rooted there."""
@@ -147,7 +134,7 @@ def verify_recorded_file(weights: ServedWeights, where: Path | artifacts.Artifac
         ) from None
 
 
-# ---- the app's declared (config) weights ---------------------------------------------------
+# ---- the app's declared (config) weights, as the record compares them ---------------------
 
 @dataclass(frozen=True)
 class ConfigWeights:
@@ -157,26 +144,6 @@ class ConfigWeights:
     sha256: str
     checkpoint: str | None
     fingerprint: str
-
-
-def describe_config_weights(model: ModelConfig, tunables: StateTunables | None = None) -> ConfigWeights:
-    """Hash the configured weights (the checkpoint file, read in the state `tunables`'
-    copy_chunk_bytes, or the tensors `init` generates)."""
-    if model.checkpoint:
-        sha = artifacts.file_sha256(model.checkpoint, (tunables or StateTunables()).copy_chunk_bytes)
-        description = f"checkpoint {Path(model.checkpoint).name}"
-    else:
-        dense = seed_weights(model.embed_dim) if model.init == "seed" else random_weights(model.embed_dim, model.seed)
-        sha = dense_sha256(dense)
-        description = "init=seed" if model.init == "seed" else f"init=random seed={model.seed}"
-    declaration = {
-        "embed_dim": model.embed_dim,
-        "num_heads": model.num_heads,
-        "weights": model.weights_source,
-        "sha256": sha,
-    }
-    fingerprint = hashlib.sha256(json.dumps(declaration, sort_keys=True).encode()).hexdigest()
-    return ConfigWeights(description, sha, model.checkpoint, fingerprint)
 
 
 # ---- the record ------------------------------------------------------------------------------

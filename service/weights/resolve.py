@@ -28,7 +28,8 @@ from service.config import ModelConfig
 from service.errors import Conflict, ErrorCode, InvalidInput, NotFound
 from service.parallel.weights import random_weights, seed_weights
 from service.state import artifacts
-from service.weights.record import ServedWeights, WeightsRecord, dense_sha256
+from service.weights.declared import dense_sha256
+from service.weights.record import ServedWeights, WeightsRecord
 
 
 # ---- recorded versions (a job's init_from) -----------------------------------------------------

@@ -35,7 +35,6 @@ from typing import Any, Awaitable, Callable, Protocol
 from service.config import ModelConfig
 from service.errors import Conflict, ErrorCode, GangServeError, GangStartupError, NotFound
 from service.gang_status import GangState
-from service.parallel.weights import check_checkpoint
 from service.state import artifacts
 from service.tunables import GangTunables
 from service.weights.record import (
@@ -43,12 +42,26 @@ from service.weights.record import (
     ServedWeights,
     Source,
     WeightsRecordError,
-    describe_config_weights,
     store_immutable_copy,
     verify_recorded_file,
 )
 
 log = logging.getLogger("gangserve.server")
+
+# The checkpoint check and the config's hash need torch. They are imported when first called,
+# not with this module: the ingress imports this module (wait_for_gangs) and loads no torch
+# (tests/test_layout.py), which keeps its replicas' start and memory small.
+def _check_checkpoint(path: str, embed_dim: int, num_heads: int) -> None:
+    from service.parallel.weights import check_checkpoint
+
+    check_checkpoint(path, embed_dim, num_heads)
+
+
+def _describe_config_weights(model: ModelConfig) -> ConfigWeights:
+    from service.weights.declared import describe_config_weights
+
+    return describe_config_weights(model)
+
 
 # ask(method, *args, timeout_s=...): one bounded call to the app's Controller.
 Ask = Callable[..., Awaitable[Any]]
@@ -93,7 +106,7 @@ class Rollout:
     async def weights_at_start(self) -> ServedWeights:
         """The version this replica must serve: the app's record, unless its config changed.
         GangStartupError (`weights_record_broken`) when the recorded file is gone or altered."""
-        config = await asyncio.to_thread(describe_config_weights, self._model)
+        config = await asyncio.to_thread(_describe_config_weights, self._model)
         weights: ServedWeights = await self._ask("reconcile_weights", config, timeout_s=self._t.controller_timeout_s)
         try:
             await asyncio.to_thread(verify_recorded_file, weights, self._artifacts)
@@ -126,7 +139,7 @@ class Rollout:
                 # A local copy (downloaded once, hashed), its header checked, then the
                 # immutable copy: I/O, off the event loop.
                 local, sha = await asyncio.to_thread(self._artifacts.fetch, checkpoint)
-                await asyncio.to_thread(check_checkpoint, local, current.embed_dim, current.num_heads)
+                await asyncio.to_thread(_check_checkpoint, local, current.embed_dim, current.num_heads)
                 stored, sha = await asyncio.to_thread(store_immutable_copy, local, self._artifacts, sha)
             except (ValueError, OSError) as exc:
                 raise Conflict(str(exc), code=ErrorCode.CHECKPOINT_MISMATCH) from None
@@ -166,7 +179,7 @@ class Rollout:
                     raise Conflict(f"weights version {version} ({target.description}): its file cannot be read: "
                                    f"{getattr(exc, 'strerror', None) or exc}", code=ErrorCode.WEIGHTS_VERSION_UNAVAILABLE) from None
                 try:
-                    await asyncio.to_thread(check_checkpoint, local, self._model.embed_dim, self._model.num_heads)
+                    await asyncio.to_thread(_check_checkpoint, local, self._model.embed_dim, self._model.num_heads)
                 except (ValueError, OSError) as exc:
                     raise Conflict(f"weights version {version} ({target.description}): {exc}",
                                    code=ErrorCode.CHECKPOINT_MISMATCH) from None

@@ -19,7 +19,7 @@ import numpy as np
 
 from service.errors import InvalidInput
 from service.ingress.oip.schemas import MAX_ID_CHARS, InferenceRequest
-from service.sessions.registry import OIP_PREFIX
+from service.sessions.ids import OIP_PREFIX
 
 
 @dataclass(frozen=True)
