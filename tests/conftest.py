@@ -28,7 +28,10 @@ TEST_API_TOKEN = "test-token-0123456789"
 # so every serve.delete and every replaced ingress replica waited 30 s: ~25 times a suite. On
 # one machine HAProxy learns of the change within a second or two, and a late arrival is
 # retried on another replica (retry-on conn-failure); the test clusters use 5 s.
-TEST_DEREGISTRATION_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
+# Ray Train's controller looks at its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s): a
+# finished, failed or restarted run is seen up to that late. The suite runs ~20 jobs and
+# restarts, each waited for; the test clusters look every 0.5 s.
+TEST_CLUSTER_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
 # Every test is marked `unit` (no Ray: `pytest -m unit`) or `ray`; a unit test must not
@@ -76,7 +79,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # The product's front door (Serve's HAProxy straight to the Ingress replicas), as `make
     # serve` starts it; read by Serve's controller, proxy and replicas when they start.
     os.environ.update(front_door_env())
-    os.environ.update(TEST_DEREGISTRATION_ENV)
+    os.environ.update(TEST_CLUSTER_ENV)
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -129,7 +132,7 @@ def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -
 def undeploy(name: str) -> None:
     """Delete app `name` without waiting for its replicas to stop: for module apps whose name is
     not deployed again. A blocking delete waits out Serve's draining of the ingress replica
-    (TEST_DEREGISTRATION_ENV) and the gang's graceful shutdown, 6 to 24 s per app on this
+    (TEST_CLUSTER_ENV) and the gang's graceful shutdown, 6 to 24 s per app on this
     machine, while the next test could already run; the replicas stop beside it, and a next
     app that needs their logical CPUs waits for them like any placement. Tests that assert on
     what a delete leaves behind (freed GPUs, exited processes, a redeploy under the same name,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from service.cluster.front_door import FRONT_DOOR_ENV
-from tests.conftest import TEST_DEREGISTRATION_ENV
+from tests.conftest import TEST_CLUSTER_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -126,7 +126,7 @@ class NetnsCluster:
             GANGSERVE_API_TOKEN=self.api_token,
             PYTHONPATH=str(ROOT),
             **FRONT_DOOR_ENV,  # the product's front door, as the KubeRay manifest sets it
-            **TEST_DEREGISTRATION_ENV,  # a stopping ingress replica's 30 s window, shortened (tests/conftest.py)
+            **TEST_CLUSTER_ENV,  # a stopping ingress replica's 30 s window, Ray Train's look at its workers: shortened (tests/conftest.py)
             **self.extra_env,
         )
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the service must choose by itself
