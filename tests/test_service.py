@@ -22,7 +22,7 @@ from gangserve_client import GangServeClient
 from service.gang_status import GangStatus, RankStatus
 from tests.conftest import ROOT, deploy, local_yaml_args, undeploy
 from tests.reference import reference, relative_error
-from tests.helpers import assert_error, eventually, npy_bytes, rand
+from tests.helpers import assert_error, eventually, npy_bytes, pid_alive, rand
 
 pytestmark = pytest.mark.ray
 
@@ -181,17 +181,6 @@ def test_cli_infer_round_trip(app_url: str, tmp_path: Path) -> None:
         assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
 
 
-def _pids_alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
-
-
 def test_world_size_4_from_a_checkpoint_serves_the_same_function(serve_url: str, tmp_path: Path) -> None:
     """World size 4 from a dense checkpoint, by value (no shared memory, no data channel),
     serves what the dense reference computes; then shutdown frees every rank. (World size 1
@@ -224,7 +213,7 @@ def test_world_size_4_from_a_checkpoint_serves_the_same_function(serve_url: str,
         serve.delete("ws4")
     # Graceful shutdown: every rank process is gone.
     pids = [r["pid"] for r in info["ranks"]]
-    eventually(lambda: not _pids_alive(pids), 60, f"rank processes {pids} gone after serve.delete")
+    eventually(lambda: not any(pid_alive(p) for p in pids), 60, f"rank processes {pids} gone after serve.delete")
 
 
 def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> None:
