@@ -91,7 +91,7 @@ class ServedWeights:
         }
 
 
-# ---- the immutable copies ----------------------------------------------------
+# ---- the immutable copies --------------------------------------------------------------------
 
 def _store_at(where: Path | artifacts.ArtifactStore) -> artifacts.ArtifactStore:
     """`where` as a store: a store as it is, a directory as the local store rooted there."""
