@@ -303,6 +303,29 @@ def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[str, str]) -> None:
+    """The first test of the submitted jobs: the kill job (about a second an epoch) must be
+    caught mid-run, so this test waits on it from its submission on. Later in the module it
+    could have ended already (how it failed once the jobs started sooner)."""
+    job_id = jobs["kill"]
+    # Epoch checkpoints upload in the background (and Ray Train's controller registers them
+    # after that): wait until one is registered, else the worker group restarts from scratch.
+    job = wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 3
+                   and len(j["workers"]) == 2 and registered_checkpoint(job_id), 240,
+                   "reached epoch 3 with a registered checkpoint")
+    victim = next(w for w in job["workers"] if w["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    done = wait_done(app_url, job_id)
+    assert done["status"] == "SUCCEEDED", done
+    assert done["attempts"] == 2, done
+    assert [h["epoch"] for h in done["history"]] == list(range(1, SPECS["kill"]["epochs"] + 1))
+    assert all(w["attempt"] == 2 for w in done["workers"]) and victim["pid"] not in [w["pid"] for w in done["workers"]]
+    logs = httpx.get(f"{app_url}/train/{job_id}/logs", params={"tail": 2000}, headers=AUTH, timeout=30).json()["lines"]
+    assert any("attempt 2" in line and "resuming from the checkpoint after epoch" in line for line in logs), logs
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_attention_job_learns_and_its_checkpoint_is_the_dense_model(
         app_url: str, jobs: dict[str, str], fine_tune: str) -> None:
     job_id = jobs["attention"]
@@ -366,26 +389,6 @@ def test_linear_seed_example_trains(app_url: str, jobs: dict[str, str]) -> None:
     assert any("epoch 5/5" in line for line in logs), logs
     # A linear checkpoint cannot be served by the attention gang.
     assert_error(post(app_url, "/weights", {"job_id": job["id"]}), 409, "checkpoint_mismatch")
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[str, str]) -> None:
-    job_id = jobs["kill"]
-    # Epoch checkpoints upload in the background (and Ray Train's controller registers them
-    # after that): wait until one is registered, else the worker group restarts from scratch.
-    job = wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 3
-                   and len(j["workers"]) == 2 and registered_checkpoint(job_id), 240,
-                   "reached epoch 3 with a registered checkpoint")
-    victim = next(w for w in job["workers"] if w["rank"] == 1)
-    os.kill(victim["pid"], signal.SIGKILL)
-    done = wait_done(app_url, job_id)
-    assert done["status"] == "SUCCEEDED", done
-    assert done["attempts"] == 2, done
-    assert [h["epoch"] for h in done["history"]] == list(range(1, SPECS["kill"]["epochs"] + 1))
-    assert all(w["attempt"] == 2 for w in done["workers"]) and victim["pid"] not in [w["pid"] for w in done["workers"]]
-    logs = httpx.get(f"{app_url}/train/{job_id}/logs", params={"tail": 2000}, headers=AUTH, timeout=30).json()["lines"]
-    assert any("attempt 2" in line and "resuming from the checkpoint after epoch" in line for line in logs), logs
 
 
 @pytest.mark.ray
