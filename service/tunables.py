@@ -186,6 +186,10 @@ class IngressTunables:
     default_outage_s: float = knob(5.0, (
         "Expected time to a serving gang before any outage was measured: a request whose deadline ends "
         "sooner gets 503 deadline_unmeetable at once instead of waiting."))
+    snapshot_timeout_s: float = knob(1.0, (
+        "Bound on the ingress's read of the cluster's resources (Ray's GCS) for a diagnosis of needed vs "
+        "free (a request waiting for a gang, readiness, /gangs); past it the diagnosis says they are unknown."))
+    snapshot_max_age_s: float = knob(0.5, "One read of the cluster's resources serves every diagnosis this long.")
     readiness_timeout_s: float = knob(1.0, (
         "Bound on readiness's call to the Controller (it answers from memory in milliseconds); slower, "
         "readiness asks a gang instead."))

@@ -1,12 +1,17 @@
 """Feasibility rules of service.cluster.placement (pure functions, no Ray)."""
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import pytest
 
 from service.cluster.placement import (
     ClusterSnapshot,
     GangRequest,
     GangUnschedulable,
+    SharedSnapshot,
     bundles_per_node,
     check_feasible,
     fits,
@@ -69,3 +74,49 @@ def test_waiting_reason_reports_free_resources() -> None:
     assert waiting_reason(snapshot, GangRequest(2, {"CPU": 1.0}, "PACK")) == (
         "waiting for 2 x {CPU: 1} (PACK); free now: 0.5 CPU on 1 node (1 alive node)"
     )
+
+
+def test_a_stalled_cluster_read_bounds_every_waiter_and_is_read_once() -> None:
+    """A GCS that stalls (here: a read blocked until released) costs each caller at most
+    timeout_s, the stalled read is not repeated by the callers behind it, and once it
+    answers, its snapshot serves them for max_age_s."""
+    release, reads = threading.Event(), []
+    snapshot = ClusterSnapshot(totals=[{"CPU": 2.0}], free=[{"CPU": 1.0}])
+
+    def stalled_read() -> ClusterSnapshot:
+        reads.append(time.monotonic())
+        release.wait(10)
+        return snapshot
+
+    async def scenario() -> None:
+        shared = SharedSnapshot(stalled_read, max_age_s=30.0, timeout_s=0.2)
+        t0 = time.monotonic()
+        got = await asyncio.gather(*(shared.get() for _ in range(5)))
+        waited = time.monotonic() - t0
+        assert got == [None] * 5 and waited < 2.0, (got, waited)
+        assert "did not answer within 0.2s" in shared.why_none
+        assert waiting_reason(None, GangRequest(2, {"CPU": 1.0}, "PACK"), shared.why_none) == (
+            "waiting for 2 x {CPU: 1} (PACK); free resources unknown (Ray's GCS did not answer within 0.2s)")
+        assert await shared.get() is None and len(reads) == 1  # still the one read in flight
+        release.set()
+        assert await shared.get() is snapshot
+        assert await shared.get() is snapshot and len(reads) == 1  # fresh enough: not read again
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_cluster_read_says_why_and_the_next_caller_reads_again() -> None:
+    calls = []
+
+    def read() -> ClusterSnapshot:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("GCS unreachable")
+        return ClusterSnapshot(totals=[{"CPU": 2.0}])
+
+    async def scenario() -> None:
+        shared = SharedSnapshot(read, max_age_s=30.0, timeout_s=5.0)
+        assert await shared.get() is None and "GCS unreachable" in shared.why_none
+        assert (await shared.get()).totals == [{"CPU": 2.0}] and len(calls) == 2
+
+    asyncio.run(scenario())

@@ -7,12 +7,17 @@ the live cluster. Messages always name both sides, e.g.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from service.config import GangConfig
 from service.errors import ErrorCode, GangServeError
+
+log = logging.getLogger("gangserve.placement")
 
 # Ray reports these alongside real resources; they never constrain a gang.
 _IGNORED_PREFIXES = ("node:", "memory", "object_store_memory", "accelerator_type:")
@@ -102,7 +107,11 @@ def check_feasible(snapshot: ClusterSnapshot, request: GangRequest) -> None:
         )
 
 
-def waiting_reason(snapshot: ClusterSnapshot, request: GangRequest) -> str:
+def waiting_reason(snapshot: ClusterSnapshot | None, request: GangRequest, unknown_why: str = "") -> str:
+    """What the gang waits for and what is free now (`snapshot` None: free resources unknown,
+    `unknown_why` says why)."""
+    if snapshot is None:
+        return f"waiting for {request.describe()}; free resources unknown ({unknown_why or 'no snapshot'})"
     return f"waiting for {request.describe()}; {snapshot.summary(request, 'free')}"
 
 
@@ -131,3 +140,50 @@ def _num(x: float) -> str:
 
 def _fmt(bundle: Mapping[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in bundle.items()) + "}"
+
+
+class SharedSnapshot:
+    """The live cluster's snapshot for one process's async callers (the ingress's request
+    path, its readiness and /gangs): at most one read in flight, shared by every caller,
+    reused for `max_age_s`; a caller waits for it at most `timeout_s` and gets None after
+    that (the read goes on in its thread and serves the callers after it).
+
+    Why: Ray's state reads are synchronous calls to the GCS (one at a time per process),
+    which stall as long as the GCS does, up to its 60 s request timeout; a request waiting
+    on them, or many of them filling the default thread pool, would wait as long.
+    """
+
+    def __init__(self, read: Callable[[], ClusterSnapshot] = cluster_snapshot, *, max_age_s: float,
+                 timeout_s: float) -> None:
+        self._read = read
+        self.max_age_s, self.timeout_s = max_age_s, timeout_s
+        self._last: ClusterSnapshot | None = None
+        self._last_at = 0.0
+        self._pending: asyncio.Future[ClusterSnapshot] | None = None
+        self.why_none = ""  # why the last get() returned None
+
+    async def get(self) -> ClusterSnapshot | None:
+        """A snapshot at most `max_age_s` old, or None (`why_none` says why) when none came
+        within `timeout_s` or the read failed."""
+        if self._last is not None and time.monotonic() - self._last_at <= self.max_age_s:
+            return self._last
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.ensure_future(asyncio.to_thread(self._read))
+            self._pending.add_done_callback(self._keep)
+        read = self._pending
+        done, _ = await asyncio.wait({read}, timeout=self.timeout_s)  # never cancels the read
+        if not done:
+            self.why_none = f"Ray's GCS did not answer within {self.timeout_s:g}s"
+            return None
+        if read.cancelled() or read.exception() is not None:
+            self.why_none = f"reading them failed: {read.exception()!r}" if not read.cancelled() else "read cancelled"
+            return None
+        return read.result()
+
+    def _keep(self, read: asyncio.Future[ClusterSnapshot]) -> None:
+        if read.cancelled():
+            return
+        if read.exception() is not None:
+            log.warning("reading the cluster's resources failed: %r", read.exception())
+            return
+        self._last, self._last_at = read.result(), time.monotonic()

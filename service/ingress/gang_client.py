@@ -42,8 +42,8 @@ from service.errors import (RETRYABLE_CODES, CollectiveTimeout, DeadlineExceeded
 from service.cluster.placement import (
     GangRequest,
     GangUnschedulable,
+    SharedSnapshot,
     check_feasible,
-    cluster_snapshot,
     gang_request,
     waiting_reason,
 )
@@ -84,6 +84,8 @@ class GangClient:
         self._node_id = node_id or ray.get_runtime_context().get_node_id()
         self.tunables = config.tunables
         self._t = config.tunables.ingress  # status age, describe bound, retry backoff, waits
+        # Needed vs free for diagnoses: one bounded read of the GCS at a time, shared.
+        self._snapshots = SharedSnapshot(max_age_s=self._t.snapshot_max_age_s, timeout_s=self._t.snapshot_timeout_s)
         # The pushed view is fresh while the Controller's long poll can still answer.
         self._follow_fresh_s = config.tunables.fleet.watch_fleet_max_s + self._t.fleet_timeout_s
         shm_enabled = config.shm_transport and shm.available()
@@ -114,7 +116,12 @@ class GangClient:
             # A gang seen not ready is looked at again sooner: a rebuild takes about a second,
             # and a 1 s old "broken" would hold requests for as long again after it.
             ready = (self._status or {}).get("state") == "ready"
-            status = await self.status(max_age_s=self._t.wait_poll_s if attempt or not ready else self._t.status_max_age_s)
+            status = await self._status_by(
+                deadline, self._t.wait_poll_s if attempt or not ready else self._t.status_max_age_s)
+            if status is None:
+                _count_drop("deadline")
+                raise DeadlineExceededBeforeStep("the request's deadline passed while the ingress read the gang's "
+                                                 "status; it was not computed")
             # The status is one gang's. With several gangs, one broken or rebuilding gang says
             # nothing about the others (the router sends to ready ones; a broken one answers 503
             # at once), so only app-wide conditions wait here.
@@ -221,11 +228,12 @@ class GangClient:
         ready = sum(1 for g in rows if g.get("state") == "ready")
         missing: list[str] = []
         if len(rows) < desired:
-            snapshot = await asyncio.to_thread(cluster_snapshot)
+            snapshot = await self._snapshots.get()
             one = GangRequest(self._request.world_size, self._request.bundle, self._request.strategy)
             recently = f" (gang {lost[0]['replica_id']} was lost {lost[0]['s_ago']:g}s ago: {lost[0]['reason']})" \
                 if lost else ""
-            missing = [f"gang {i + 1} of {desired}: not started{recently}; {waiting_reason(snapshot, one)}"
+            waiting = waiting_reason(snapshot, one, self._snapshots.why_none)
+            missing = [f"gang {i + 1} of {desired}: not started{recently}; {waiting}"
                        for i in range(len(rows), desired)]
         missing += [f"gang {g['replica_id']}: {g.get('state')}: {g.get('reason')}" for g in rows
                     if g.get("state") != "ready"]
@@ -241,7 +249,7 @@ class GangClient:
         if self._desired_cache and now - self._desired_cache[0] < 5.0:
             return self._desired_cache[1]
         try:
-            status = await asyncio.to_thread(serve.status)
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), self._t.fleet_timeout_s)
             states = status.applications[self._app].deployments["GangServer"].replica_states
             desired = max(self._cfg.min_gangs, sum(states.values()))
         except Exception:  # the controller is busy or restarting: the floor is still right
@@ -273,6 +281,18 @@ class GangClient:
         return self._status
 
     # -- internals ------------------------------------------------------------------------
+    async def _status_by(self, deadline: float, max_age_s: float) -> dict[str, Any] | None:
+        """`status(max_age_s)`, or None when it is not there by `deadline` (monotonic): a
+        request never waits on a status read past its own bound."""
+        bound = asyncio.timeout(max(0.0, deadline - time.monotonic()))
+        try:
+            async with bound:
+                return await self.status(max_age_s=max_age_s)
+        except TimeoutError:
+            if not bound.expired():
+                raise  # not ours
+            return None
+
     def _request_call(self, method: str, *args: Any, deadline: float | None, **kwargs: Any) -> Awaitable[Any]:
         """The link's handle call: bounded like every request (`request_timeout_s`, the
         deadline, and the gang seen unable to answer)."""
@@ -356,24 +376,26 @@ class GangClient:
     async def diagnose(self, what: str) -> dict[str, Any]:
         """A status for a gang that is not there (`what` says how we know), in
         needed-vs-available terms: unschedulable, past `schedule_timeout_s`, or scheduling."""
-        snapshot = await asyncio.to_thread(cluster_snapshot)
+        snapshot = await self._snapshots.get()  # None: unknown (the GCS is slow), never a wait past its bound
         since = self._last_ready if self._last_ready is not None else self._created
         waited = time.monotonic() - since
-        try:
-            check_feasible(snapshot, self._request)
-        except GangUnschedulable as unschedulable:
-            return dump(GangStatus(state="unschedulable", code=ErrorCode.UNSCHEDULABLE, reason=unschedulable.message))
+        if snapshot is not None:
+            try:
+                check_feasible(snapshot, self._request)
+            except GangUnschedulable as unschedulable:
+                return dump(GangStatus(state="unschedulable", code=ErrorCode.UNSCHEDULABLE,
+                                       reason=unschedulable.message))
+        waiting = waiting_reason(snapshot, self._request, self._snapshots.why_none)
         if waited > self._cfg.schedule_timeout_s:
             return dump(GangStatus(
                 state="unschedulable",
                 code=ErrorCode.SCHEDULE_TIMEOUT,
-                reason=f"gave up after {waited:.0f}s (schedule_timeout_s={self._cfg.schedule_timeout_s:g}): "
-                f"{waiting_reason(snapshot, self._request)}",
+                reason=f"gave up after {waited:.0f}s (schedule_timeout_s={self._cfg.schedule_timeout_s:g}): {waiting}",
             ))
         return dump(GangStatus(
             state="scheduling",
             code=ErrorCode.GANG_SCHEDULING,
-            reason=f"{what}, {waited:.0f}s without a ready gang; {waiting_reason(snapshot, self._request)}",
+            reason=f"{what}, {waited:.0f}s without a ready gang; {waiting}",
         ))
 
     async def session_call(self, method: str, *args: Any, session_id: str | None, deadline: float,
@@ -385,7 +407,7 @@ class GangClient:
         attempt = 0
         if session_id is not None:
             kwargs["session_id"] = session_id
-        await self.status(max_age_s=self._t.status_max_age_s)  # the link's route follows the gang's status
+        await self._status_by(deadline, self._t.status_max_age_s)  # the link's route follows the gang's status
         while True:
             try:
                 if method == "session_append" and session_id is not None:  # the hot path: the link's route
@@ -447,7 +469,9 @@ class GangClient:
                 if done:
                     return task.result()
                 if watch:
-                    status = await self.status(max_age_s=self._t.status_max_age_s)
+                    status = await self._status_by(deadline, self._t.status_max_age_s)
+                    if status is None:
+                        continue  # the deadline passed meanwhile: the loop's top says so
                     # With several gangs the call is on a placed gang the router chose: a
                     # "scheduling" status (one gang server's describe failed, a new gang
                     # waits for its bundles) says nothing about it; only "unschedulable" is app-wide.
