@@ -58,6 +58,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for path in reversed(modules) for item in modules[path]]
 
 
+# Wall time per test module (setup + call + teardown of its tests, its module fixtures
+# included; the session's cluster start counts to the first module that needs it), printed
+# at the end of the run beside --durations: where the suite's minutes go (issue 33, item 8).
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest 15 modules (of {len(_MODULE_SECONDS)}, {total:.0f} s in all)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {100 * seconds / total:4.1f}%  {module}")
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[Any]:
     """A real S3-compatible server (moto) on 127.0.0.1 for the whole session (tests/s3.py)."""
