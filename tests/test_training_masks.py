@@ -10,7 +10,7 @@ import torch
 from safetensors.numpy import save as st_save
 
 from service.parallel.weights import checkpoint_causal, random_weights
-from service.training.datasets import DatasetError, parse_upload
+from service.training.dataset_files import DatasetError, parse_upload
 from service.training.models import SelfAttention, load_dense_into, save_model
 from service.training.runner import vector_sq_error
 from service.training.spec import AttentionModel, JobSpec

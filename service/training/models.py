@@ -17,10 +17,7 @@ from torch import nn
 
 from service.parallel.layers import attention_bias_mask
 from service.parallel.weights import DenseWeights, random_weights, save_checkpoint
-from service.training.spec import AttentionModel, LinearModel
-
-ModelSpecT = AttentionModel | LinearModel
-MODEL_FILE = "model.safetensors"
+from service.training.spec import AttentionModel, ModelSpecT
 
 
 class SelfAttention(nn.Module):
@@ -136,33 +133,3 @@ def load_tensors(model: nn.Module, spec: ModelSpecT, tensors: dict[str, torch.Te
         load_dense_into(model, tensors)
     else:
         model.load_state_dict(tensors)
-
-
-def checkpoint_shape(metadata: dict[str, str] | None, tensors: dict[str, tuple[int, ...]]) -> dict[str, object]:
-    """The model a checkpoint holds, from its safetensors header (metadata and tensor shapes):
-    {"kind": "attention", "embed_dim", "num_heads"} or {"kind": "linear", "in_features",
-    "out_features"}; {"kind": "unknown", "keys": [...]} when it is neither."""
-    meta = metadata or {}
-    if "out_proj.weight" in tensors and len(tensors["out_proj.weight"]) == 2:
-        e = int(tensors["out_proj.weight"][0])
-        heads = meta.get("num_heads")
-        return {"kind": "attention", "embed_dim": e, "num_heads": int(heads) if heads and heads.isdigit() else None}
-    if set(tensors) == {"weight", "bias"} and len(tensors["weight"]) == 2:
-        out_f, in_f = tensors["weight"]
-        return {"kind": "linear", "in_features": int(in_f), "out_features": int(out_f)}
-    return {"kind": "unknown", "keys": sorted(tensors)[:8]}
-
-
-def spec_shape(spec: ModelSpecT) -> dict[str, object]:
-    """A model spec's shape in checkpoint_shape's terms."""
-    if isinstance(spec, AttentionModel):
-        return {"kind": "attention", "embed_dim": spec.embed_dim, "num_heads": spec.num_heads}
-    return {"kind": "linear", "in_features": spec.in_features, "out_features": spec.out_features}
-
-
-def describe_shape(shape: dict[str, object]) -> str:
-    if shape["kind"] == "attention":
-        return f"attention embed_dim {shape['embed_dim']}, num_heads {shape.get('num_heads') or '?'}"
-    if shape["kind"] == "linear":
-        return f"linear {shape['in_features']} -> {shape['out_features']}"
-    return f"not a model checkpoint (tensors {shape.get('keys')})"

@@ -45,8 +45,7 @@ import ray
 
 from service.state import artifacts
 
-from service.training.models import MODEL_FILE
-from service.training.runner import train_loop_per_worker
+from service.training.checkpoints import MODEL_FILE
 from service.training.spec import AttentionModel, JobSpec
 from service.training.status import JobStatus, check_transition
 from service.tunables import Tunables
@@ -152,6 +151,7 @@ class TrainRun:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
+        from service.training.runner import train_loop_per_worker  # the run actor's process: torch, Ray Train
         from service.training.torch_backend import InterfaceBoundTorchConfig
 
         spec = self._spec

@@ -63,9 +63,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from safetensors.torch import load as st_load_torch
 
 from service.state import artifacts
+from service.training.checkpoints import MODEL_FILE
 from service.training.datasets import Samples, load_uploaded, split, synthetic
-from service.training.models import MODEL_FILE, ModelSpecT, build_model, load_model, load_tensors, save_model
-from service.training.spec import JobSpec, SyntheticDataset
+from service.training.models import build_model, load_model, load_tensors, save_model
+from service.training.spec import JobSpec, ModelSpecT, SyntheticDataset
 from service.training.worker_output import OutputCapture
 from service.tunables import Tunables
 

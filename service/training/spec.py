@@ -60,6 +60,7 @@ ModelSpec = Annotated[
     Union[Annotated[AttentionModel, Tag("attention")], Annotated[LinearModel, Tag("linear")]],
     Discriminator(lambda v: _kind(v, "attention")),
 ]
+ModelSpecT = AttentionModel | LinearModel  # a validated model spec (ModelSpec is its parsing form)
 
 
 class SyntheticDataset(_Closed):
