@@ -307,7 +307,7 @@ def test_no_module_binds_a_tunable_at_import() -> None:
 @pytest.mark.parametrize("deployment", ["ingress", "controller", "job_manager"])
 def test_the_light_processes_load_no_torch(deployment: str) -> None:
     """The Ingress, the Controller and the JobManager never compute a tensor: their replicas
-    start without torch (about 1.5-2 s and 200 MB less each; bench/NOTES.md). The JobManager's
+    start without torch (what that saves: bench/NOTES.md). The JobManager's
     one torch step, materializing an `init` version for init_from, imports it when it runs,
     and its runs' own processes (run actor, Ray Train workers) import the training code."""
     heavy = ("torch", "safetensors.torch", "ray.train", "service.parallel", "service.gang",

@@ -138,8 +138,7 @@ class Load:
     def __init__(self, url: str, threads: int = 2) -> None:
         self.url, self.results, self._stop = url, [], threading.Event()
         self.threads = threads
-        self.bodies: dict[int, str] = {}  # the first body of each non-200 status
-        self.body_at: dict[float, str] = {}  # every non-200 answer's body (its start: its key), for `slowest`
+        self.body_at: dict[float, str] = {}  # every non-200 answer's body (or error), by its start time
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
     def __enter__(self) -> "Load":
@@ -164,14 +163,13 @@ class Load:
                                              "x-request-timeout-seconds": str(REQUEST_DEADLINE_S)})
                     status = r.status_code
                     if status != 200:
-                        self.bodies.setdefault(status, r.text[:500])
-                        self.body_at[t0] = r.text[:200]
+                        self.body_at[t0] = r.text[:500]
                     if status == 200:
                         got = torch.from_numpy(np.load(io.BytesIO(r.content)))
                         status = 200 if relative_error(got, want) < 1e-5 else -200  # -200: wrong answer
                 except httpx.HTTPError as exc:
                     status = -1  # no HTTP answer at all
-                    self.bodies.setdefault(status, repr(exc)[:500])
+                    self.body_at[t0] = repr(exc)[:500]
                 self.results.append((status, time.monotonic() - t0, t0))
                 if status != 200:
                     time.sleep(0.1)
@@ -188,7 +186,16 @@ class Load:
     def slowest(self, since: float, n: int = 5) -> list[tuple[int, float, float, str]]:
         """The n slowest requests as (status, latency s, started s after `since`, body if not 200)."""
         worst = sorted(self.results, key=lambda r: -r[1])[:n]
-        return [(s, round(lat, 2), round(t0 - since, 2), self.body_at.get(t0, "")) for s, lat, t0 in worst]
+        return [(s, round(lat, 2), round(t0 - since, 2), self.body_at.get(t0, "")[:200]) for s, lat, t0 in worst]
+
+    @property
+    def bodies(self) -> dict[int, str]:
+        """The first body of each non-200 status."""
+        first: dict[int, str] = {}
+        for status, _, t0 in list(self.results):
+            if t0 in self.body_at:
+                first.setdefault(status, self.body_at[t0])
+        return first
 
     def statuses(self) -> dict[int, int]:
         out: dict[int, int] = {}

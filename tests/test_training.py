@@ -305,8 +305,8 @@ def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
 @pytest.mark.slow
 def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[str, str]) -> None:
     """The first test of the submitted jobs: the kill job (about a second an epoch) must be
-    caught mid-run, so this test waits on it from its submission on. Later in the module it
-    could have ended already (how it failed once the jobs started sooner)."""
+    caught mid-run, so this test waits on it from its submission on; later in the module it
+    may have ended already."""
     job_id = jobs["kill"]
     # Epoch checkpoints upload in the background (and Ray Train's controller registers them
     # after that): wait until one is registered, else the worker group restarts from scratch.

@@ -4,9 +4,9 @@
 generates, into the fingerprint the record (service.weights.record) compares at every
 bring-up; `dense_sha256` is the one hash of dense tensors (float32, C order, in DENSE_KEYS
 order), also used to verify a rollback to `init` weights; `generated_tensors` makes a
-recorded `init` version's tensors again (a job's `init_from`), checked against its hash. Its own module because it needs
-torch, and the record does not: the ingress reads the record's types and imports no torch
-(tests/test_layout.py)."""
+recorded `init` version's tensors again (a job's `init_from`), checked against its hash.
+Its own module because it needs torch, and the record does not: the ingress reads the
+record's types and imports no torch (tests/test_layout.py)."""
 from __future__ import annotations
 
 import hashlib

@@ -13,9 +13,8 @@
   `checkpoint_mismatch` for a job that trained no attention model.
 
 Blocking (store and database reads): call them off the event loop. No torch: the JobManager
-resolves with it (tests/test_layout.py). A foundation package
-imports no training code (tests/test_layout.py): a job comes in as `JobCheckpoint`, plain
-values of its record.
+resolves with it. A foundation package imports no training code: a job comes in as
+`JobCheckpoint`, plain values of its record (both: tests/test_layout.py).
 """
 from __future__ import annotations
 
