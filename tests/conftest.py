@@ -36,7 +36,7 @@ TEST_CLUSTER_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", "RAY_
 
 # Every test is marked `unit` (no Ray: `pytest -m unit`) or `ray`; a unit test must not
 # reach the session's Ray fixtures, which would start the cluster.
-RAY_FIXTURES = {"ray_cluster", "serve_url", "app_url"}
+RAY_FIXTURES = {"ray_cluster", "serve_url", "app_url", "world_size_apps"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,6 +56,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             modules.setdefault(str(item.path), []).append(item)
         items[:] = [item for path in reversed(modules) for item in modules[path]]
+    _run_shared_app_users_together(items)
+
+
+def _run_shared_app_users_together(items: list[pytest.Item]) -> None:
+    """The modules that share the world-size apps (tests/shared_apps.py) run next to each other,
+    in their own order, where the first of them would have run; the apps are deleted after the
+    last test that uses them (pytest_runtest_teardown)."""
+    from tests.shared_apps import USED_BY
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    group = [item for name in USED_BY for item in items if module(item) == name]
+    if group:
+        at = next(i for i, item in enumerate(items) if module(item) in USED_BY)
+        rest = [item for item in items if module(item) not in USED_BY]
+        items[:] = rest[:at] + group + rest[at:]
+    users = [item for item in items if "world_size_apps" in getattr(item, "fixturenames", ())]
+    _LAST_SHARED_APP_USER[:] = [users[-1].nodeid] if users else []
+
+
+_LAST_SHARED_APP_USER: list[str] = []
+_SHARED_APPS: list[Any] = []  # the session's WorldSizeApps, once deployed
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _SHARED_APPS and [item.nodeid] == _LAST_SHARED_APP_USER:
+        _SHARED_APPS[0].close()
 
 
 # Wall time per test module (setup + call + teardown of its tests, its module fixtures
@@ -176,6 +204,17 @@ def wait_ready(base: str, timeout_s: float, what: str = "the app") -> str:
             last = repr(exc)
         time.sleep(0.5)
     raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s; last /readyz: {last}")
+
+
+@pytest.fixture(scope="session")
+def world_size_apps(serve_url: str) -> Iterator[Any]:
+    """The world-size apps of tests/shared_apps.py: `.get(world_size)` -> base URL."""
+    from tests.shared_apps import WorldSizeApps
+
+    apps = WorldSizeApps(serve_url)
+    _SHARED_APPS[:] = [apps]
+    yield apps
+    apps.close()
 
 
 @pytest.fixture(scope="session")

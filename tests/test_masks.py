@@ -3,14 +3,14 @@
 Every expected output comes from tests.reference.dense_attention_masked, i.e. an
 independent torch.nn.MultiheadAttention(key_padding_mask=(mask == 0), attn_mask=<causal>)
 with the same weights and the padded rows set to 0; never from the code under test.
-Apps are this module's own (random weights, so the softmax is far from one-hot).
+The apps per world size are shared with tests/test_sessions.py (tests/shared_apps.py).
 """
 from __future__ import annotations
 
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -21,14 +21,13 @@ from safetensors.numpy import save as st_save
 
 from gangserve_client import codecs as wire
 from service.parallel.weights import random_weights
-from tests.conftest import deploy, local_yaml_args, undeploy
+from tests.conftest import deploy, undeploy
+from tests.shared_apps import WEIGHTS, WorldSizeApps, app_args
 from tests.helpers import AUTH, post, rand, wait_done
 from tests.reference import dense_attention_masked, reference, relative_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-SEED = 3
-WEIGHTS = random_weights(512, SEED)
 INFER_OIP = "/v2/models/attention/infer"
 TOL = 1e-5
 
@@ -54,35 +53,10 @@ def assert_invalid(reply: httpx.Response, needle: str) -> None:
     assert needle in doc["error"], doc
 
 
-def app_args(world_size: int, **extra: object) -> dict:
-    return {**local_yaml_args(), "init": "random", "seed": SEED, "world_size": world_size,
-            "cpus_per_rank": 0.25, **extra}
-
-
-# One app per world size, shared by every test of the module (a Serve app costs 15-30 s). Each
-# also carries the settings one test is about: ws2 batches mixed lengths with a padding bound,
-# ws4 has the data channel off (the handle and /dev/shm paths; ws1 and ws2 use the channel).
-EXTRA_ARGS: dict[int, dict] = {
-    1: {},
-    2: {"max_padding_fraction": 0.5, "batch_wait_timeout_s": 0.02},
-    4: {"data_channel": False},
-}
-
-
-@pytest.fixture(scope="module")
-def apps(serve_url: str) -> Iterator[Callable[[int], str]]:
-    """world size -> the base URL of that module app, deployed on first use."""
-
-    deployed: dict[int, str] = {}
-
-    def get(ws: int) -> str:
-        if ws not in deployed:
-            deployed[ws] = deploy(serve_url, f"masks{ws}", f"/masks{ws}", app_args(ws, **EXTRA_ARGS[ws]))
-        return deployed[ws]
-
-    yield get
-    for ws in deployed:
-        undeploy(f"masks{ws}")
+@pytest.fixture
+def apps(world_size_apps: WorldSizeApps) -> Callable[[int], str]:
+    """world size -> the base URL of its shared app (tests/shared_apps.py)."""
+    return world_size_apps.get
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda ws: f"ws{ws}")

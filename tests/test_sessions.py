@@ -2,8 +2,8 @@
 
 Every expected output is the dense reference's (harness/reference.py: torch
 nn.MultiheadAttention with a causal mask over the session's whole concatenated sequence),
-never the code under test's. Apps are this module's own (random weights: the softmax is far
-from one-hot), one per world size, deployed on first use.
+never the code under test's. The apps per world size are shared with tests/test_masks.py
+(tests/shared_apps.py).
 """
 from __future__ import annotations
 
@@ -23,12 +23,11 @@ from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, append_attention
 from service.parallel.weights import random_weights, shard_dense
 from service.sessions.registry import Limits, SessionRegistry, StepItem
-from tests.conftest import deploy, local_yaml_args, undeploy
+from tests.conftest import deploy, undeploy
+from tests.shared_apps import SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
 from tests.helpers import assert_error, eventually, npy_bytes, rand
 from tests.reference import reference, relative_error
 
-SEED = 5
-WEIGHTS = random_weights(512, SEED)
 TOL = 1e-5
 E = 512
 
@@ -94,35 +93,10 @@ def test_registry_evicts_least_recently_used_and_plans_a_recompute() -> None:
 
 # ---------------------------------------------------------------- the served apps
 
-def app_args(world_size: int, **extra: object) -> dict:
-    return {**local_yaml_args(), "init": "random", "seed": SEED, "world_size": world_size,
-            "cpus_per_rank": 0.25, "session_block_tokens": 16, **extra}
-
-
-# ws1: a small cache (1024 tokens: 64 blocks of 16) and a short idle timeout, for eviction,
-# 507 and expiry; ws2: appends linger 20 ms for company (continuous batching), for the
-# batching, memory, kill -9 and weights-swap tests.
-SMALL_CACHE_TOKENS = 1024
-EXTRA_ARGS: dict[int, dict] = {
-    1: {"session_cache_bytes": SMALL_CACHE_TOKENS * 2 * E * 4, "max_session_tokens": 2048,
-        "session_idle_timeout_s": 6},
-    2: {"batch_wait_timeout_s": 0.02},
-    4: {},  # parity only
-}
-
-
-@pytest.fixture(scope="module")
-def apps(serve_url: str) -> Iterator[Callable[[int], str]]:
-    deployed: dict[int, str] = {}
-
-    def get(ws: int) -> str:
-        if ws not in deployed:
-            deployed[ws] = deploy(serve_url, f"sessions-ws{ws}", f"/sessions-ws{ws}", app_args(ws, **EXTRA_ARGS[ws]))
-        return deployed[ws]
-
-    yield get
-    for ws in deployed:
-        undeploy(f"sessions-ws{ws}")
+@pytest.fixture
+def apps(world_size_apps: WorldSizeApps) -> Callable[[int], str]:
+    """world size -> the base URL of its shared app (tests/shared_apps.py)."""
+    return world_size_apps.get
 
 
 class Client:
