@@ -50,9 +50,14 @@ class WorldSizeApps:
         self._serve_url = serve_url
         self._deployed: dict[int, str] = {}
 
+    @staticmethod
+    def name(world_size: int) -> str:
+        """The app's Serve name, also its route prefix (after a slash)."""
+        return f"shared-ws{world_size}"
+
     def get(self, world_size: int) -> str:
         if world_size not in self._deployed:
-            name = f"shared-ws{world_size}"
+            name = self.name(world_size)
             self._deployed[world_size] = deploy(self._serve_url, name, f"/{name}",
                                                 app_args(world_size, **EXTRA_ARGS[world_size]))
         return self._deployed[world_size]
@@ -60,6 +65,5 @@ class WorldSizeApps:
     def close(self) -> None:
         """Delete every deployed app (idempotent); a later get() deploys again."""
         for world_size in list(self._deployed):
-            undeploy(f"shared-ws{world_size}")
+            undeploy(self.name(world_size))
             del self._deployed[world_size]
-

@@ -184,7 +184,7 @@ def test_cli_infer_round_trip(app_url: str, tmp_path: Path) -> None:
 def test_world_size_4_from_a_checkpoint_serves_the_same_function(serve_url: str, tmp_path: Path) -> None:
     """World size 4 from a dense checkpoint, by value (no shared memory, no data channel),
     serves what the dense reference computes; then shutdown frees every rank. (World size 1
-    and random init are served by tests/test_masks.py's and tests/test_sessions.py's apps.)"""
+    and random init are served by the world-size apps of tests/shared_apps.py.)"""
     from ray import serve
 
     from service.parallel.weights import random_weights, save_checkpoint

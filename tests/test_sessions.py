@@ -24,12 +24,11 @@ from service.parallel.kv_cache import AppendPlan, PagedKVPool, append_attention
 from service.parallel.weights import random_weights, shard_dense
 from service.sessions.registry import Limits, SessionRegistry, StepItem
 from tests.conftest import deploy, undeploy
-from tests.shared_apps import SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
+from tests.shared_apps import E, SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
 from tests.helpers import assert_error, eventually, npy_bytes, rand
 from tests.reference import reference, relative_error
 
 TOL = 1e-5
-E = 512
 
 
 # ---------------------------------------------------------------- unit: the rank side's math
