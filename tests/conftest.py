@@ -31,7 +31,11 @@ TEST_API_TOKEN = "test-token-0123456789"
 # Ray Train's controller looks at its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s): a
 # finished, failed or restarted run is seen up to that late. The suite runs ~20 jobs and
 # restarts, each waited for; the test clusters look every 0.5 s.
-TEST_CLUSTER_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+# Ray Train starts a PreemptionWatcher actor per worker group (one more Python process per
+# run and restart, polling the GCS for node drains every 5 s); no test drains a node, so the
+# test clusters go without it (bench/NOTES.md, session 10: ~33 core-s a suite).
+TEST_CLUSTER_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+                    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
 # Every test is marked `unit` (no Ray: `pytest -m unit`) or `ray`; a unit test must not
@@ -134,7 +138,11 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": TEST_CLUSTER_CPUS, "num_gpus": GPUS_PER_NODE, "include_dashboard": False},
+        # No log monitor: it streams workers' stdout to drivers, and the suite's driver has
+        # log_to_driver=False; it rescans the session's log directory ten times a second, the
+        # cluster's busiest system process (~80 core-s a suite, bench/NOTES.md).
+        head_node_args={"num_cpus": TEST_CLUSTER_CPUS, "num_gpus": GPUS_PER_NODE, "include_dashboard": False,
+                        "include_log_monitor": False},
     )
     cluster.add_node(num_cpus=WORKER_NODE_CPUS, num_gpus=GPUS_PER_NODE)
     cluster.wait_for_nodes()
