@@ -14,6 +14,24 @@ import pytest
 
 from harness.local import ROOT, free_port, front_door_env, local_yaml_args  # noqa: F401 - re-exported: tests import them from here
 
+
+def _one_tls_context_for_one_shot_calls() -> None:
+    """httpx's one-shot functions (`httpx.get`, `httpx.post`, ...) build a client, and with
+    it a new TLS context, for every call, even to an http:// URL: certifi's CA bundle is
+    parsed again, ~33 ms of CPU a call. The suite makes thousands of them (polls, concurrent
+    clients): about half of the test process's CPU (bench/NOTES.md, session 10). In the
+    test process they all take one context, httpx's own default, built once; a call that
+    passes its own `verify` keeps it. Nothing else about the calls changes (a new client
+    and connection per call, as before)."""
+    import functools
+
+    context = httpx.create_ssl_context()
+    for name in ("request", "stream", "get", "options", "head", "post", "put", "patch", "delete"):
+        setattr(httpx, name, functools.partial(getattr(httpx, name), verify=context))
+
+
+_one_tls_context_for_one_shot_calls()
+
 # The test cluster: two raylets on this machine (ray.cluster_utils.Cluster), each
 # declaring one logical GPU, so multi-node placement (STRICT_SPREAD, one rank per node)
 # and GPU scheduling are exercised for real; ranks find no CUDA device and use gloo.
