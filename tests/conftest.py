@@ -81,31 +81,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _run_shared_app_users_together(items)
 
 
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def _run_shared_app_users_together(items: list[pytest.Item]) -> None:
-    """The modules that share the world-size apps (tests/shared_apps.py) run next to each other,
-    in their own order, where the first of them would have run; the apps are deleted after the
-    last test that uses them (pytest_runtest_teardown)."""
+    """The modules that use a session app run next to each other, where the first of them
+    would have run, and the app is deleted after the last test that uses it
+    (pytest_runtest_teardown), so it never idles through the other modules: an idle app costs
+    about an eighth of a core (bench/NOTES.md).
+
+    - The `make serve` app (`app_url`): its modules keep their order among themselves.
+    - The world-size apps (tests/shared_apps.py): their modules run in USED_BY's order, masks
+      first, because sessions swaps the weights of one app and kills one of its ranks. When
+      one of them also uses `app_url`, both run at its place inside the first group."""
     from tests.shared_apps import USED_BY
 
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.split("::", 1)[0]
+    def uses(fixture: str) -> set[str]:
+        return {_module(item) for item in items if fixture in getattr(item, "fixturenames", ())}
 
-    group = [item for name in USED_BY for item in items if module(item) == name]
-    if group:
-        at = next(i for i, item in enumerate(items) if module(item) in USED_BY)
-        rest = [item for item in items if module(item) not in USED_BY]
-        items[:] = rest[:at] + group + rest[at:]
-    users = [item for item in items if "world_size_apps" in getattr(item, "fixturenames", ())]
-    _LAST_SHARED_APP_USER[:] = [users[-1].nodeid] if users else []
+    order = list(dict.fromkeys(_module(item) for item in items))
+    shared = [m for m in USED_BY if m in order]
+    app_users = [m for m in order if m in uses("app_url") and m not in shared]
+    group = app_users
+    if shared:
+        first = next(i for i, m in enumerate(order) if m in shared)
+        # the shared block goes where its first module would run among the app's users, or
+        # on its own where its first module is when none of them uses the app
+        if set(shared) & uses("app_url"):
+            at = sum(1 for m in order[:first] if m in app_users)
+            group = app_users[:at] + shared + app_users[at:]
+        else:
+            order = [m for m in order if m not in shared]
+            order[first:first] = shared
+    moved = [m for m in order if m in group]
+    if moved:
+        at = order.index(moved[0])
+        rest = [m for m in order if m not in group]
+        order = rest[:at] + group + rest[at:]
+    position = {m: i for i, m in enumerate(order)}
+    items.sort(key=lambda item: position[_module(item)])  # stable: tests keep their order in a module
+    for fixture, last in (("world_size_apps", _LAST_SHARED_APP_USER), ("app_url", _LAST_APP_URL_USER)):
+        users = [item for item in items if fixture in getattr(item, "fixturenames", ())]
+        last[:] = [users[-1].nodeid] if users else []
 
 
 _LAST_SHARED_APP_USER: list[str] = []
+_LAST_APP_URL_USER: list[str] = []
 _SHARED_APPS: list[Any] = []  # the session's WorldSizeApps, once deployed
+_APP_URL_DEPLOYED: list[str] = []  # the `make serve` app's name, once deployed
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if _SHARED_APPS and [item.nodeid] == _LAST_SHARED_APP_USER:
         _SHARED_APPS[0].close()
+    if _APP_URL_DEPLOYED and [item.nodeid] == _LAST_APP_URL_USER:
+        undeploy(_APP_URL_DEPLOYED.pop())
 
 
 # Wall time per test module (setup + call + teardown of its tests, its module fixtures
@@ -245,8 +276,11 @@ def world_size_apps(serve_url: str) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def app_url(serve_url: str) -> str:
-    """The `make serve` app (deployments/local.yaml arguments) at route prefix /."""
-    return deploy(serve_url, "gangserve", "/", local_yaml_args())
+    """The `make serve` app (deployments/local.yaml arguments) at route prefix /; deleted
+    after the last test that uses it (pytest_runtest_teardown)."""
+    base = deploy(serve_url, "gangserve", "/", local_yaml_args())
+    _APP_URL_DEPLOYED[:] = ["gangserve"]
+    return base
 
 
 # A real PostgreSQL server (session) and a fresh state database of each dialect (tests/postgres.py).
