@@ -26,13 +26,14 @@ from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
 SEED = notes_seed_weights(512)
+COLLECTIVE_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
 def two_gangs(serve_url: str):
     # No warm spare: a broken gang's rebuild then takes seconds (a new process), the window in
     # which these tests see one gang serve while the other is down (with a spare: ~0.5 s).
-    args = {**local_yaml_args(), "num_replicas": 2, "cpus_per_rank": 0.25, "collective_timeout_s": 10.0,
+    args = {**local_yaml_args(), "num_replicas": 2, "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
             "warm_spare": False}
     base = deploy(serve_url, "scaleout", "/scaleout", args)
     eventually(lambda: _gangs(base)["ready"] == 2, 120, "both gangs of the two-gang app ready (/gangs)", 0.5)
@@ -195,8 +196,11 @@ def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: 
     assert summary["wrong"] == 0 and set(summary["statuses"]) == {200}, summary
     during = [o for o in loop.outcomes if killed_at + 2.0 < o.at < back_at - 0.5]
     assert during, "no request while one gang was down"
-    # The goal is < 2 s for every request (README failure table); loose here: shared machine.
-    assert summary["max_latency_s"] < 10, summary
+    # The goal is < 2 s for every request (README failure table), and alone it is (0.7 s). The
+    # bound here is the design's worst case: a request whose step the dead peer never answers
+    # waits out the collective timeout, then is retried on the other gang (once in a reverse-
+    # order suite: 10.11 s), plus slack for this shared machine.
+    assert summary["max_latency_s"] < COLLECTIVE_TIMEOUT_S + 5.0, summary
 
 
 @pytest.mark.unit
