@@ -24,8 +24,8 @@ import sys
 import time
 
 TICKS = os.sysconf("SC_CLK_TCK")
-PROGRAMS = ("pytest", "raylet", "gcs_server", "dashboard/agent.py", "dashboard.py", "log_monitor", "monitor.py",
-            "postgres", "moto", "chrom", "haproxy")
+PROGRAMS = re.compile("|".join(re.escape(p) for p in ("pytest", "raylet", "gcs_server", "dashboard/agent.py", "dashboard.py", "log_monitor", "monitor.py",
+            "postgres", "moto", "chrom", "haproxy")))
 
 
 def read_processes() -> dict[str, tuple[str, float]]:
@@ -59,7 +59,7 @@ def kind(titles: list[str]) -> str:
         return "?"
     if any("default_worker.py" in t for t in titles):
         return "ray worker (never an actor)"
-    match = re.search("|".join(re.escape(p) for p in PROGRAMS), titles[-1])
+    match = PROGRAMS.search(titles[-1])
     return match.group(0) if match else titles[-1][:60]
 
 
@@ -101,9 +101,9 @@ def main() -> int:
         row[1] += p["cpu"]
     total = sum(cpu for _, cpu in by_kind.values())
     print(f"\n{total:.1f} CPU-seconds in {wall:.0f} s over {len(seen)} processes "
-          f"({100 * total / wall / os.cpu_count():.0f} % of {os.cpu_count()} cores); exit status {child.returncode}")
+          f"({100 * total / max(wall, 1e-9) / os.cpu_count():.0f} % of {os.cpu_count()} cores); exit status {child.returncode}")
     for name, (count, cpu) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])[:args.top]:
-        print(f"{cpu:8.1f} s {100 * cpu / total:5.1f} %  {count:4d} x  {name}")
+        print(f"{cpu:8.1f} s {100 * cpu / total if total else 0.0:5.1f} %  {count:4d} x  {name}")
     return child.returncode
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -85,58 +85,54 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def _gather(order: list[str], members: list[str]) -> list[str]:
+    """`order` with `members` (in their given order) moved to where the first of them is."""
+    first = next(i for i, m in enumerate(order) if m in members)
+    rest = [m for m in order if m not in members]
+    return rest[:first] + members + rest[first:]
+
+
 def _run_shared_app_users_together(items: list[pytest.Item]) -> None:
     """The modules that use a session app run next to each other, where the first of them
     would have run, and the app is deleted after the last test that uses it
     (pytest_runtest_teardown), so it never idles through the other modules: an idle app costs
     about an eighth of a core (bench/NOTES.md).
 
-    - The `make serve` app (`app_url`): its modules keep their order among themselves.
     - The world-size apps (tests/shared_apps.py): their modules run in USED_BY's order, masks
-      first, because sessions swaps the weights of one app and kills one of its ranks. When
-      one of them also uses `app_url`, both run at its place inside the first group."""
+      first, because sessions swaps the weights of one app and kills one of its ranks.
+    - The `make serve` app (`app_url`): its modules keep their order among themselves; when
+      one of the world-size modules uses it, both world-size modules count as its users."""
     from tests.shared_apps import USED_BY
 
-    def uses(fixture: str) -> set[str]:
-        return {_module(item) for item in items if fixture in getattr(item, "fixturenames", ())}
+    def uses(fixture: str) -> list[pytest.Item]:
+        return [item for item in items if fixture in getattr(item, "fixturenames", ())]
 
     order = list(dict.fromkeys(_module(item) for item in items))
     shared = [m for m in USED_BY if m in order]
-    app_users = [m for m in order if m in uses("app_url") and m not in shared]
-    group = app_users
     if shared:
-        first = next(i for i, m in enumerate(order) if m in shared)
-        # the shared block goes where its first module would run among the app's users, or
-        # on its own where its first module is when none of them uses the app
-        if set(shared) & uses("app_url"):
-            at = sum(1 for m in order[:first] if m in app_users)
-            group = app_users[:at] + shared + app_users[at:]
-        else:
-            order = [m for m in order if m not in shared]
-            order[first:first] = shared
-    moved = [m for m in order if m in group]
-    if moved:
-        at = order.index(moved[0])
-        rest = [m for m in order if m not in group]
-        order = rest[:at] + group + rest[at:]
+        order = _gather(order, shared)
+    app = {_module(item) for item in uses("app_url")}
+    if app & set(shared):
+        app |= set(shared)
+    if app:
+        order = _gather(order, [m for m in order if m in app])
     position = {m: i for i, m in enumerate(order)}
     items.sort(key=lambda item: position[_module(item)])  # stable: tests keep their order in a module
-    for fixture, last in (("world_size_apps", _LAST_SHARED_APP_USER), ("app_url", _LAST_APP_URL_USER)):
-        users = [item for item in items if fixture in getattr(item, "fixturenames", ())]
-        last[:] = [users[-1].nodeid] if users else []
+    _LAST_USER.clear()
+    _LAST_USER.update({fixture: users[-1].nodeid for fixture in _SESSION_APPS if (users := uses(fixture))})
 
 
-_LAST_SHARED_APP_USER: list[str] = []
-_LAST_APP_URL_USER: list[str] = []
-_SHARED_APPS: list[Any] = []  # the session's WorldSizeApps, once deployed
-_APP_URL_DEPLOYED: list[str] = []  # the `make serve` app's name, once deployed
+# A session app's fixture name -> the nodeid of the last test that uses it (set at collection),
+# and -> how to delete it (set by the fixture once it deployed the app).
+_SESSION_APPS = ("world_size_apps", "app_url")
+_LAST_USER: dict[str, str] = {}
+_CLOSE: dict[str, Callable[[], None]] = {}
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if _SHARED_APPS and [item.nodeid] == _LAST_SHARED_APP_USER:
-        _SHARED_APPS[0].close()
-    if _APP_URL_DEPLOYED and [item.nodeid] == _LAST_APP_URL_USER:
-        undeploy(_APP_URL_DEPLOYED.pop())
+    for fixture, last in _LAST_USER.items():
+        if last == item.nodeid and fixture in _CLOSE:
+            _CLOSE.pop(fixture)()
 
 
 # Wall time per test module (setup + call + teardown of its tests, its module fixtures
@@ -269,7 +265,7 @@ def world_size_apps(serve_url: str) -> Iterator[Any]:
     from tests.shared_apps import WorldSizeApps
 
     apps = WorldSizeApps(serve_url)
-    _SHARED_APPS[:] = [apps]
+    _CLOSE["world_size_apps"] = apps.close
     yield apps
     apps.close()
 
@@ -279,7 +275,7 @@ def app_url(serve_url: str) -> str:
     """The `make serve` app (deployments/local.yaml arguments) at route prefix /; deleted
     after the last test that uses it (pytest_runtest_teardown)."""
     base = deploy(serve_url, "gangserve", "/", local_yaml_args())
-    _APP_URL_DEPLOYED[:] = ["gangserve"]
+    _CLOSE["app_url"] = lambda: undeploy("gangserve")
     return base
 
 
