@@ -45,6 +45,7 @@ both None for an epoch without a checkpoint.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
@@ -62,6 +63,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from safetensors.torch import load as st_load_torch
 
+from service.scratch import sweep_dead_owners
 from service.state import artifacts
 from service.training.checkpoints import MODEL_FILE
 from service.training.datasets import Samples, load_uploaded, split, synthetic
@@ -262,12 +264,21 @@ def evaluate(model: nn.Module, val: Samples | None, rank: int, world: int, batch
     return float(sums[0].item() / sums[1].item()) if sums[1].item() else None
 
 
+# Epoch checkpoint dirs: <temp dir>/gangserve-ckpt-<writer pid>-e<epoch>-<random>. Ray Train
+# deletes one after it uploaded it; one whose worker was killed first stays behind, and the
+# next writer on the node removes it (service.scratch).
+CHECKPOINT_DIR_PREFIX = "gangserve-ckpt-"
+_CHECKPOINT_DIR = re.compile(rf"^{re.escape(CHECKPOINT_DIR_PREFIX)}(\d+)-e\d+-")
+
+
 class CheckpointWriter:
     """Rank 0's epoch checkpoints as local temp dirs for Ray Train's ASYNC upload, at most
     one in flight (see the module docstring)."""
 
     def __init__(self, spec: ModelSpecT, wait_bound_s: float) -> None:
-        """`wait_bound_s`: the longest wait for the previous upload (training.checkpoint_wait_s)."""
+        """`wait_bound_s`: the longest wait for the previous upload (training.checkpoint_wait_s).
+        Removes the checkpoint dirs that dead writers on this node left behind."""
+        sweep_dead_owners(Path(tempfile.gettempdir()), _CHECKPOINT_DIR)
         self._spec = spec
         self._wait_bound_s = wait_bound_s
         self._pending: Path | None = None  # the previous epoch's dir until its upload deletes it
@@ -278,7 +289,7 @@ class CheckpointWriter:
         t0 = time.monotonic()
         self.wait()
         t1 = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=f"gangserve-ckpt-e{epoch}-"))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{CHECKPOINT_DIR_PREFIX}{os.getpid()}-e{epoch}-"))
         save_model(model, self._spec, tmp / MODEL_FILE)
         torch.save({"epoch": epoch, "step": step, "optimizer": optimizer.state_dict()}, tmp / TRAIN_STATE_FILE)
         self._pending = tmp

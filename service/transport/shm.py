@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service.scratch import sweep_dead_owners
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "gangserve-"
@@ -166,13 +167,7 @@ def sweep_stale() -> int:
     """Remove files whose creating process is gone; returns how many were removed."""
     if not available():
         return 0
-    removed = 0
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
-        match = _NAME.match(path.name)
-        if match and not _pid_alive(int(match.group(1))):
-            _unlink_quietly(path)
-            removed += 1
-    return removed
+    return sweep_dead_owners(SHM_DIR, _NAME)
 
 
 def _new_file(size: int) -> tuple[str, mmap.mmap]:
@@ -197,16 +192,6 @@ def _new_file(size: int) -> tuple[str, mmap.mmap]:
 
 def _view(mapping: mmap.mmap, ref: SharedTensorRef) -> np.ndarray:
     return np.frombuffer(mapping, dtype=np.float32, count=ref.numel).reshape(ref.shape)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
 
 
 def _unlink_quietly(path: Path) -> None:
