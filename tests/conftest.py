@@ -61,9 +61,6 @@ TEST_CLUSTER_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", "RAY_
 RAY_FIXTURES = {"ray_cluster", "serve_url", "app_url", "world_size_apps"}
 
 
-# tryfirst: before pytest-xdist's own hook, which reads the lanes' xdist_group marks (below)
-# into the nodeids it schedules by.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wrong = []
     for item in items:
@@ -138,19 +135,19 @@ def _run_shared_app_users_together(items: list[pytest.Item]) -> None:
     position = {m: i for i, m in enumerate(order)}
     items.sort(key=lambda item: position[_module(item)])  # stable: tests keep their order in a module
     _LAST_USER.clear()
-    _LAST_USER.update({fixture: users[-1] for fixture in _SESSION_APPS if (users := uses(fixture))})
+    _LAST_USER.update({fixture: users[-1].nodeid for fixture in _SESSION_APPS if (users := uses(fixture))})
 
 
-# A session app's fixture name -> the last test that uses it (set at collection),
+# A session app's fixture name -> the nodeid of the last test that uses it (set at collection),
 # and -> how to delete it (set by the fixture once it deployed the app).
 _SESSION_APPS = ("world_size_apps", "app_url")
-_LAST_USER: dict[str, pytest.Item] = {}
+_LAST_USER: dict[str, str] = {}
 _CLOSE: dict[str, Callable[[], None]] = {}
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     for fixture, last in _LAST_USER.items():
-        if last is item and fixture in _CLOSE:
+        if last == item.nodeid and fixture in _CLOSE:
             _CLOSE.pop(fixture)()
 
 
