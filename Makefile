@@ -47,7 +47,7 @@ serve: $(STAMP)
 	env $(FRONT_DOOR_ENV) $(VENV)/bin/serve run deployments/local.yaml
 
 test: $(STAMP) chromium postgresql
-	$(PY) -m pytest tests -v --durations=15 -n 2 --dist loadgroup
+	$(PY) -m pytest tests -v --durations=15
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests -m unit -q

@@ -79,22 +79,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             modules.setdefault(str(item.path), []).append(item)
         items[:] = [item for path in reversed(modules) for item in modules[path]]
     _run_shared_app_users_together(items)
-    _two_lanes(items)
-
-
-# `make test` runs the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`), one lane
-# each, in the order above: the tests that use the session's Ray cluster in one, every other
-# test (the unit tests and test_real_multinode.py's netns clusters, which start their own
-# processes) in the other. The shared cluster is started once, in its lane only; the other
-# lane runs beside it (~320 s of its ~1,280 s when it ran alone: bench/NOTES.md, session 11).
-# Without -n (a plain `pytest tests/...`) the marks do nothing.
-SHARED_CLUSTER_LANE, OWN_PROCESSES_LANE = "shared-cluster", "own-processes"
-
-
-def _two_lanes(items: list[pytest.Item]) -> None:
-    for item in items:
-        lane = SHARED_CLUSTER_LANE if RAY_FIXTURES & set(item.fixturenames) else OWN_PROCESSES_LANE
-        item.add_marker(pytest.mark.xdist_group(lane))
 
 
 def _module(item: pytest.Item) -> str:
