@@ -15,19 +15,25 @@ from pathlib import Path
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this node (also when another user owns it)."""
+    """Whether process `pid` still runs on this node (also when another user owns it); a
+    zombie, exited but not yet reaped by its parent, counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, owned by someone else
+    except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def sweep_dead_owners(directory: Path, name: re.Pattern[str]) -> int:
     """Remove every file or directory in `directory` whose name matches `name` (group 1: the
-    creator's pid) and whose creator is gone; returns how many were removed."""
+    creator's pid) and whose creator is gone; returns how many were removed. Never raises for
+    an entry: one that cannot be removed (another sweeper was first, no permission) is
+    skipped, so a cleanup never fails the work that calls it."""
     removed = 0
     try:
         entries = list(directory.iterdir())
@@ -43,6 +49,6 @@ def sweep_dead_owners(directory: Path, name: re.Pattern[str]) -> int:
             else:
                 path.unlink()
             removed += 1
-        except FileNotFoundError:  # another sweeper was first
-            pass
+        except OSError:
+            continue
     return removed

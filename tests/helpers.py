@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.scratch import pid_alive  # noqa: F401 - re-exported: tests import it from here
 from tests.conftest import TEST_API_TOKEN
 
 T = TypeVar("T")
@@ -56,20 +57,6 @@ async def eventually_async(probe: Callable[[], T | None], timeout_s: float, what
             raise AssertionError(f"{what}: not within {timeout_s:g}s; last: {str(last)[:1500]}")
         await asyncio.sleep(interval_s)
     return last
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def rand(*shape: int, seed: int = 0) -> np.ndarray:

@@ -277,7 +277,9 @@ class CheckpointWriter:
 
     def __init__(self, spec: ModelSpecT, wait_bound_s: float) -> None:
         """`wait_bound_s`: the longest wait for the previous upload (training.checkpoint_wait_s).
-        Removes the checkpoint dirs that dead writers on this node left behind."""
+        Removes the checkpoint dirs that dead writers on this node left behind: every rank
+        builds one, so a node that now holds only other ranks is cleaned too (one listing
+        of the temp dir per worker start)."""
         sweep_dead_owners(Path(tempfile.gettempdir()), _CHECKPOINT_DIR)
         self._spec = spec
         self._wait_bound_s = wait_bound_s
