@@ -177,7 +177,8 @@ class ErrorCode(enum.StrEnum):
     DEADLINE_UNMEETABLE = "deadline_unmeetable", (503,), False, (
         "no gang is expected back before the request's deadline (the last outage's length says when)")
     INCOMPLETE_BODY = "incomplete_body", (503,), False, (
-        "the body arrived short through Serve (an ingress replica died mid-request); a retry will do")
+        "the body arrived short, or mixed with another HTTP request's bytes, on its way to the ingress "
+        "(a replica died mid-request); a retry will do")
     CHANNEL_ERROR = "channel_error", (503,), False, (
         "a bad request on the gang server's data channel (between the ingress and rank 0)")
     CONTROLLER_UNREACHABLE = "controller_unreachable", (503,), False, (

@@ -687,6 +687,36 @@ def test_issue_crafts_are_4xx_over_http(http: httpx.Client, media: str, body: by
     assert_typed_reply(r)
 
 
+def _cut_and_followed_by_the_next_request(body: bytes, media: str, cut: int) -> bytes:
+    """`body` cut after `cut` bytes and completed, to its own length, by the next request on
+    the connection: what a replica reads when the connection that carried the body lost its
+    framing (the client's bytes were right; the front door's connection was not)."""
+    following = (f"POST /infer HTTP/1.1\r\nhost: 127.0.0.1:8000\r\ncontent-type: {media}\r\n"
+                 f"content-length: {len(body)}\r\n\r\n").encode() + body
+    return body[:cut] + following[:len(body) - cut]
+
+
+@pytest.mark.parametrize("media", [codecs.NPY, codecs.JSON])
+@pytest.mark.ray
+def test_a_body_mixed_with_the_next_request_is_a_retryable_503_not_the_clients_400(
+        http: httpx.Client, media: str) -> None:
+    """A valid request must never be blamed (4xx) for what its connection did to its body: a
+    body that fails to decode and holds an HTTP request line is 503 incomplete_body; the same
+    bytes without one stay the client's 400, naming what was found."""
+    x = np.random.default_rng(7).standard_normal((1, 4, 512)).astype(np.float32)
+    body = valid_bodies(x)[media]
+    mixed = _cut_and_followed_by_the_next_request(body, media, cut=40)
+    r = http.post("/infer", content=mixed, headers={"content-type": media})
+    assert r.status_code == 503 and r.json()["code"] == "incomplete_body", r.text
+    assert r.headers.get("retry-after"), r.headers
+    garbled = mixed.replace(b" HTTP/1.1\r\n", b" HTTP/1.1\n\n")
+    r = http.post("/infer", content=garbled, headers={"content-type": media})
+    assert r.status_code == 400 and r.json()["code"] == "malformed", r.text
+    if media == codecs.NPY:
+        assert "not a Python dict literal; got b\"{'descr'" in r.json()["error"], r.text
+    assert_serves_correctly(str(http.base_url).rstrip("/"))
+
+
 @pytest.mark.ray
 def test_json_over_max_json_bytes_is_refused_before_it_is_read(http: httpx.Client) -> None:
     limit = SERVICE_LIMITS.max_json_bytes

@@ -291,11 +291,11 @@ def decode_npy(body: bytes | memoryview, check: ShapeCheck | None = None) -> np.
             f"npy header claims {header_len} bytes; the body has {len(view) - start} after the length "
             f"(limit {MAX_NPY_HEADER})"
         )
+    raw = bytes(view[start:start + header_len])
     try:
-        text = bytes(view[start:start + header_len]).decode("utf-8" if major == 3 else "latin-1")
-        header = ast.literal_eval(text)
+        header = ast.literal_eval(raw.decode("utf-8" if major == 3 else "latin-1"))
     except Exception:  # SyntaxError, ValueError, RecursionError, MemoryError, ...: all mean "not a header"
-        raise MalformedError("invalid npy header: not a Python dict literal") from None
+        raise MalformedError(f"invalid npy header: not a Python dict literal; got {snip(raw)}") from None
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
         found = sorted(map(str, header))[:5] if isinstance(header, dict) else type(header).__name__
         raise MalformedError(

@@ -3,6 +3,8 @@ bounded pool that does heavy decoding off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -10,11 +12,12 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 
 from service.config import AppConfig
-from service.errors import BadRequest, ErrorCode, GangUnavailable, Overloaded, PayloadTooLarge
+from service.errors import BadRequest, ErrorCode, GangServeError, GangUnavailable, Overloaded, PayloadTooLarge
 from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_client import GangClient
 
 T = TypeVar("T")
+log = logging.getLogger("gangserve.ingress")
 
 # Bodies up to this size in a binary format are decoded inline: a zero-copy view and a
 # float32 check costs less than a hop to a thread. Replies of as many float32 values are
@@ -79,6 +82,18 @@ async def read_body_capped(request: Request, max_bytes: int, limit_name: str = "
     return b"".join(chunks)
 
 
+# An HTTP/1.x request line: what a body holds when the connection that carried it lost its
+# framing on the way (the front door handed this replica a request whose body was cut short,
+# and the next request on that connection was read as its remainder).
+_REQUEST_LINE = re.compile(rb"(?:GET|HEAD|POST|PUT|PATCH|DELETE|OPTIONS) /[^ \r\n]{0,2048} HTTP/1\.[01]\r\n")
+
+
+def arrived_mixed(body: bytes) -> bool:
+    """Whether `body` carries another HTTP request's request line: it is not the body its
+    client sent. Checked only once a decode has failed (never on the success path)."""
+    return b" HTTP/1." in body and _REQUEST_LINE.search(body) is not None
+
+
 class DecodePool:
     """A few threads for CPU-heavy request work (JSON parsing, decompression, conversion of
     large bodies, JSON encoding of large replies), so the event loop keeps serving.
@@ -122,6 +137,24 @@ class DecodePool:
             raise
         future.add_done_callback(self._release)
         return await asyncio.wrap_future(future)
+
+    async def decode(self, fn: Callable[..., T], body: bytes, *args: Any, inline: bool) -> T:
+        """fn(body, *args): the body's decode, `inline` on the event loop or else in a pool thread
+        (`run`). A client error (4xx) from a body that arrived mixed with another HTTP request
+        (`arrived_mixed`) is the transport's fault, not the client's: it becomes a 503
+        `incomplete_body` (retryable) instead, and the replica logs the body's first bytes."""
+        try:
+            return fn(body, *args) if inline else await self.run(fn, body, *args)
+        except GangServeError as exc:
+            if not 400 <= exc.status < 500 or not arrived_mixed(body):
+                raise
+            log.warning("a %d-byte body held another HTTP request (decode said: %s); it starts %r",
+                        len(body), exc, body[:200])
+            raise GangUnavailable(
+                "the request body arrived mixed with another HTTP request's bytes (a connection fault "
+                "between the front door and this replica); retry",
+                code=ErrorCode.INCOMPLETE_BODY, retry_after_s=1.0,
+            ) from None
 
     async def run_unbounded(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) in a pool thread without admission control: for work a request already

@@ -170,11 +170,9 @@ async def _infer(
         body = await read_body_capped(request, cfg.max_body_bytes)
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
     cap = (cfg.max_json_bytes, "max_json_bytes") if json_only else (cfg.max_body_bytes, "max_body_bytes")
-    args = (body, encoding, cap, header_length, limits, output_dtype)
-    if encoding != "identity" or len(body) > cfg.tunables.ingress.inline_decode_bytes:
-        req, x, mask, squeezed, reply_dtype, binary = await pool.run(prepare, *args)
-    else:
-        req, x, mask, squeezed, reply_dtype, binary = prepare(*args)
+    req, x, mask, squeezed, reply_dtype, binary = await pool.decode(
+        prepare, body, encoding, cap, header_length, limits, output_dtype,
+        inline=encoding == "identity" and len(body) <= cfg.tunables.ingress.inline_decode_bytes)
     deadline = deadlines.request_deadline(started, cfg.request_timeout_s, header_s,
                                           deadlines.oip_timeout(req.parameters), tunables=cfg.tunables.ingress)
     sequence = sequence_of(req)  # Triton's sequence parameters: a session (service.ingress.oip.sequences)

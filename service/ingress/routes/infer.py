@@ -109,10 +109,8 @@ async def infer(
         body = await read_body_capped(request, cfg.max_body_bytes)
     t_read = time.perf_counter()
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
-    if len(body) > cfg.tunables.ingress.inline_decode_bytes:
-        x, mask, squeezed, dtype = await pool.run(_prepare, body, media, limits, output_dtype, reply_media)
-    else:
-        x, mask, squeezed, dtype = _prepare(body, media, limits, output_dtype, reply_media)
+    x, mask, squeezed, dtype = await pool.decode(_prepare, body, media, limits, output_dtype, reply_media,
+                                                 inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
     t_decoded = time.perf_counter()
     out = await gang.infer(x, mask, causal, deadline)  # [batch, seq, E] float32
     t_gang = time.perf_counter()

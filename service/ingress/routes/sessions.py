@@ -110,10 +110,8 @@ async def _rows(request: Request, cfg: AppConfig, pool: DecodePool, output_dtype
     if not body and optional:
         return None
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
-    if len(body) > cfg.tunables.ingress.inline_decode_bytes:
-        x, mask, squeezed, dtype = await pool.run(_prepare_rows, body, media, limits, output_dtype, reply_media)
-    else:
-        x, mask, squeezed, dtype = _prepare_rows(body, media, limits, output_dtype, reply_media)
+    x, mask, squeezed, dtype = await pool.decode(_prepare_rows, body, media, limits, output_dtype, reply_media,
+                                                 inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
     return session_rows(x, mask, squeezed), dtype, reply_media, squeezed
 
 
