@@ -324,11 +324,12 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     #   answer (its connection to the replica was reset after the request was sent, so it
     #   cannot be retried): Serve's one 500 page, plain text "Internal Server Error", or the
     #   client's connection closed with no answer (-1 here);
-    # - Serve applies each change of the ingress replicas by reloading HAProxy; a reloaded-out
-    #   HAProxy process keeps the client connections it holds, and an answer our ingress gave
-    #   in ~4 s on such a connection was logged as sent by HAProxy but reached its client only
-    #   ~55 s later, or never (HAProxy's access log, captured in this test's cluster). The
-    #   client gives up at its timeout (-1) and its next request, on a new connection, is served.
+    # - Serve applies each change of the ingress replicas by reloading HAProxy, and an old
+    #   HAProxy process keeps the client connections it holds. HAProxy's access log, captured
+    #   in this test's cluster, showed answers our ingress gave in ~4 s logged as sent by a
+    #   process reloaded out within a second of them, and their clients got them ~55 s later,
+    #   or never. The client gives up at its timeout (-1); its next request, on a new
+    #   connection, is served.
     assert set(health) == {200}, health
     front_door_500s, dropped = statuses.pop(500, 0), statuses.pop(-1, 0)
     assert front_door_500s + dropped <= 2 * load.threads and (
