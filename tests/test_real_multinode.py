@@ -286,8 +286,9 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     reason, seen, health = None, [], []
     assert victim.ip in ingress_node_ips(cluster)  # it also holds one of the two ingress replicas
     _, slow_before = infer_times(app, FAULT_BOUND_S)
-    # The clients wait as gangserve_client does with a deadline: a little past the service's
-    # bound, then count the request as unanswered (-1) and send the next one.
+    # The clients give up as gangserve_client does with a deadline (it waits the deadline + 1 s;
+    # here the fault bound + 1 s, so an answer of ours past the bound still arrives and fails
+    # the bound below), then count the request as unanswered (-1) and send the next one.
     with Load(app, timeout_s=FAULT_BOUND_S + 1.0) as load:
         load.wait_answered()  # the clients are sending ...
         time.sleep(1.0)  # ... for a second before the kill, as before the cut above

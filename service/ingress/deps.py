@@ -88,10 +88,10 @@ async def read_body_capped(request: Request, max_bytes: int, limit_name: str = "
 _REQUEST_LINE = re.compile(rb"(?:GET|HEAD|POST|PUT|PATCH|DELETE|OPTIONS) /[^ \r\n]{0,2048} HTTP/1\.[01]\r\n")
 
 
-def arrived_mixed(body: bytes) -> bool:
-    """Whether `body` carries another HTTP request's request line: it is not the body its
-    client sent. Checked only once a decode has failed (never on the success path)."""
-    return b" HTTP/1." in body and _REQUEST_LINE.search(body) is not None
+def request_line_in(body: bytes) -> re.Match[bytes] | None:
+    """Another HTTP request's request line inside `body` (then it is not the body its client
+    sent), or None. Looked for only once a decode has failed, never on the success path."""
+    return _REQUEST_LINE.search(body)
 
 
 class DecodePool:
@@ -141,18 +141,22 @@ class DecodePool:
     async def decode(self, fn: Callable[..., T], body: bytes, *args: Any, inline: bool) -> T:
         """fn(body, *args): the body's decode, `inline` on the event loop or else in a pool thread
         (`run`). A client error (4xx) from a body that arrived mixed with another HTTP request
-        (`arrived_mixed`) is the transport's fault, not the client's: it becomes a 503
+        (`request_line_in`) is the transport's fault, not the client's: it becomes a 503
         `incomplete_body` (retryable) instead, and the replica logs the body's first bytes."""
         try:
             return fn(body, *args) if inline else await self.run(fn, body, *args)
         except GangServeError as exc:
-            if not 400 <= exc.status < 500 or not arrived_mixed(body):
+            line = request_line_in(body) if 400 <= exc.status < 500 else None
+            if line is None:
                 raise
-            log.warning("a %d-byte body held another HTTP request (decode said: %s); it starts %r",
-                        len(body), exc, body[:200])
+            at = line.start()
+            # The request line and the bytes before it only: the other request's headers
+            # after it may carry its client's token.
+            log.warning("a %d-byte body holds another HTTP request's line %r at byte %d (decode said: %s); "
+                        "it starts %r", len(body), line.group().strip(), at, exc, body[:min(at, 64)])
             raise GangUnavailable(
-                "the request body arrived mixed with another HTTP request's bytes (a connection fault "
-                "between the front door and this replica); retry",
+                f"the request body arrived mixed with another HTTP request's bytes (its request line at byte "
+                f"{at} of {len(body)}): a connection fault between the front door and this replica; retry",
                 code=ErrorCode.INCOMPLETE_BODY, retry_after_s=1.0,
             ) from None
 
