@@ -1,8 +1,10 @@
-# gangserve image: `serve run deployments/gpu.yaml` by default; CONFIG=deployments/local.yaml for CPU.
+# gangserve image: `serve run deployments/gpu.yaml` by default; CONFIG=deployments/cpu.yaml for CPU.
+# Both configs bind 0.0.0.0:8000, so a published port answers from outside the container.
 #   docker build -t gangserve .                                   # GPU (CUDA torch from PyPI)
 #   docker build -t gangserve:cpu --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu \
-#                --build-arg CONFIG=deployments/local.yaml .
+#                --build-arg CONFIG=deployments/cpu.yaml .
 #   docker run --gpus all -p 8000:8000 --shm-size=8g -e GANGSERVE_API_TOKEN=... gangserve
+#   docker run -p 8000:8000 --shm-size=2g -e GANGSERVE_API_TOKEN=... gangserve:cpu
 # Multi-node: use this image for the head and worker pods (deployments/kuberay.yaml).
 # What gets installed is exactly what pyproject.toml declares, each version pinned by
 # constraints.txt (tests/test_deployment.py checks this recipe; `hadolint Dockerfile` is clean).
@@ -56,4 +58,10 @@ EXPOSE 8000
 # Ray 2.60's `serve run` shuts Serve down gracefully (every replica drains its accepted
 # requests) on SIGINT only; on SIGTERM it just exits. `docker stop` therefore sends SIGINT.
 STOPSIGNAL SIGINT
+# Healthy once /readyz answers 200 (a gang can serve); 503 while the gang is placed or rebuilt.
+# The start period covers Ray's start, the deploy and the gang's bring-up (tens of seconds on
+# 2 CPU cores; longer with CUDA): failures inside it do not count, a success ends it at once.
+# No curl in the slim image: Python's urllib raises on any status but 2xx, so the exit is 1.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4)"]
 CMD ["sh", "-c", "exec serve run \"$GANGSERVE_CONFIG\""]

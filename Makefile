@@ -1,21 +1,36 @@
-# gangserve: `make serve` starts the service, `make test` runs the suite. Both install first.
+# gangserve: `make serve` starts the service, `make test` runs the suite. Both install first:
+# `make install` (and `make serve`) the service and the client only; `make test` adds the test
+# extra (pytest, schemathesis, hypothesis, tritonclient, moto, playwright, hadolint) and, as
+# root, Debian's chromium and postgresql for the browser and state-database tests.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 PIP_FLAGS := --disable-pip-version-check -q
+# A CPU host: `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes torch's CPU
+# build (about 0.2 GB instead of CUDA's several GB) at its pin first, as the Dockerfile does.
+TORCH_INDEX ?=
 
-.PHONY: install serve test test-unit bench docs lint clean chromium postgresql
+.PHONY: install install-test serve test test-unit bench docs lint clean chromium postgresql
 
-install: $(STAMP) chromium postgresql
+install: $(STAMP)
+
+install-test: $(TEST_STAMP) chromium postgresql
 
 # Re-install whenever the pins or the project metadata change. The client distribution
 # (./clients, gangserve-client) is a dependency of the project found on no index: it is
 # installed from this repository in the same pip run, both editable, both under the pins.
 $(STAMP): constraints.txt pyproject.toml clients/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e ./clients -e '.[test]'
+	if [ -n "$(TORCH_INDEX)" ]; then $(PY) -m pip install $(PIP_FLAGS) --index-url "$(TORCH_INDEX)" "$$(grep '^torch==' constraints.txt)"; fi
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e ./clients -e .
 	touch $(STAMP)
+
+# The test extra on top of the service (re-run whenever the service install is).
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e ./clients -e '.[test]'
+	touch $(TEST_STAMP)
 
 # The status page's browser test (tests/test_ui.py) drives Debian's chromium through Playwright
 # (never a browser download of its own). Installed here when missing and we can (root, apt-get);
@@ -46,10 +61,10 @@ FRONT_DOOR_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1
 serve: $(STAMP)
 	env $(FRONT_DOOR_ENV) $(VENV)/bin/serve run deployments/local.yaml
 
-test: $(STAMP) chromium postgresql
+test: $(TEST_STAMP) chromium postgresql
 	$(PY) -m pytest tests -v --durations=15
 
-test-unit: $(STAMP)
+test-unit: $(TEST_STAMP)
 	$(PY) -m pytest tests -m unit -q
 
 bench: $(STAMP)
