@@ -22,13 +22,34 @@ _Part = TypeVar("_Part", bound=BaseModel)
 FLOAT16_MAX = 65504.0  # float16's largest finite value
 
 
+# The builder arguments only `model=transformer` reads (refused with another model).
+TRANSFORMER_ARGS = ("num_layers", "ffn_dim", "activation", "norm_first", "layer_norm_eps")
+
+
 class ModelConfig(BaseModel):
-    """What the gang computes: dense-equivalent multi-head self-attention."""
+    """What the gang computes: a model of service.parallel.model (docs/models.md), tensor-parallel."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
+    model: str = Field(
+        "attention", min_length=1, max_length=300,
+        description="`attention`: one nn.MultiheadAttention(E, H) layer; `transformer`: "
+        "nn.TransformerEncoder of `num_layers` nn.TransformerEncoderLayer(E, H, ffn_dim, dropout=0, activation, "
+        "batch_first=True, norm_first, layer_norm_eps); or `pkg.module:factory`, a user's model, called as "
+        "`factory(embed_dim=E, **model_args)` and returning the model protocol (docs/models.md).",
+    )
     embed_dim: int = Field(512, ge=1, le=65536, description="Model width E.")
     num_heads: int = Field(8, ge=1, le=1024, description="Attention heads H; E % H == 0.")
+    num_layers: int = Field(2, ge=1, le=512, description="model=transformer: encoder layers.")
+    ffn_dim: int = Field(2048, ge=1, le=1 << 20,
+                         description="model=transformer: the MLP's hidden width; world_size must divide it.")
+    activation: Literal["relu", "gelu"] = Field("relu", description="model=transformer: the MLP's activation.")
+    norm_first: bool = Field(False, description="model=transformer: pre-norm (true) or post-norm (false) layers.")
+    layer_norm_eps: float = Field(1e-5, gt=0, le=1.0, description="model=transformer: the LayerNorms' epsilon.")
+    model_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A user's model (`model=pkg.module:factory`): keyword arguments for its factory.",
+    )
     init: Literal["seed", "random"] = Field(
         "seed",
         description="Weight init when no checkpoint is given: 'seed' = the original notes' "
@@ -51,9 +72,24 @@ class ModelConfig(BaseModel):
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="dtype of the ranks' weights, activations and collectives. bfloat16 runs on CPU "
-        "and CUDA, float16 on CUDA only (use_gpu=true). Replies keep the requested dtype; see the "
-        "README's tolerance per dtype.",
+        "and CUDA, float16 on CUDA only (use_gpu=true). Replies keep the requested dtype; the "
+        "tolerance per dtype: [api.md](api.md#compute-dtype).",
     )
+
+    @model_validator(mode="after")
+    def _check_model_args(self) -> "ModelConfig":
+        """Arguments of one model are refused with another (a typo would otherwise be ignored)."""
+        given = self.model_fields_set
+        if self.model != "transformer":
+            stray = [name for name in TRANSFORMER_ARGS if name in given]
+            if stray:
+                raise ValueError(f"{', '.join(stray)} only apply to model=transformer; model is {self.model!r}")
+        if self.model_args and ":" not in self.model:
+            raise ValueError(f"model_args only apply to a user's model (model=pkg.module:factory); model is {self.model!r}")
+        if self.model not in ("attention", "transformer") and ":" not in self.model:
+            raise ValueError(f"model must be attention, transformer or an import path pkg.module:factory; "
+                             f"got {self.model!r}")
+        return self
 
     @property
     def weights_source(self) -> str:
@@ -106,7 +142,7 @@ class GangConfig(BaseModel):
         True,
         description="Keep one warm spare rank process per gang (started after bring-up, in a peer "
         "bundle, reserving no CPU of its own): a rebuild after a lost peer adopts it instead of "
-        "starting a process and importing torch (see README: fast rebuild). CPU gangs only: a spare "
+        "starting a process and importing torch ([operations.md](operations.md#fast-rebuild-the-warm-spare)). CPU gangs only: a spare "
         "cannot hold a bundle's GPU, so use_gpu gangs always start a new process.",
     )
     step_loop: bool = Field(
@@ -343,6 +379,11 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingL
                 f"num_heads ({self.num_heads}) must be divisible by world_size ({self.world_size}): "
                 "each rank computes num_heads / world_size whole heads"
             )
+        if self.model == "transformer" and self.ffn_dim % self.world_size:
+            raise ValueError(
+                f"ffn_dim ({self.ffn_dim}) must be divisible by world_size ({self.world_size}): each rank holds "
+                "ffn_dim / world_size of the MLP's hidden units"
+            )
         if self.compute_dtype == "float16" and not self.use_gpu:
             raise ValueError(
                 "compute_dtype=float16 needs use_gpu=true (float16 matmuls are CUDA-only here); "
@@ -351,7 +392,7 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingL
         # The notes' seed weights are 0..E^2-1 scaled, far beyond float16's range at E=512:
         # refused here at deploy time, rather than serving inf/NaN with a 200.
         if (self.compute_dtype == "float16" and self.checkpoint is None and self.init == "seed"
-                and self.embed_dim ** 2 - 1 > FLOAT16_MAX):
+                and self.model == "attention" and self.embed_dim ** 2 - 1 > FLOAT16_MAX):
             raise ValueError(
                 f"compute_dtype=float16 cannot hold init=seed weights at embed_dim={self.embed_dim} (they reach "
                 f"{self.embed_dim ** 2 - 1}; float16's largest finite value is {FLOAT16_MAX:g}): use bfloat16 or "
