@@ -38,6 +38,17 @@ def parse_args(args: dict[str, Any]) -> AppConfig:
         ) from None
 
 
+def check_model(cfg: AppConfig) -> None:
+    """Refuse, at deploy time, a model that cannot be built or split over the gang, or a local
+    checkpoint that does not fit it (service.weights.declared.check_declared_model)."""
+    from service.weights.declared import check_declared_model
+
+    try:
+        check_declared_model(cfg, cfg.world_size)
+    except (ValueError, TypeError) as exc:
+        raise InvalidAppArgs(f"invalid gangserve arguments: {exc}") from None
+
+
 def preflight(cfg: AppConfig) -> int | None:
     """Fail at once, naming needed vs available, if the connected cluster can never hold
     the gang (Serve alone would wait forever, warning every 30 s). Skipped when Ray is not
@@ -56,6 +67,7 @@ def preflight(cfg: AppConfig) -> int | None:
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the arguments, check the cluster can hold the gang, compose the app."""
     cfg = parse_args(args)
+    check_model(cfg)
     warn_if_slow_front_door()
     nodes = preflight(cfg)
     return compose_app(cfg, nodes)

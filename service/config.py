@@ -53,13 +53,14 @@ class ModelConfig(BaseModel):
     init: Literal["seed", "random"] = Field(
         "seed",
         description="Weight init when no checkpoint is given: 'seed' = the original notes' "
-        "deterministic W[i,j] = i*E + j + offset; 'random' = uniform(+-1/sqrt(E)) from `seed`.",
+        "deterministic W[i,j] = i*E + j + offset; 'random' = uniform(+-1/sqrt(E)) from `seed`. Models other "
+        "than attention have no notes' weights: both draw their reproducible random init from `seed`.",
     )
     seed: int = Field(0, ge=0, description="Generator seed for init=random.")
     checkpoint: str | None = Field(
         None,
-        description="Absolute path of a dense safetensors checkpoint (contract format); "
-        "overrides `init`. Each rank reads only its slice, so on multi-node clusters it must "
+        description="Absolute path of a dense safetensors checkpoint (the model's format, docs/api.md: for "
+        "transformer its torch module's own state_dict); overrides `init`. Each rank reads only its slice, so on multi-node clusters it must "
         "be on storage every node sees.",
     )
 
@@ -79,9 +80,10 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check_model_args(self) -> "ModelConfig":
         """Arguments of one model are refused with another (a typo would otherwise be ignored)."""
-        given = self.model_fields_set
+        # Compared with the defaults, not `model_fields_set`: deployments validate a full dump again.
         if self.model != "transformer":
-            stray = [name for name in TRANSFORMER_ARGS if name in given]
+            fields = type(self).model_fields
+            stray = [name for name in TRANSFORMER_ARGS if getattr(self, name) != fields[name].default]
             if stray:
                 raise ValueError(f"{', '.join(stray)} only apply to model=transformer; model is {self.model!r}")
         if self.model_args and ":" not in self.model:
@@ -313,7 +315,8 @@ class SessionConfig(BaseModel):
     session_cache_bytes: int = Field(
         64 * 1024 * 1024, ge=0, le=1 << 40,
         description="KV cache budget per rank, bytes on the rank's device (CUDA memory on GPUs), allocated "
-        "on the first session append: 2 * (embed_dim / world_size) * dtype bytes per cached token, in "
+        "on the first session append: 2 * cached layers (1; transformer: num_layers) * (embed_dim / world_size) * "
+        "dtype bytes per cached token, in "
         "blocks of session_block_tokens. When it is full, idle sessions are evicted (least recently used "
         "first) and recomputed from their kept inputs on their next append. 0 = sessions off.",
     )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from service.parallel import ParallelGroup, TensorParallelAttention
-from service.parallel.kv_cache import AppendPlan, PagedKVPool, append_attention
+from service.parallel.kv_cache import AppendPlan, PagedKVPool
 from service.parallel.weights import random_weights, shard_dense
 from service.sessions.registry import Limits, SessionRegistry, StepItem
 from tests.conftest import deploy, undeploy
@@ -34,7 +34,7 @@ TOL = 1e-5
 # ---------------------------------------------------------------- unit: the rank side's math
 
 @pytest.mark.unit
-def test_append_attention_matches_causal_mha_over_the_whole_sequence() -> None:
+def test_attention_append_matches_causal_mha_over_the_whole_sequence() -> None:
     """Two sessions of different lengths interleaved in one pool, prefill then decode and
     multi-row appends, each step's rows equal to causal MHA's rows over the session so far."""
     w = random_weights(64, 3)
@@ -55,7 +55,7 @@ def test_append_attention_matches_causal_mha_over_the_whole_sequence() -> None:
         plan.check()
         plan = AppendPlan.decode(plan.encode())
         with torch.inference_mode():
-            out = append_attention(model, pool, torch.from_numpy(np.concatenate(new)), plan)
+            out = model.append(torch.from_numpy(np.concatenate(new)), plan, pool)
         at = 0
         for s in (0, 1):
             seqs[s] = np.concatenate([seqs[s], new[s]])
@@ -85,9 +85,9 @@ def test_registry_evicts_least_recently_used_and_plans_a_recompute() -> None:
     step = reg.plan([StepItem(b, np.ones((1, 2), np.float32))], generation=2, version=1)
     assert step.items[0].recompute and step.plan.cached == (0,)
     step.abort()
-    with pytest.raises(Exception) as lost:
+    with pytest.raises(Exception) as unknown:  # not an id this app issued (tests/test_session_answers.py)
         reg.lookup("gangB-0123")
-    assert getattr(lost.value, "code", None) == "session_lost"
+    assert getattr(unknown.value, "code", None) == "session_not_found"
 
 
 # ---------------------------------------------------------------- the served apps
@@ -188,7 +188,7 @@ def test_bad_input_is_refused_and_changes_nothing(apps: Callable[[int], str]) ->
     assert_error(httpx.post(url, content=b"not npy", headers=npy, timeout=30), 400)
     assert_error(s.append(rand(1, E), length=99), 409, "session_length_mismatch")
     assert_error(httpx.post(f"{base}/sessions/nosuch-0123/append", content=npy_bytes(rand(1, E)), headers=npy,
-                            timeout=30), 410, "session_lost")
+                            timeout=30), 404, "session_not_found")  # never issued: not a lost gang's
     gid = gang(base)["replica_id"]
     assert_error(httpx.post(f"{base}/sessions/{gid}-0123/append", content=npy_bytes(rand(1, E)), headers=npy,
                             timeout=30), 404, "session_not_found")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from service.parallel.attention import AttentionDef
+from service.parallel.model import check_checkpoint, load_checkpoint_shard
 from service.parallel.weights import (
-    check_checkpoint,
-    load_checkpoint_shard,
     random_weights,
     save_checkpoint,
     seed_weights,
@@ -45,13 +45,13 @@ def test_checkpoint_slices_equal_dense_slices(tmp_path: Path, world_size: int) -
         assert f.metadata() == {"embed_dim": "64", "num_heads": "8"}
         assert set(f.keys()) == set(dense)
     for rank in range(world_size):
-        from_file = load_checkpoint_shard(path, rank, world_size)
+        from_file = load_checkpoint_shard(AttentionDef(64, 8), path, rank, world_size)
         from_dense = shard_dense(dense, rank, world_size)
         for key in from_dense:
             assert torch.equal(from_file[key], from_dense[key]), (rank, key)
     # q rows of rank 1 of 2 are rows 32..63 of the dense matrix; out columns likewise.
     if world_size == 2:
-        s = load_checkpoint_shard(path, 1, 2)
+        s = load_checkpoint_shard(AttentionDef(64, 8), path, 1, 2)
         assert torch.equal(s["q_proj.weight"], dense["q_proj.weight"][32:])
         assert torch.equal(s["out_proj.weight"], dense["out_proj.weight"][:, 32:])
         assert torch.equal(s["out_proj.bias"], dense["out_proj.bias"])
@@ -60,6 +60,7 @@ def test_checkpoint_slices_equal_dense_slices(tmp_path: Path, world_size: int) -
 def test_check_checkpoint_names_the_mismatch(tmp_path: Path) -> None:
     path = tmp_path / "w.safetensors"
     save_checkpoint(path, random_weights(64, 0), num_heads=8)
-    check_checkpoint(path, 64, 8)
-    with pytest.raises(ValueError, match=r"embed_dim=64, the model needs 512"):
-        check_checkpoint(path, 512, 8)
+    check_checkpoint(AttentionDef(64, 8), path)
+    with pytest.raises(ValueError, match=r"metadata embed_dim=64, the model has 512.*q_proj.weight has shape \[64, 64\], "
+                       r"the model needs \[512, 512\]"):
+        check_checkpoint(AttentionDef(512, 8), path)

@@ -18,10 +18,10 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -40,15 +40,18 @@ from service.gang.backends import (
 from service.gang.failpoints import Failpoints
 from service.gang.staging import PinnedStaging
 from service.gang.stepclock import StepClock
-from service.parallel import ParallelGroup, TensorParallelAttention
-from service.parallel.kv_cache import AppendPlan, PagedKVPool, append_attention
-from service.parallel.weights import (
-    checkpoint_causal,
+from service.parallel import ParallelGroup
+from service.parallel.kv_cache import AppendPlan, PagedKVPool
+from service.parallel.model import (
+    ModelDef,
+    RankModel,
+    check_checkpoint,
     load_checkpoint_shard,
-    random_weights,
-    seed_weights,
+    new_kv_pool,
     shard_dense,
 )
+from service.parallel.registry import ModelArgs, resolve
+from service.parallel.weights import checkpoint_causal
 from service.tunables import GangTunables, StateTunables
 
 log = logging.getLogger("gangserve.rank")
@@ -74,11 +77,10 @@ class WeightsVersionMismatch(RuntimeError):
     """A step expected another weights version than the one this rank holds."""
 
 
-class ModelSpec(Protocol):
-    """What a rank needs to know of the model (service.config.ModelConfig has these fields)."""
+class ModelSpec(ModelArgs, Protocol):
+    """What a rank needs to know of the model (service.config.ModelConfig has these fields;
+    the architecture's, ModelArgs, are read by service.parallel.registry.resolve)."""
 
-    embed_dim: int
-    num_heads: int
     init: str
     seed: int
     checkpoint: str | None
@@ -92,6 +94,13 @@ class PlainModel:
 
     embed_dim: int = 512
     num_heads: int = 8
+    model: str = "attention"
+    num_layers: int = 2
+    ffn_dim: int = 2048
+    activation: str = "relu"
+    norm_first: bool = False
+    layer_norm_eps: float = 1e-5
+    model_args: Mapping[str, Any] = field(default_factory=dict)
     init: str = "seed"
     seed: int = 0
     checkpoint: str | None = None
@@ -128,7 +137,7 @@ def check_dtype_fits(model: ModelSpec) -> None:
     """Refuse a model whose weights the compute dtype cannot hold, before anything is built:
     the seed init's W[i, j] = i*E + j + offset reaches E*E - 1 (262143 at E=512), and
     float16's largest finite value is 65504, so every answer would be NaN with a 200."""
-    if model.compute_dtype == "float16" and not model.checkpoint and model.init == "seed":
+    if model.compute_dtype == "float16" and not model.checkpoint and model.init == "seed" and model.model == "attention":
         peak = model.embed_dim * model.embed_dim - 1
         if peak > 65504:
             raise ValueError(
@@ -143,10 +152,10 @@ def load_rank_shard(model: ModelSpec, rank: int, world_size: int, local: Path | 
 
     `local`: the checkpoint as a verified local file (see `materialize`); the rank maps
     only its own slice of it."""
+    arch = resolve(model)
     if model.checkpoint:
-        return load_checkpoint_shard(local or materialize(model.checkpoint, StateTunables()), rank, world_size)
-    dense = seed_weights(model.embed_dim) if model.init == "seed" else random_weights(model.embed_dim, model.seed)
-    return shard_dense(dense, rank, world_size)
+        return load_checkpoint_shard(arch, local or materialize(model.checkpoint, StateTunables()), rank, world_size)
+    return shard_dense(arch, arch.init_weights(model.init, model.seed), rank, world_size)
 
 
 def materialize(checkpoint: str, tunables: StateTunables) -> Path:
@@ -191,8 +200,11 @@ class Rank:
                  device_how, choice.iface, choice.how)
         self.backend = "none"
         self.group: ParallelGroup | None = None
-        self.model: TensorParallelAttention | None = None
-        self._staged: TensorParallelAttention | None = None
+        self.model: RankModel | None = None
+        self._staged: RankModel | None = None
+        # The architecture self.model / self._staged implement (service.parallel.model).
+        self.model_def: ModelDef | None = None
+        self._staged_def: ModelDef | None = None
         # The model's default for requests that do not say (builder `causal`, or the
         # checkpoint's recorded one): staged and committed with the weights.
         self.default_causal = False
@@ -329,6 +341,7 @@ class Rank:
             self._staged = None
             return
         self.model, self._staged = self._staged, None
+        self.model_def = self._staged_def
         self.default_causal = self._staged_causal
         self.weights_version = version
 
@@ -349,24 +362,27 @@ class Rank:
                 f"{self.device} (use bfloat16 or float32 on CPU)"
             )
         check_dtype_fits(model_cfg)
-        model = TensorParallelAttention(model_cfg.embed_dim, model_cfg.num_heads, self.group, dtype=dtype)
+        arch = resolve(model_cfg)
+        arch.check_world_size(self.world_size)
+        model = arch.build(self.group, dtype)
         # A recorded checkpoint may be an artifact key: one verified local file for both reads.
         local = materialize(model_cfg.checkpoint, self.state_tunables) if model_cfg.checkpoint else None
+        if local is not None:
+            check_checkpoint(arch, local)  # every missing or wrong tensor named, before any is read
         model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local))
         recorded = checkpoint_causal(local) if local is not None else None
         model.eval()
         if self.device.type == "cuda":
-            self._warm_kernels(model)
+            self._warm_kernels(model, arch.embed_dim)
         self._staged_causal = model_cfg.causal if recorded is None else recorded
         self.dtype = dtype  # one dtype per gang (the config's): a swap keeps it
-        self._staged = model
+        self._staged, self._staged_def = model, arch
         return model.parameter_bytes()
 
-    def _warm_kernels(self, model: TensorParallelAttention) -> None:
+    def _warm_kernels(self, model: RankModel, width: int) -> None:
         """Run this rank's local kernels once per kind of step (plain, causal, masked,
         masked + causal) so the first such request does not pay CUDA's lazy module loading
         and cuBLAS/SDPA set-up; no collective (the gang's warmup step covers those)."""
-        width = model.embed_dim
         x = torch.zeros(2, 16, width, dtype=next(model.parameters()).dtype, device=self.device)
         key_mask = torch.ones(2, 16, dtype=torch.bool, device=self.device)
         key_mask[1, :5] = False  # left padding in one row
@@ -575,25 +591,26 @@ class Rank:
 
     def _append_forward(self, buf: torch.Tensor, meta: torch.Tensor, width: int, weights_version: int) -> torch.Tensor:
         """One append step on every rank: broadcast the rows, write and attend over this
-        rank's pool (service.parallel.kv_cache.append_attention), all-reduce. A rank holding
+        rank's pool (the model's `append`, service.parallel.kv_cache), all-reduce. A rank holding
         another weights version computes on NaN and raises afterwards, as `_forward` does."""
         if self.model is None or self.group is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
         plan = AppendPlan.decode(meta)
         plan.check()
-        model = self.model
-        if self.kv_pool is None or not self.kv_pool.fits(plan, model.heads_per_rank, model.head_dim, self.dtype):
-            self.kv_pool = PagedKVPool(plan.num_blocks, plan.block_size, model.heads_per_rank, model.head_dim,
-                                       self.dtype, self.device)
-            log.info("rank %d: KV pool of %d blocks x %d tokens (%d bytes)", self.rank, plan.num_blocks,
-                     plan.block_size, self.kv_pool.nbytes)
+        model, arch = self.model, self.model_def
+        assert arch is not None
+        heads_local = arch.kv_heads // self.world_size
+        if self.kv_pool is None or not self.kv_pool.fits(plan, arch.kv_layers, heads_local, arch.head_dim, self.dtype):
+            self.kv_pool = new_kv_pool(arch, self.world_size, plan, self.dtype, self.device)
+            log.info("rank %d: KV pool of %d layers x %d blocks x %d tokens (%d bytes)", self.rank, arch.kv_layers,
+                     plan.num_blocks, plan.block_size, self.kv_pool.nbytes)
         clock = self._clock = StepClock(self.device)
         with torch.inference_mode():
             self.group.broadcast_(buf, src=0)
             clock.mark()
             x = buf.view(-1, width)  # [T, E]
             x, why = self._poison_if_stale(x, weights_version)
-            out = append_attention(model, self.kv_pool, x, plan)
+            out = model.append(x, plan, self.kv_pool)
             clock.mark()
         if why is not None:
             raise self.version_mismatch_error(why)
@@ -628,6 +645,7 @@ class Rank:
         not return in time; this process is then marked `abandoned` (to be replaced)."""
         timeout_s = self.tunables.shutdown_timeout_s if timeout_s is None else timeout_s
         self.model = self._staged = None
+        self.model_def = self._staged_def = None
         self.kv_pool = None
         group, self.group, self._control, self._store = self.group, None, None, None
         if group is None or group.world_size == 1 or not dist.is_initialized():

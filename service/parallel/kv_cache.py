@@ -7,12 +7,13 @@ positions of the same sessions, each for its own heads.
 
 Layout
 ------
-One pool per rank, allocated once: ``k, v [num_blocks, block_size, heads_local, head_dim]``
-in the compute dtype on the rank's device. A session of length L owns ``ceil(L / B)``
+One pool per rank, allocated once: ``k, v [layers, num_blocks, block_size, heads_local, head_dim]``
+in the compute dtype on the rank's device (one layer per cached layer of the model; a
+session's block table addresses the same blocks in each). A session of length L owns ``ceil(L / B)``
 blocks (B = block_size) listed in its block table; position p lives in block
 ``table[p // B]`` at offset ``p % B``. Bytes per cached token per rank::
 
-    2 (K and V) * heads_local * head_dim * dtype bytes = 2 * (E / p) * dtype bytes
+    2 (K and V) * layers * heads_local * head_dim * dtype bytes = 2 * layers * (E / p) * dtype bytes
 
 and a session wastes at most B - 1 slots of its last block (the only layout overhead).
 Sessions of any lengths share the pool without fragmenting it: any free block serves any
@@ -25,7 +26,7 @@ concatenated in session order, [T, E], T = sum n_i), c_i positions already cache
 session is computed from scratch, e.g. a recompute of its kept inputs) and a block table
 covering its c_i + n_i positions.
 
-Math, rank r (heads h of r)::
+Math, rank r (heads h of r), for each cached layer (its input x: the layer's input rows)::
 
     q, k, v = x W_{q,k,v}[h]^T + b[h]                  # [T, h_l, d] each
     K_i[c_i + j], V_i[c_i + j] = k, v of new row j     # written into the pool first
@@ -33,7 +34,10 @@ Math, rank r (heads h of r)::
     out = sum_r ctx_r W_out[:, h]^T + b_out            # the step's one all_reduce
 
 so new row j of session i gets row c_i + j of causal `nn.MultiheadAttention` over the
-session's whole sequence. No K/V crosses ranks: each rank attends over its own heads.
+session's whole sequence, layer by layer (a layer's input rows at positions < c_i are the
+ones it cached when those positions were appended). No K/V crosses ranks: each rank attends
+over its own heads. `paged_attention` is the attention part; the models
+(service.parallel.layers, service.parallel.transformer) compute q/k/v and the rest.
 """
 from __future__ import annotations
 
@@ -42,8 +46,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from service.parallel.layers import TensorParallelAttention
 
 
 @dataclass(frozen=True)
@@ -99,12 +101,14 @@ class AppendPlan:
 
 
 class PagedKVPool:
-    """One rank's K/V blocks: k, v [num_blocks, block_size, heads_local, head_dim]."""
+    """One rank's K/V blocks for every cached layer: k, v [layers, num_blocks, block_size, heads_local, head_dim].
+
+    A session's block table addresses the same blocks in every layer (one plan per step)."""
 
     def __init__(self, num_blocks: int, block_size: int, heads_local: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        shape = (num_blocks, block_size, heads_local, head_dim)
-        self.num_blocks, self.block_size = num_blocks, block_size
+                 device: torch.device, layers: int = 1) -> None:
+        shape = (layers, num_blocks, block_size, heads_local, head_dim)
+        self.layers, self.num_blocks, self.block_size = layers, num_blocks, block_size
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -115,12 +119,12 @@ class PagedKVPool:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 * heads_local * head_dim * dtype bytes: one cached position of one session."""
+        """2 * layers * heads_local * head_dim * dtype bytes: one cached position of one session."""
         return self.nbytes // (self.num_blocks * self.block_size)
 
-    def fits(self, plan: AppendPlan, heads_local: int, head_dim: int, dtype: torch.dtype) -> bool:
+    def fits(self, plan: AppendPlan, layers: int, heads_local: int, head_dim: int, dtype: torch.dtype) -> bool:
         return (self.num_blocks, self.block_size) == (plan.num_blocks, plan.block_size) and \
-            tuple(self.k.shape[2:]) == (heads_local, head_dim) and self.k.dtype == dtype
+            tuple(self.k.shape[3:]) == (heads_local, head_dim) and self.layers == layers and self.k.dtype == dtype
 
 
 def _write_slots(plan: AppendPlan) -> np.ndarray:
@@ -133,24 +137,22 @@ def _write_slots(plan: AppendPlan) -> np.ndarray:
     return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
 
 
-def append_attention(model: TensorParallelAttention, pool: PagedKVPool, x: torch.Tensor,
-                     plan: AppendPlan) -> torch.Tensor:
-    """x [T, E] (the new rows of the plan's sessions, identical on every rank) -> [T, E].
+def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    plan: AppendPlan, scale: float) -> torch.Tensor:
+    """One cached layer of an append step, on this rank's heads: q, k, v [T, h_l, d] of the plan's
+    new rows (their projections) -> ctx [T, h_l, d].
 
-    Writes this rank's k/v of the new rows into `pool` at the plan's positions, attends each
-    new row over its session's cached positions and the earlier new rows (module docstring),
-    and returns the all-reduced out projection. Sessions of one new row (decode steps)
-    share one batched attention over their block tables padded to the longest; sessions of
-    several rows (a prefill, a recompute) get one causal attention each.
+    Writes k/v into `pool` layer `layer` at the plan's positions, then attends each new row over
+    its session's cached positions and the earlier new rows (module docstring). Sessions of one
+    new row (decode steps) share one batched attention over their block tables padded to the
+    longest; sessions of several rows (a prefill, a recompute) get one causal attention each.
     """
-    rows, h, d = x.shape[0], model.heads_per_rank, model.head_dim
-    bs, device = plan.block_size, x.device
-    q = model.q_proj(x).view(rows, h, d)  # [T, h_l, d]
-    k = model.k_proj(x).view(rows, h, d)  # [T, h_l, d]
-    v = model.v_proj(x).view(rows, h, d)  # [T, h_l, d]
+    rows, h, d = q.shape
+    bs, device = plan.block_size, q.device
+    pool_k, pool_v = pool.k[layer], pool.v[layer]  # [num_blocks, B, h_l, d]
     slots = torch.from_numpy(_write_slots(plan)).to(device)
-    pool.k.view(-1, h, d).index_copy_(0, slots, k)  # flat pool [num_blocks * B, h_l, d]
-    pool.v.view(-1, h, d).index_copy_(0, slots, v)
+    pool_k.view(-1, h, d).index_copy_(0, slots, k)  # flat pool [num_blocks * B, h_l, d]
+    pool_v.view(-1, h, d).index_copy_(0, slots, v)
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=device)  # [T, h_l, d]
     starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
     single = [i for i, n in enumerate(plan.new_rows) if n == 1]
@@ -160,13 +162,13 @@ def append_attention(model: TensorParallelAttention, pool: PagedKVPool, x: torch
                               dtype=torch.int64, device=device)  # [S1, nb_max]
         lengths = torch.tensor([plan.cached[i] + 1 for i in single], dtype=torch.int64, device=device)
         s1 = len(single)
-        keys = pool.k[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
-        vals = pool.v[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
+        keys = pool_k[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
+        vals = pool_v[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
         allowed = torch.arange(widest * bs, device=device)[None, :] < lengths[:, None]  # [S1, L_max]
         at = torch.from_numpy(starts[single]).to(device)
         qs = q[at][:, :, None, :]  # [S1, h_l, 1, d]
         out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=allowed[:, None, None, :],
-                                             scale=model.scale)  # [S1, h_l, 1, d]
+                                             scale=scale)  # [S1, h_l, 1, d]
         ctx[at] = out[:, :, 0, :]
     for i, n in enumerate(plan.new_rows):
         if n == 1:
@@ -174,14 +176,14 @@ def append_attention(model: TensorParallelAttention, pool: PagedKVPool, x: torch
         c, table, start = plan.cached[i], plan.tables[i], int(starts[i])
         length = c + n
         ids = torch.tensor(table, dtype=torch.int64, device=device)
-        keys = pool.k[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
-        vals = pool.v[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
+        keys = pool_k[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
+        vals = pool_v[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
         qi = q[start:start + n].transpose(0, 1)  # [h_l, n, d]
         if c == 0:  # a prefill or a recompute: plain causal attention, no mask tensor (SDPA's own)
-            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=model.scale)  # [h_l, n, d]
+            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale)  # [h_l, n, d]
         else:
             # new row j sits at position c + j and attends positions 0 .. c + j
             allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
-            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=model.scale)  # [h_l, n, d]
+            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=scale)  # [h_l, n, d]
         ctx[start:start + n] = out.transpose(0, 1)
-    return model.out_proj(ctx.reshape(rows, h * d))  # [T, E], all-reduced
+    return ctx

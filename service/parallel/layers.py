@@ -11,27 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.parallel.group import ParallelGroup
+from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
+from service.parallel.model import load_shard_into
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
     return numerator // denominator
-
-
-def _check_representable(name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse weights the compute dtype cannot hold: a copy would store inf (float16's
-    largest finite value is 65504; the seed init reaches E*E), and every answer would be
-    NaN with a 200."""
-    if not dtype.is_floating_point or src.numel() == 0:
-        return
-    peak = float(src.detach().abs().max())
-    limit = float(torch.finfo(dtype).max)
-    if not peak <= limit:  # also NaN
-        raise ValueError(
-            f"{name}: weight magnitudes reach {peak:.6g}, beyond {dtype}'s largest finite value "
-            f"{limit:.6g}; these weights cannot be computed in {dtype} (use bfloat16 or float32)"
-        )
 
 
 class ColumnParallelLinear(nn.Module):
@@ -160,6 +147,20 @@ def sdpa_mask(key_mask: torch.Tensor, causal: bool, dtype: torch.dtype) -> torch
     return bias  # [batch, 1, seq, seq]
 
 
+def head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, causal: bool,
+                   scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + M) v over one rank's heads: q, k, v [batch, h_l, seq, d] ->
+    [batch, seq, h_l * d], M from `key_mask` [batch, seq] (True = token) and `causal` (`sdpa_mask`)."""
+    batch, heads, seq, d = q.shape
+    if key_mask is None:
+        # The unmasked fast path: no mask tensor at all (causal uses SDPA's own).
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)  # [b, h_l, s, d]
+    else:
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(key_mask, causal, q.dtype),
+                                             scale=scale)  # [b, h_l, s, d]
+    return ctx.transpose(1, 2).reshape(batch, seq, heads * d)
+
+
 class TensorParallelAttention(nn.Module):
     """Self-attention with heads split across ranks (scale D ** -0.5), optionally masked.
 
@@ -224,32 +225,23 @@ class TensorParallelAttention(nn.Module):
 
     def _context(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """q/k/v of this rank's heads and their attention: [batch, seq, heads_local * head_dim]."""
-        batch, seq, _ = x.shape
         q = self._split_heads(self.q_proj(x))  # [batch, heads_local, seq, head_dim]
         k = self._split_heads(self.k_proj(x))  # [batch, heads_local, seq, head_dim]
         v = self._split_heads(self.v_proj(x))  # [batch, heads_local, seq, head_dim]
-        if key_mask is None:
-            # The unmasked fast path: no mask tensor at all (causal uses SDPA's own).
-            ctx = F.scaled_dot_product_attention(q, k, v, scale=self.scale, is_causal=causal)  # [b, h_l, s, d]
-        else:
-            ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=sdpa_mask(key_mask, causal, q.dtype), scale=self.scale
-            )  # [b, h_l, s, d]
-        return ctx.transpose(1, 2).reshape(batch, seq, self.heads_per_rank * self.head_dim)
+        return head_attention(q, k, v, key_mask, causal, self.scale)
+
+    def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool, layer: int = 0) -> torch.Tensor:
+        """A session step (service.parallel.kv_cache): x [T, E], the new rows -> [T, E], all-reduced."""
+        rows, h, d = x.shape[0], self.heads_per_rank, self.head_dim
+        q = self.q_proj(x).view(rows, h, d)  # [T, h_l, d]
+        k = self.k_proj(x).view(rows, h, d)  # [T, h_l, d]
+        v = self.v_proj(x).view(rows, h, d)  # [T, h_l, d]
+        ctx = paged_attention(pool, layer, q, k, v, plan, self.scale)  # [T, h_l, d]
+        return self.out_proj(ctx.reshape(rows, h * d))  # [T, E], all-reduced
 
     def load_shard(self, shard: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slice (see service.parallel.weights.shard_dense) into the layers."""
-        for name, param in self.named_parameters():
-            if name not in shard:
-                raise KeyError(f"shard is missing {name!r}; has {sorted(shard)}")
-            src = shard[name]
-            if tuple(src.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{name}: shard has shape {tuple(src.shape)}, this rank needs {tuple(param.shape)}"
-                )
-            _check_representable(name, src, param.dtype)
-            with torch.no_grad():
-                param.copy_(src.to(dtype=param.dtype, device=param.device))
+        """Copy this rank's slice (service.parallel.attention's sharding) into the layers."""
+        load_shard_into(self, shard)
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,4 +1,4 @@
-"""Dense attention weights: deterministic/random init, the checkpoint format, and sharding.
+"""The attention model's dense weights: deterministic/random init, the checkpoint format, and sharding.
 
 Dense layout (the checkpoint contract): keys `{q,k,v,out}_proj.{weight,bias}`, weights
 [E, E] in torch Linear convention ([out, in]), biases [E]; safetensors metadata
@@ -12,14 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from service.parallel.model import ParamSpec, Shard, read_checkpoint_header
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
-DENSE_KEYS = tuple(f"{p}.{kind}" for p in PROJECTIONS for kind in ("weight", "bias"))
+DENSE_KEYS = tuple(f"{p}.{kind}" for p in PROJECTIONS for kind in ("weight", "bias"))  # checkpoint order
 
-# The original notes' offsets for their deterministic init (docs/seed-notes.md).
+# The original notes' offsets for their deterministic init (the notes, summarised in docs/design.md).
 SEED_OFFSETS = {"q_proj": 0.1, "k_proj": -0.2, "v_proj": 0.3, "out_proj": -0.4}
 
 DenseWeights = dict[str, torch.Tensor]
@@ -56,107 +57,49 @@ def random_weights(embed_dim: int, seed: int) -> DenseWeights:
     return weights
 
 
-def validate_dense(weights: DenseWeights, embed_dim: int) -> None:
-    """Raise ValueError naming every missing key or wrong shape."""
-    problems = []
-    for key in DENSE_KEYS:
-        want = (embed_dim, embed_dim) if key.endswith("weight") else (embed_dim,)
-        if key not in weights:
-            problems.append(f"missing {key!r}")
-        elif tuple(weights[key].shape) != want:
-            problems.append(f"{key} has shape {tuple(weights[key].shape)}, expected {want}")
-    if problems:
-        raise ValueError("dense attention weights invalid: " + "; ".join(problems))
-
-
-def shard_bounds(embed_dim: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, stop) of rank's slice of the sharded dimension."""
-    if embed_dim % world_size:
-        raise ValueError(f"embed_dim {embed_dim} is not divisible by world_size {world_size}")
-    per_rank = embed_dim // world_size
-    return rank * per_rank, (rank + 1) * per_rank
+def attention_params(embed_dim: int) -> tuple[ParamSpec, ...]:
+    """The attention layer's dense parameters and their sharding (module docstring)."""
+    specs = []
+    for name in PROJECTIONS:
+        column = name in COLUMN_PARALLEL
+        specs.append(ParamSpec(f"{name}.weight", (embed_dim, embed_dim), Shard.COLUMN if column else Shard.ROW))
+        specs.append(ParamSpec(f"{name}.bias", (embed_dim,), Shard.COLUMN if column else Shard.REPLICATED))
+    return tuple(specs)
 
 
 def shard_dense(weights: DenseWeights, rank: int, world_size: int) -> DenseWeights:
-    """Rank's slice of dense weights (see module docstring for the layout)."""
+    """Rank's slice of dense attention weights (see module docstring for the layout)."""
     embed_dim = weights["q_proj.weight"].shape[0]
-    validate_dense(weights, embed_dim)
-    lo, hi = shard_bounds(embed_dim, rank, world_size)
-    shard: DenseWeights = {}
-    for name in COLUMN_PARALLEL:
-        shard[f"{name}.weight"] = weights[f"{name}.weight"][lo:hi, :].contiguous()
-        shard[f"{name}.bias"] = weights[f"{name}.bias"][lo:hi].contiguous()
-    shard["out_proj.weight"] = weights["out_proj.weight"][:, lo:hi].contiguous()
-    shard["out_proj.bias"] = weights["out_proj.bias"].clone()
-    return shard
+    if embed_dim % world_size:
+        raise ValueError(f"embed_dim {embed_dim} is not divisible by world_size {world_size}")
+    specs = attention_params(embed_dim)
+    missing = [spec.name for spec in specs if spec.name not in weights]
+    if missing:
+        raise ValueError(f"dense attention weights invalid: missing {missing}")
+    return {spec.name: spec.take(weights[spec.name], rank, world_size).contiguous() for spec in specs}
 
 
 def save_checkpoint(path: str | Path, weights: DenseWeights, num_heads: int, causal: bool | None = None) -> None:
     """Write dense weights in the contract's safetensors format; `causal` (when given) is
     recorded as metadata `causal` = "true" | "false", the served default for the weights."""
     embed_dim = weights["q_proj.weight"].shape[0]
-    validate_dense(weights, embed_dim)
     if embed_dim % num_heads:
         raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
-    tensors = {k: weights[k].detach().to(torch.float32).contiguous().cpu() for k in DENSE_KEYS}
+    specs = attention_params(embed_dim)
+    tensors = {spec.name: weights[spec.name] for spec in specs if spec.name in weights}
+    problems = [f"missing {spec.name!r}" if spec.name not in weights else
+                f"{spec.name} has shape {tuple(weights[spec.name].shape)}, expected {spec.shape}"
+                for spec in specs if spec.name not in weights or tuple(weights[spec.name].shape) != spec.shape]
+    if problems:
+        raise ValueError("dense attention weights invalid: " + "; ".join(problems))
     metadata = {"embed_dim": str(embed_dim), "num_heads": str(num_heads)}
     if causal is not None:
         metadata["causal"] = "true" if causal else "false"
-    save_file(tensors, str(path), metadata=metadata)
+    save_file({k: v.detach().to(torch.float32).contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata=metadata)
 
 
 def checkpoint_causal(path: str | Path) -> bool | None:
     """The `causal` a checkpoint records (None: it records none, or says something else)."""
-    value = str(read_checkpoint_header(path)["metadata"].get("causal", "")).strip().lower()  # type: ignore[union-attr]
-    return {"true": True, "false": False}.get(value)
-
-
-def read_checkpoint_header(path: str | Path) -> dict[str, object]:
-    """Metadata and tensor shapes of a checkpoint, without reading tensor data.
-
-    Raises ValueError for a file safetensors cannot open (bad header, truncated data)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except SafetensorError as exc:
-        raise ValueError(f"checkpoint {path} is not a readable safetensors file: {exc}") from None
-    return {"metadata": meta, "shapes": shapes}
-
-
-def check_checkpoint(path: str | Path, embed_dim: int, num_heads: int) -> None:
-    """Raise ValueError unless `path` is a dense checkpoint for (embed_dim, num_heads)."""
-    header = read_checkpoint_header(path)
-    meta = header["metadata"]
-    shapes: dict = header["shapes"]  # type: ignore[assignment]
-    problems = []
-    for key, want in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-        got = meta.get(key)  # type: ignore[union-attr]
-        if got is not None and str(got) != str(want):
-            problems.append(f"metadata {key}={got}, the model needs {want}")
-    for key in DENSE_KEYS:
-        want_shape = (embed_dim, embed_dim) if key.endswith("weight") else (embed_dim,)
-        if key not in shapes:
-            problems.append(f"missing tensor {key!r}")
-        elif shapes[key] != want_shape:
-            problems.append(f"{key} has shape {shapes[key]}, the model needs {want_shape}")
-    if problems:
-        raise ValueError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))
-
-
-def load_checkpoint_shard(path: str | Path, rank: int, world_size: int) -> DenseWeights:
-    """Read only rank's slice of each tensor from a dense safetensors checkpoint.
-
-    `safe_open(...).get_slice` memory-maps the file and copies just the requested
-    rows/columns, so a rank never materialises the other ranks' parameters.
-    """
-    shard: DenseWeights = {}
-    with safe_open(str(path), framework="pt") as f:
-        embed_dim = int(f.get_slice("q_proj.weight").get_shape()[0])
-        lo, hi = shard_bounds(embed_dim, rank, world_size)
-        for name in COLUMN_PARALLEL:
-            shard[f"{name}.weight"] = f.get_slice(f"{name}.weight")[lo:hi, :]
-            shard[f"{name}.bias"] = f.get_slice(f"{name}.bias")[lo:hi]
-        shard["out_proj.weight"] = f.get_slice("out_proj.weight")[:, lo:hi]
-        shard["out_proj.bias"] = f.get_tensor("out_proj.bias")
-    return {k: v.to(torch.float32).contiguous() for k, v in shard.items()}
+    metadata, _ = read_checkpoint_header(path)
+    return {"true": True, "false": False}.get(str(metadata.get("causal", "")).strip().lower())

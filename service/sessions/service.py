@@ -7,7 +7,8 @@ whose cached K/V is of another version or generation, see service.sessions.regis
 
 Loss of rank 0's process (the GangServer replica): the registry, and with it every kept
 input, dies with it; the replica that replaces it has another replica id, so the old ids
-answer 410 `session_lost` (the id names the gang that held it). docs/design.md says why.
+answer 410 `session_lost` (the id names the gang that held it, and its tag shows this app
+issued it: service.sessions.ids). docs/design.md says why.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import numpy as np
 from service.config import AppConfig
 from service.errors import Conflict, ErrorCode, InvalidInput
 from service.gang.gang import Gang
+from service.parallel.model import kv_bytes_per_token
+from service.parallel.registry import resolve
 from service.sessions.batcher import AppendBatcher
 from service.sessions.ids import OIP_PREFIX
 from service.sessions.registry import Limits, RegistryStep, SessionRegistry, StepItem
@@ -43,9 +46,10 @@ def context_bucket(length: int) -> str:
 
 
 def limits_of(cfg: AppConfig) -> Limits:
-    """The pool's shape from the budget: bytes per token per rank = 2 * (E / ws) * dtype bytes."""
-    per_token = 2 * (cfg.embed_dim // cfg.world_size) * DTYPE_BYTES[cfg.compute_dtype]
-    num_blocks = cfg.session_cache_bytes // (per_token * cfg.session_block_tokens)
+    """The pool's shape from the budget: bytes per token per rank = 2 x cached layers x (E / ws) x
+    dtype bytes (service.parallel.model.kv_bytes_per_token); a model without a cache has no sessions."""
+    per_token = kv_bytes_per_token(resolve(cfg), cfg.world_size, DTYPE_BYTES[cfg.compute_dtype])
+    num_blocks = cfg.session_cache_bytes // (per_token * cfg.session_block_tokens) if per_token else 0
     return Limits(num_blocks=num_blocks, block_size=cfg.session_block_tokens, max_sessions=cfg.max_sessions,
                   max_session_tokens=cfg.max_session_tokens, idle_timeout_s=cfg.session_idle_timeout_s,
                   bytes_per_token=per_token)
@@ -54,13 +58,14 @@ def limits_of(cfg: AppConfig) -> Limits:
 class SessionService:
     """Sessions of one gang."""
 
-    def __init__(self, gang: Gang, cfg: AppConfig, owner: str,
+    def __init__(self, gang: Gang, cfg: AppConfig, owner: str, key: bytes | None = None,
                  on_append: Callable[[str, float], None] | None = None) -> None:
+        """`owner`: the replica id; `key`: the app's session-id key (service.sessions.ids)."""
         self._gang = gang
         self._on_append = on_append  # (context bucket, seconds): the replica's metrics
         self._cfg = cfg
         self.limits = limits_of(cfg)
-        self.registry = SessionRegistry(self.limits, owner)
+        self.registry = SessionRegistry(self.limits, owner, key)
         self._batcher = AppendBatcher(
             self._step, max_sessions_per_step=cfg.max_batch_size, max_rows_per_step=cfg.max_tokens_per_request,
             num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for, wait_s=cfg.batch_wait_timeout_s)

@@ -51,10 +51,12 @@ log = logging.getLogger("gangserve.server")
 # The checkpoint check and the config's hash need torch. They are imported when first called,
 # not with this module: the ingress imports this module (wait_for_gangs) and loads no torch
 # (tests/test_layout.py), which keeps its replicas' start and memory small.
-def _check_checkpoint(path: str, embed_dim: int, num_heads: int) -> None:
-    from service.parallel.weights import check_checkpoint
+def _check_checkpoint(path: str, model: ModelConfig) -> None:
+    """ValueError unless the file holds exactly the served architecture's tensors, naming each difference."""
+    from service.parallel.model import check_checkpoint
+    from service.parallel.registry import resolve
 
-    check_checkpoint(path, embed_dim, num_heads)
+    check_checkpoint(resolve(model), path)
 
 
 def _describe_config_weights(model: ModelConfig) -> ConfigWeights:
@@ -139,7 +141,7 @@ class Rollout:
                 # A local copy (downloaded once, hashed), its header checked, then the
                 # immutable copy: I/O, off the event loop.
                 local, sha = await asyncio.to_thread(self._artifacts.fetch, checkpoint)
-                await asyncio.to_thread(_check_checkpoint, local, current.embed_dim, current.num_heads)
+                await asyncio.to_thread(_check_checkpoint, local, current)
                 stored, sha = await asyncio.to_thread(store_immutable_copy, local, self._artifacts, sha)
             except (ValueError, OSError) as exc:
                 raise Conflict(str(exc), code=ErrorCode.CHECKPOINT_MISMATCH) from None
@@ -179,7 +181,7 @@ class Rollout:
                     raise Conflict(f"weights version {version} ({target.description}): its file cannot be read: "
                                    f"{getattr(exc, 'strerror', None) or exc}", code=ErrorCode.WEIGHTS_VERSION_UNAVAILABLE) from None
                 try:
-                    await asyncio.to_thread(_check_checkpoint, local, self._model.embed_dim, self._model.num_heads)
+                    await asyncio.to_thread(_check_checkpoint, local, self._model)
                 except (ValueError, OSError) as exc:
                     raise Conflict(f"weights version {version} ({target.description}): {exc}",
                                    code=ErrorCode.CHECKPOINT_MISMATCH) from None

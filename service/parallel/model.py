@@ -1,0 +1,316 @@
+"""The model seam: what the gang, the sessions, the weights code and training ask of a model.
+
+A model is two objects:
+
+- a `ModelDef`: the architecture, declared once. It names every dense parameter (the names
+  and shapes of its reference torch module's `state_dict()`, which is also its checkpoint
+  format), how each one is sharded over the gang, how `init` makes dense weights, and it
+  builds the dense reference module (the training model) and a rank's local module.
+- a `RankModel` (what `ModelDef.build` returns): rank r's shard as an `nn.Module`, with the
+  rank-local forward of a step and the rank-local append of a session step.
+
+The gang, the transport, the routes and the batchers know neither: they move tensors of
+shape [batch, seq, E] and ask the rank to compute. Adding a model is one module that
+implements these two protocols, named in the builder arguments by its import path
+(`model=pkg.module:factory`, service.parallel.registry), or a built-in kind in that registry:
+tests/test_models.py serves one defined in a test file without a change anywhere else.
+
+Sharding (`Shard`), for rank r of p, of a dense tensor in torch's Linear convention
+(weight [out, in], y = x W^T + b):
+
+    COLUMN      rows r*out/p : (r+1)*out/p of the weight (and of a bias): Y_r = X A_r^T + b_r,
+                this rank's slice of the output features (ColumnParallelLinear). With
+                `parts` = k, dim 0 is k equal blocks stacked (torch's fused in_proj
+                [3E, E] = [W_q; W_k; W_v]) and the rank takes its slice of each block, in
+                block order: one fused GEMM [k*out/p, in] per rank.
+    ROW         columns r*in/p : (r+1)*in/p of the weight: partial products summed by one
+                all_reduce (RowParallelLinear).
+    REPLICATED  the whole tensor on every rank (norms, the bias of a ROW layer: added once,
+                after the all_reduce).
+
+Everything here is pure torch (and safetensors for files): no Ray, no pydantic.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from service.parallel.group import ParallelGroup
+from service.parallel.kv_cache import AppendPlan, PagedKVPool
+
+DenseWeights = dict[str, torch.Tensor]
+
+
+class Shard(enum.Enum):
+    """How one dense tensor is split over the gang (module docstring)."""
+
+    COLUMN = "column"
+    ROW = "row"
+    REPLICATED = "replicated"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One dense parameter: its name in the reference module's `state_dict()` (and in the
+    checkpoint), its dense shape, and how it is sharded (`parts`: fused blocks on dim 0)."""
+
+    name: str
+    shape: tuple[int, ...]
+    shard: Shard
+    parts: int = 1
+
+    def local_shape(self, world_size: int) -> tuple[int, ...]:
+        """The shape rank r of `world_size` holds."""
+        if self.shard is Shard.COLUMN:
+            return (self.shape[0] // world_size, *self.shape[1:])
+        if self.shard is Shard.ROW:
+            return (self.shape[0], self.shape[1] // world_size, *self.shape[2:])
+        return self.shape
+
+    def check_divides(self, world_size: int) -> str | None:
+        """Why this parameter cannot be split `world_size` ways, or None."""
+        if self.shard is Shard.COLUMN and self.shape[0] % (self.parts * world_size):
+            return (f"{self.name}: dim 0 ({self.shape[0]} = {self.parts} block(s)) is not divisible into "
+                    f"{world_size} rank slices per block")
+        if self.shard is Shard.ROW and (len(self.shape) < 2 or self.shape[1] % world_size):
+            return f"{self.name}: dim 1 ({self.shape[1] if len(self.shape) > 1 else '-'}) is not divisible by {world_size}"
+        return None
+
+    def take(self, tensor: Any, rank: int, world_size: int) -> torch.Tensor:
+        """Rank's slice of the dense `tensor`: a torch tensor, or a safetensors slice
+        (`safe_open(...).get_slice(name)`), which then reads only these rows/columns."""
+        if self.shard is Shard.REPLICATED:
+            return tensor[...] if not isinstance(tensor, torch.Tensor) else tensor
+        if self.shard is Shard.ROW:
+            per = self.shape[1] // world_size
+            return tensor[:, rank * per:(rank + 1) * per]
+        block = self.shape[0] // self.parts
+        per = block // world_size
+        pieces = [tensor[b * block + rank * per:b * block + (rank + 1) * per] for b in range(self.parts)]
+        return pieces[0] if self.parts == 1 else torch.cat(pieces, dim=0)
+
+
+@runtime_checkable
+class RankModel(Protocol):
+    """Rank r's shard of a model (an `nn.Module`), built by `ModelDef.build`.
+
+    Every method runs on every rank of the gang in the same order (the gang's sequencer), with
+    identical inputs; a method that issues collectives issues the same ones on every rank.
+    """
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """x [batch, seq, E] -> the model's output [batch, seq, E], all-reduced (the same on
+        every rank). key_mask [batch, seq] bool (True = token; None: all tokens); rows at
+        padded query positions are 0 in the output; `causal`: query i sees keys j <= i."""
+        ...
+
+    def warm_local(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """Run the kernels a step of this shape uses on this rank alone, with no collective
+        (a warm-up that cannot desynchronise the group); the result is discarded."""
+        ...
+
+    def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool) -> torch.Tensor:
+        """A session step: x [T, E] are the new rows of the plan's sessions; writes their K/V
+        into `pool` (one layer per `ModelDef.kv_layers`) and returns the rows' outputs [T, E],
+        all-reduced: row j of session i equals the model's causal output at position c_i + j
+        over the session's whole sequence (service.parallel.kv_cache)."""
+        ...
+
+    def load_shard(self, shard: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's slices (names as `ModelDef.params`) into the module."""
+        ...
+
+    def parameter_bytes(self) -> int:
+        ...
+
+
+class ModelDef(Protocol):
+    """An architecture (module docstring). Plain data: picklable, cheap to construct."""
+
+    kind: str  # "attention", "transformer", or the import path of a user's factory
+    embed_dim: int  # E: the width of every request and reply row
+
+    def params(self) -> tuple[ParamSpec, ...]:
+        """Every dense parameter, in checkpoint order."""
+        ...
+
+    def check_world_size(self, world_size: int) -> None:
+        """ValueError naming the numbers when this model cannot be split `world_size` ways."""
+        ...
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep a session K/V cache (0: the model has no sessions)."""
+        ...
+
+    @property
+    def kv_heads(self) -> int:
+        """Attention heads per cached layer (split over ranks like the weights)."""
+        ...
+
+    @property
+    def head_dim(self) -> int:
+        ...
+
+    def init_weights(self, init: str, seed: int) -> DenseWeights:
+        """Dense weights from `init` ("seed" | "random") and `seed`, float32, identical for every
+        world size (so every gang size serves the same function)."""
+        ...
+
+    def dense_module(self) -> nn.Module:
+        """The dense reference torch module: its `state_dict()` has exactly `params()`' names and
+        shapes; tests compare against it and training trains it."""
+        ...
+
+    def dense_forward(self, module: nn.Module, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+                      causal: bool = False) -> torch.Tensor:
+        """`dense_module()`'s output under the service's contract (what the gang must equal, and
+        training's forward): x [batch, seq, E], key_mask [batch, seq] bool, rows at padded
+        query positions 0."""
+        ...
+
+    def build(self, group: ParallelGroup, dtype: torch.dtype) -> RankModel:
+        """Rank `group.rank`'s local module, parameters uninitialised until `load_shard`."""
+        ...
+
+    def metadata(self) -> dict[str, str]:
+        """What a checkpoint of this model records (safetensors metadata), checked on load."""
+        ...
+
+
+# -- what every model shares: the sharding, the checkpoint file, the KV width ----------------
+def check_world_size(model: ModelDef, world_size: int) -> None:
+    """The generic part of `ModelDef.check_world_size`: every parameter divides."""
+    problems = [why for spec in model.params() if (why := spec.check_divides(world_size))]
+    if problems:
+        raise ValueError(f"model {model.kind} cannot be split over world_size {world_size}: " + "; ".join(problems))
+
+
+def kv_bytes_per_token(model: ModelDef, world_size: int, dtype_bytes: int) -> int:
+    """Session cache bytes per token per rank: 2 (K and V) x kv_layers x (heads x head_dim / p) x dtype."""
+    return 2 * model.kv_layers * (model.kv_heads // world_size) * model.head_dim * dtype_bytes
+
+
+def new_kv_pool(model: ModelDef, world_size: int, plan: AppendPlan, dtype: torch.dtype,
+                device: torch.device) -> PagedKVPool:
+    """This rank's session pool for `model` in the plan's shape (one layer per cached layer)."""
+    return PagedKVPool(plan.num_blocks, plan.block_size, model.kv_heads // world_size, model.head_dim, dtype,
+                       device, layers=model.kv_layers)
+
+
+def validate_shapes(model: ModelDef, shapes: Mapping[str, tuple[int, ...]], what: str = "dense weights") -> None:
+    """ValueError listing every missing, unexpected or wrong-shaped tensor of `shapes` (name -> shape)."""
+    problems = []
+    declared = {spec.name: spec for spec in model.params()}
+    for name, spec in declared.items():
+        if name not in shapes:
+            problems.append(f"missing {name!r} {list(spec.shape)}")
+        elif tuple(shapes[name]) != spec.shape:
+            problems.append(f"{name} has shape {list(shapes[name])}, the model needs {list(spec.shape)}")
+    unexpected = sorted(set(shapes) - set(declared))
+    if unexpected:
+        problems.append(f"unexpected {', '.join(repr(n) for n in unexpected[:10])}"
+                        + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
+    if problems:
+        raise ValueError(f"{what} do not fit model {describe(model)}: " + "; ".join(problems))
+
+
+def validate_dense(model: ModelDef, weights: Mapping[str, torch.Tensor], what: str = "dense weights") -> None:
+    """`validate_shapes` of a dict of tensors."""
+    validate_shapes(model, {k: tuple(v.shape) for k, v in weights.items()}, what)
+
+
+def shard_dense(model: ModelDef, weights: DenseWeights, rank: int, world_size: int) -> DenseWeights:
+    """Rank's slice of dense weights."""
+    validate_dense(model, weights)
+    return {spec.name: spec.take(weights[spec.name], rank, world_size).contiguous() for spec in model.params()}
+
+
+def read_checkpoint_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """(metadata, tensor shapes) of a safetensors file, without reading tensor data.
+
+    ValueError for a file safetensors cannot open (bad header, truncated data)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except SafetensorError as exc:
+        raise ValueError(f"checkpoint {path} is not a readable safetensors file: {exc}") from None
+    return meta, shapes
+
+
+def check_checkpoint(model: ModelDef, path: str | Path) -> None:
+    """ValueError unless `path` holds exactly `model`'s dense tensors (names and shapes) and
+    records no other architecture in its metadata; the message lists every difference."""
+    meta, shapes = read_checkpoint_header(path)
+    problems = [f"metadata {key}={meta[key]}, the model has {want}"
+                for key, want in model.metadata().items() if key in meta and str(meta[key]) != want]
+    try:
+        validate_shapes(model, shapes, what="its tensors")
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ValueError(f"checkpoint {path} does not fit model {describe(model)}: " + "; ".join(problems))
+
+
+def load_checkpoint_shard(model: ModelDef, path: str | Path, rank: int, world_size: int) -> DenseWeights:
+    """Read only rank's slice of each tensor of a dense safetensors checkpoint: `get_slice`
+    memory-maps the file and copies just the requested rows/columns."""
+    with safe_open(str(path), framework="pt") as f:
+        return {spec.name: spec.take(f.get_slice(spec.name), rank, world_size).to(torch.float32).contiguous()
+                for spec in model.params()}
+
+
+def save_checkpoint(model: ModelDef, path: str | Path, weights: Mapping[str, torch.Tensor],
+                    extra_metadata: Mapping[str, str] | None = None) -> None:
+    """Write dense weights (float32, in `params()` order) with the model's metadata."""
+    validate_dense(model, weights)
+    tensors = {spec.name: weights[spec.name].detach().to(torch.float32).contiguous().cpu() for spec in model.params()}
+    save_file(tensors, str(path), metadata={**model.metadata(), **(extra_metadata or {})})
+
+
+def dense_state(model: ModelDef, module: nn.Module) -> DenseWeights:
+    """The dense weights a reference/training module holds, by `params()` name (float32, detached)."""
+    state = module.state_dict()
+    validate_dense(model, state, what="the module's state_dict")
+    return {spec.name: state[spec.name].detach().to(torch.float32).cpu().clone() for spec in model.params()}
+
+
+def load_shard_into(module: nn.Module, shard: Mapping[str, torch.Tensor]) -> None:
+    """Copy a rank's slices into `module`'s parameters of the same names (every one needed),
+    refusing a wrong shape and weights the compute dtype cannot hold."""
+    for name, param in module.named_parameters():
+        if name not in shard:
+            raise KeyError(f"shard is missing {name!r}; has {sorted(shard)}")
+        src = shard[name]
+        if tuple(src.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: shard has shape {tuple(src.shape)}, this rank needs {tuple(param.shape)}")
+        check_representable(name, src, param.dtype)
+        with torch.no_grad():
+            param.copy_(src.to(dtype=param.dtype, device=param.device))
+
+
+def check_representable(name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse weights the compute dtype cannot hold: a copy would store inf (float16's
+    largest finite value is 65504; the seed init reaches E*E), and every answer would be
+    NaN with a 200."""
+    if not dtype.is_floating_point or src.numel() == 0:
+        return
+    peak = float(src.detach().abs().max())
+    limit = float(torch.finfo(dtype).max)
+    if not peak <= limit:  # also NaN
+        raise ValueError(
+            f"{name}: weight magnitudes reach {peak:.6g}, beyond {dtype}'s largest finite value "
+            f"{limit:.6g}; these weights cannot be computed in {dtype} (use bfloat16 or float32)"
+        )
+
+
+def describe(model: ModelDef) -> str:
+    return ", ".join(f"{k}={v}" for k, v in model.metadata().items())

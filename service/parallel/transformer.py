@@ -1,0 +1,259 @@
+"""`model=transformer`: a stack of encoder layers exactly as torch defines them, tensor-parallel.
+
+It computes `nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, ffn_dim, dropout=0,
+activation, batch_first=True, norm_first, layer_norm_eps), num_layers)` (no final norm), and
+its checkpoint is that module's own `state_dict()` (`layers.{i}.self_attn.in_proj_weight`, ...).
+
+One layer on rank r of p (Megatron's parallel transformer layer), x [batch, seq, E] on every rank:
+
+    qkv_r   = x W_in[r]^T + b_in[r]          W_in[r] = [W_q; W_k; W_v] rows of r's heads: one
+                                             fused GEMM [3E/p, E] (COLUMN, 3 blocks)
+    ctx_r   = softmax(q_r k_r^T / sqrt(D) + M) v_r           r's H/p heads, no communication
+    sa      = all_reduce(ctx_r W_out[:, r]^T) + b_out        ROW: the layer's first all_reduce
+    ff      = all_reduce(act(h W_1[r]^T + b_1[r]) W_2[:, r]^T) + b_2
+                                             W_1 COLUMN [F/p, E], W_2 ROW [E, F/p]: the second
+    norm_first:  x = x + sa(norm1(x));  x = x + ff(norm2(x))
+    otherwise:   x = norm1(x + sa(x));  x = norm2(x + ff(x))
+
+The norms and the biases of the ROW layers are replicated; two all_reduces per layer and
+nothing else crosses ranks. Output rows at padded query positions are 0.
+
+Sessions (`append`): each layer caches its own K/V of its own input rows (pool layer i), so an
+appended row runs every layer over its session's cached positions (service.parallel.kv_cache).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import service.parallel.model as seam
+from service.parallel.group import ParallelGroup
+from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
+from service.parallel.layers import ColumnParallelLinear, RowParallelLinear, attention_bias_mask, head_attention
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+
+
+class _ParallelSelfAttention(nn.Module):
+    """Rank r's heads of one layer's self-attention; parameter names as torch's
+    nn.MultiheadAttention's (`in_proj_weight`, `in_proj_bias`, `out_proj.*`), r's slices."""
+
+    def __init__(self, embed_dim: int, num_heads: int, group: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads_local = num_heads // group.world_size
+        self.head_dim = embed_dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        width = self.heads_local * self.head_dim  # E / p
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, embed_dim, dtype=dtype, device=group.device),
+                                           requires_grad=False)
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * width, dtype=dtype, device=group.device), requires_grad=False)
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, group, dtype=dtype)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., E] -> q, k, v [..., h_l, d] (one fused GEMM)."""
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # [..., 3 * h_l * d]
+        q, k, v = qkv.view(*x.shape[:-1], 3, self.heads_local, self.head_dim).unbind(-3)
+        return q, k, v
+
+    def context(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """x [batch, seq, E] -> this rank's attention context [batch, seq, E/p] (no collective)."""
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))  # [batch, h_l, seq, d] each
+        return head_attention(q, k, v, key_mask, causal, self.scale)
+
+
+class ParallelEncoderLayer(nn.Module):
+    """Rank r's shard of one `nn.TransformerEncoderLayer` (module docstring)."""
+
+    def __init__(self, spec: "TransformerDef", group: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        e = spec.embed_dim
+        self.norm_first = spec.norm_first
+        self.act = ACTIVATIONS[spec.activation]
+        self.self_attn = _ParallelSelfAttention(e, spec.num_heads, group, dtype)
+        self.linear1 = ColumnParallelLinear(e, spec.ffn_dim, group, dtype=dtype)
+        self.linear2 = RowParallelLinear(spec.ffn_dim, e, group, dtype=dtype)
+        self.norm1 = nn.LayerNorm(e, eps=spec.layer_norm_eps, dtype=dtype, device=group.device)
+        self.norm2 = nn.LayerNorm(e, eps=spec.layer_norm_eps, dtype=dtype, device=group.device)
+        for p in (*self.norm1.parameters(), *self.norm2.parameters()):
+            p.requires_grad_(False)
+
+    def _ff(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.act(self.linear1(h)))  # [..., E], all-reduced
+
+    def _residual(self, x: torch.Tensor, sa: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer around its attention `sa` (input rows -> all-reduced [.., E])."""
+        if self.norm_first:
+            x = x + sa(self.norm1(x))
+            return x + self._ff(self.norm2(x))
+        x = self.norm1(x + sa(x))
+        return self.norm2(x + self._ff(x))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        return self._residual(x, lambda h: self.self_attn.out_proj(self.self_attn.context(h, key_mask, causal)))
+
+    def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool, layer: int) -> torch.Tensor:
+        """x [T, E], the new rows' input to this layer -> its output [T, E] (sessions)."""
+        def sa(h: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.self_attn.qkv(h)  # [T, h_l, d] each
+            ctx = paged_attention(pool, layer, q, k, v, plan, self.self_attn.scale)  # [T, h_l, d]
+            return self.self_attn.out_proj(ctx.reshape(x.shape[0], -1))  # [T, E], all-reduced
+        return self._residual(x, sa)
+
+
+class ParallelEncoder(nn.Module):
+    """Rank r's shard of the whole stack (a service.parallel.model.RankModel)."""
+
+    def __init__(self, spec: "TransformerDef", group: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ParallelEncoderLayer(spec, group, dtype) for _ in range(spec.num_layers))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, key_mask, causal)  # [batch, seq, E]
+        if key_mask is not None:
+            x = x.masked_fill(~key_mask[..., None], 0.0)  # padded query positions have no output
+        return x
+
+    def warm_local(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """Layer 0's local kernels (attention and the MLP's GEMMs), partial sums, no collective."""
+        layer = self.layers[0]
+        attn = layer.self_attn
+        ctx = attn.context(layer.norm1(x), key_mask, causal)
+        return F.linear(ctx, attn.out_proj.weight) + F.linear(layer.act(layer.linear1(x)), layer.linear2.weight)
+
+    def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer.append(x, plan, pool, i)  # [T, E]
+        return x
+
+    def load_shard(self, shard: Mapping[str, torch.Tensor]) -> None:
+        seam.load_shard_into(self, shard)
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+@dataclass(frozen=True)
+class TransformerDef:
+    """The stack's architecture (service.parallel.model.ModelDef)."""
+
+    num_layers: int = 2
+    embed_dim: int = 512
+    num_heads: int = 8
+    ffn_dim: int = 2048
+    activation: str = "relu"
+    norm_first: bool = False
+    layer_norm_eps: float = 1e-5
+    kind: str = "transformer"
+
+    def params(self) -> tuple[seam.ParamSpec, ...]:
+        e, f, col, row, rep = self.embed_dim, self.ffn_dim, seam.Shard.COLUMN, seam.Shard.ROW, seam.Shard.REPLICATED
+        P = seam.ParamSpec
+        specs: list[seam.ParamSpec] = []
+        for i in range(self.num_layers):
+            at = f"layers.{i}."
+            specs += [
+                P(at + "self_attn.in_proj_weight", (3 * e, e), col, parts=3),
+                P(at + "self_attn.in_proj_bias", (3 * e,), col, parts=3),
+                P(at + "self_attn.out_proj.weight", (e, e), row),
+                P(at + "self_attn.out_proj.bias", (e,), rep),
+                P(at + "linear1.weight", (f, e), col),
+                P(at + "linear1.bias", (f,), col),
+                P(at + "linear2.weight", (e, f), row),
+                P(at + "linear2.bias", (e,), rep),
+                P(at + "norm1.weight", (e,), rep),
+                P(at + "norm1.bias", (e,), rep),
+                P(at + "norm2.weight", (e,), rep),
+                P(at + "norm2.bias", (e,), rep),
+            ]
+        return tuple(specs)
+
+    def check_world_size(self, world_size: int) -> None:
+        problems = []
+        if self.embed_dim % self.num_heads:
+            problems.append(f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % world_size:
+            problems.append(f"num_heads ({self.num_heads}) must be divisible by world_size ({world_size}): each "
+                            "rank computes num_heads / world_size whole heads")
+        if self.ffn_dim % world_size:
+            problems.append(f"ffn_dim ({self.ffn_dim}) must be divisible by world_size ({world_size}): each rank "
+                            "holds ffn_dim / world_size of the MLP's hidden units")
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def kv_layers(self) -> int:
+        return self.num_layers
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
+        """Reproducible from `seed` alone (`init` seed and random alike: the notes' weights are
+        the attention layer's): every Linear weight and bias U(+-1/sqrt(fan_in)), norms 1 and 0,
+        drawn in `params()` order from one generator."""
+        gen = torch.Generator().manual_seed(seed)
+        weights: seam.DenseWeights = {}
+        fan_in = self.embed_dim
+        for spec in self.params():
+            if ".norm" in spec.name:
+                weights[spec.name] = torch.ones(spec.shape) if spec.name.endswith("weight") else torch.zeros(spec.shape)
+                continue
+            if len(spec.shape) == 2:
+                fan_in = spec.shape[1]
+            bound = 1 / math.sqrt(fan_in)
+            weights[spec.name] = (torch.rand(spec.shape, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        return weights
+
+    def dense_module(self) -> nn.TransformerEncoder:
+        layer = nn.TransformerEncoderLayer(self.embed_dim, self.num_heads, self.ffn_dim, dropout=0.0,
+                                           activation=self.activation, batch_first=True, norm_first=self.norm_first,
+                                           layer_norm_eps=self.layer_norm_eps)
+        return nn.TransformerEncoder(layer, self.num_layers, enable_nested_tensor=False)
+
+    def dense_forward(self, module: nn.Module, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+                      causal: bool = False) -> torch.Tensor:
+        assert isinstance(module, nn.TransformerEncoder)
+        return encoder_forward(module, self.num_heads, x, key_mask, causal)
+
+    def build(self, group: ParallelGroup, dtype: torch.dtype) -> ParallelEncoder:
+        self.check_world_size(group.world_size)
+        return ParallelEncoder(self, group, dtype)
+
+    def metadata(self) -> dict[str, str]:
+        return {"model": "transformer", "num_layers": str(self.num_layers), "embed_dim": str(self.embed_dim),
+                "num_heads": str(self.num_heads), "ffn_dim": str(self.ffn_dim), "activation": self.activation,
+                "norm_first": str(self.norm_first).lower(), "layer_norm_eps": repr(float(self.layer_norm_eps))}
+
+
+def encoder_forward(module: nn.TransformerEncoder, num_heads: int, x: torch.Tensor,
+                    key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """The dense stack under the service's contract (training's forward): padded keys ignored,
+    with `causal` query i sees keys j <= i, output rows at padded positions 0.
+
+    The mask torch gets lets a padded query attend every key (attention_bias_mask) instead of
+    none: with causal and left padding a padded row would otherwise be all -inf, NaN, and the
+    next layer would read that NaN as a value (0 * NaN in softmax @ V) in every row."""
+    if key_mask is None:
+        if not causal:
+            return module(x)
+        seq = x.shape[1]
+        blocked = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu_(1)  # j > i
+        return module(x, mask=blocked, is_causal=True)
+    batch, seq = key_mask.shape
+    allowed = attention_bias_mask(key_mask, causal)  # [batch, 1, seq, seq], True = attend
+    blocked = ~allowed.expand(batch, num_heads, seq, seq).reshape(batch * num_heads, seq, seq)
+    return module(x, mask=blocked).masked_fill(~key_mask[..., None], 0.0)
+
