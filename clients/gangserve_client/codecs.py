@@ -373,8 +373,11 @@ def tensor_from_json(doc: Any, name: str = INPUT_NAME, check: ShapeCheck | None 
     shape (declared, or the nested lists' outer lengths) before any value is converted.
     """
     if not isinstance(doc, dict) or name not in doc:
-        found = sorted(doc)[:10] if isinstance(doc, dict) else type(doc).__name__
-        raise InvalidTensorError(f'JSON body must be an object {{"{name}": [[...], ...]}}; found {snip(found)}')
+        if isinstance(doc, dict):
+            found = f"an object with the keys {snip(sorted(doc)[:10])}" if doc else "an empty object"
+        else:
+            found = f"a JSON {type(doc).__name__}"
+        raise InvalidTensorError(f'JSON body must be an object {{"{name}": [[...], ...]}}; found {found}')
     dtype = float_dtype(doc.get("dtype", "float32"), "JSON dtype")
     shape = None if doc.get("shape") is None else shape_of(doc["shape"], "JSON shape")
     return numbers_to_array(doc[name], dtype, what=name, shape=shape, check=check)

@@ -1,6 +1,93 @@
-"""Session ids: one namespace in the registry for ids we choose and ids OIP clients choose.
+"""Session ids: how we mint them, and how we tell an id we issued from one we never did.
 
 Its own module (no torch, no registry) because the ingress reads it: the ingress process
-imports neither torch nor the KV cache (tests/test_layout.py checks it)."""
+imports neither torch nor the KV cache (tests/test_layout.py checks it).
+
+An id we mint is `<owner>-<token><tag>`: `owner` the replica id of the gang that holds the
+session (Serve's request router sends the session's calls there, service.gang.router),
+`token` 24 random hex digits (what makes the id unguessable), and `tag` 16 hex digits, an
+HMAC-SHA256 over `<owner>-<token>` keyed with the app's session-id key. The key is 32
+random bytes made once per app name and cluster and kept in Ray's GCS key-value store
+(`app_key`), so every gang of the app, and every later deployment of the app under that
+name on that cluster, can check a tag.
+
+Why: an id whose gang is gone answers 410 `session_lost` only when we can tell we issued it
+(the tag checks); any other id, e.g. one a client made up, is 404 `session_not_found`. Ids
+minted before tags existed (`<owner>-<24 hex>`, LEGACY) still work while their session
+lives; once their gang is gone they carry nothing that proves where they came from, so they
+answer 404 `session_not_found` too (after such an upgrade every old gang is gone anyway).
+
+Ids chosen by OIP clients (`sequence_id`) live beside ours in one registry under OIP_PREFIX;
+they never name a gang.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
 
 OIP_PREFIX = "oip:"  # ids chosen by OIP clients (`sequence_id`) live beside ours in one registry
+TOKEN_HEX = 24  # 96 random bits
+TAG_HEX = 16  # 64 bits of HMAC-SHA256
+KEY_BYTES = 32
+KV_NAMESPACE = "gangserve"
+_ID = re.compile(rf"(?P<owner>[A-Za-z0-9_]{{1,64}})-(?P<token>[0-9a-f]{{{TOKEN_HEX}}})(?P<tag>[0-9a-f]{{{TAG_HEX}}})")
+
+
+@dataclass(frozen=True)
+class IssuedId:
+    """A session id this app minted (its tag checked): the gang that holds (or held) it."""
+
+    session_id: str
+    owner: str
+
+
+class SessionIds:
+    """Mints the session ids of one gang (`owner`: its replica id) and checks any gang's, with
+    the app's key (`app_key`; a test may pass any bytes)."""
+
+    def __init__(self, owner: str, key: bytes) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_]{1,64}", owner):
+            raise ValueError(f"a session id's owner must be 1-64 letters, digits or '_' (a Serve replica id); "
+                             f"got {owner!r}")
+        if len(key) < 16:
+            raise ValueError(f"the session-id key must have at least 16 bytes; got {len(key)}")
+        self.owner = owner
+        self._key = key
+
+    def mint(self) -> str:
+        """A new id held by this gang."""
+        stem = f"{self.owner}-{secrets.token_hex(TOKEN_HEX // 2)}"
+        return stem + self._tag(stem)
+
+    def issued(self, session_id: str) -> IssuedId | None:
+        """The id's gang when this app minted it (its tag checks), else None (made up, garbled,
+        another app's, an OIP client's, or minted before tags existed)."""
+        found = _ID.fullmatch(session_id)
+        if found is None:
+            return None
+        stem = f"{found['owner']}-{found['token']}"
+        if not hmac.compare_digest(found["tag"], self._tag(stem)):
+            return None
+        return IssuedId(session_id, found["owner"])
+
+    def _tag(self, stem: str) -> str:
+        return hmac.new(self._key, stem.encode(), hashlib.sha256).hexdigest()[:TAG_HEX]
+
+
+def app_key(app_name: str) -> bytes:
+    """The app's session-id key: made (32 random bytes) by the first gang of the app that asks,
+    read by every other, from Ray's GCS key-value store (this process must be connected to
+    Ray). Put-if-absent, so gangs starting together agree on one key."""
+    from ray.experimental import internal_kv
+
+    name = f"session-id-key/{app_name}"
+    internal_kv._internal_kv_put(name, secrets.token_bytes(KEY_BYTES), overwrite=False, namespace=KV_NAMESPACE)
+    key = internal_kv._internal_kv_get(name, namespace=KV_NAMESPACE)
+    if not key or len(key) != KEY_BYTES:
+        raise RuntimeError(f"the session-id key of app {app_name!r} in Ray's GCS key-value store (namespace "
+                           f"{KV_NAMESPACE!r}, key {name!r}) must be {KEY_BYTES} bytes; found "
+                           f"{'none' if not key else f'{len(key)} bytes'}")
+    return key

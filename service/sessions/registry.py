@@ -35,7 +35,7 @@ import numpy as np
 
 from service.errors import Conflict, ErrorCode, InvalidInput, NotFound, SessionCacheFull, SessionGone, TooManySessions
 from service.parallel.kv_cache import AppendPlan
-from service.sessions.ids import OIP_PREFIX
+from service.sessions.ids import OIP_PREFIX, SessionIds
 
 ENDED_KEPT = 100_000  # ended ids remembered (expired vs never known)
 
@@ -95,9 +95,13 @@ class StepItem:
 class SessionRegistry:
     """Sessions of one gang (see the module docstring)."""
 
-    def __init__(self, limits: Limits, owner: str) -> None:
+    def __init__(self, limits: Limits, owner: str, key: bytes | None = None) -> None:
+        """`owner`: this gang's replica id (the prefix of every id it hands out); `key`: the
+        app's session-id key (service.sessions.ids.app_key; None: a random one, so only this
+        registry's own ids count as issued)."""
         self.limits = limits
-        self.owner = owner  # this gang's replica id: the prefix of every id it hands out
+        self.owner = owner
+        self.ids = SessionIds(owner, key if key is not None else secrets.token_bytes(32))
         self._lock = threading.RLock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> "expired" | "ended"
@@ -112,7 +116,7 @@ class SessionRegistry:
 
     # -- ids ---------------------------------------------------------------------------------
     def new_id(self) -> str:
-        return f"{self.owner}-{secrets.token_hex(12)}"
+        return self.ids.mint()
 
     # -- the event loop's side ----------------------------------------------------------------
     def open(self, session_id: str | None = None) -> Session:
@@ -134,8 +138,9 @@ class SessionRegistry:
             return s
 
     def lookup(self, session_id: str) -> Session:
-        """The live session, or: 410 session_lost (an id of a gang that is gone), 404
-        session_expired (ended by the idle timeout), 404 session_not_found."""
+        """The live session, or: 410 session_lost (an id this app issued, held by a gang that is
+        gone: service.sessions.ids), 404 session_expired (ended by the idle timeout), 404
+        session_not_found (any other id: ended, or never issued)."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is not None:
@@ -144,11 +149,14 @@ class SessionRegistry:
         if why == "expired":
             raise NotFound(f"session {session_id!r} expired: idle longer than session_idle_timeout_s="
                            f"{self.limits.idle_timeout_s:g}", code=ErrorCode.SESSION_EXPIRED)
-        owner = session_id.rsplit("-", 1)[0] if "-" in session_id else None
-        if why is None and owner is not None and not session_id.startswith(OIP_PREFIX) and owner != self.owner:
+        issued = self.ids.issued(session_id) if why is None else None
+        if issued is not None and issued.owner != self.owner:
             raise SessionGone(
-                f"session {session_id!r} was held by gang {owner!r}, which is gone (this gang is {self.owner!r}); "
-                "its state was lost with that gang's rank 0: open a new session")
+                f"session {session_id!r} was held by gang {issued.owner!r}, which is gone (this gang is "
+                f"{self.owner!r}); its state was lost with that gang's rank 0: open a new session")
+        if why is None and issued is None and not session_id.startswith(OIP_PREFIX):
+            raise NotFound(f"no session {session_id!r}: not an id this app issued (ids come from POST /sessions)",
+                           code=ErrorCode.SESSION_NOT_FOUND)
         raise NotFound(f"no session {session_id!r} on this gang (never opened, or ended)",
                        code=ErrorCode.SESSION_NOT_FOUND)
 

@@ -96,7 +96,8 @@ def _deadline(request: Request, cfg: AppConfig) -> float:
 async def _rows(request: Request, cfg: AppConfig, pool: DecodePool, output_dtype: str | None,
                 optional: bool) -> tuple[np.ndarray, np.dtype, str, bool] | None:
     """The body as rows [n, E] float32 (+ the reply dtype, media type, and whether it came as
-    [n, E]: the reply has the request's shape); None for an empty body when `optional`."""
+    [n, E]: the reply has the request's shape); None for an empty body, or the JSON body `{}`,
+    when `optional`."""
     if optional and not request.headers.get("content-type"):
         if not await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes"):
             return None  # no body at all: a session without a prefill
@@ -107,12 +108,17 @@ async def _rows(request: Request, cfg: AppConfig, pool: DecodePool, output_dtype
         body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
     else:
         body = await read_body_capped(request, cfg.max_body_bytes)
-    if not body and optional:
-        return None
+    if optional and (not body or (media == codecs.JSON and _empty_object(body))):
+        return None  # no body, or `{}`: a session without a prefill
     limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
     x, mask, squeezed, dtype = await pool.decode(_prepare_rows, body, media, limits, output_dtype, reply_media,
                                                  inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
     return session_rows(x, mask, squeezed), dtype, reply_media, squeezed
+
+
+def _empty_object(body: bytes) -> bool:
+    """The JSON body is `{}`, an object with nothing in it (JSON whitespace aside)."""
+    return len(body) <= 64 and body.translate(None, b" \t\r\n") == b"{}"
 
 
 def _prepare_rows(body: bytes, media: str, limits: codecs.Limits, output_dtype: str | None,
