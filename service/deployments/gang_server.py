@@ -48,6 +48,7 @@ from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 from service.metrics.recorders import GangServerMetrics
+from service.sessions import ids as session_ids
 from service.sessions.service import SessionService
 from service.weights.rollout import Rollout
 from service.state import artifacts
@@ -107,6 +108,7 @@ class GangServer:
             raise
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
         self._sessions = SessionService(self._gang, cfg, self._replica_id,  # service.sessions
+                                        await asyncio.to_thread(session_ids.app_key, self._app),
                                         on_append=self._metrics.session_append)
         self._sessions.start()
 
