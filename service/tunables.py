@@ -27,14 +27,16 @@ client distribution shares), metric histogram buckets (their `le` labels are exp
 series), and seeds. They stay next to the code they define.
 
 This module imports nothing from `service` (tests/test_layout.py): any module may read it.
+Nor does it import pydantic: the rank class (service.gang.worker) reads its section here, and
+it must import on a machine without pydantic (the GPU check's image, bench/gpu/image.txt).
+Each class's `__pydantic_config__` is therefore a plain dict, which is all pydantic's
+`ConfigDict` is at runtime (a TypedDict); pydantic reads it only when AppConfig validates.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
-
-from pydantic import ConfigDict
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -51,7 +53,7 @@ class GangTunables:
     """Gang supervision: the GangServer's supervisor, the gang's lifecycle and its step loop
     (service.deployments.gang_server, service.gang)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
     probe_interval_s: float = knob(2.0, (
         "How often the supervisor probes a ready gang's peers (one small Ray call per rank) and asks "
@@ -106,7 +108,7 @@ class FleetTunables:
     """Fleet reporting: what the Controller knows of the gangs and the replicas' metrics
     (service.state.fleet, service.deployments.controller, service.metrics)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
     report_interval_s: float = knob(1.0, (
         "A gang's report period to the Controller (it also reports at once on every state change): "
@@ -147,7 +149,7 @@ class FleetTunables:
 class TransportTunables:
     """Transport: the ingress -> rank 0 data plane (service.transport, the ingress's GangClient)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
     min_shared_bytes: int = knob(64 * KIB, (
         "Tensors of this many bytes or more go through /dev/shm (a shared region or file) instead of by "
@@ -173,7 +175,7 @@ class IngressTunables:
     """Ingress: its waits on the gang, the Controller and the JobManager, and its request path
     (service.ingress, service.deadlines, the Ingress deployment)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
     status_max_age_s: float = knob(1.0, "How stale the cached gang status may be on the request path.")
     describe_timeout_s: float = knob(2.0, (
@@ -236,7 +238,7 @@ class TrainingTunables:
     """Training and job polling: the JobManager's loop, the run actors and the workers
     (service.deployments.job_manager, service.training)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
     poll_interval_s: float = knob(0.5, "The JobManager's poll loop period (run snapshots, heartbeats, adoption, schedules).")
     heartbeat_interval_s: float = knob(2.0, "A JobManager replica writes its heartbeat to the job store this often.")
@@ -292,7 +294,7 @@ class StateTunables:
     """State: the database (SQLite or PostgreSQL) and the artifact storage (state dir or S3)
     (service.state.db, service.state.artifacts)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
     sqlite_busy_timeout_s: float = knob(10.0, (
         "SQLite's busy wait for another writer's lock; below the ingress's jobs_call_timeout_s, so the "
@@ -321,7 +323,7 @@ class Tunables:
     """Every tunable, by concern (the builder arguments' `tunables:` section). The relations
     between values (`orderings`) are checked by AppConfig's validator."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
     gang: GangTunables = field(default_factory=GangTunables)
     fleet: FleetTunables = field(default_factory=FleetTunables)

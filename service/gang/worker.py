@@ -229,15 +229,20 @@ class Rank:
         self.kv_pool: PagedKVPool | None = None
 
     def _prepare_cuda(self) -> None:
-        torch.cuda.set_device(self.device)
+        """Ask for expandable segments, then select this rank's device. The order matters:
+        `torch.cuda.set_device` initializes CUDA (and with it the caching allocator, which
+        reads PYTORCH_CUDA_ALLOC_CONF once), so the environment is set first; a process that
+        initialized CUDA before this rank existed gets the allocator's runtime setting."""
         if not torch.cuda.is_initialized():
             self.allocator_conf = prepare_cuda_allocator()
-        else:  # this process allocated on CUDA already: the allocator's runtime setting still applies
-            try:
-                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-                self.allocator_conf = "expandable_segments:True (set at runtime)"
-            except Exception as exc:  # not fatal: only fragmentation is at stake
-                self.allocator_conf = f"unchanged ({type(exc).__name__}: {first_line(exc)})"
+            torch.cuda.set_device(self.device)
+            return
+        torch.cuda.set_device(self.device)
+        try:  # this process allocated on CUDA already: the allocator's runtime setting still applies
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            self.allocator_conf = "expandable_segments:True (set at runtime)"
+        except Exception as exc:  # not fatal: only fragmentation is at stake
+            self.allocator_conf = f"unchanged ({type(exc).__name__}: {first_line(exc)})"
 
     # -- stage: create -------------------------------------------------------------------
     def describe(self) -> RankInfo:
