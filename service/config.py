@@ -373,6 +373,13 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingL
 
     @model_validator(mode="after")
     def _check_divisibility(self) -> "AppConfig":
+        # The built-in models' heads; a user's model checks its own split at deploy time
+        # (service.app.check_model: ModelDef.check_world_size).
+        if self.model in ("attention", "transformer"):
+            self._check_heads()
+        return self._check_dtype_and_paths()
+
+    def _check_heads(self) -> None:
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
@@ -387,6 +394,8 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingL
                 f"ffn_dim ({self.ffn_dim}) must be divisible by world_size ({self.world_size}): each rank holds "
                 "ffn_dim / world_size of the MLP's hidden units"
             )
+
+    def _check_dtype_and_paths(self) -> "AppConfig":
         if self.compute_dtype == "float16" and not self.use_gpu:
             raise ValueError(
                 "compute_dtype=float16 needs use_gpu=true (float16 matmuls are CUDA-only here); "
