@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 PIP_FLAGS := --disable-pip-version-check -q
 # A CPU host: `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes torch's CPU
-# build (about 0.2 GB instead of CUDA's several GB) at its pin first, as the Dockerfile does.
+# build (a 0.2 GB download instead of CUDA's several GB) at its pin first, as the Dockerfile does.
 TORCH_INDEX ?=
 
 .PHONY: install install-test serve test test-unit bench docs lint clean chromium postgresql
