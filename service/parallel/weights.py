@@ -20,7 +20,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
 DENSE_KEYS = tuple(f"{p}.{kind}" for p in PROJECTIONS for kind in ("weight", "bias"))  # checkpoint order
 
-# The original notes' offsets for their deterministic init (the notes, summarised in docs/design.md).
+# The original notes' offsets for their deterministic init (docs/design.md#the-original-notes-seed-weights).
 SEED_OFFSETS = {"q_proj": 0.1, "k_proj": -0.2, "v_proj": 0.3, "out_proj": -0.4}
 
 DenseWeights = dict[str, torch.Tensor]
