@@ -399,3 +399,15 @@ def test_the_podmonitor_the_docs_recommend_can_reach_the_metrics_port() -> None:
     admits = [rule for rule in policy["spec"]["ingress"]
               if any(p.get("port") == 8080 for p in rule.get("ports", [])) and rule.get("from")]
     assert admits, "the NetworkPolicy admits no one to port 8080, so the PodMonitor docs/operations.md recommends would see nothing"
+
+
+FIRST_SCREEN_LINES = 30
+
+
+def test_the_readmes_first_screen_links_the_concepts_page_and_it_draws_the_path() -> None:
+    first_screen = "\n".join(README.read_text().splitlines()[:FIRST_SCREEN_LINES])
+    assert "(docs/concepts.md)" in first_screen, f"README's first {FIRST_SCREEN_LINES} lines must link docs/concepts.md"
+    concepts = (DOCS / "concepts.md").read_text()
+    assert "```mermaid" in concepts, "docs/concepts.md draws one request's path as a Mermaid diagram"
+    for name in ("Ingress", "GangServer", "gang", "rank 0", "Controller", "JobManager", "HAProxy"):
+        assert f"**{name}" in concepts, f"docs/concepts.md introduces {name} (as a bold term of its table)"
