@@ -6,9 +6,11 @@
         with c.session(prefill=x0) as s:
             y1 = s.append(row)  # a stateful session: causal over everything it was given
 
-Modules: `client` (inference, sync and async), `training` (jobs, datasets, weights),
-`codecs` (the wire formats, shared with the service), `errors` (typed errors), `retries`
-(the retry policy), `tokens` (where tokens come from, shared with the service), `cli`.
+Modules: `client` (inference, sync and async), `sessions` (a session, sync and async),
+`training` (jobs, datasets, weights), `codecs` (the wire formats, shared with the service),
+`errors` (typed errors), `retries` (the retry policy), `tokens` (where tokens come from,
+shared with the service), `cli` with `cli_training` (the `gangserve` command), `bench`
+(`gangserve bench`, a load generator).
 """
 from gangserve_client.client import AsyncGangServeClient, GangServeClient
 from gangserve_client.errors import (
@@ -31,13 +33,14 @@ from gangserve_client.errors import (
     UnsupportedMediaTypeError,
 )
 from gangserve_client.retries import RetryPolicy
-from gangserve_client.sessions import Session
+from gangserve_client.sessions import AsyncSession, Session
 from gangserve_client.training import TrainingClient
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncGangServeClient",
+    "AsyncSession",
     "AuthError",
     "BadRequestError",
     "ConflictError",

@@ -2,11 +2,14 @@
 
     gangserve infer input.npy -o out.npy                 # also .safetensors in/out
     gangserve infer x.safetensors -o y.safetensors --output-dtype bfloat16
+    gangserve infer x.npy --mask mask.npy --causal        # a padding mask [batch, seq] of 0/1; causal attention
     gangserve session rows1.npy rows2.npy -o out          # one session: each file's rows appended in turn
     gangserve gang                                       # the gang's ranks and state
     gangserve ready
-    gangserve train --epochs 3 --follow                  # training jobs: see gangserve_client.training
-    gangserve jobs
+    gangserve bench --shape 1,16,512 --concurrency 1,4,16 --duration 10   # see gangserve_client.bench
+    gangserve datasets upload ds.npz                     # training: see gangserve_client.cli_training
+    gangserve train --dataset ds-... --epochs 2 --follow
+    gangserve jobs | logs JOB --follow | checkpoint JOB -o FILE | weights JOB
 
 `python -m gangserve_client` is the same command. Tokens: see gangserve_client.tokens.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gangserve_client import codecs, training
+from gangserve_client import bench, cli_training, codecs
 from gangserve_client.client import DEFAULT_URL, GangServeClient
 from gangserve_client.errors import GangServeError
 
@@ -34,6 +37,22 @@ def read_tensor(path: Path) -> np.ndarray:
             raise SystemExit(f"{path}: expected a tensor named {codecs.INPUT_NAME}, found {sorted(names)}")
         return np.array(codecs.decode_safetensors(body, name=name))
     return np.array(codecs.decode_npy(body))
+
+
+def read_mask(path: Path) -> np.ndarray:
+    """An attention mask [batch, seq] (or [seq]) of 0/1: a .npy file of integers or booleans, or
+    the `attention_mask` tensor of a .safetensors file."""
+    if path.suffix == ".safetensors":
+        mask = codecs.decode_safetensors_mask(path.read_bytes())
+        if mask is None:
+            raise SystemExit(f"{path}: expected a tensor named {codecs.MASK_NAME}, found "
+                             f"{sorted(codecs.safetensors_names(path.read_bytes()))}")
+        return np.array(mask)
+    mask = np.load(path, allow_pickle=False)
+    if mask.dtype.kind not in "biu":
+        raise SystemExit(f"{path}: an attention mask holds integers or booleans (1 = token, 0 = padding); "
+                         f"found dtype {mask.dtype}")
+    return mask
 
 
 def write_tensor(path: Path, array: np.ndarray) -> None:
@@ -62,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     p_infer.add_argument("--token", help="inference token (default: $GANGSERVE_INFER_TOKEN)")
     p_infer.add_argument("--deadline", type=float, metavar="SECONDS",
                          help="the request's deadline (X-Request-Timeout-Seconds; default: the service's)")
+    p_infer.add_argument("--mask", type=Path, metavar="FILE",
+                         help="attention mask [batch, seq] (or [seq]): 1 = token, 0 = padding; a .npy file of "
+                              "integers or booleans, or a .safetensors file's attention_mask (not with --format npy)")
+    p_infer.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                         help="causal attention (each position sees itself and earlier ones); --no-causal: "
+                              "full attention (default: the served model's)")
     p_session = sub.add_parser("session", help="open a session, append each file's rows [n, E] in turn, end it")
     p_session.add_argument("inputs", type=Path, nargs="+")
     p_session.add_argument("-o", "--output", type=Path, help="write each answer as OUTPUT-<i>.npy")
@@ -69,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p_session.add_argument("--token", help="inference token (default: $GANGSERVE_INFER_TOKEN)")
     sub.add_parser("gang", help="print GET /gang")
     sub.add_parser("ready", help="exit 0 if the gang is ready")
-    training.add_commands(sub)
+    cli_training.add_commands(sub)
+    bench.add_command(sub)
     args = parser.parse_args(argv)
     if getattr(args, "handler", None):  # training subcommands
         return args.handler(args)
@@ -77,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with GangServeClient(args.url, infer_token=getattr(args, "token", None)) as client:
             if args.command == "infer":
+                mask = read_mask(args.mask) if args.mask else None
                 out = client.infer(read_tensor(args.input), fmt=args.format, output_dtype=args.output_dtype,
-                                   deadline_s=args.deadline)
+                                   deadline_s=args.deadline, attention_mask=mask, causal=args.causal)
                 if args.output:
                     write_tensor(args.output, out)
                 print(f"output shape {list(out.shape)} dtype {codecs.dtype_name(out.dtype)} "

@@ -25,7 +25,7 @@ import orjson
 from gangserve_client import codecs, tokens
 from gangserve_client.errors import ServiceUnreachableError
 from gangserve_client.retries import RetryPolicy, asend, send
-from gangserve_client.sessions import Session, _info_from
+from gangserve_client.sessions import AsyncSession, Session, _info_from
 
 FORMATS = {
     "safetensors": codecs.SAFETENSORS,
@@ -92,6 +92,9 @@ class _Base:
         self._api_token = _known_api_token(token)
         self._infer_token = infer_token or tokens.infer_token() or token
         self._policy = RetryPolicy(retries=retries, timeout_s=retry_timeout_s)
+
+    def _infer_headers(self) -> dict[str, str]:
+        return _bearer(self._infer_token)
 
     def _infer_args(self, x: np.ndarray, fmt: str, output_dtype: str | None, accept: str | None,
                     attention_mask: np.ndarray | None = None, causal: bool | None = None,
@@ -165,9 +168,6 @@ class GangServeClient(_Base):
         reply = self._session_request("/sessions", prefill, fmt, deadline_s, idempotent=False)
         return Session(self, _info_from(reply, {}), decode_reply(reply))
 
-    def _infer_headers(self) -> dict[str, str]:
-        return _bearer(self._infer_token)
-
     def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
                          params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
         args = self._infer_args(rows, fmt, None, None, None, None, deadline_s)
@@ -219,6 +219,21 @@ class AsyncGangServeClient(_Base):
         """As GangServeClient.infer."""
         args = self._infer_args(x, fmt, output_dtype, accept, attention_mask, causal, deadline_s)
         return decode_reply(await self._request("POST", "/infer", **args))
+
+    async def session(self, prefill: np.ndarray | None = None, fmt: str = "safetensors", *,
+                      deadline_s: float | None = None) -> AsyncSession:
+        """As GangServeClient.session: `async with await client.session(x0) as s: await s.append(row)`."""
+        if prefill is None:
+            reply = await self._request("POST", "/sessions", idempotent=False, headers=self._infer_headers())
+            return AsyncSession(self, reply.json())
+        reply = await self._session_request("/sessions", prefill, fmt, deadline_s, idempotent=False)
+        return AsyncSession(self, _info_from(reply, {}), decode_reply(reply))
+
+    async def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
+                               params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
+        args = self._infer_args(rows, fmt, None, None, None, None, deadline_s)
+        args["params"] = params
+        return await self._request("POST", path, idempotent=idempotent, **args)
 
     async def gang(self) -> dict[str, Any]:
         return (await self._request("GET", "/gang", headers=_bearer(self._api_token))).json()

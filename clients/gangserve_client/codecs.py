@@ -245,14 +245,16 @@ def _safetensors_tensor(
 
 
 def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
-    """A safetensors file of float tensors, and a BOOL/U8/I32/I64 `attention_mask` (header padded
-    to 8 bytes, as the library does)."""
+    """A safetensors file of float tensors, and BOOL/U8/I32/I64 masks (`attention_mask`, or a
+    name ending in `_attention_mask`, as a dataset's `val_attention_mask`); the header padded
+    to 8 bytes, as the library does."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     arrays = []
     offset = 0
     for name, array in tensors.items():
         array = little_endian(np.require(array, requirements="C"))
-        codes = _NP_MASK_TO_ST if name == MASK_NAME else _NP_TO_ST  # integers only for the mask
+        is_mask = name == MASK_NAME or name.endswith("_" + MASK_NAME)
+        codes = _NP_MASK_TO_ST if is_mask else _NP_TO_ST  # integers only for masks
         code = codes.get(dtype_name(array.dtype))
         if code is None:
             raise UnencodableError(f"cannot write dtype {array.dtype} as safetensors tensor {name!r}; only {', '.join(codes)}")

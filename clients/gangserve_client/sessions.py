@@ -4,6 +4,10 @@
         y = s.append(row)          # row [n, E] -> the outputs of those rows, [n, E]
         s.length, s.weights_version
 
+    async with AsyncGangServeClient(url) as c:                    # the same, awaited
+        async with await c.session(prefill=x0) as s:
+            y = await s.append(row)
+
 Each `append` sends `?length=` (the session's length before it), so a retried attempt
 whose first try did reach the service is refused (409 `session_length_mismatch`) instead
 of appending twice. `weights_version` is the version the last answer was computed with.
@@ -19,7 +23,7 @@ import numpy as np
 from gangserve_client.errors import NotFoundError
 
 if TYPE_CHECKING:
-    from gangserve_client.client import GangServeClient
+    from gangserve_client.client import AsyncGangServeClient, GangServeClient
 
 
 class Session:
@@ -66,6 +70,49 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncSession:
+    """One session of an AsyncGangServeClient (`await client.session()`); as Session, awaited."""
+
+    def __init__(self, client: "AsyncGangServeClient", info: dict[str, Any],
+                 prefill_output: np.ndarray | None = None) -> None:
+        self._client = client
+        self.id: str = str(info["session_id"])
+        self.info: dict[str, Any] = info
+        self.prefill_output = prefill_output
+
+    length = Session.length
+    weights_version = Session.weights_version
+
+    async def append(self, rows: np.ndarray, fmt: str = "safetensors", *,
+                     deadline_s: float | None = None) -> np.ndarray:
+        """As Session.append."""
+        reply = await self._client._session_request(f"/sessions/{self.id}/append", rows, fmt, deadline_s,
+                                                    params={"length": str(self.length)})
+        self.info = _info_from(reply, self.info)
+        from gangserve_client.client import decode_reply
+
+        return decode_reply(reply)
+
+    async def refresh(self) -> dict[str, Any]:
+        """As Session.refresh."""
+        reply = await self._client._request("GET", f"/sessions/{self.id}", headers=self._client._infer_headers())
+        self.info = reply.json()
+        return self.info
+
+    async def close(self) -> None:
+        """As Session.close."""
+        try:
+            await self._client._request("DELETE", f"/sessions/{self.id}", headers=self._client._infer_headers())
+        except NotFoundError:
+            pass
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 def _info_from(reply: httpx.Response, previous: dict[str, Any]) -> dict[str, Any]:
