@@ -2,63 +2,138 @@
 no tensor is loaded and no torch imported (the JobManager checks `init_from` sources and
 served checkpoints with it; tests/test_layout.py).
 
-Shapes are plain dicts: {"kind": "attention", "embed_dim", "num_heads"} or {"kind":
-"linear", "in_features", "out_features"}; {"kind": "unknown", "keys": [...]} otherwise.
+The model is an `Architecture` (service.weights.resolve: the kind and its defining values
+as its checkpoint metadata records them): attention {embed_dim, num_heads}, transformer
+{num_layers, embed_dim, num_heads, ffn_dim, activation, norm_first, layer_norm_eps},
+linear {in_features, out_features}; kind "unknown" when the file is none of them. Values a
+file does not record (a checkpoint written without metadata) are None and fit any.
+
+The tensors each kind's checkpoint holds (`expected_tensors`) are its reference torch
+module's `state_dict()` names and shapes, the same list as service.parallel's ModelDef
+`params()` (tests/test_models_training.py checks they agree): attention the contract's
+`{q,k,v,out}_proj.{weight,bias}`, transformer torch's nn.TransformerEncoder
+(`layers.{i}.self_attn.in_proj_weight`, ...), linear `weight`, `bias`.
 """
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
-from typing import Any
 
-from service.training.spec import AttentionModel, ModelSpecT
+from service.training.spec import AttentionModel, LinearModel, ModelSpecT, TransformerModel
+from service.weights.resolve import Architecture
 
 MODEL_FILE = "model.safetensors"  # the checkpoint file's name inside a Ray Train checkpoint
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_LAYER = re.compile(r"^layers\.(\d+)\.self_attn\.in_proj_weight$")
+
+Shapes = dict[str, tuple[int, ...]]
 
 
-def read_shape(path: Path) -> dict[str, Any]:
-    """checkpoint_shape of a local safetensors file, from its header only."""
+def read_header(path: Path) -> tuple[dict[str, str], Shapes]:
+    """(metadata, tensor shapes) of a local safetensors file, from its header only; both
+    empty when the file is not safetensors."""
     with open(path, "rb") as f:
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         if not 2 <= n <= MAX_HEADER_BYTES:
-            return {"kind": "unknown", "keys": []}
+            return {}, {}
         try:
             header = json.loads(f.read(n))
         except ValueError:
-            return {"kind": "unknown", "keys": []}
+            return {}, {}
+    if not isinstance(header, dict):
+        return {}, {}
     meta = header.pop("__metadata__", None)
-    shapes = {k: tuple(v.get("shape", ())) for k, v in header.items() if isinstance(v, dict)}
-    return checkpoint_shape(meta, shapes)
+    meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+    shapes = {k: tuple(int(d) for d in v.get("shape", ())) for k, v in header.items() if isinstance(v, dict)}
+    return meta, shapes
 
 
-def checkpoint_shape(metadata: dict[str, str] | None, tensors: dict[str, tuple[int, ...]]) -> dict[str, object]:
+def checkpoint_architecture(metadata: dict[str, str] | None, tensors: Shapes) -> Architecture:
     """The model a checkpoint holds, from its safetensors header (metadata and tensor shapes):
-    {"kind": "attention", "embed_dim", "num_heads"} or {"kind": "linear", "in_features",
-    "out_features"}; {"kind": "unknown", "keys": [...]} when it is neither."""
+    widths from the tensors, what tensors cannot say (heads, activation, ...) from the metadata."""
     meta = metadata or {}
+    if meta.get("model") == "transformer" or any(_LAYER.match(k) for k in tensors):
+        layers = sorted(int(m.group(1)) for k in tensors if (m := _LAYER.match(k)))
+        out_proj = tensors.get("layers.0.self_attn.out_proj.weight", ())
+        linear1 = tensors.get("layers.0.linear1.weight", ())
+        return Architecture.of(
+            "transformer",
+            num_layers=str(len(layers)) if layers else meta.get("num_layers"),
+            embed_dim=str(out_proj[0]) if len(out_proj) == 2 else meta.get("embed_dim"),
+            num_heads=meta.get("num_heads"),
+            ffn_dim=str(linear1[0]) if len(linear1) == 2 else meta.get("ffn_dim"),
+            activation=meta.get("activation"), norm_first=meta.get("norm_first"),
+            layer_norm_eps=meta.get("layer_norm_eps"))
     if "out_proj.weight" in tensors and len(tensors["out_proj.weight"]) == 2:
-        e = int(tensors["out_proj.weight"][0])
         heads = meta.get("num_heads")
-        return {"kind": "attention", "embed_dim": e, "num_heads": int(heads) if heads and heads.isdigit() else None}
+        return Architecture.of("attention", embed_dim=tensors["out_proj.weight"][0],
+                               num_heads=heads if heads and heads.isdigit() else None)
     if set(tensors) == {"weight", "bias"} and len(tensors["weight"]) == 2:
         out_f, in_f = tensors["weight"]
-        return {"kind": "linear", "in_features": int(in_f), "out_features": int(out_f)}
-    return {"kind": "unknown", "keys": sorted(tensors)[:8]}
+        return Architecture.of("linear", in_features=in_f, out_features=out_f)
+    return Architecture("unknown", (("tensors", str(sorted(tensors)[:8])),))
 
 
-def spec_shape(spec: ModelSpecT) -> dict[str, object]:
-    """A model spec's shape in checkpoint_shape's terms."""
+def read_architecture(path: Path) -> tuple[Architecture, Shapes]:
+    """checkpoint_architecture of a local safetensors file (header only), and its tensor shapes."""
+    meta, shapes = read_header(path)
+    return checkpoint_architecture(meta, shapes), shapes
+
+
+def spec_architecture(spec: ModelSpecT) -> Architecture:
+    """A job's model in checkpoint_architecture's terms (`causal` is no part of it: it is the
+    served default, not the weights' shape)."""
     if isinstance(spec, AttentionModel):
-        return {"kind": "attention", "embed_dim": spec.embed_dim, "num_heads": spec.num_heads}
-    return {"kind": "linear", "in_features": spec.in_features, "out_features": spec.out_features}
+        return Architecture.of("attention", embed_dim=spec.embed_dim, num_heads=spec.num_heads)
+    if isinstance(spec, TransformerModel):
+        return Architecture.of("transformer", num_layers=spec.num_layers, embed_dim=spec.embed_dim,
+                               num_heads=spec.num_heads, ffn_dim=spec.ffn_dim, activation=spec.activation,
+                               norm_first=spec.norm_first, layer_norm_eps=spec.layer_norm_eps)
+    assert isinstance(spec, LinearModel)
+    return Architecture.of("linear", in_features=spec.in_features, out_features=spec.out_features)
 
 
-def describe_shape(shape: dict[str, object]) -> str:
-    if shape["kind"] == "attention":
-        return f"attention embed_dim {shape['embed_dim']}, num_heads {shape.get('num_heads') or '?'}"
-    if shape["kind"] == "linear":
-        return f"linear {shape['in_features']} -> {shape['out_features']}"
-    return f"not a model checkpoint (tensors {shape.get('keys')})"
+def expected_tensors(spec: ModelSpecT) -> Shapes:
+    """The tensors (names and shapes, in checkpoint order) a checkpoint of `spec` holds."""
+    if isinstance(spec, AttentionModel):
+        e = spec.embed_dim
+        return {f"{p}.{k}": ((e, e) if k == "weight" else (e,))
+                for p in ("q_proj", "k_proj", "v_proj", "out_proj") for k in ("weight", "bias")}
+    if isinstance(spec, TransformerModel):
+        e, f = spec.embed_dim, spec.ffn_dim
+        shapes: Shapes = {}
+        for i in range(spec.num_layers):
+            at = f"layers.{i}."
+            shapes.update({
+                at + "self_attn.in_proj_weight": (3 * e, e), at + "self_attn.in_proj_bias": (3 * e,),
+                at + "self_attn.out_proj.weight": (e, e), at + "self_attn.out_proj.bias": (e,),
+                at + "linear1.weight": (f, e), at + "linear1.bias": (f,),
+                at + "linear2.weight": (e, f), at + "linear2.bias": (e,),
+                at + "norm1.weight": (e,), at + "norm1.bias": (e,),
+                at + "norm2.weight": (e,), at + "norm2.bias": (e,),
+            })
+        return shapes
+    assert isinstance(spec, LinearModel)
+    return {"weight": (spec.out_features, spec.in_features), "bias": (spec.out_features,)}
+
+
+def tensor_problems(spec: ModelSpecT, tensors: Shapes) -> list[str]:
+    """Every tensor missing, unexpected or of another shape than `spec`'s checkpoint needs."""
+    want = expected_tensors(spec)
+    problems = [f"missing {name!r} {list(shape)}" for name, shape in want.items() if name not in tensors]
+    problems += [f"{name} has shape {list(tensors[name])}, the model needs {list(shape)}"
+                 for name, shape in want.items() if name in tensors and tuple(tensors[name]) != shape]
+    unexpected = sorted(set(tensors) - set(want))
+    if unexpected:
+        problems.append(f"unexpected {', '.join(repr(n) for n in unexpected[:10])}"
+                        + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
+    return problems
+
+
+def fit_problems(spec: ModelSpecT, found: Architecture, tensors: Shapes) -> list[str]:
+    """Why a checkpoint (its architecture and tensor shapes) cannot be loaded into `spec`'s
+    model: its architecture's differences, else its tensors'; [] when it fits."""
+    return found.differences(spec_architecture(spec)) or tensor_problems(spec, tensors)

@@ -3,8 +3,9 @@
 
 An uploaded dataset is one safetensors file with two float tensors:
     linear:    inputs [N, in_features],   targets [N, out_features]
-    attention: inputs [N, seq, E],        targets [N, seq, E]
-and, for attention only, optionally `attention_mask` [N, seq] (BOOL, U8, I32 or I64; 1 = a
+    attention: inputs [N, seq, E],        targets [N, seq, E]   (sequence data: attention and
+                                                                 transformer models train on it)
+and, for sequence data only, optionally `attention_mask` [N, seq] (BOOL, U8, I32 or I64; 1 = a
 real token, 0 = padding, at least one token per sample): the loss ignores padded positions.
 The kind is inferred from the rank (2-D or 3-D); a job checks it against its model.
 
@@ -19,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 
-from service.training.spec import AttentionModel, LinearModel, ModelSpecT
+from service.training.spec import AttentionModel, LinearModel, ModelSpecT, TransformerModel
 
 DATASET_KEYS = ("inputs", "targets")
 MASK_KEY = "attention_mask"
@@ -39,7 +40,7 @@ class MalformedDataset(ValueError):
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    kind: str                 # "linear" | "attention"
+    kind: str                 # "linear" | "attention" (3-D sequence data, for attention and transformer)
     samples: int
     inputs_shape: list[int]
     targets_shape: list[int]
@@ -129,10 +130,10 @@ def _check_mask(mask: np.ndarray, inputs_shape: tuple[int, ...], name: str = MAS
 
 def check_compatible(model: ModelSpecT, info: DatasetInfo) -> None:
     """DatasetError unless the dataset's shapes fit the model."""
-    if isinstance(model, AttentionModel):
+    if isinstance(model, (AttentionModel, TransformerModel)):
         if info.kind != "attention" or info.inputs_shape[2] != model.embed_dim:
             raise DatasetError(
-                f"an attention model with embed_dim {model.embed_dim} needs inputs/targets "
+                f"{'an' if model.kind == 'attention' else 'a'} {model.kind} model with embed_dim {model.embed_dim} needs inputs/targets "
                 f"[N, seq, {model.embed_dim}]; the dataset has inputs {info.inputs_shape}, targets {info.targets_shape}"
             )
         return

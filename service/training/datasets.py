@@ -17,29 +17,36 @@ from safetensors.torch import load_file
 from service.state import artifacts
 from service.training.dataset_files import DATASET_KEYS, MASK_KEY, VAL_KEYS, VAL_MASK_KEY
 from service.training.models import teacher_model
-from service.training.spec import AttentionModel, ModelSpecT, SyntheticDataset
+from service.training.spec import AttentionModel, ModelSpecT, SyntheticDataset, TransformerModel
 
 # Decorrelates the teacher's weights from the inputs drawn with the same dataset seed.
 _TEACHER_SEED_OFFSET = 7919
+# A transformer teacher labels the samples in chunks of at most this many activation elements
+# (samples x seq x max(E, ffn_dim)), so its MLP's hidden activations stay small.
+_TEACHER_CHUNK_ELEMENTS = 16 * 1024 * 1024
 
 
 def synthetic(model: ModelSpecT, ds: SyntheticDataset) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) with targets = teacher(inputs) + noise; same on every worker."""
     gen = torch.Generator().manual_seed(ds.seed)
-    if isinstance(model, AttentionModel):
+    if isinstance(model, (AttentionModel, TransformerModel)):
         x = torch.randn(ds.samples, ds.seq_len, model.embed_dim, generator=gen)
     else:
         x = torch.randn(ds.samples, model.in_features, generator=gen)
     teacher = teacher_model(model, ds.seed + _TEACHER_SEED_OFFSET)
     with torch.inference_mode():
-        y = teacher(x)
+        if isinstance(model, TransformerModel):
+            chunk = max(1, _TEACHER_CHUNK_ELEMENTS // (ds.seq_len * max(model.embed_dim, model.ffn_dim)))
+            y = torch.cat([teacher(x[i:i + chunk]) for i in range(0, ds.samples, chunk)])
+        else:
+            y = teacher(x)
     y = y + ds.noise * torch.randn(y.shape, generator=gen)
     return x.contiguous(), y.contiguous()
 
 
 @dataclass(frozen=True)
 class Samples:
-    """One set of samples: inputs, targets and (attention, optional) mask [N, seq] bool."""
+    """One set of samples: inputs, targets and (attention, transformer: optional) mask [N, seq] bool."""
 
     x: torch.Tensor
     y: torch.Tensor

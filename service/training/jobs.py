@@ -54,12 +54,13 @@ from service.metrics.recorders import EpochClock, training_snapshot
 from service.state.artifacts import ArtifactStore, StorageUnavailable
 from service.state.db import StateUnavailable
 from service.training import init_from, lifecycle, resources
+from service.training.checkpoints import spec_architecture
 from service.training.clock import SYSTEM_CLOCK, Clock
 from service.training.kept_writes import KeptWrites
 from service.training.limits import ActiveUsage, TrainingLimits, check_job_alone, check_job_fits
 from service.training.run import final_checkpoint_key, read_result, run_prefix
 from service.training.run_actors import RunActors
-from service.training.spec import AttentionModel, JobSpec, UploadedDataset
+from service.training.spec import JobSpec, UploadedDataset
 from service.training.status import JobStatus, can_move
 from service.training.store import JobRecord, JobStore, iso
 from service.training.uploads import Datasets
@@ -98,7 +99,8 @@ class Jobs:
         the quotas. `runs`: the run actors. `clock`: wall and monotonic time, sleeps.
         `cluster`: the alive nodes' resources (a blocking read, called off the loop). `app`:
         the Serve application's name (its weights record). `app_model`: the app's ModelConfig,
-        to regenerate a served version its `init` made. `max_seq_len`: the serving limit,
+        to regenerate a served version its `init` made and to check that a job POST /weights
+        serves has the app's architecture. `max_seq_len`: the serving limit,
         applied to uploaded attention datasets too. `tunables`: the poll loop's timing and
         budgets (the app's training tunables; default, their defaults)."""
         self._store = store
@@ -297,14 +299,16 @@ class Jobs:
         return await asyncio.to_thread(resolve.job_checkpoint_key, self._artifacts, job)
 
     async def resolve_weights(self, job_id: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
-        """The dense attention checkpoint POST /weights should load: {"path" (its artifact
-        key), "job_id", "embed_dim", "num_heads"} (service.weights.resolve). A client-given
-        path must be a key inside the artifact store."""
+        """The dense checkpoint POST /weights should load: {"path" (its artifact key),
+        "job_id", "embed_dim", "num_heads"} (service.weights.resolve). A job's model must be
+        the app's architecture (409 checkpoint_mismatch naming both); a client-given path
+        must be a key inside the artifact store."""
         if (job_id is None) == (checkpoint is None):
             raise InvalidInput("give exactly one of job_id or checkpoint", code=ErrorCode.INVALID_REQUEST)
         if job_id is not None:
             job = self._serving_view(await self._record(job_id, with_history=False))
-            return await asyncio.to_thread(resolve.job_target, self._artifacts, job)
+            served = resolve.served_architecture(self._app_model) if self._app_model is not None else None
+            return await asyncio.to_thread(resolve.job_target, self._artifacts, job, served)
         assert checkpoint is not None
         return await asyncio.to_thread(resolve.checkpoint_target, self._artifacts, checkpoint)
 
@@ -316,11 +320,7 @@ class Jobs:
         job = resolve.JobCheckpoint(job_id=record.id, status=record.status, error=record.error, checkpoint=checkpoint)
         if not with_model:
             return job
-        model = JobSpec.model_validate(record.spec).model
-        if isinstance(model, AttentionModel):
-            return dataclasses.replace(job, model_kind=model.kind, embed_dim=model.embed_dim,
-                                       num_heads=model.num_heads)
-        return dataclasses.replace(job, model_kind=model.kind)
+        return dataclasses.replace(job, architecture=spec_architecture(JobSpec.model_validate(record.spec).model))
 
     # ---- datasets (service.training.uploads) --------------------------------------------
 

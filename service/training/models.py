@@ -4,6 +4,11 @@ attention: `SelfAttention` wraps nn.MultiheadAttention(E, H, bias=True, batch_fi
 its in_proj is cat(q, k, v), so the dense contract keys map onto it exactly:
     q_proj.weight = in_proj_weight[0:E],  k_proj = [E:2E],  v_proj = [2E:3E]   (same for bias)
     out_proj.{weight,bias} = out_proj.{weight,bias}
+transformer: `Encoder` wraps torch's nn.TransformerEncoder (service.parallel.transformer's
+TransformerDef.dense_module(), the module a gang of the same architecture computes); its
+checkpoint is that inner module's own `state_dict()` (no wrapper prefix), written by
+service.parallel.model.save_checkpoint with the architecture's metadata, so it loads into
+torch's module with `load_state_dict(strict=True)`.
 linear: nn.Linear(in, out); checkpoint keys `weight` [out, in], `bias` [out].
 """
 from __future__ import annotations
@@ -15,9 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+import service.parallel.model as seam
 from service.parallel.layers import attention_bias_mask
+from service.parallel.transformer import TransformerDef
 from service.parallel.weights import DenseWeights, random_weights, save_checkpoint
-from service.training.spec import AttentionModel, ModelSpecT
+from service.training.spec import AttentionModel, ModelSpecT, TransformerModel
 
 
 class SelfAttention(nn.Module):
@@ -54,12 +61,52 @@ class SelfAttention(nn.Module):
         return out.masked_fill(~tokens[..., None], 0.0)  # [batch, seq, E]
 
 
+def transformer_def(spec: TransformerModel) -> TransformerDef:
+    """The serving stack's definition of the job's architecture (its module, forward, checkpoint)."""
+    return TransformerDef(spec.num_layers, spec.embed_dim, spec.num_heads, spec.ffn_dim, spec.activation,
+                          spec.norm_first, spec.layer_norm_eps)
+
+
+class Encoder(nn.Module):
+    """x [batch, seq, E] (+ attention_mask [batch, seq], 1 = token) -> the encoder stack's output
+    [batch, seq, E] under the serving contract (TransformerDef.dense_forward: padded keys
+    ignored, causal if the spec says so, output 0 at padded query positions, and a mask that
+    never leaves a padded row without keys, so no NaN reaches the backward).
+
+    `encoder` is torch's nn.TransformerEncoder itself: the checkpoint is its state_dict()."""
+
+    def __init__(self, spec: TransformerModel) -> None:
+        super().__init__()
+        self.arch = transformer_def(spec)
+        self.encoder = self.arch.dense_module()
+        self.causal = spec.causal
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        return self.arch.dense_forward(self.encoder, x, mask, self.causal)
+
+    def load_dense(self, weights: DenseWeights) -> None:
+        """Load dense weights (its params() names): every tensor named and shaped as the
+        module's state_dict (ValueError listing each difference), strict."""
+        seam.validate_dense(self.arch, weights, what="the checkpoint's tensors")
+        self.encoder.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=True)
+
+    def dense(self) -> DenseWeights:
+        return seam.dense_state(self.arch, self.encoder)
+
+
 def build_model(spec: ModelSpecT, seed: int) -> nn.Module:
-    """A freshly initialised student (torch's default init under `seed`)."""
+    """A freshly initialised student: torch's default init under `seed`; a transformer
+    TransformerDef.init_weights("random", seed) (torch's TransformerEncoder deep-copies one
+    layer, so its own init would start every layer equal)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(spec, AttentionModel):
             return SelfAttention(spec.embed_dim, spec.num_heads, spec.causal)
+        if isinstance(spec, TransformerModel):
+            model = Encoder(spec)
+            model.load_dense(model.arch.init_weights("random", seed))
+            return model
         return nn.Linear(spec.in_features, spec.out_features)
 
 
@@ -67,6 +114,7 @@ def teacher_model(spec: ModelSpecT, seed: int) -> nn.Module:
     """The fixed random teacher that labels synthetic data (same kind as the student).
 
     attention: the serving stack's `random_weights(E, seed)` (U(+-1/sqrt(E))), causal as the student;
+    transformer: the serving stack's TransformerDef.init_weights("random", seed), causal as the student;
     linear: weights and bias ~ N(0, 1), so the targets have unit-scale signal.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -74,6 +122,8 @@ def teacher_model(spec: ModelSpecT, seed: int) -> nn.Module:
         model = SelfAttention(spec.embed_dim, spec.num_heads, spec.causal)
         load_dense_into(model, random_weights(spec.embed_dim, seed))
         return model.eval()
+    if isinstance(spec, TransformerModel):
+        return build_model(spec, seed).eval()
     model = nn.Linear(spec.in_features, spec.out_features)
     with torch.no_grad():
         model.weight.copy_(torch.randn(spec.out_features, spec.in_features, generator=gen))
@@ -105,10 +155,16 @@ def load_dense_into(model: SelfAttention, weights: DenseWeights) -> None:
 
 def save_model(model: nn.Module, spec: ModelSpecT, path: str | Path) -> None:
     """attention: the dense serving checkpoint (service.parallel.weights.save_checkpoint),
-    recording `causal`; linear: `weight`, `bias` with metadata in_features / out_features."""
+    recording `causal`; transformer: the inner nn.TransformerEncoder's state_dict with the
+    architecture's metadata and `causal` (service.parallel.model.save_checkpoint); linear:
+    `weight`, `bias` with metadata in_features / out_features."""
     if isinstance(spec, AttentionModel):
         assert isinstance(model, SelfAttention)
         save_checkpoint(path, dense_weights(model), spec.num_heads, causal=spec.causal)
+        return
+    if isinstance(spec, TransformerModel):
+        assert isinstance(model, Encoder)
+        seam.save_checkpoint(model.arch, path, model.dense(), {"causal": "true" if spec.causal else "false"})
         return
     assert isinstance(model, nn.Linear)
     save_file(
@@ -131,5 +187,8 @@ def load_tensors(model: nn.Module, spec: ModelSpecT, tensors: dict[str, torch.Te
     if isinstance(spec, AttentionModel):
         assert isinstance(model, SelfAttention)
         load_dense_into(model, tensors)
+    elif isinstance(spec, TransformerModel):
+        assert isinstance(model, Encoder)
+        model.load_dense(tensors)
     else:
         model.load_state_dict(tensors)

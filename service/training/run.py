@@ -46,7 +46,7 @@ import ray
 from service.state import artifacts
 
 from service.training.checkpoints import MODEL_FILE
-from service.training.spec import AttentionModel, JobSpec
+from service.training.spec import JobSpec
 from service.training.status import JobStatus, check_transition
 from service.tunables import Tunables
 
@@ -190,7 +190,7 @@ class TrainRun:
             checkpoint = {
                 "path": final,  # an artifact key: relative to the storage root
                 "url": f"/train/{self._job_id}/checkpoint",
-                "format": "dense-attention" if isinstance(spec.model, AttentionModel) else "linear",
+                "format": f"dense-{spec.model.kind}" if spec.model.kind != "linear" else "linear",
                 "bytes": nbytes,
             }
             with self._lock:

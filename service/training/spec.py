@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 # Upper bound on the elements of one synthetic tensor (inputs or targets): 64 Mi float32
 # = 256 MiB, generated in every worker.
 MAX_SYNTHETIC_ELEMENTS = 64 * 1024 * 1024
+# Upper bound on a transformer's parameters: the widest attention model's (E = 8192:
+# 4 E^2 + 4 E), 1 GiB of float32 per copy (the model, its gradients, Adam's two moments).
+MAX_MODEL_PARAMETERS = 4 * 8192 * 8192 + 4 * 8192
 
 
 def _kind(value: object, default: str) -> str | None:
@@ -48,6 +51,50 @@ class AttentionModel(_Closed):
         return self
 
 
+class TransformerModel(_Closed):
+    """torch's encoder stack, nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, ffn_dim,
+    dropout=0, activation, batch_first=True, norm_first, layer_norm_eps), num_layers): what a gang
+    of `model=transformer` serves (service.parallel.transformer). The defaults are the serving
+    defaults, so `{"kind": "transformer"}` fits a default transformer app.
+
+    Its checkpoint is that module's own `state_dict()` with the architecture's metadata, so
+    it loads into torch's module with `strict=True` and into a gang of the same architecture.
+    """
+
+    kind: Literal["transformer"] = "transformer"
+    num_layers: int = Field(2, ge=1, le=64, description="Encoder layers.")
+    embed_dim: int = Field(512, ge=8, le=8192, description="Model width E.")
+    num_heads: int = Field(8, ge=1, le=256, description="Heads H; E % H == 0.")
+    ffn_dim: int = Field(2048, ge=1, le=65536, description="The MLP's hidden width.")
+    activation: Literal["relu", "gelu"] = Field("relu", description="The MLP's activation.")
+    norm_first: bool = Field(False, description="Pre-norm (true) or post-norm (false) layers.")
+    layer_norm_eps: float = Field(1e-5, gt=0, le=1.0, description="The LayerNorms' epsilon.")
+    causal: bool = Field(
+        False,
+        description="Causal self-attention in every layer. Recorded in the checkpoint's metadata, as "
+        "for attention, so the served model answers causally unless a request says otherwise.",
+    )
+
+    @model_validator(mode="after")
+    def _divisible(self) -> "TransformerModel":
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.parameter_count() > MAX_MODEL_PARAMETERS:
+            raise ValueError(
+                f"transformer too large: {self.parameter_count()} parameters ({self.num_layers} layers x "
+                f"(4 x embed_dim {self.embed_dim}^2 + 2 x embed_dim x ffn_dim {self.ffn_dim} + biases and "
+                f"norms)), the limit is {MAX_MODEL_PARAMETERS} (the widest attention model's)"
+            )
+        return self
+
+    def parameter_count(self) -> int:
+        """Its parameter count (every layer: in_proj, out_proj, linear1, linear2, two norms)."""
+        e, f = self.embed_dim, self.ffn_dim
+        return self.num_layers * (4 * e * e + 4 * e + 2 * e * f + f + e + 4 * e)
+
+
 class LinearModel(_Closed):
     """nn.Linear(in_features, out_features): the original notes' DDP example."""
 
@@ -57,10 +104,12 @@ class LinearModel(_Closed):
 
 
 ModelSpec = Annotated[
-    Union[Annotated[AttentionModel, Tag("attention")], Annotated[LinearModel, Tag("linear")]],
+    Union[Annotated[AttentionModel, Tag("attention")], Annotated[TransformerModel, Tag("transformer")],
+          Annotated[LinearModel, Tag("linear")]],
     Discriminator(lambda v: _kind(v, "attention")),
 ]
-ModelSpecT = AttentionModel | LinearModel  # a validated model spec (ModelSpec is its parsing form)
+ModelSpecT = AttentionModel | TransformerModel | LinearModel  # a validated model spec (ModelSpec parses it)
+SequenceModel = AttentionModel | TransformerModel  # x [N, seq, E] -> [N, seq, E]: what a gang serves
 
 
 class SyntheticDataset(_Closed):
@@ -69,7 +118,7 @@ class SyntheticDataset(_Closed):
 
     kind: Literal["synthetic"] = "synthetic"
     samples: int = Field(1024, ge=1, le=1_000_000)
-    seq_len: int = Field(8, ge=1, le=4096, description="Sequence length (attention only).")
+    seq_len: int = Field(8, ge=1, le=4096, description="Sequence length (attention and transformer).")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds the inputs, the teacher and the noise.")
     noise: float = Field(0.01, ge=0, le=10, description="Std of the noise added to the targets.")
     validation_fraction: float = Field(
@@ -154,7 +203,7 @@ class JobSpec(_Closed):
     def _bounded_data(self) -> "JobSpec":
         ds = self.dataset
         if isinstance(ds, SyntheticDataset):
-            if isinstance(self.model, AttentionModel):
+            if isinstance(self.model, (AttentionModel, TransformerModel)):
                 elements = ds.samples * ds.seq_len * self.model.embed_dim
             else:
                 elements = ds.samples * max(self.model.in_features, self.model.out_features)

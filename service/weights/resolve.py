@@ -10,7 +10,10 @@
   artifact; 422 `path_outside_state_dir` outside the store, 404 `checkpoint_not_found`.
 - `job_checkpoint_key` / `job_target` / `checkpoint_target`: what a job's final checkpoint,
   or a path, gives the gang to load; 409 `no_checkpoint` for a job without one, 409
-  `checkpoint_mismatch` for a job that trained no attention model.
+  `checkpoint_mismatch` for a job whose model a gang cannot serve (linear) or whose
+  architecture differs from the app's (both named).
+- `Architecture`: a model's architecture as its checkpoint metadata records it, compared
+  without torch; `served_architecture` is the app's (its builder arguments).
 
 Blocking (store and database reads): call them off the event loop. No torch: the JobManager
 resolves with it. A foundation package imports no training code: a job comes in as
@@ -22,9 +25,86 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.config import ModelConfig
 from service.errors import Conflict, ErrorCode, InvalidInput, NotFound
 from service.state import artifacts
 from service.weights.record import ServedWeights, WeightsRecord
+
+
+# ---- architectures ------------------------------------------------------------------------------
+
+SERVABLE_KINDS = ("attention", "transformer")  # the built-in models a gang serves
+# The fields that define a built-in model, in its checkpoint metadata's order (service.parallel's
+# ModelDef.metadata(): AttentionDef's, TransformerDef's without "model"; tests/test_models_training.py
+# checks they agree), and a linear job's.
+ARCHITECTURE_FIELDS: dict[str, tuple[str, ...]] = {
+    "attention": ("embed_dim", "num_heads"),
+    "transformer": ("num_layers", "embed_dim", "num_heads", "ffn_dim", "activation", "norm_first", "layer_norm_eps"),
+    "linear": ("in_features", "out_features"),
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model's architecture in its checkpoint metadata's terms: its kind and the values that
+    define it, as strings (`norm_first` "true"/"false", `layer_norm_eps` repr of the float). A
+    value None is one a checkpoint does not record (e.g. `num_heads` of a file without
+    metadata): it fits any. Plain values, so the JobManager compares them without torch."""
+
+    kind: str  # "attention" | "transformer" | "linear" | "unknown"
+    fields: tuple[tuple[str, str | None], ...] = ()
+
+    @classmethod
+    def of(cls, kind: str, **values: object) -> "Architecture":
+        """From a kind's values (ARCHITECTURE_FIELDS order; bools lower-case, floats as repr)."""
+        def text(v: object) -> str | None:
+            if v is None or isinstance(v, str):
+                return v
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            return repr(float(v)) if isinstance(v, float) else str(v)
+        order = ARCHITECTURE_FIELDS.get(kind, tuple(values))
+        return cls(kind, tuple((name, text(values.get(name))) for name in order))
+
+    def get(self, name: str) -> str | None:
+        return dict(self.fields).get(name)
+
+    def number(self, name: str) -> int | None:
+        value = self.get(name)
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def servable(self) -> bool:
+        return self.kind in SERVABLE_KINDS
+
+    def describe(self) -> str:
+        """`attention embed_dim 64, num_heads 4`, `transformer num_layers 2, ...`, `linear 10 -> 1`."""
+        if self.kind == "linear":
+            return f"linear {self.get('in_features')} -> {self.get('out_features')}"
+        if self.kind == "unknown":
+            return f"not a model checkpoint (tensors {self.get('tensors')})"
+        return f"{self.kind} " + ", ".join(f"{k} {'?' if v is None else v}" for k, v in self.fields)
+
+    def differences(self, needed: "Architecture") -> list[str]:
+        """Why this model does not fit `needed` (each value `name=this, the model needs that`);
+        [] when it fits. A value either side leaves open (None) fits."""
+        if self.kind != needed.kind:
+            return [f"kind={self.kind}, the model needs {needed.kind}"]
+        mine = dict(self.fields)
+        return [f"{name}={mine[name]}, the model needs {want}" for name, want in needed.fields
+                if want is not None and mine.get(name) is not None and mine[name] != want]
+
+
+def served_architecture(model: ModelConfig) -> Architecture | None:
+    """The architecture an app's builder arguments serve; None for a user's model
+    (`pkg.module:factory`: known only by importing it, which the gang's own checkpoint check does)."""
+    if model.model == "attention":
+        return Architecture.of("attention", embed_dim=model.embed_dim, num_heads=model.num_heads)
+    if model.model == "transformer":
+        return Architecture.of("transformer", num_layers=model.num_layers, embed_dim=model.embed_dim,
+                               num_heads=model.num_heads, ffn_dim=model.ffn_dim, activation=model.activation,
+                               norm_first=model.norm_first, layer_norm_eps=model.layer_norm_eps)
+    return None
 
 
 # ---- recorded versions (a job's init_from) -----------------------------------------------------
@@ -59,16 +139,14 @@ def version_file(version: ServedWeights, store: artifacts.ArtifactStore) -> Path
 @dataclass(frozen=True)
 class JobCheckpoint:
     """What serving needs of a training job's record. `checkpoint`: its final checkpoint's
-    recorded path, set only once the job SUCCEEDED with one; `model_kind`, `embed_dim`,
-    `num_heads`: the model it trained (None where the caller does not need it: a key only)."""
+    recorded path, set only once the job SUCCEEDED with one; `architecture`: the model it
+    trained (None where the caller does not need it: a key only)."""
 
     job_id: str
     status: str
     error: str | None
     checkpoint: str | None
-    model_kind: str | None = None
-    embed_dim: int | None = None
-    num_heads: int | None = None
+    architecture: Architecture | None = None
 
 
 def artifact_key(store: artifacts.ArtifactStore, ref: str) -> str:
@@ -93,13 +171,24 @@ def job_checkpoint_key(store: artifacts.ArtifactStore, job: JobCheckpoint) -> st
     return artifact_key(store, job.checkpoint)
 
 
-def job_target(store: artifacts.ArtifactStore, job: JobCheckpoint) -> dict[str, Any]:
-    """What POST /weights {"job_id"} loads: {"path" (artifact key), "job_id", "embed_dim", "num_heads"}."""
-    if job.model_kind != "attention":
-        raise Conflict(f"job {job.job_id} trained a {job.model_kind} model; only attention checkpoints can be "
-                       "served", code=ErrorCode.CHECKPOINT_MISMATCH)
+def job_target(store: artifacts.ArtifactStore, job: JobCheckpoint,
+               served: Architecture | None = None) -> dict[str, Any]:
+    """What POST /weights {"job_id"} loads: {"path" (artifact key), "job_id", "embed_dim", "num_heads"}.
+
+    409 `checkpoint_mismatch`, naming both models, for a job whose model no gang serves
+    (linear) or whose architecture is not `served` (the app's; None: unknown here, the
+    gang's own check of the file decides)."""
+    arch = job.architecture
+    assert arch is not None, "job_target needs the job's architecture"
+    serves = f"; this app serves {served.describe()}" if served is not None else ""
+    if not arch.servable:
+        raise Conflict(f"job {job.job_id} trained a {arch.kind} model ({arch.describe()}); a gang serves "
+                       f"{' or '.join(SERVABLE_KINDS)} models{serves}", code=ErrorCode.CHECKPOINT_MISMATCH)
+    if served is not None and (differences := arch.differences(served)):
+        raise Conflict(f"job {job.job_id} trained {arch.describe()}{serves}: {'; '.join(differences)}",
+                       code=ErrorCode.CHECKPOINT_MISMATCH)
     return {"path": job_checkpoint_key(store, job), "job_id": job.job_id,
-            "embed_dim": job.embed_dim, "num_heads": job.num_heads}
+            "embed_dim": arch.number("embed_dim"), "num_heads": arch.number("num_heads")}
 
 
 def checkpoint_target(store: artifacts.ArtifactStore, ref: str) -> dict[str, Any]:
