@@ -50,6 +50,8 @@ RUN pip install -c constraints.txt . \
  && chown -R 1000:1000 /home/gangserve \
  && chmod 0700 /home/gangserve/state
 COPY deployments ./deployments
+# docs/models.md's worked user model (`model=examples.gated_mlp:gated_mlp`), importable from the workdir.
+COPY examples ./examples
 
 USER 1000:1000
 # Only Serve's HTTP port. Ray's dashboard/Jobs API (8265), GCS (6379) and client server
