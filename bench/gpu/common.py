@@ -3,6 +3,7 @@ that report their own failure and let the next one run. Standard library and tor
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -36,6 +37,16 @@ def section(name: str) -> Iterator[None]:
         traceback.print_exc(file=sys.stderr)
     finally:
         print(f"# {name}: {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
+
+
+def exit_text(code: int | None) -> str:
+    """A child's exit status in words: its code, or the signal that ended it (multiprocessing's
+    exitcode and subprocess's returncode are both -N for signal N)."""
+    if code is None:
+        return "is running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def cuda_event_ms(fn: Callable[[], object], n: int = 50, warmup: int = 5) -> float:

@@ -1,12 +1,19 @@
-"""GPU check, tier A: torch only, one process, one GPU (no process group, no Ray).
+"""GPU check, tier A: torch only, one process, one GPU (no Ray).
 
 Rows: the device; TP attention on CUDA vs the dense reference (fp32 seed weights vs
 float32 nn.MultiheadAttention; bf16/fp16 random weights vs a float64 one; plain, masked,
-causal, both); the SDPA backends each case can use; CUDA-event timings of the copies in and
-out (pageable vs pinned), the step and a batch sweep; the real rank's root_step at world
-size 1 (pinned staging, CUDA-event step clock); the caching allocator's reserve over 200
-mixed shapes with and without expandable segments (each in its own process, since the
-allocator reads its setting once).
+causal, both); the 12-layer transformer stack (model=transformer) vs torch's dense
+TransformerEncoder, and its step; float32 matmuls in TF32 (the `allow_tf32` builder
+argument) against IEEE float32, error and time; the SDPA backends each case can use;
+CUDA-event timings of the copies in and out (pageable vs pinned), the step and a batch
+sweep; the real rank's root_step at world size 1 (pinned staging, CUDA-event step clock);
+a real NCCL process group of world size 1 (init, all_reduce, broadcast); the caching
+allocator's reserve over 200 mixed shapes with and without expandable segments (each in
+its own process, since the allocator reads its setting once).
+
+GPU_CHECK_DRY_RUN=1 runs the parts that run on a CPU (parity, the stack, the rank's
+root_step, the world-size-1 group on gloo) there and prints one row for each CUDA-only
+part: it checks this script, not the GPU.
 
     python bench/gpu/tier_a.py            # prints rows; exit 0 (a failed part is a row)
 """
@@ -15,14 +22,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
-from common import ROOT, cuda_event_ms, row, section, wall_ms  # noqa: E402  (sets sys.path)
+from common import ROOT, cuda_event_ms, exit_text, row, section, wall_ms  # noqa: E402  (sets sys.path)
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 E, H = 512, 8
+DRY_RUN = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
+DEV = torch.device("cpu" if DRY_RUN else "cuda")
+# The models issue's stack (model=transformer): 12 layers at the notes' width.
+STACK = {"model": "transformer", "num_layers": 12, "embed_dim": E, "num_heads": H, "ffn_dim": 4 * E}
+MIXED_S = 40  # one mixed-shape run (a fresh process, its CUDA context, 200 shapes): seconds on an H200
 CASES = {"plain": (False, False), "masked": (True, False), "causal": (False, True), "masked+causal": (True, True)}
 
 
@@ -39,7 +52,7 @@ def parity() -> None:
     from service.parallel import ParallelGroup, TensorParallelAttention
     from service.parallel.weights import random_weights, seed_weights, shard_dense
 
-    dev = torch.device("cuda")
+    dev = DEV
     group = ParallelGroup.single(dev)
     x = torch.randn(4, 24, E, generator=torch.Generator().manual_seed(1))
     mask = _mask(4, 24)
@@ -117,22 +130,132 @@ def copies_and_step() -> None:
 
 
 def rank_root_step() -> None:
-    """The real rank (service.gang.worker.Rank) at world size 1 on CUDA."""
+    """The real rank (service.gang.worker.Rank) at world size 1 on CUDA (the CPU in the dry run)."""
     from service.gang.worker import PlainModel, Rank
 
-    rank = Rank(0, 1, device=torch.device("cuda", 0), node_ip="127.0.0.1", device_how="tier A")
-    rank.rendezvous("127.0.0.1", 0, "nccl", 30.0)  # world size 1: no group, no NCCL
+    rank = Rank(0, 1, device=torch.device(DEV.type, 0), node_ip="127.0.0.1", device_how="tier A")
+    rank.rendezvous("127.0.0.1", 0, "gloo" if DRY_RUN else "nccl", 30.0)  # world size 1: no group (see ws1_group)
     rank.load_weights(PlainModel(embed_dim=E, num_heads=H), 1)
     x = np.random.default_rng(0).standard_normal((128, 8, E)).astype(np.float32)
     mask = _mask(128, 8).numpy()
-    row("rank allocator conf", rank.allocator_conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    row("rank allocator conf", rank.allocator_conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "(CPU: none)")
     row("rank root_step 128x8x512 (pinned in/out, sync), wall p50 ms", f"{wall_ms(lambda: rank.root_step(x, 1)):.3f}")
     row("rank root_step masked 128x8x512, wall p50 ms", f"{wall_ms(lambda: rank.root_step(x, 1, mask)):.3f}")
     rank.root_step(x, 1)
     row("rank step clock broadcast->forward (CUDA events), ms", f"{(rank.last_forward_ns - rank.last_bcast_ns) / 1e6:.3f}")
     small = x[:1, :1]
     row("rank root_step 1x1x512, wall p50 ms", f"{wall_ms(lambda: rank.root_step(small, 1)):.3f}")
-    row("rank memory_stats", rank.memory_stats())
+    row("rank memory_stats", rank.memory_stats() or "(CPU: none)")
+    rank.close()
+
+
+def _stack(dtype: torch.dtype, init: str = "random", seed: int = 7) -> tuple[object, torch.nn.Module]:
+    """The 12-layer stack at world size 1 on DEV, seeded, and the architecture (for its dense twin)."""
+    from service.gang.worker import PlainModel
+    from service.parallel import ParallelGroup
+    from service.parallel.model import shard_dense
+    from service.parallel.registry import resolve
+
+    arch = resolve(PlainModel(**STACK))  # type: ignore[arg-type]  (a skip row while model=transformer is absent)
+    model = arch.build(ParallelGroup.single(DEV), dtype)
+    model.load_shard(shard_dense(arch, arch.init_weights(init, seed), 0, 1))
+    return arch, model.eval()
+
+
+def stack() -> None:
+    """model=transformer, 12 layers: parity with torch's dense TransformerEncoder (float64),
+    per dtype and mask case, and the step's time."""
+    from harness.reference import relative_error
+
+    try:
+        arch, _ = _stack(torch.float32)
+    except (TypeError, ValueError) as exc:  # builder args of the models issue not there yet
+        row("12-layer stack", f"skipped: model=transformer not accepted here ({type(exc).__name__}: {exc})")
+        return
+    dense = arch.dense_module().double().eval()  # type: ignore[attr-defined]
+    dense.load_state_dict({k: v.double() for k, v in arch.init_weights("random", 7).items()}, strict=True)  # type: ignore[attr-defined]
+    x = torch.randn(4, 24, E, generator=torch.Generator().manual_seed(1))
+    mask = _mask(4, 24)
+    dtypes = (torch.float32, torch.bfloat16) if DRY_RUN else (torch.float32, torch.bfloat16, torch.float16)
+    for dtype in dtypes:
+        _, model = _stack(dtype)
+        for name, (masked, causal) in CASES.items():
+            with section(f"stack {dtype} {name}"), torch.inference_mode():
+                km = mask.to(DEV) if masked else None
+                got = model(x.to(DEV, dtype), km, causal)
+                want = arch.dense_forward(dense, x.double(), mask if masked else None, causal)  # type: ignore[attr-defined]
+                finite = bool(torch.isfinite(got).all())
+                row(f"12-layer stack rel err vs dense float64, {str(dtype)[6:]}, {name}",
+                    f"{relative_error(got.float().cpu(), want):.2e}{'' if finite else ' NON-FINITE'}")
+    shape = (4, 24) if DRY_RUN else (128, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        _, model = _stack(dtype)
+        xd = torch.randn(*shape, E, device=DEV, dtype=dtype)
+        with torch.inference_mode():
+            ms = wall_ms(lambda: model(xd), n=3, warmup=1) if DRY_RUN else cuda_event_ms(lambda: model(xd), n=20)
+        row(f"12-layer stack step {shape[0]}x{shape[1]}x{E} {str(dtype)[6:]}, ms", f"{ms:.3f}")
+
+
+def tf32() -> None:
+    """float32 with TF32 matmuls (builder argument allow_tf32) against IEEE float32: the error
+    it costs against float64 and the time it saves, for the attention layer and the stack."""
+    from harness.reference import dense_attention_masked, relative_error
+    from service.gang.backends import set_tf32_matmuls
+    from service.parallel import ParallelGroup, TensorParallelAttention
+    from service.parallel.weights import random_weights, shard_dense
+
+    weights = random_weights(E, 7)
+    attn = TensorParallelAttention(E, H, ParallelGroup.single(DEV))
+    attn.load_shard(shard_dense(weights, 0, 1))
+    x = torch.randn(128, 8, E, generator=torch.Generator().manual_seed(1))
+    want = dense_attention_masked({k: v.double() for k, v in weights.items()}, H, x.double(), None, False)
+    xd = x.to(DEV)
+    try:
+        arch, enc = _stack(torch.float32)
+        dense = arch.dense_module().double().eval()  # type: ignore[attr-defined]
+        dense.load_state_dict({k: v.double() for k, v in arch.init_weights("random", 7).items()})  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            want_stack = arch.dense_forward(dense, x.double())  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        enc = None
+    try:
+        for allow in (False, True):
+            how = set_tf32_matmuls(allow)
+            with torch.inference_mode():
+                err = relative_error(attn(xd).cpu(), want)
+                row(f"attention 128x8x512 float32, matmuls {how}: rel err vs float64 / step ms",
+                    f"{err:.2e} / {cuda_event_ms(lambda: attn(xd)):.3f}")
+                if enc is not None:
+                    err = relative_error(enc(xd).cpu(), want_stack)
+                    row(f"12-layer stack 128x8x512 float32, matmuls {how}: rel err vs float64 / step ms",
+                        f"{err:.2e} / {cuda_event_ms(lambda: enc(xd), n=20):.3f}")
+    finally:
+        set_tf32_matmuls(False)
+
+
+def ws1_group() -> None:
+    """A real process group of world size 1 (NCCL on the GPU, gloo in the dry run), as a
+    gang of one would hold: its creation (NCCL: eager, device_id) and a step's two
+    collectives on the notes' 2 MiB activation. (The service's rank skips the group at
+    world size 1: Rank.rendezvous; these rows say what one would cost.)"""
+    import datetime
+
+    import torch.distributed as dist
+
+    backend = "gloo" if DRY_RUN else "nccl"
+    started = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30),
+                            device_id=DEV if backend == "nccl" else None)
+    try:
+        t = torch.randn(128, 8, E, device=DEV)
+        dist.all_reduce(t)  # the first collective (NCCL: its kernels load)
+        row(f"ws1 {backend} group: init + first all_reduce, s", f"{time.monotonic() - started:.2f}")
+        timer = (lambda f: wall_ms(f, n=30)) if DRY_RUN else cuda_event_ms
+        row(f"ws1 {backend} all_reduce 2 MiB, ms", f"{timer(lambda: dist.all_reduce(t)):.3f}")
+        row(f"ws1 {backend} broadcast 2 MiB, ms", f"{timer(lambda: dist.broadcast(t, src=0)):.3f}")
+    finally:
+        dist.destroy_process_group()
 
 
 MIXED = r"""
@@ -159,25 +282,36 @@ def mixed_shapes() -> None:
     for conf in ("", "expandable_segments:True"):
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
         done = subprocess.run([sys.executable, "-c", MIXED, str(ROOT)], env=env, capture_output=True, text=True,
-                              timeout=90)
+                              timeout=MIXED_S)
         if done.returncode != 0:
-            raise RuntimeError(f"mixed-shape run ({conf or 'default'}) exited {done.returncode}: "
-                               f"{done.stderr.strip().splitlines()[-1:] }")
+            raise RuntimeError(f"mixed-shape run ({conf or 'default'}) {exit_text(done.returncode)}: "
+                               f"{done.stderr.strip().splitlines()[-1:]}")
         peak, now, alloc = done.stdout.split()
         row(f"200 mixed shapes ({conf or 'default allocator'}): max_memory_reserved / reserved / max_allocated MiB",
             f"{peak} / {now} / {alloc}")
 
 
+# (name, part, runs on a CPU): the dry run runs the parts that do, and says which it skipped.
+PARTS = (("parity", parity, True), ("12-layer stack", stack, True), ("tf32", tf32, False),
+         ("sdpa backends", sdpa_backends, False), ("copies and step", copies_and_step, False),
+         ("rank root_step", rank_root_step, True), ("ws1 group", ws1_group, True), ("mixed shapes", mixed_shapes, False))
+
+
 def main() -> int:
-    if not torch.cuda.is_available():
+    if DRY_RUN:
+        row("tier A", f"DRY RUN on the CPU (torch {torch.__version__}): checks the script, not the GPU")
+    elif not torch.cuda.is_available():
         row("tier A", f"no CUDA: tier skipped (torch {torch.__version__}, cuda {torch.version.cuda})")
         return 0
-    props = torch.cuda.get_device_properties(0)
-    row("device", f"{props.name}, {props.total_memory >> 30} GiB, sm_{props.major}{props.minor}")
-    row("torch / CUDA / NCCL", f"{torch.__version__} / {torch.version.cuda} / "
-                               f"{'.'.join(map(str, torch.cuda.nccl.version()))}")
-    for name, fn in (("parity", parity), ("sdpa backends", sdpa_backends), ("copies and step", copies_and_step),
-                     ("rank root_step", rank_root_step), ("mixed shapes", mixed_shapes)):
+    else:
+        props = torch.cuda.get_device_properties(0)
+        row("device", f"{props.name}, {props.total_memory >> 30} GiB, sm_{props.major}{props.minor}")
+        row("torch / CUDA / NCCL", f"{torch.__version__} / {torch.version.cuda} / "
+                                   f"{'.'.join(map(str, torch.cuda.nccl.version()))}")
+    for name, fn, on_cpu in PARTS:
+        if DRY_RUN and not on_cpu:
+            row(name, "CUDA only: not run in the dry run")
+            continue
         with section(name):
             fn()
     return 0

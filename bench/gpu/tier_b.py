@@ -22,6 +22,14 @@ Generations (rows printed as measured):
   3. torch's default mode (TORCH_NCCL_BLOCKING_WAIT=0, TORCH_NCCL_ASYNC_ERROR_HANDLING=3):
      the same p50s (the chosen mode's cost is the difference); rank 1 killed mid-step:
      what happens to rank 0's process (the watchdog's SIGABRT is expected).
+
+No wait is blind: every read of a child's answer (`receive`) looks at the children it
+depends on every POLL_S, and a child that has exited (an import error, a crash, the
+SIGABRT of generation 3) ends the wait at once with a row naming it and its exit code or
+signal. A generation that fails leaves rank 0 in an unknown state, so its process is
+replaced (a row says so) before the next one. The dry run (GPU_CHECK_DRY_RUN=1: the CPU,
+gloo) runs the same drills; in generation 3 its rank 0 aborts itself where NCCL's watchdog
+would, so the path that sees a process die is exercised too (the row says it is emulated).
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from common import row, section, wall_ms  # noqa: E402  (sets sys.path)
+from common import exit_text, row, section, wall_ms  # noqa: E402  (sets sys.path)
 
 import numpy as np
 import torch
@@ -47,6 +55,15 @@ SAME_GPU_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISA
                  "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
 VERBS = {"kill": "killed", "stop": "stopped (never returns)"}
 DEFAULT_MODE = {"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+# Bounds of the waits on the children (each a bound, not an expected time). Measured by the
+# CPU dry run here (2 busy cores): a child's start (interpreter, torch, the rank class) 2-4 s,
+# a gloo rendezvous 1.6-1.9 s, a generation's steps and p50 loops 2-4 s, the drill's error
+# 0.05 s (kill) and 5.0 s (stop: the group timeout). On the GPU a CUDA context (1-3 s) and
+# NCCL's communicator over its socket transport (1-5 s) come on top; the bounds leave room.
+POLL_S = 0.25  # how often a wait looks at whether the children it depends on are alive
+START_S = 45.0  # a child's start: interpreter, torch, the rank class, its CUDA context
+STEPS_S = 30.0  # one message of a generation's steps (the p50 loops are the longest)
+DRILL_S = 15.0  # beyond the group timeout: the error's way back, the teardown
 PLANS = [  # (generation, weights init, compute dtype, group timeout s, error-mode env, drill)
     (1, "seed", "float32", 10.0, {}, "kill"),
     (2, "random", "bfloat16", 5.0, {}, "stop"),
@@ -141,6 +158,8 @@ def _root_main(out: Any, cmd: Any) -> None:
             drive.step(big, between=lambda: out.put(("in-step",)))
             out.put(("error", time.monotonic() - started, "no error: the step completed"))
         except Exception as exc:
+            if DRY_RUN and env == DEFAULT_MODE:
+                os.abort()  # what NCCL's watchdog does to this process in torch's default mode
             out.put(("error", time.monotonic() - started, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
         started = time.monotonic()
         try:
@@ -160,17 +179,63 @@ def _reference(model: Any, x: np.ndarray, mask: np.ndarray | None, causal: bool)
                                   None if mask is None else torch.from_numpy(mask).int(), causal)
 
 
+class ChildGone(RuntimeError):
+    """A child the tier was waiting on has exited (the message says which, and how)."""
+
+
+def receive(out: Any, timeout_s: float, awaited: str, **children: Any) -> Any:
+    """The next message on `out` within `timeout_s`. Never a blind wait: every POLL_S it
+    looks at each named child (multiprocessing Processes), and one that has exited ends the
+    wait at once with ChildGone naming it and its exit code or signal (after taking any
+    message it put before it went). Past `timeout_s`: TimeoutError naming what was awaited
+    and each child's state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return out.get(timeout=max(0.01, min(POLL_S, deadline - time.monotonic())))
+        except queue.Empty:
+            pass
+        gone = {name: proc.exitcode for name, proc in children.items() if proc.exitcode is not None}
+        if gone:
+            try:  # its last message may still be in the pipe
+                return out.get(timeout=POLL_S)
+            except queue.Empty:
+                raise ChildGone(f"while waiting for {awaited}: " + ", ".join(
+                    f"{name}'s process {exit_text(code)}" for name, code in gone.items())) from None
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no {awaited} within {timeout_s:.0f}s (" + ", ".join(
+                f"{name}'s process {exit_text(proc.exitcode)}" for name, proc in children.items()) + ")")
+
+
+class RankZero:
+    """Rank 0's process, kept across generations as the GangServer replica is, with the
+    queues it answers on and takes its plans from."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.start()
+
+    def start(self) -> None:
+        self.out, self.cmd = self.ctx.Queue(), self.ctx.Queue()
+        self.proc = self.ctx.Process(target=_root_main, args=(self.out, self.cmd), daemon=True)
+        self.proc.start()
+
+    def replace(self) -> None:
+        """A fresh process (the old one's state is unknown after a failed generation)."""
+        _stop(self.proc)
+        self.start()
+
+
 def main() -> int:
     if not torch.cuda.is_available() and not DRY_RUN:
         row("tier B", f"no CUDA: tier skipped (torch {torch.__version__}, cuda {torch.version.cuda})")
         return 0
     from harness.reference import relative_error
+    from service.gang.worker import RENDEZVOUS_WAITS
 
     os.environ.update(SAME_GPU_NCCL)
     ctx = mp.get_context("spawn")
-    out, cmd = ctx.Queue(), ctx.Queue()
-    root = ctx.Process(target=_root_main, args=(out, cmd), daemon=True)
-    root.start()
+    zero = RankZero(ctx)
     backend = "gloo" if DRY_RUN else "nccl"
     if DRY_RUN:
         row("tier B", "DRY RUN on the CPU with gloo: checks the script only")
@@ -178,24 +243,30 @@ def main() -> int:
     peer = None
     try:
         for gen, init, dtype, timeout_s, env, drill in PLANS:
+            done = False
             with section(f"generation {gen}"):
                 mode = "default mode" if env else "chosen mode"
                 tag = f"g{gen} {backend} {mode} {dtype} {init}"
-                cmd.put((gen, backend, init, dtype, timeout_s, env, drill))
-                _, port, model = out.get(timeout=120)
+                out, root = zero.out, {"rank 0": zero.proc}
+                zero.cmd.put((gen, backend, init, dtype, timeout_s, env, drill))
+                _, port, model = receive(out, START_S, "rank 0's store", **root)
                 peer = ctx.Process(target=_peer_main, args=(port, backend, model, timeout_s, env, gen), daemon=True)
                 peer.start()
-                msg = out.get(timeout=4 * timeout_s + 60)
+                both = {**root, "rank 1": peer}
+                # The peer's start, then the rendezvous's own bound (3 group timeouts).
+                msg = receive(out, START_S + RENDEZVOUS_WAITS * timeout_s, "the rendezvous", **both)
                 if msg[0] == "rendezvous failed":
                     row(f"{tag}: rendezvous", f"FAILED: {msg[1]}")
                     _stop(peer)
                     if backend == "nccl" and gen == 1:
                         backend = "gloo"  # the rest of the tier on gloo with CUDA tensors
                         row("two ranks on one GPU", "NCCL refused; the following generations use gloo on CUDA")
+                    done = True
                     continue
-                row(f"{tag}: rendezvous (eager NCCL init) s", f"{msg[1]:.2f} (env {msg[2]})")
+                how = "eager NCCL init" if backend == "nccl" else "gloo"
+                row(f"{tag}: rendezvous ({how}) s", f"{msg[1]:.2f} (env {msg[2]})")
                 while True:
-                    msg = out.get(timeout=120)
+                    msg = receive(out, STEPS_S, "rank 0's steps", **both)
                     if msg[0] == "out":
                         masked, causal = CASES[msg[1]]
                         want = _reference(model, x, mask if masked else None, causal)
@@ -204,32 +275,49 @@ def main() -> int:
                         row(f"{tag}: root_step p50 ms, {msg[1]}", f"{msg[2]:.3f}")
                     else:
                         break
-                os.kill(peer.pid, signal.SIGSTOP)  # rank 1 takes no part in the next step
-                cmd.put("go")
-                out.get(timeout=60)  # "in-step": rank 0's header is out, its collectives follow
-                if drill == "kill":
-                    os.kill(peer.pid, signal.SIGKILL)
-                guard = 3 * timeout_s + 20
-                try:
-                    _, elapsed, why = out.get(timeout=guard)
-                    row(f"{tag}: rank 1 {VERBS[drill]} mid-step -> rank 0", f"{why} after {elapsed:.2f}s")
-                    _, closed_s, how = out.get(timeout=guard)
-                    row(f"{tag}: teardown ({'abort' if backend == 'nccl' else 'destroy'}) s", f"{closed_s:.3f} ({how})")
-                except queue.Empty:
-                    root.join(timeout=1)
-                    state = (f"rank 0's process exited with {root.exitcode} "
-                             f"({signal.Signals(-root.exitcode).name if root.exitcode and root.exitcode < 0 else ''})"
-                             if not root.is_alive() else f"rank 0 still blocked after {guard:.0f}s")
-                    row(f"{tag}: rank 1 {VERBS[drill]} mid-step -> rank 0", state)
+                _drill(zero, peer, tag, drill, backend, timeout_s)
                 _stop(peer)
-                if not root.is_alive():
-                    break
+                done = True
+            if zero.proc.exitcode is not None and gen < len(PLANS):
+                row(f"{tag}: rank 0", f"its process {exit_text(zero.proc.exitcode)}; a fresh one for the next generation")
+                zero.replace()
+            elif not done:  # the generation failed: rank 0's state is unknown
+                if peer is not None:
+                    _stop(peer)
+                row(f"{tag}: rank 0", "a fresh process for the next generation (this one failed)")
+                zero.replace()
     finally:
-        cmd.put(None)
-        for proc in (peer, root):
+        zero.cmd.put(None)
+        for proc in (peer, zero.proc):
             if proc is not None:
                 _stop(proc)
     return 0
+
+
+def _drill(zero: RankZero, peer: Any, tag: str, drill: str, backend: str, timeout_s: float) -> None:
+    """Rank 1 stops taking part in a step rank 0 has begun. Rows: what rank 0 got and when,
+    then its teardown; or, when rank 0's process dies instead (the watchdog's SIGABRT in
+    torch's default mode), how and when, seen within POLL_S of the death."""
+    root = {"rank 0": zero.proc}
+    os.kill(peer.pid, signal.SIGSTOP)  # rank 1 takes no part in the next step
+    zero.cmd.put("go")
+    receive(zero.out, STEPS_S, "rank 0's next step", **root)  # "in-step": its header is out
+    started = time.monotonic()
+    if drill == "kill":
+        os.kill(peer.pid, signal.SIGKILL)
+    what = f"{tag}: rank 1 {VERBS[drill]} mid-step -> rank 0"
+    try:
+        # The collective times out after timeout_s (blocking wait), or the watchdog acts after it.
+        _, elapsed, why = receive(zero.out, DRILL_S + 2 * timeout_s, "rank 0's error", **root)
+        row(what, f"{why} after {elapsed:.2f}s")
+        _, closed_s, how = receive(zero.out, DRILL_S + timeout_s, "rank 0's teardown", **root)
+        row(f"{tag}: teardown ({'abort' if backend == 'nccl' else 'destroy'}) s", f"{closed_s:.3f} ({how})")
+    except ChildGone:
+        code = zero.proc.exitcode
+        expected = ("expected: torch's watchdog, TORCH_NCCL_ASYNC_ERROR_HANDLING=3"
+                    + ("; emulated by the dry run" if DRY_RUN else "")) if code == -signal.SIGABRT else "unexpected"
+        row(what, f"its process {exit_text(code)}, seen {time.monotonic() - started:.2f}s after the drill "
+                  f"began ({expected})")
 
 
 def _stop(proc: Any) -> None:

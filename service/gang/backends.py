@@ -34,6 +34,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, MutableMapping, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -74,6 +75,21 @@ def prepare_cuda_allocator(env: MutableMapping[str, str] | None = None) -> str:
     if "expandable_segments" not in current:
         env[key] = f"{current},{value}"
     return env[key]
+
+
+def set_tf32_matmuls(allow: bool) -> str:
+    """float32 matmuls on CUDA in TF32 (`allow`: the `allow_tf32` builder argument) or in IEEE
+    float32 (torch's default). Process-wide (cuBLAS reads it at each call); CPU matmuls are
+    untouched. Returns the setting in force: "tf32" or "ieee".
+
+    TF32 keeps float32's range and 10 of its 23 mantissa bits in each product (sums stay
+    float32): several times the matmul throughput on Ampere and later, for an error of about
+    1e-3 relative (docs/api.md#compute-dtype; bench/gpu_check.sh tier A measures both).
+    The CUDA-only flag, on purpose: torch.set_float32_matmul_precision would change oneDNN's
+    CPU matmuls too, and writing torch >= 2.9's `fp32_precision` makes every later read of
+    the legacy API (torch.get_float32_matmul_precision) raise; this flag keeps both readable."""
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    return "tf32" if allow else "ieee"
 
 
 def leave_group_plan(backend: str) -> str:
