@@ -48,7 +48,7 @@ class DenseAttention(nn.Module):
 
 
 @dataclass(frozen=True)
-class AttentionDef:
+class AttentionDef(seam.AttentionHeads):
     """One attention layer of width E with H heads (service.parallel.model.ModelDef)."""
 
     embed_dim: int = 512
@@ -59,23 +59,13 @@ class AttentionDef:
         return attention_params(self.embed_dim)
 
     def check_world_size(self, world_size: int) -> None:
-        if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
-        if self.num_heads % world_size:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by world_size ({world_size}): "
-                             "each rank computes num_heads / world_size whole heads")
+        problems = self.head_problems(world_size)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def kv_layers(self) -> int:
         return 1
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
 
     def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
         return seed_weights(self.embed_dim) if init == "seed" else random_weights(self.embed_dim, seed)

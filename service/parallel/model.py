@@ -185,6 +185,32 @@ class ModelDef(Protocol):
         ...
 
 
+class AttentionHeads:
+    """The session cache of a model whose cached layers are `num_heads` heads of
+    `embed_dim / num_heads` each, split over ranks by whole heads (the built-in models)."""
+
+    embed_dim: int
+    num_heads: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def head_problems(self, world_size: int) -> list[str]:
+        """Why the heads cannot be split `world_size` ways (empty: they can)."""
+        problems = []
+        if self.embed_dim % self.num_heads:
+            problems.append(f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % world_size:
+            problems.append(f"num_heads ({self.num_heads}) must be divisible by world_size ({world_size}): each "
+                            "rank computes num_heads / world_size whole heads")
+        return problems
+
+
 # -- what every model shares: the sharding, the checkpoint file, the KV width ----------------
 def check_world_size(model: ModelDef, world_size: int) -> None:
     """The generic part of `ModelDef.check_world_size`: every parameter divides."""

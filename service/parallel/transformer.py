@@ -139,7 +139,7 @@ class ParallelEncoder(nn.Module):
 
 
 @dataclass(frozen=True)
-class TransformerDef:
+class TransformerDef(seam.AttentionHeads):
     """The stack's architecture (service.parallel.model.ModelDef)."""
 
     num_layers: int = 2
@@ -174,12 +174,7 @@ class TransformerDef:
         return tuple(specs)
 
     def check_world_size(self, world_size: int) -> None:
-        problems = []
-        if self.embed_dim % self.num_heads:
-            problems.append(f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})")
-        if self.num_heads % world_size:
-            problems.append(f"num_heads ({self.num_heads}) must be divisible by world_size ({world_size}): each "
-                            "rank computes num_heads / world_size whole heads")
+        problems = self.head_problems(world_size)
         if self.ffn_dim % world_size:
             problems.append(f"ffn_dim ({self.ffn_dim}) must be divisible by world_size ({world_size}): each rank "
                             "holds ffn_dim / world_size of the MLP's hidden units")
@@ -191,14 +186,6 @@ class TransformerDef:
     @property
     def kv_layers(self) -> int:
         return self.num_layers
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
 
     def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
         """Reproducible from `seed` alone (`init` seed and random alike: the notes' weights are
