@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from starlette.routing import Mount, Route
 
 from tests.conftest import ROOT
+from tests.test_deployment import dockerfile
 
 pytestmark = pytest.mark.unit
 
@@ -341,22 +342,6 @@ def test_the_failure_table_says_symptom_cause_action_briefly() -> None:
 
 # ---- the image works as the README shows ------------------------------------------------------
 
-def dockerfile_steps() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
-    steps, pending = [], ""
-    for raw in (ROOT / "Dockerfile").read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        instruction, _, args = (pending + line).partition(" ")
-        steps.append((instruction.upper(), args.strip()))
-        pending = ""
-    return steps
-
-
 def cpu_build_configs() -> set[str]:
     """The CONFIG build argument of every CPU build (one with TORCH_INDEX) the README and the
     Dockerfile's header show."""
@@ -384,7 +369,7 @@ def test_the_cpu_image_serves_a_config_that_answers_from_outside() -> None:
 
 
 def test_the_image_has_a_healthcheck_on_readyz() -> None:
-    (check,) = [args for ins, args in dockerfile_steps() if ins == "HEALTHCHECK"]
+    (check,) = [args for ins, args in dockerfile() if ins == "HEALTHCHECK"]
     assert "/readyz" in check and "127.0.0.1:8000" in check, check
     start = re.search(r"--start-period=(\d+)s", check)
     assert start and int(start.group(1)) >= 120, f"a start period that covers a gang's bring-up (>= 120 s): {check}"
