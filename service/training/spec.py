@@ -109,7 +109,6 @@ ModelSpec = Annotated[
     Discriminator(lambda v: _kind(v, "attention")),
 ]
 ModelSpecT = AttentionModel | TransformerModel | LinearModel  # a validated model spec (ModelSpec parses it)
-SequenceModel = AttentionModel | TransformerModel  # x [N, seq, E] -> [N, seq, E]: what a gang serves
 
 
 class SyntheticDataset(_Closed):
