@@ -112,9 +112,9 @@ def resolve(init: InitFrom, model: ModelSpecT, *, jobs: JobStore, store: artifac
     # otherwise (tests/test_layout.py).
     from service.weights.declared import save_generated
 
-    served = served_architecture(app_model) if app_model is not None else None
-    if served is not None:  # before generating: a transformer app's weights are not small
-        _check_fits(f"{what} (the app's {app_model.model})", served, None, model)  # type: ignore[union-attr]
+    if app_model is not None and (served := served_architecture(app_model)) is not None:
+        # Before generating: a transformer app's weights are not small.
+        _check_fits(f"{what} (the app's {app_model.model})", served, None, model)
     fd, name = tempfile.mkstemp(prefix="gangserve-init-", suffix=".safetensors")
     os.close(fd)
     try:
