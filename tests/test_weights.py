@@ -61,6 +61,6 @@ def test_check_checkpoint_names_the_mismatch(tmp_path: Path) -> None:
     path = tmp_path / "w.safetensors"
     save_checkpoint(path, random_weights(64, 0), num_heads=8)
     check_checkpoint(AttentionDef(64, 8), path)
-    with pytest.raises(ValueError, match=r"metadata embed_dim=64, the model has 512.*q_proj.weight has shape \[64, 64\], "
+    with pytest.raises(ValueError, match=r"metadata embed_dim=64, the model needs 512.*q_proj.weight has shape \[64, 64\], "
                        r"the model needs \[512, 512\]"):
         check_checkpoint(AttentionDef(512, 8), path)

@@ -276,7 +276,7 @@ def check_checkpoint(model: ModelDef, path: str | Path) -> None:
     """ValueError unless `path` holds exactly `model`'s dense tensors (names and shapes) and
     records no other architecture in its metadata; the message lists every difference."""
     meta, shapes = read_checkpoint_header(path)
-    problems = [f"metadata {key}={meta[key]}, the model has {want}"
+    problems = [f"metadata {key}={meta[key]}, the model needs {want}"
                 for key, want in model.metadata().items() if key in meta and str(meta[key]) != want]
     try:
         validate_shapes(model, shapes, what="its tensors")
