@@ -19,7 +19,8 @@ tier C's imports then work exactly when the derived list is complete.
 The list is the closure of pyproject.toml's dependencies over the installed distributions'
 own requirements (importlib.metadata), markers evaluated for the machine (CPython 3.12 on
 Linux x86_64), minus what the image has (whose own requirements are the image's business:
-the walk stops there) and minus the checkout itself; versions pinned by constraints.txt.
+the walk stops there) and minus the checkout itself (walked, since its requirements must be
+there too, but never carried); versions pinned by constraints.txt.
 Needs `packaging` (on the image and in the project's venv) and the project installed here.
 """
 from __future__ import annotations
@@ -114,7 +115,9 @@ def wheelhouse_list(root: Path = ROOT) -> tuple[list[str], set[str]]:
     distribution `import service.app` needs that is neither on the image nor the checkout;
     second, those of them not installed here (the simulation cannot check them)."""
     image = image_distributions()
-    needed, missing = closure(pyproject_dependencies(root), image | CHECKOUT)
+    # The checkout's distributions are walked (their requirements must be there: the client
+    # distribution's stamina, orjson ...) but never carried: they come from PYTHONPATH.
+    needed, missing = closure(pyproject_dependencies(root), image)
     pinned = pins(root)
     lines = []
     for name in sorted(set(needed) - image - CHECKOUT):
