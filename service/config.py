@@ -131,6 +131,12 @@ class GangConfig(BaseModel):
     torch_threads_per_rank: int | None = Field(
         None, ge=1, le=256, description="torch intra-op threads per rank; default max(1, cpus_per_rank)."
     )
+    allow_tf32: bool = Field(
+        False,
+        description="use_gpu: float32 matmuls in TF32 on the ranks' GPUs (Ampere and later: several times the "
+        "throughput, about 1e-3 relative error instead of float32's 1e-7; "
+        "[api.md](api.md#compute-dtype)). Only compute_dtype=float32 is affected; CPU ranks ignore it.",
+    )
     schedule_timeout_s: float = Field(
         60.0, gt=0, le=86400, description="Longest wait for the cluster to place every rank."
     )

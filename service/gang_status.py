@@ -65,6 +65,19 @@ class RankStatus(_Open):
     iface: str | None = Field(default=None, description="The network interface its collectives use (null: gloo's choice).")
 
 
+class RankMemory(_Open):
+    """One CUDA rank's device memory (service.gang.worker.Rank.memory_stats), refreshed in the
+    background like the step timings."""
+
+    rank: int
+    device: str = Field(description="e.g. `cuda:0`.")
+    memory_allocated_bytes: int = Field(description="Bytes in live tensors.")
+    memory_reserved_bytes: int = Field(description="Bytes the caching allocator holds from the driver (what "
+                                       "nvidia-smi counts for the process, less the CUDA context).")
+    max_memory_reserved_bytes: int = Field(description="The peak of memory_reserved_bytes since the rank started.")
+    pinned_host_bytes: int = Field(description="Rank 0's pinned staging buffers on the host.")
+
+
 class SpareStatus(_Open):
     """The warm spare: an idle rank process a rebuild adopts."""
 
@@ -146,6 +159,8 @@ class GangStatus(_Open):
     data_channel: DataChannelStatus | None = None
     step_timings: dict[str, Any] | None = Field(default=None, description="Where the recent steps' time went, "
                                                 "per rank (medians, ms).")
+    memory: list[RankMemory] | None = Field(default=None, description="Device memory per CUDA rank (absent on "
+                                            "CPU gangs); also /metrics' gangserve_gpu_memory_reserved_bytes.")
     sessions: dict[str, Any] | None = Field(default=None, description="Stateful sessions (service.sessions): "
                                             "active, KV cache bytes per rank, evictions, recomputed tokens.")
     reported_s_ago: float | None = Field(default=None, description="GET /gangs: age of this gang's last report.")

@@ -107,3 +107,38 @@ def test_tier_c_needs_nothing_beyond_the_image_and_the_wheelhouse_list(tmp_path:
     assert done.returncode == 0, done.stderr[-2000:]
     without = run_python(TIER_C_IMPORTS, simulated_env(tmp_path, with_wheelhouse=True, drop="sqlalchemy"))
     assert without.returncode != 0 and "No module named 'sqlalchemy'" in without.stderr, without.stderr[-1000:]
+
+
+# -- the GPU settings users need (their GPU-side effect is measured by the check's tier A) ----
+def test_allow_tf32_is_a_builder_argument_that_sets_cudas_float32_matmuls() -> None:
+    import torch
+
+    from service.config import AppConfig, GangConfig
+    from service.gang.backends import set_tf32_matmuls
+
+    assert AppConfig().allow_tf32 is False  # IEEE float32 unless asked
+    assert AppConfig(use_gpu=True, allow_tf32=True).part(GangConfig).allow_tf32 is True  # what the gang hands its ranks
+    try:
+        assert set_tf32_matmuls(True) == "tf32"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.get_float32_matmul_precision() == "high"  # the legacy reader still works (no API mix)
+        assert set_tf32_matmuls(False) == "ieee"
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        set_tf32_matmuls(False)
+
+
+def test_cuda_ranks_memory_reaches_gang_and_metrics() -> None:
+    """GET /gang's `memory` (each CUDA rank's Rank.memory_stats) becomes one gauge pair per rank."""
+    from service.gang_status import GangStatus, RankMemory, dump
+    from service.metrics.exposition import exposition, merge
+    from service.metrics.process import MetricSet
+    from service.metrics.recorders import GangServerMetrics
+
+    stats = {"rank": 1, "device": "cuda:0", "memory_allocated_bytes": 10, "memory_reserved_bytes": 2 << 20,
+             "max_memory_reserved_bytes": 3 << 20, "pinned_host_bytes": 0}
+    info = dump(GangStatus(state="ready", reason="", memory=[RankMemory(**stats)]))
+    assert info["memory"] == [stats]
+    text = exposition(merge([GangServerMetrics("r1", MetricSet()).snapshot(info)])).decode()
+    assert 'gangserve_gpu_memory_reserved_bytes{rank="1",replica="r1"} 2.097152e+06' in text, text
+    assert 'gangserve_gpu_max_memory_reserved_bytes{rank="1",replica="r1"} 3.145728e+06' in text, text

@@ -43,7 +43,7 @@ from service.deadlines import local_deadline
 from service.gang import worker as rank_worker
 from service.ingress.handle_errors import bounded_call
 from service.gang.gang import Gang
-from service.gang_status import DataChannelStatus, GangState, dump
+from service.gang_status import DataChannelStatus, GangState, RankMemory, dump
 from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
@@ -85,6 +85,7 @@ class GangServer:
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._step_timings: dict[str, object] = {}
+        self._memory: list[dict[str, object]] = []  # per CUDA rank, refreshed with the step timings
         self._timings_task: asyncio.Task | None = None
         self._controller = controller  # the weights record's writer and the fleet view's owner
         self._actor = ray.get_runtime_context().current_actor  # the Controller pings it
@@ -197,6 +198,8 @@ class GangServer:
         # summary, refreshed in the background (readiness calls describe too, and must never
         # wait on a peer).
         status.step_timings = self._step_timings
+        if self._memory:
+            status.memory = [RankMemory(**m) for m in self._memory]
         sessions = getattr(self, "_sessions", None)
         if sessions is not None:
             status.sessions = sessions.stats()
@@ -206,6 +209,7 @@ class GangServer:
 
     async def _refresh_step_timings(self) -> None:
         self._step_timings = await self._gang.step_loop_stats(timeout_s=2.0)
+        self._memory = await self._gang.memory_stats(timeout_s=2.0)
 
     def record_routing_stats(self) -> dict[str, object]:
         """Serve asks every tunables.gang.routing_stats_period_s; the router sends requests to ready gangs only."""

@@ -307,6 +307,22 @@ class Gang:
             "reply_ms": med([mine[s][5] - mine[s][4] for s in seqs]),
         }
 
+    async def memory_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
+        """Each CUDA rank's device memory (Rank.memory_stats: the caching allocator's
+        `memory_reserved_bytes` and its peak, allocated, pinned host buffers), with its rank;
+        [] when no rank is on CUDA (no peer is asked then). Off the sequencer, like the step
+        timings: a stats read never waits behind a step, and never fails /gang."""
+        root = self._root
+        if root is None or self.state is not GangState.READY or not any(i.has_cuda for i in self.rank_infos):
+            return []
+        try:
+            peers = await asyncio.to_thread(self._peers.call, "memory_stats", stage="memory stats",
+                                            timeout_s=timeout_s, tick=False) if self._actors else []
+        except Exception as exc:  # noqa: BLE001  (a stats read must never fail /gang)
+            log.warning("memory stats not read: %s", first_line(exc))
+            peers = []
+        return [{"rank": rank, **stats} for rank, stats in enumerate([root.memory_stats(), *peers]) if stats]
+
     def describe(self) -> GangStatus:
         """The gang's part of GET /gang (the GangServer adds its own fields)."""
         return GangStatus(
@@ -380,7 +396,7 @@ class Gang:
             # Stage 1: create. Rank 0 is this process; peers go to bundles 1..N-1, one of
             # them the warm spare when it is warm and on that rank's node.
             self._root = RankWorker(0, ws, use_gpu=cfg.use_gpu, torch_threads=cfg.threads_per_rank,
-                                    tunables=self._t, state_tunables=self._state_t)
+                                    allow_tf32=cfg.allow_tf32, tunables=self._t, state_tunables=self._state_t)
             previous_nodes = {info.rank: info.node_id for info in self.rank_infos}  # bundles stay put
             self._peers, refs = self._new_peers([]), []  # filled as they start: a teardown kills any
             actors = self._peers.actors
@@ -472,7 +488,7 @@ class Gang:
             )
         return RankActor.options(**options).remote(
             rank, self.cfg.world_size, use_gpu=self.cfg.use_gpu, torch_threads=self.cfg.threads_per_rank,
-            tunables=self._t, state_tunables=self._state_t,
+            allow_tf32=self.cfg.allow_tf32, tunables=self._t, state_tunables=self._state_t,
         )
 
     def _choose_backend(self, infos: list[RankInfo]) -> str:

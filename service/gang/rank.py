@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from service.gang.backends import set_tf32_matmuls
 from service.gang.devices import choose_device
 from service.tunables import GangTunables, StateTunables
 from service.gang.worker import (  # re-exported: the gang and its tests import them from here
@@ -29,7 +30,7 @@ __all__ = ["COMPUTE_DTYPES", "PlainModel", "Rank", "RankInfo", "RankWorker", "lo
 class RankWorker(Rank):
     """A `Rank` placed by Ray: its node identity and GPU come from Ray's runtime context."""
 
-    def __init__(self, rank: int, world_size: int, *, use_gpu: bool, torch_threads: int,
+    def __init__(self, rank: int, world_size: int, *, use_gpu: bool, torch_threads: int, allow_tf32: bool = False,
                  tunables: GangTunables = GangTunables(), state_tunables: StateTunables = StateTunables()) -> None:
         import ray
 
@@ -48,3 +49,5 @@ class RankWorker(Rank):
             node_id=ctx.get_node_id(), gpu_ids=gpu_ids, torch_threads=torch_threads, device_how=choice.why,
             tunables=tunables, state_tunables=state_tunables,
         )
+        # Process-wide, before this rank's first matmul (the builder argument allow_tf32).
+        self.matmul_precision = set_tf32_matmuls(allow_tf32) if choice.has_cuda else "ieee"

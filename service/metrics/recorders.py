@@ -119,6 +119,10 @@ class GangServerMetrics:
         self._m.set("gangserve_queue_depth", float(self.in_flight), self._replica)
         if info.get("sessions"):
             self.sessions(info["sessions"])
+        for rank in info.get("memory") or ():  # CUDA ranks only (GET /gang's `memory`)
+            labels = (*self._replica, str(rank["rank"]))
+            self._m.set("gangserve_gpu_memory_reserved_bytes", float(rank["memory_reserved_bytes"]), labels)
+            self._m.set("gangserve_gpu_max_memory_reserved_bytes", float(rank["max_memory_reserved_bytes"]), labels)
         return self._m.snapshot()
 
 

@@ -56,6 +56,10 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("gangserve_request_retries", "counter", "Inference attempts the ingress retried after a gang failure "
          "(by the failure's code)", ("code",)),
     Spec("gangserve_weights_version", "gauge", "The weights version a gang serves", ("replica",)),
+    Spec("gangserve_gpu_memory_reserved_bytes", "gauge", "Device memory a CUDA rank's caching allocator holds "
+         "(torch.cuda.memory_reserved; CUDA ranks only)", ("replica", "rank")),
+    Spec("gangserve_gpu_max_memory_reserved_bytes", "gauge", "The peak of a CUDA rank's "
+         "gangserve_gpu_memory_reserved_bytes since it started", ("replica", "rank")),
     Spec("gangserve_shm_fallbacks", "counter", "Shared-memory hand-offs that failed and went through "
          "Ray's object store instead"),
     Spec("gangserve_sessions_active", "gauge", "Open stateful sessions on a gang", ("replica",)),
