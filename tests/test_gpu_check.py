@@ -142,3 +142,17 @@ def test_cuda_ranks_memory_reaches_gang_and_metrics() -> None:
     text = exposition(merge([GangServerMetrics("r1", MetricSet()).snapshot(info)])).decode()
     assert 'gangserve_gpu_memory_reserved_bytes{rank="1",replica="r1"} 2.097152e+06' in text, text
     assert 'gangserve_gpu_max_memory_reserved_bytes{rank="1",replica="r1"} 3.145728e+06' in text, text
+
+
+def test_gpu_1_yaml_serves_one_gpu_at_world_size_1() -> None:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.app import compose_app, parse_args
+
+    doc = yaml.safe_load((ROOT / "deployments" / "gpu-1.yaml").read_text())
+    ServeDeploySchema.model_validate(doc)  # what `serve run` checks
+    (app,) = doc["applications"]
+    cfg = parse_args(app["args"])
+    assert (cfg.world_size, cfg.use_gpu, cfg.backend, doc["http_options"]["port"]) == (1, True, "nccl", 8000)
+    assert compose_app(cfg) is not None  # builds without a cluster

@@ -164,7 +164,7 @@ def main() -> int:
             gang = client.get(f"{base}/gang").json()
             rank0 = (gang.get("ranks") or [{}])[0]
             row("/gang backend, state, rank 0 device", f"{gang.get('backend')}, {gang.get('state')}, {rank0.get('device')}")
-            row("/gang rank 0 memory", rank0.get("memory") or "(none reported)")
+            row("/gang memory per CUDA rank", gang.get("memory") or "(none: no CUDA rank)")
         with section("dense peer device"):
             seen = client.get(f"{base}/dense").json()
             row("dense peer device (a num_gpus=0 actor)", ", ".join(f"{k} {v}" for k, v in seen.items()))
