@@ -19,6 +19,11 @@ controller pushes its config to the proxies): it answers at once when the view m
 version the caller knows, else when it moves, when a ready gang's last report turns stale,
 or after the caller's timeout. The request path reads that pushed view; an inference request
 never calls the controller.
+
+When Serve deletes an app with gangs that were never placed, the Controller releases them
+(service.cluster.unplaced: Serve would wait out their grace period) and from then on holds no
+long poll longer than a watch interval (no gang reports, so the view never moves and every
+poll would run its full time): nothing of the app waits when it has nothing to drain.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from ray import serve
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from service.cluster import unplaced
 from service.logs import route_logs_to_serve
 from service.weights.record import ConfigWeights, ServedWeights, Source, WeightsRecord
 from service.state.fleet import Fleet
@@ -62,6 +68,8 @@ class Controller:
         self._record_lock = asyncio.Lock()  # one write at a time: versions are max + 1
         self._moved = asyncio.Event()  # set (and replaced) whenever the fleet's version moves
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        self._deleting = False  # Serve is deleting the app (seen by _sweep_unplaced)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_unplaced())
 
     # -- the fleet ----------------------------------------------------------------------------
     async def report_gang(self, replica_id: str, info: dict[str, Any], metrics: dict[str, list] | None = None,
@@ -88,8 +96,11 @@ class Controller:
     async def watch_fleet(self, known_version: int, timeout_s: float) -> dict[str, Any]:
         """The fleet view (`fleet()`), once its version differs from `known_version`: at once if
         it does, else when it moves, when a ready gang's report turns stale (a gang that went
-        silent), or after `timeout_s` (at most tunables.watch_fleet_max_s), whichever comes first."""
-        deadline = time.monotonic() + min(max(0.0, timeout_s), self._t.watch_fleet_max_s)
+        silent), or after `timeout_s` (at most tunables.watch_fleet_max_s), whichever comes first.
+        While Serve deletes the app: at most tunables.watch_interval_s, so the replica's drain
+        does not wait for it (and the waiting polls answer when the deletion is seen)."""
+        hold_s = self._t.watch_interval_s if self._deleting else self._t.watch_fleet_max_s
+        deadline = time.monotonic() + min(max(0.0, timeout_s), hold_s)
         while self._fleet.version == known_version:
             wait_s = min(deadline - time.monotonic(), self._fleet.next_stale_s(time.time()))
             if wait_s <= 0:
@@ -97,6 +108,8 @@ class Controller:
             try:
                 await asyncio.wait_for(self._moved.wait(), wait_s)
             except asyncio.TimeoutError:
+                break
+            if self._deleting:
                 break
         return await self.fleet()
 
@@ -151,6 +164,24 @@ class Controller:
                 ping = self._pings.get(replica_id)
                 if ping is None or ping.done():
                     self._pings[replica_id] = asyncio.get_running_loop().create_task(self._ping(replica_id, actor))
+
+    async def _sweep_unplaced(self) -> None:
+        """While the app runs: look for its never-placed gangs; stop those Serve is stopping,
+        and once Serve deletes the app, hold no long poll (service.cluster.unplaced)."""
+        while True:
+            await asyncio.sleep(self._t.watch_interval_s)
+            try:
+                found = await asyncio.to_thread(unplaced.sweep, self._app)
+            except Exception as exc:  # noqa: BLE001 - the GCS or Serve's controller busy: look again
+                log.debug("looking for never-placed gangs failed: %s", exc)
+                continue
+            if found.released:
+                log.info("stopped %d never-placed gang(s) %s of app %s at once (Serve was stopping them)",
+                         len(found.released), [g.replica_id for g in found.released], self._app)
+            if found.deleting and not self._deleting:
+                self._deleting = True
+                self._moved.set()  # the long polls answer now
+                self._moved = asyncio.Event()
 
     async def _ping(self, replica_id: str, actor: ActorHandle) -> None:
         try:
