@@ -70,6 +70,7 @@ test-unit: $(TEST_STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/run.py --only sessions
+	$(PY) bench/run.py --only models
 
 # The builder-argument, tunables and environment references are generated from their declarations,
 # docs/api.md's error table from the error-code registry (service/errors.py).

@@ -606,6 +606,9 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
                       name="gangserve", route_prefix="/")
             results["sessions"] = bench_sessions(base, n)
             return results
+        if only == "models":
+            results["models"] = bench_models(base)
+            return results
         if only == "steploop":
             from bench.peers import NaivePeer as _Naive
 
@@ -966,7 +969,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
     parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "front", "train", "rebuild",
-                                           "sessions"],
+                                           "sessions", "models"],
                         default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
@@ -975,7 +978,9 @@ def main() -> None:
                         "vs Serve's Python proxy, ws2 and ws1, against echo + bare and the naive peer; train: the default DDP job vs the same "
                         "loop under torchrun --nproc_per_node 2; rebuild: kill -9 of rank 1 with "
                         "and without the warm spare; sessions: appends at context 16 vs 2048, vs the stateless "
-                        "causal resend, and 32 concurrent sessions) and print its table")
+                        "causal resend, and 32 concurrent sessions; models: the transformer stacks (4 layers E=512, "
+                        "12 layers E=768) at world sizes 1 and 2 beside the naive peer running the same dense "
+                        "module, and session appends vs the causal resend on the 12-layer stack) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -991,6 +996,7 @@ def main() -> None:
         "train": ("training", print_training, False),
         "rebuild": ("rebuild", print_rebuild, False),
         "sessions": ("sessions", _print_sessions, True),
+        "models": ("models", print_models, True),
     }
     if args.only is not None:
         key, show, goals_again = sections[args.only]
@@ -1059,6 +1065,101 @@ def main() -> None:
                                "front": serving["front"], "front_ratios": front_ratios,
                                "codecs": codec_rows, "time": time.time()}, indent=2))
     print(f"\nwritten to {out.relative_to(ROOT)}")
+
+
+# -- issue 41 item 7: model=transformer stacks, each beside the naive peer running the same
+# dense torch module (bench.peers.NaivePeer through the model's dense_forward) -------------
+MODEL_STACKS: dict[str, dict[str, Any]] = {
+    "4-layer E=512": {"model": "transformer", "num_layers": 4, "embed_dim": 512, "num_heads": 8, "ffn_dim": 2048},
+    "12-layer E=768 (GPT-2 small)": {"model": "transformer", "num_layers": 12, "embed_dim": 768, "num_heads": 12,
+                                     "ffn_dim": 3072, "activation": "gelu", "norm_first": True},
+}
+# Rounds per request shape (each round: every row once, shuffled) and warm-up rounds: a
+# 12-layer [8, 128, 768] step takes seconds on 2 CPU cores.
+MODEL_ROUNDS = {1: (10, 2), 8: (4, 1)}
+MODEL_SESSION_STACK = "12-layer E=768 (GPT-2 small)"
+M_NAIVE, M_WS1, M_WS2 = "naive peer (2 threads)", "gangserve ws1 (2 threads)", "gangserve ws2 (1 thread per rank)"
+
+
+def bench_models(base: str) -> dict[str, Any]:
+    """Issue 41 item 7: each stack of MODEL_STACKS served by gangserve at world size 1 with 2
+    torch threads (equal compute) and at world size 2 (1 thread per rank), beside the naive
+    one-replica peer running the stack's own dense torch module with 2 threads, through the
+    front door, interleaved per request shape ([1, 128, E] and [8, 128, E]); on the 12-layer
+    stack's ws2 gang, one-row session appends at context 2048 against resending the
+    2049-row sequence with causal=true (bench.sessions.append_vs_resend). One stack's apps at
+    a time (the cores are shared)."""
+    from ray import serve
+
+    from bench.peers import NaivePeer
+    from bench.sessions import append_vs_resend
+    from harness.local import local_yaml_args
+
+    from service.app import build_app
+
+    client = httpx.Client(timeout=600)
+    out: dict[str, Any] = {"load_average_start": os.getloadavg(), "latency": {}}
+    for stack, arch in MODEL_STACKS.items():
+        model = {**arch, "init": "random", "seed": 0}
+        e = arch["embed_dim"]
+        # A 2049-row causal step of the 12-layer stack takes ~15 s here: room for it (within the
+        # default request_timeout_s, 120 s, which must stay below the ingress's drain timeout); the K/V
+        # cache of 2 * 12 layers * E/p * 4 bytes per token for ~2100 tokens (~155 MB at ws1).
+        common = {**local_yaml_args(), **model, "collective_timeout_s": 110, "session_cache_bytes": 512 * 2**20}
+        apps = {M_NAIVE: ("m_naive", f"{base}/m_naive"), M_WS1: ("m_ws1", f"{base}/m_ws1/infer"),
+                M_WS2: ("m_ws2", f"{base}/m_ws2/infer")}
+        serve.run(NaivePeer.options(ray_actor_options={"num_cpus": 2}).bind(2, model), name="m_naive",
+                  route_prefix="/m_naive")
+        serve.run(build_app({**common, "world_size": 1, "cpus_per_rank": 2}), name="m_ws1", route_prefix="/m_ws1")
+        serve.run(build_app(common), name="m_ws2", route_prefix="/m_ws2")
+        rng = np.random.default_rng(0)
+        for batch, (rounds, warmup) in MODEL_ROUNDS.items():
+            body = npy(rng.standard_normal((batch, 128, e), dtype=np.float32))  # built before any call
+            post = lambda url: (lambda: client.post(url, content=body, headers={"content-type": "application/x-npy"}))  # noqa: E731
+            label = f"{stack}, [{batch}, 128, {e}]"
+            out["latency"][label] = interleaved({name: post(url) for name, (_, url) in apps.items()}, rounds, warmup)
+        if stack == MODEL_SESSION_STACK:
+            out["sessions"] = {"stack": stack, "world_size": 2, **append_vs_resend(f"{base}/m_ws2", e)}
+        for app, _ in apps.values():
+            serve.delete(app)
+    out["load_average_end"] = os.getloadavg()
+    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                   text=True).stdout.strip()
+    return out
+
+
+def print_models(d: dict[str, Any]) -> dict[str, float]:
+    print("\nmodels (issue 41 item 7): model=transformer stacks through the front door, gangserve at world "
+          "size 1 (2 threads) and 2 (1 thread per rank) beside the naive peer running the same dense torch "
+          "module with 2 threads, interleaved, npy; load average at the start "
+          f"{', '.join(f'{v:.1f}' for v in d['load_average_start'])}, at the end "
+          f"{', '.join(f'{v:.1f}' for v in d['load_average_end'])}; commit {d.get('commit', '?')}\n")
+    print("| request | row | p50 ms | p99 ms | n | Server-Timing medians (ms) | p50 / naive |")
+    print("|---|---|---:|---:|---:|---|---:|")
+    ratios: dict[str, float] = {}
+    for label, rows in d["latency"].items():
+        naive = rows[M_NAIVE]["p50_ms"]
+        for name, r in rows.items():
+            timing = ", ".join(f"{k} {v:.1f}" for k, v in r["server_timing"].items()) or "-"
+            print(f"| {label} | {name} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['n']} | {timing} | "
+                  f"{r['p50_ms'] / naive:.2f} |")
+        goal = " (goal <= 1.05)" if label.startswith(MODEL_SESSION_STACK) and "[1, 128" in label else ""
+        ratios[f"ws1 / naive p50, {label}{goal}"] = rows[M_WS1]["p50_ms"] / naive
+        ratios[f"ws2 / naive p50, {label}"] = rows[M_WS2]["p50_ms"] / naive
+    s = d.get("sessions")
+    if s:
+        print(f"\nsessions on the {s['stack']} stack, world size {s['world_size']}: one-row appends to a session "
+              f"of {s['context']} rows vs POST /infer?causal=true of the {s['context'] + 1}-row sequence "
+              f"(each resend followed by appends; open with the {s['context']}-row prefill {s['open_ms']:.0f} ms; "
+              f"append output vs the resend's last row: max |diff| {s['max_abs_diff']:.2e})\n")
+        print("| row | p50 ms | n |")
+        print("|---|---:|---:|")
+        print(f"| one-row append at context {s['context']} | {s['append_ms_p50']:.1f} | {s['appends']} |")
+        print(f"| resend, /infer?causal=true [1, {s['context'] + 1}, {s['dim']}] | {s['resend_ms_p50']:.1f} | "
+              f"{len(s['resend_ms'])} ({', '.join(f'{v:.0f}' for v in s['resend_ms'])}) |")
+        ratios[f"resend {s['context'] + 1} rows / one-row append at {s['context']} (goal >= 20)"] = (
+            s["resend_ms_p50"] / s["append_ms_p50"])
+    return {k: round(v, 3) for k, v in ratios.items()}
 
 
 def print_gangs(rows: dict[str, dict], load_s: float) -> None:

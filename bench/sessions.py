@@ -120,3 +120,63 @@ def print_sessions(rows: dict[str, Any]) -> dict[str, float]:
             rows["concurrent_appends_per_s"] / rows["sequential_appends_per_s"],
     }
     return {k: round(v, 3) for k, v in ratios.items()}
+
+
+def append_vs_resend(base: str, dim: int, context: int = 2048, resends: int = 3, appends_each: int = 5,
+                     warm_rows: int = 16) -> dict[str, Any]:
+    """One-row appends to a session of `context` rows against the stateless alternative,
+    `POST /infer?causal=true` of the whole `context + 1`-row sequence, on any model of width
+    `dim` (the models section: the 12-layer stack). Every body is built before the first
+    timed call (the client only sends). A small session first takes the rank's K/V pool
+    allocation (made on the first append) out of the timed rows; each resend is followed by
+    `appends_each` appends (the same load on both). The first append's row is the resent
+    sequence's last: its output against the resend's last row is recorded (max_abs_diff)."""
+    rng = np.random.default_rng(7)
+    prefix = rng.standard_normal((context, dim), dtype=np.float32)
+    rows = rng.standard_normal((resends * appends_each, dim), dtype=np.float32)
+    whole = _npy(np.concatenate([prefix, rows[:1]])[None])  # [1, context + 1, dim]
+    row_bodies = [_npy(r[None]) for r in rows]
+    warm_prefill = _npy(rng.standard_normal((warm_rows, dim), dtype=np.float32))
+    warm_rows_bodies = [_npy(r[None]) for r in rng.standard_normal((2, dim), dtype=np.float32)]
+    prefill = _npy(prefix)
+    out: dict[str, Any] = {"context": context, "dim": dim}
+    with httpx.Client(timeout=600) as client:
+        warm = client.post(f"{base}/sessions", content=warm_prefill, headers=NPY)
+        warm.raise_for_status()
+        for body in warm_rows_bodies:
+            client.post(f"{base}/sessions/{warm.headers['x-session-id']}/append", content=body,
+                        headers=NPY).raise_for_status()
+        t = time.perf_counter()
+        r = client.post(f"{base}/sessions", content=prefill, headers=NPY)
+        out["open_ms"] = round((time.perf_counter() - t) * 1000, 1)
+        r.raise_for_status()
+        sid = r.headers["x-session-id"]
+        resend_s, append_s = [], []
+        first_append = first_resend = None
+        for i in range(resends):
+            t = time.perf_counter()
+            r = client.post(f"{base}/infer", content=whole, headers=NPY, params={"causal": "true"})
+            resend_s.append(time.perf_counter() - t)
+            r.raise_for_status()
+            if first_resend is None:
+                first_resend = r.content
+            for body in row_bodies[i * appends_each:(i + 1) * appends_each]:
+                t = time.perf_counter()
+                r = client.post(f"{base}/sessions/{sid}/append", content=body, headers=NPY)
+                append_s.append(time.perf_counter() - t)
+                r.raise_for_status()
+                if first_append is None:
+                    first_append = r.content
+        client.delete(f"{base}/sessions/{sid}")
+        client.delete(f"{base}/sessions/{warm.headers['x-session-id']}")
+    # After the timed calls: the append's output row against the resend's last row.
+    resent_last = np.load(io.BytesIO(first_resend)).reshape(-1, dim)[-1]
+    appended = np.load(io.BytesIO(first_append)).reshape(-1, dim)[-1]
+    out["max_abs_diff"] = float(np.abs(resent_last - appended).max())
+    out["resend_ms"] = [round(s * 1000, 1) for s in resend_s]
+    out["resend_ms_p50"] = _p50(resend_s)
+    out["append_ms_p50"] = _p50(append_s)
+    out["append_ms_p99"] = round(float(np.percentile(np.asarray(append_s) * 1000, 99)), 3)
+    out["appends"] = len(append_s)
+    out["speedup"] = round(out["resend_ms_p50"] / out["append_ms_p50"], 1)
+    return out
