@@ -205,3 +205,21 @@ def code_sites(root: Path) -> list[CodeSite]:
                 sites += [site(node, v) for k, v in zip(node.keys, node.values)
                           if isinstance(k, ast.Constant) and k.value == "code"]
     return sites
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile's (INSTRUCTION, arguments) in order; continuation lines joined, comments dropped."""
+    steps: list[tuple[str, str]] = []
+    pending = ""
+    for raw in (Path(__file__).resolve().parents[1] / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        instruction, _, args = (pending + line).partition(" ")
+        steps.append((instruction.upper(), args.strip()))
+        pending = ""
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return steps

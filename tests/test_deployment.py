@@ -32,6 +32,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from tests.conftest import ROOT
+from tests.helpers import dockerfile
 
 pytestmark = pytest.mark.unit
 
@@ -44,22 +45,6 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 # ---- Dockerfile -----------------------------------------------------------------------------
 
-def dockerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order; continuation lines joined, comments dropped."""
-    steps: list[tuple[str, str]] = []
-    pending = ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        instruction, _, args = (pending + line).partition(" ")
-        steps.append((instruction.upper(), args.strip()))
-        pending = ""
-    assert not pending, "the Dockerfile ends inside a continued line"
-    return steps
 
 
 def shell_commands(script: str) -> Iterator[list[str]]:

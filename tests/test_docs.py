@@ -28,7 +28,7 @@ from fastapi import FastAPI
 from starlette.routing import Mount, Route
 
 from tests.conftest import ROOT
-from tests.test_deployment import dockerfile
+from tests.helpers import dockerfile
 
 pytestmark = pytest.mark.unit
 

@@ -178,12 +178,15 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
         ids = torch.tensor(table, dtype=torch.int64, device=device)
         keys = pool_k[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
         vals = pool_v[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
-        qi = q[start:start + n].transpose(0, 1)  # [h_l, n, d]
+        # 4-D [1, h_l, ., d]: on CPU, SDPA takes its fused kernel only for 4-D inputs (3-D falls
+        # back to the math kernel, ~6x slower on a 2048-row prefill: bench/NOTES.md).
+        qi = q[start:start + n].transpose(0, 1)[None]  # [1, h_l, n, d]
+        keys, vals = keys[None], vals[None]  # [1, h_l, L, d]
         if c == 0:  # a prefill or a recompute: plain causal attention, no mask tensor (SDPA's own)
-            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale)  # [h_l, n, d]
+            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale)  # [1, h_l, n, d]
         else:
             # new row j sits at position c + j and attends positions 0 .. c + j
             allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
-            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=scale)  # [h_l, n, d]
-        ctx[start:start + n] = out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=scale)  # [1, h_l, n, d]
+        ctx[start:start + n] = out[0].transpose(0, 1)
     return ctx
