@@ -94,7 +94,8 @@ def test_gang_shows_world_size_distinct_live_rank_processes(app_url: str) -> Non
     assert info["param_bytes_per_rank"] == [4 * (4 * e * e // 2 + 3 * e // 2 + e)] * 2
     # The typed contract (service.gang_status) declares every key a live gang answers, and
     # the answer has every one of them (a ready gang behind an ingress sets them all).
-    declared = set(GangStatus.model_fields) - {"code", "reported_s_ago"}  # synthesized / fleet-only
+    # synthesized / fleet-only / CUDA ranks only
+    declared = set(GangStatus.model_fields) - {"code", "reported_s_ago", "memory"}
     assert set(info) == declared, (set(info) ^ declared)
     assert set(ranks[0]) == set(RankStatus.model_fields)
     assert httpx.get(app_url + "/healthz").status_code == 200
