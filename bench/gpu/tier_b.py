@@ -64,6 +64,7 @@ POLL_S = 0.25  # how often a wait looks at whether the children it depends on ar
 START_S = 45.0  # a child's start: interpreter, torch, the rank class, its CUDA context
 STEPS_S = 30.0  # one message of a generation's steps (the p50 loops are the longest)
 DRILL_S = 15.0  # beyond the group timeout: the error's way back, the teardown
+TEARDOWN_BOUND_S = 10.0  # Rank.close's own bound (GangTunables().shutdown_timeout_s)
 PLANS = [  # (generation, weights init, compute dtype, group timeout s, error-mode env, drill)
     (1, "seed", "float32", 10.0, {}, "kill"),
     (2, "random", "bfloat16", 5.0, {}, "stop"),
@@ -310,7 +311,9 @@ def _drill(zero: RankZero, peer: Any, tag: str, drill: str, backend: str, timeou
         # The collective times out after timeout_s (blocking wait), or the watchdog acts after it.
         _, elapsed, why = receive(zero.out, DRILL_S + 2 * timeout_s, "rank 0's error", **root)
         row(what, f"{why} after {elapsed:.2f}s")
-        _, closed_s, how = receive(zero.out, DRILL_S + timeout_s, "rank 0's teardown", **root)
+        # Rank.close is bounded by its own shutdown bound (GangTunables.shutdown_timeout_s, 10 s);
+        # the rest is margin for a loaded machine (a make test run once took > 25 s here).
+        _, closed_s, how = receive(zero.out, DRILL_S + timeout_s + TEARDOWN_BOUND_S, "rank 0's teardown", **root)
         row(f"{tag}: teardown ({'abort' if backend == 'nccl' else 'destroy'}) s", f"{closed_s:.3f} ({how})")
     except ChildGone:
         code = zero.proc.exitcode
