@@ -147,12 +147,14 @@ def check_dtype_fits(model: ModelSpec) -> None:
             )
 
 
-def load_rank_shard(model: ModelSpec, rank: int, world_size: int, local: Path | None = None) -> dict[str, torch.Tensor]:
+def load_rank_shard(model: ModelSpec, rank: int, world_size: int, local: Path | None = None,
+                    arch: ModelDef | None = None) -> dict[str, torch.Tensor]:
     """This rank's slice of the configured weights (checkpoint, seed or random init).
 
     `local`: the checkpoint as a verified local file (see `materialize`); the rank maps
-    only its own slice of it."""
-    arch = resolve(model)
+    only its own slice of it. `arch`: the model's architecture when the caller resolved it
+    already (a user's factory is then not imported and called again)."""
+    arch = arch or resolve(model)
     if model.checkpoint:
         return load_checkpoint_shard(arch, local or materialize(model.checkpoint, StateTunables()), rank, world_size)
     return shard_dense(arch, arch.init_weights(model.init, model.seed), rank, world_size)
@@ -374,7 +376,7 @@ class Rank:
         local = materialize(model_cfg.checkpoint, self.state_tunables) if model_cfg.checkpoint else None
         if local is not None:
             check_checkpoint(arch, local)  # every missing or wrong tensor named, before any is read
-        model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local))
+        model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local, arch))
         recorded = checkpoint_causal(local) if local is not None else None
         model.eval()
         if self.device.type == "cuda":

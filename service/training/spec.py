@@ -27,23 +27,19 @@ class _Closed(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class AttentionModel(_Closed):
-    """Dense self-attention, nn.MultiheadAttention(E, H, bias=True, batch_first=True).
+class _Heads(_Closed):
+    """Width and heads of an attention model, and its causal default (both kinds below)."""
 
-    Its checkpoint is the serving contract's dense format, so the gang can load it.
-    """
-
-    kind: Literal["attention"] = "attention"
     embed_dim: int = Field(512, ge=8, le=8192, description="Model width E.")
     num_heads: int = Field(8, ge=1, le=256, description="Heads H; E % H == 0.")
     causal: bool = Field(
         False,
-        description="Causal self-attention (query i attends keys j <= i). Recorded in the checkpoint's "
-        "metadata, so the served model answers causally unless a request says otherwise.",
+        description="Causal self-attention (query i attends keys j <= i; every layer of a stack). Recorded in "
+        "the checkpoint's metadata, so the served model answers causally unless a request says otherwise.",
     )
 
     @model_validator(mode="after")
-    def _divisible(self) -> "AttentionModel":
+    def _heads_divide(self) -> "_Heads":
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
@@ -51,7 +47,16 @@ class AttentionModel(_Closed):
         return self
 
 
-class TransformerModel(_Closed):
+class AttentionModel(_Heads):
+    """Dense self-attention, nn.MultiheadAttention(E, H, bias=True, batch_first=True).
+
+    Its checkpoint is the serving contract's dense format, so the gang can load it.
+    """
+
+    kind: Literal["attention"] = "attention"
+
+
+class TransformerModel(_Heads):
     """torch's encoder stack, nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, ffn_dim,
     dropout=0, activation, batch_first=True, norm_first, layer_norm_eps), num_layers): what a gang
     of `model=transformer` serves (service.parallel.transformer). The defaults are the serving
@@ -63,24 +68,13 @@ class TransformerModel(_Closed):
 
     kind: Literal["transformer"] = "transformer"
     num_layers: int = Field(2, ge=1, le=64, description="Encoder layers.")
-    embed_dim: int = Field(512, ge=8, le=8192, description="Model width E.")
-    num_heads: int = Field(8, ge=1, le=256, description="Heads H; E % H == 0.")
     ffn_dim: int = Field(2048, ge=1, le=65536, description="The MLP's hidden width.")
     activation: Literal["relu", "gelu"] = Field("relu", description="The MLP's activation.")
     norm_first: bool = Field(False, description="Pre-norm (true) or post-norm (false) layers.")
     layer_norm_eps: float = Field(1e-5, gt=0, le=1.0, description="The LayerNorms' epsilon.")
-    causal: bool = Field(
-        False,
-        description="Causal self-attention in every layer. Recorded in the checkpoint's metadata, as "
-        "for attention, so the served model answers causally unless a request says otherwise.",
-    )
 
     @model_validator(mode="after")
-    def _divisible(self) -> "TransformerModel":
-        if self.embed_dim % self.num_heads:
-            raise ValueError(
-                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
-            )
+    def _not_too_large(self) -> "TransformerModel":
         if self.parameter_count() > MAX_MODEL_PARAMETERS:
             raise ValueError(
                 f"transformer too large: {self.parameter_count()} parameters ({self.num_layers} layers x "
