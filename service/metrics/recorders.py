@@ -6,6 +6,7 @@ import logging
 from typing import Any, Iterable
 
 from service.metrics.process import MetricSet, process_metrics
+from service.gang_status import GangStatus
 
 log = logging.getLogger("gangserve.metrics")
 
@@ -112,17 +113,17 @@ class GangServerMetrics:
     def queued(self) -> "_InFlight":
         return _InFlight(self)
 
-    def snapshot(self, info: dict[str, Any]) -> dict[str, list]:
+    def snapshot(self, info: GangStatus) -> dict[str, list]:
         """The replica's gauges from its /gang description, then everything it counted."""
-        self._m.set("gangserve_gang_ready", 1.0 if info.get("state") == "ready" else 0.0, self._replica)
-        self._m.set("gangserve_weights_version", float(info.get("weights_version") or 0), self._replica)
+        self._m.set("gangserve_gang_ready", 1.0 if info.state == "ready" else 0.0, self._replica)
+        self._m.set("gangserve_weights_version", float(info.weights_version), self._replica)
         self._m.set("gangserve_queue_depth", float(self.in_flight), self._replica)
-        if info.get("sessions"):
-            self.sessions(info["sessions"])
-        for rank in info.get("memory") or ():  # CUDA ranks only (GET /gang's `memory`)
-            labels = (*self._replica, str(rank["rank"]))
-            self._m.set("gangserve_gpu_memory_reserved_bytes", float(rank["memory_reserved_bytes"]), labels)
-            self._m.set("gangserve_gpu_max_memory_reserved_bytes", float(rank["max_memory_reserved_bytes"]), labels)
+        if info.sessions:
+            self.sessions(info.sessions)
+        for rank in info.memory or ():  # CUDA ranks only (GET /gang's `memory`)
+            labels = (*self._replica, str(rank.rank))
+            self._m.set("gangserve_gpu_memory_reserved_bytes", float(rank.memory_reserved_bytes), labels)
+            self._m.set("gangserve_gpu_max_memory_reserved_bytes", float(rank.max_memory_reserved_bytes), labels)
         return self._m.snapshot()
 
 
