@@ -84,7 +84,7 @@ def test_the_version_moves_on_what_a_request_path_acts_on_and_only_then() -> Non
 
     fleet.report("A", READY, 0.0)
     assert moved()  # a new gang
-    fleet.report("A", ready(step_timings={steps=5)}, 1.0)
+    fleet.report("A", ready(step_timings={"steps": 5}), 1.0)
     assert not moved()  # the same gang, only its counters changed
     fleet.report("A", ready(state="rebuilding", reason="rank 1 died"), 2.0)
     assert moved()
