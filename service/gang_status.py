@@ -144,6 +144,42 @@ class IngressTransport(_Closed):
     data_channel_fallbacks: int
 
 
+class SessionCacheRank(_Closed):
+    """One rank's K/V cache for sessions."""
+
+    rank: int
+    capacity_bytes: int
+    used_bytes: int
+    allocated_bytes: int | None = Field(default=None, description="Rank 0 only: the pool's bytes as allocated.")
+
+
+class SessionStats(_Closed):
+    """Stateful sessions (service.sessions.service.SessionService.stats)."""
+
+    active: int
+    max_sessions: int
+    max_session_tokens: int
+    idle_timeout_s: float
+    block_tokens: int
+    num_blocks: int
+    free_blocks: int
+    bytes_per_token_per_rank: int
+    capacity_bytes_per_rank: int
+    used_bytes_per_rank: int
+    cached_tokens: int
+    kept_input_bytes: int
+    evictions: int
+    recomputed_tokens: int = Field(description="Tokens recomputed for sessions whose cache a rebuild lost.")
+    expired: int
+    opened: int
+    ended: int
+    appends: int
+    append_steps: int
+    per_rank: list[SessionCacheRank]
+    batching: dict[str, float] = Field(description="The session batcher's counters.")
+    append_latency_ms_p50_by_context: dict[str, float]
+
+
 class GangStatus(_Closed):
     """A gang's report (GET /gang; each row of GET /gangs): the Gang and its GangServer set
     every required field on every report."""
@@ -171,8 +207,8 @@ class GangStatus(_Closed):
                                          "empty before the first summary).")
     memory: list[RankMemory] | None = Field(default=None, description="Device memory per CUDA rank (absent on "
                                             "CPU gangs); also /metrics' gangserve_gpu_memory_reserved_bytes.")
-    sessions: dict[str, Any] | None = Field(default=None, description="Stateful sessions (service.sessions): "
-                                            "active, KV cache bytes per rank, evictions, recomputed tokens.")
+    sessions: SessionStats | None = Field(default=None, description="Stateful sessions (service.sessions): "
+                                          "active, KV cache bytes per rank, evictions, recomputed tokens.")
     reported_s_ago: float | None = Field(default=None, description="GET /gangs: age of this gang's last report.")
     ingress_transport: IngressTransport | None = Field(default=None, description="GET /gang only: how this "
                                                        "ingress replica hands tensors to the gang.")

@@ -70,7 +70,7 @@ from service.gang.peers import Calls, PeerGroup
 from service.gang.rank import RankInfo, RankWorker
 from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
-from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory
+from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory, SessionStats
 from service.weights.record import ServedWeights
 from service.tunables import GangTunables, StateTunables
 
@@ -325,7 +325,7 @@ class Gang:
 
     def describe(self, *, replica_id: str, failed_rebuilds: int, data_channel: DataChannelStatus,
                  step_timings: dict[str, object], memory: list[RankMemory] | None = None,
-                 sessions: dict[str, object] | None = None) -> GangStatus:
+                 sessions: SessionStats | None = None) -> GangStatus:
         """The gang's report (GET /gang): its own fields, and its GangServer's (given here, so
         the report is built whole, in one place, and checked as it is built). `memory` and
         `sessions` stay absent from the report when None (a CPU gang; sessions off)."""
