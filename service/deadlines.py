@@ -29,13 +29,16 @@ get no margin.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 from service.cluster.front_door import header_timed_by_serve_proxy
 from service.errors import ErrorCode, InvalidInput
 from service.tunables import IngressTunables
+
+T = TypeVar("T")
 
 HEADER = "x-request-timeout-seconds"
 MAX_TIMEOUT_S = 86400.0
@@ -117,3 +120,28 @@ def local_deadline(seconds: float | None) -> float | None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
         raise ValueError(f"a deadline must be a number of seconds, got {seconds!r:.40}")
     return time.monotonic() + float(seconds)
+
+
+async def bounded(call: Awaitable[T], *, until: float, timed_out: Callable[[], BaseException],
+                  on_cancel: Callable[[], object] | None = None,
+                  check: Callable[[], Awaitable[None]] | None = None, check_every_s: float = math.inf) -> T:
+    """The one bounded wait of the ingress: `call`'s result, or `timed_out()` raised at `until`
+    (time.monotonic()). Every `check_every_s` meanwhile, `check()` may raise to give up early
+    (the request policy: the gang was seen unable to answer). Giving up, or being cancelled,
+    cancels the call (and calls `on_cancel`, e.g. a Serve response's `cancel`)."""
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                raise timed_out()
+            done, _ = await asyncio.wait({task}, timeout=min(remaining, check_every_s))
+            if done:
+                return task.result()
+            if check is not None:
+                await check()
+    finally:
+        if not task.done():
+            task.cancel()
+            if on_cancel is not None:
+                on_cancel()

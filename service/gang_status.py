@@ -1,19 +1,28 @@
-"""The gang's status as a typed contract: GET /gang, the rows of GET /gangs, GET /readyz.
+"""The gang's status as typed contracts, one per owner: GET /gang, GET /gangs, GET /readyz.
 
-One description of a gang is built in several places: the Gang (its lifecycle, weights,
-ranks), the GangServer (rebuild count, replica id, data channel, step timings), the
-ingress (how it sends tensors; and, when no gang server answers, a status it synthesizes
-from the cluster's resources: `scheduling` / `unschedulable`), and the Controller's fleet
-view (a gang whose reports stopped is shown `unreachable`). Each of them builds a
-`GangStatus` here; where the status crosses a Ray call it travels as
-`model_dump(exclude_unset=True)` (a plain dict: the keys each producer set, nothing more),
-and the HTTP routes declare these models as their `response_model` (so /openapi.json
-describes them).
+Who builds what, and what crosses which call (each model itself, pickled by Ray: never a
+dict read back by key):
+- `GangStatus`, a gang's report: the Gang (its lifecycle, weights, ranks) and its
+  GangServer (rebuild count, replica id, data channel, step timings) build it in one
+  constructor call (service.gang.gang.Gang.describe); it travels GangServer -> Controller
+  (`report_gang`) and GangServer -> ingress (`describe`, the weights swaps).
+- `FleetView`, the Controller's view of every gang (service.state.fleet): its rows are the
+  gangs' own reports, plus the age of each (`reported_s_ago`), and a gang whose reports
+  stopped is marked `unreachable` in its row (its last report is still all true but its
+  state, so the row keeps it). It travels Controller -> ingress (`fleet`, `watch_fleet`).
+- `SynthesizedStatus`: what the ingress says when no gang server answers at all
+  (`scheduling` / `unschedulable`, from the cluster's resources). It is a model of its own,
+  not a GangStatus with every field optional: there is no gang, so it has no world size, no
+  ranks and no weights, and a reader holding `GangStatus | SynthesizedStatus` must say which
+  one it handles (mypy checks it) instead of reading a field that may be missing.
+- `GangsView`, `Readiness`: the ingress's answers to GET /gangs and GET /readyz.
 
-The models are open (`extra="allow"`): a key a producer adds that is not declared here is
-kept, never dropped. Every field but `state` and `reason` is optional, because a
-synthesized status has only those (and `code`); the routes serialize with
-`response_model_exclude_unset`, so an absent key stays absent rather than becoming null.
+Every model is closed (`extra="forbid"`) and a field its producer always sets is required,
+so a renamed or misspelled field fails where it is built, loudly, instead of turning a
+reader's feature off. The routes declare these models as their `response_model` (so
+/openapi.json describes them) with `response_model_exclude_unset`: an optional field a
+producer did not set (`memory` on a CPU gang, `code` on a gang's own report) stays absent
+from the JSON rather than becoming null. Pickling keeps the set of fields set.
 
 This module sits below the subsystems (the gang, the ingress, training) and the state
 package: it imports nothing from `service`.
@@ -21,7 +30,7 @@ package: it imports nothing from `service`.
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,25 +45,26 @@ class GangState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-# Every `state` a status can carry: the Gang's own, plus the ones observers synthesize for a
-# gang that cannot say for itself.
-StatusState = Literal[
-    "starting", "ready", "broken", "rebuilding", "stopped",
-    "scheduling",  # (ingress) no gang server answers yet; the cluster can hold the gang
-    "unschedulable",  # (ingress) the cluster can never hold it, or schedule_timeout_s passed
-    "unreachable",  # (fleet view) its last report said ready, but it is stale or its replica cannot be pinged
+# The states of a gang's report: its own, and `unreachable`, which the fleet view marks on a
+# report whose gang stopped answering (its last report said ready, but it is stale or its
+# replica cannot be pinged).
+ReportedState = Literal["starting", "ready", "broken", "rebuilding", "stopped", "unreachable"]
+# The states the ingress synthesizes when no gang server answers.
+AbsentState = Literal[
+    "scheduling",  # the cluster can hold the gang; it waits for its bundles
+    "unschedulable",  # the cluster can never hold it, or schedule_timeout_s passed
 ]
-SYNTHESIZED_STATES = frozenset(get_args(StatusState)) - {s.value for s in GangState}
+SYNTHESIZED_STATES = frozenset(get_args(ReportedState)) - {s.value for s in GangState} | frozenset(get_args(AbsentState))
 SpareState = Literal["none", "starting", "warm", "dead"]
 
 
-class _Open(BaseModel):
-    """Undeclared keys are kept (the contract is additive)."""
+class _Closed(BaseModel):
+    """A field no model declares is refused (a typo or a rename fails where it is made)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
-class RankStatus(_Open):
+class RankStatus(_Closed):
     """One rank's placement (service.gang.rank.RankInfo.public)."""
 
     rank: int = Field(description="0..world_size-1; rank 0 is the GangServer replica's process.")
@@ -62,10 +72,10 @@ class RankStatus(_Open):
     node_ip: str
     pid: int
     device: str = Field(description="torch device, e.g. `cpu` or `cuda:0`.")
-    iface: str | None = Field(default=None, description="The network interface its collectives use (null: gloo's choice).")
+    iface: str | None = Field(description="The network interface its collectives use (null: gloo's choice).")
 
 
-class RankMemory(_Open):
+class RankMemory(_Closed):
     """One CUDA rank's device memory (service.gang.worker.Rank.memory_stats), refreshed in the
     background like the step timings."""
 
@@ -78,14 +88,14 @@ class RankMemory(_Open):
     pinned_host_bytes: int = Field(description="Rank 0's pinned staging buffers on the host.")
 
 
-class SpareStatus(_Open):
+class SpareStatus(_Closed):
     """The warm spare: an idle rank process a rebuild adopts."""
 
     state: SpareState
     pid: int | None = Field(default=None, description="Only while warm.")
 
 
-class BringUpTimings(_Open):
+class BringUpTimings(_Closed):
     """Where the last (re)build's time went (empty before the first one ends)."""
 
     ms: dict[str, float] | None = Field(default=None, description="Milliseconds per stage (teardown, create, "
@@ -93,7 +103,7 @@ class BringUpTimings(_Open):
     spare_adopted_as_rank: int | None = Field(default=None, description="The rank the warm spare became, if any.")
 
 
-class BatchingStats(_Open):
+class BatchingStats(_Closed):
     """A StepBatcher's counters (service.batching.StepBatcher.stats)."""
 
     steps: int
@@ -111,7 +121,7 @@ class BatchingStats(_Open):
     cancelled_queued: int
 
 
-class DataChannelStatus(_Open):
+class DataChannelStatus(_Closed):
     """The gang server's same-node socket (service.transport.channel)."""
 
     listening: bool = Field(description="The ingress connects to it (when on rank 0's node) only while true.")
@@ -121,7 +131,7 @@ class DataChannelStatus(_Open):
     in_flight: int
 
 
-class IngressTransport(_Open):
+class IngressTransport(_Closed):
     """How this ingress replica has been handing tensors to the gang (GET /gang only)."""
 
     node_id: str
@@ -134,40 +144,91 @@ class IngressTransport(_Open):
     data_channel_fallbacks: int
 
 
-class GangStatus(_Open):
-    """One gang's status (GET /gang; each row of GET /gangs)."""
+class SessionCacheRank(_Closed):
+    """One rank's K/V cache for sessions."""
 
-    world_size: int | None = None
-    backend: str | None = Field(default=None, description="gloo or nccl (`unknown` before the first bring-up).")
-    step_loop: bool | None = Field(default=None, description="The peers run the step loop (steps as headers).")
-    state: StatusState = Field(description="The gang's lifecycle state, or one synthesized by an observer "
-                               "(scheduling, unschedulable, unreachable).")
+    rank: int
+    capacity_bytes: int
+    used_bytes: int
+    allocated_bytes: int | None = Field(default=None, description="Rank 0 only: the pool's bytes as allocated.")
+
+
+class SessionStats(_Closed):
+    """Stateful sessions (service.sessions.service.SessionService.stats)."""
+
+    active: int
+    max_sessions: int
+    max_session_tokens: int
+    idle_timeout_s: float
+    block_tokens: int
+    num_blocks: int
+    free_blocks: int
+    bytes_per_token_per_rank: int
+    capacity_bytes_per_rank: int
+    used_bytes_per_rank: int
+    cached_tokens: int
+    kept_input_bytes: int
+    evictions: int
+    recomputed_tokens: int = Field(description="Tokens recomputed for sessions whose cache a rebuild lost.")
+    expired: int
+    opened: int
+    ended: int
+    appends: int
+    append_steps: int
+    per_rank: list[SessionCacheRank]
+    batching: dict[str, float] = Field(description="The session batcher's counters.")
+    append_latency_ms_p50_by_context: dict[str, float]
+
+
+class GangStatus(_Closed):
+    """A gang's report (GET /gang; each row of GET /gangs): the Gang and its GangServer set
+    every required field on every report."""
+
+    world_size: int
+    backend: str = Field(description="gloo or nccl (`unknown` before the first bring-up).")
+    state: ReportedState = Field(description="The gang's lifecycle state, or `unreachable` (the fleet view: "
+                                 "its last report said ready, but it is stale or its replica cannot be pinged).")
     reason: str = Field(description="Why it is in that state, in words.")
-    code: str | None = Field(default=None, description="Synthesized states only: the error code a request gets.")
-    weights_version: int | None = Field(default=None, description="The app's recorded version the ranks hold (0: none yet).")
-    weights_source: str | None = Field(default=None, description="`config` or `swap`.")
+    code: str | None = Field(default=None, description="`unreachable` rows only: the error code a request gets.")
+    weights_version: int = Field(description="The app's recorded version the ranks hold (0: none yet).")
+    weights_source: str | None = Field(description="`config` or `swap` (null before the first load).")
     weights_sha256: str | None = None
     weights_description: str | None = None
-    generation: int | None = Field(default=None, description="Successful (re)builds.")
-    last_bring_up: BringUpTimings | None = None
-    spare: SpareStatus | None = None
-    param_bytes_per_rank: list[int] | None = None
-    batching: BatchingStats | None = Field(default=None, description="The gang's own batcher.")
-    ranks: list[RankStatus] | None = None
-    failed_rebuilds: int | None = Field(default=None, description="Rebuild attempts failed in a row.")
-    replica_id: str | None = Field(default=None, description="The GangServer replica owning the gang.")
-    data_channel: DataChannelStatus | None = None
-    step_timings: dict[str, Any] | None = Field(default=None, description="Where the recent steps' time went, "
-                                                "per rank (medians, ms).")
+    generation: int = Field(description="Successful (re)builds.")
+    last_bring_up: BringUpTimings
+    spare: SpareStatus
+    param_bytes_per_rank: list[int]
+    batching: BatchingStats = Field(description="The gang's own batcher.")
+    ranks: list[RankStatus]
+    failed_rebuilds: int = Field(description="Rebuild attempts failed in a row.")
+    replica_id: str = Field(description="The GangServer replica owning the gang.")
+    data_channel: DataChannelStatus
+    step_timings: dict[str, Any] = Field(description="Where the recent steps' time went, per rank (medians, ms; "
+                                         "empty before the first summary).")
     memory: list[RankMemory] | None = Field(default=None, description="Device memory per CUDA rank (absent on "
                                             "CPU gangs); also /metrics' gangserve_gpu_memory_reserved_bytes.")
-    sessions: dict[str, Any] | None = Field(default=None, description="Stateful sessions (service.sessions): "
-                                            "active, KV cache bytes per rank, evictions, recomputed tokens.")
+    sessions: SessionStats | None = Field(default=None, description="Stateful sessions (service.sessions): "
+                                          "active, KV cache bytes per rank, evictions, recomputed tokens.")
     reported_s_ago: float | None = Field(default=None, description="GET /gangs: age of this gang's last report.")
+    ingress_transport: IngressTransport | None = Field(default=None, description="GET /gang only: how this "
+                                                       "ingress replica hands tensors to the gang.")
+
+
+class SynthesizedStatus(_Closed):
+    """GET /gang when no gang server answers: why, from the cluster's resources (see the
+    module docstring for why this is not a GangStatus)."""
+
+    state: AbsentState
+    code: str = Field(description="The error code a request gets meanwhile.")
+    reason: str = Field(description="What the gang waits for, needed vs free.")
     ingress_transport: IngressTransport | None = None
 
 
-class LostGangStatus(_Open):
+# What the ingress knows of "the gang": a gang's own report, or why there is none.
+AnyGangStatus = Union[GangStatus, SynthesizedStatus]
+
+
+class LostGangStatus(_Closed):
     """A gang whose replica process died recently."""
 
     replica_id: str
@@ -175,7 +236,17 @@ class LostGangStatus(_Open):
     s_ago: float
 
 
-class GangsView(_Open):
+class FleetView(_Closed):
+    """The Controller's view of the app's gangs (service.state.fleet.Fleet.view)."""
+
+    gangs: list[GangStatus] = Field(description="Every live gang's latest report, by replica id.")
+    ready: int = Field(description="Gangs serving now.")
+    lost: list[LostGangStatus] = Field(description="Gangs whose replica process died recently, newest first.")
+    controller_up_s: float | None = Field(description="Age of the Controller holding the view (null: none).")
+    version: int = Field(description="Moves on every change a request path acts on (-1: no Controller).")
+
+
+class GangsView(_Closed):
     """GET /gangs: every gang of the app."""
 
     desired: int = Field(description="Gangs the app should have (num_replicas, or the autoscaler's target).")
@@ -183,11 +254,11 @@ class GangsView(_Open):
     gangs: list[GangStatus]
     missing: list[str] = Field(description="For each desired gang that is not serving, what it waits for.")
     lost: list[LostGangStatus]
-    controller_up_s: float | None = Field(default=None, description="Age of the Controller holding the view "
+    controller_up_s: float | None = Field(description="Age of the Controller holding the view "
                                           "(null: it did not answer).")
 
 
-class Readiness(_Open):
+class Readiness(_Closed):
     """GET /readyz's 200 body."""
 
     status: Literal["ready"]
@@ -199,5 +270,5 @@ class Readiness(_Open):
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
-    """The dict that crosses a Ray call: the keys the producer set (nested too)."""
+    """The JSON-shaped body of an answer: the keys the producer set (nested too)."""
     return model.model_dump(exclude_unset=True)

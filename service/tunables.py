@@ -55,6 +55,9 @@ class GangTunables:
 
     __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
+    stats_timeout_s: float = knob(2.0, (
+        "Bound on the background read of the peers' step timings and device memory (GET /gang's "
+        "step_timings, memory): a peer busy in a long step must not hold the summary; the next /gang asks again."))
     probe_interval_s: float = knob(2.0, (
         "How often the supervisor probes a ready gang's peers (one small Ray call per rank) and asks "
         "the Controller for a newer weights version. A peer that dies while no request runs is found "
@@ -147,7 +150,7 @@ class FleetTunables:
 
 @dataclass(frozen=True)
 class TransportTunables:
-    """Transport: the ingress -> rank 0 data plane (service.transport, the ingress's GangClient)."""
+    """Transport: the ingress -> rank 0 data plane (service.transport, the ingress's request policy)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
@@ -177,6 +180,9 @@ class IngressTunables:
 
     __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
+    desired_max_age_s: float = knob(5.0, (
+        "One read of Serve's replica target (the desired gang count when autoscaling) serves /gangs and "
+        "/readyz this long: it is a round trip to Serve's controller, and the autoscaler moves it every few seconds at most."))
     status_max_age_s: float = knob(1.0, "How stale the cached gang status may be on the request path.")
     describe_timeout_s: float = knob(2.0, (
         "Bound on one /gang describe call to a GangServer (status, readiness fallback)."))

@@ -141,7 +141,7 @@ class RequestLoop:
 
 def gang_client_around_kill(client: object, x: np.ndarray, want: torch.Tensor, victim: int,
                             seconds: float = 4.0, kill_after_s: float = 1.0) -> list[str]:
-    """Drive a GangClient (the ingress's code) with requests for `seconds`, kill -9 `victim`
+    """Drive a request policy (service.ingress.requests, the ingress's code) with requests for `seconds`, kill -9 `victim`
     after `kill_after_s`; every answer must equal `want`. Returns each request's outcome:
     "ok" or the GangServeError's code."""
     from service.errors import GangServeError

@@ -24,6 +24,7 @@ import torch
 from service.transport import channel, shm
 from service.transport.channel import ChannelClient, ChannelServer, ChannelUnavailable
 from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
+from service.gang_status import dump
 from tests.reference import reference, relative_error
 from tests.helpers import eventually_async, rand
 
@@ -230,28 +231,28 @@ def test_sweep_removes_only_old_sockets_nobody_listens_on(tmp_path: Path, monkey
         listener.close()
 
 
-# -- ray: the ingress's GangClient against the deployed gang -----------------------------
+# -- ray: the ingress's request policy against the deployed gang -----------------------------
 
 def _driver_side_client(app_url: str, **overrides: Any) -> Any:
-    """A real GangClient (the ingress's code) in this test process, on a real handle, that
+    """A real request policy (the ingress's code) in this test process, on a real handle, that
     claims rank 0's node id: every raylet of the test cluster runs on this machine and
     shares /dev/shm (where the gang server's socket lives), so the channel is reachable."""
     from ray import serve
 
     from service.config import AppConfig
-    from service.ingress.gang_client import GangClient
+    from service.ingress.requests import connect
     from tests.conftest import local_yaml_args
 
     handle = serve.get_deployment_handle("GangServer", app_name="gangserve")
     # As an ingress replica on rank 0's node sees it.
     rank0_node = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
-    return GangClient(handle, AppConfig.model_validate({**local_yaml_args(), **overrides}), node_id=rank0_node)
+    return connect(handle, AppConfig.model_validate({**local_yaml_args(), **overrides}), node_id=rank0_node)
 
 
 def _transport(client: Any) -> dict[str, Any]:
     """How the client handed tensors to the gang: its describe()'s ingress_transport (what
     GET /gang shows for an ingress replica)."""
-    return asyncio.run(client.describe())["ingress_transport"]
+    return dump(asyncio.run(client.describe()))["ingress_transport"]
 
 
 @pytest.mark.ray

@@ -130,15 +130,17 @@ def test_allow_tf32_is_a_builder_argument_that_sets_cudas_float32_matmuls() -> N
 
 def test_cuda_ranks_memory_reaches_gang_and_metrics() -> None:
     """GET /gang's `memory` (each CUDA rank's Rank.memory_stats) becomes one gauge pair per rank."""
-    from service.gang_status import GangStatus, RankMemory, dump
+    from service.gang_status import RankMemory, dump
     from service.metrics.exposition import exposition, merge
     from service.metrics.process import MetricSet
     from service.metrics.recorders import GangServerMetrics
 
     stats = {"rank": 1, "device": "cuda:0", "memory_allocated_bytes": 10, "memory_reserved_bytes": 2 << 20,
              "max_memory_reserved_bytes": 3 << 20, "pinned_host_bytes": 0}
-    info = dump(GangStatus(state="ready", reason="", memory=[RankMemory(**stats)]))
-    assert info["memory"] == [stats]
+    from tests.statuses import gang_report
+
+    info = gang_report(memory=[RankMemory(**stats)])
+    assert dump(info)["memory"] == [stats]
     text = exposition(merge([GangServerMetrics("r1", MetricSet()).snapshot(info)])).decode()
     assert 'gangserve_gpu_memory_reserved_bytes{rank="1",replica="r1"} 2.097152e+06' in text, text
     assert 'gangserve_gpu_max_memory_reserved_bytes{rank="1",replica="r1"} 3.145728e+06' in text, text

@@ -227,7 +227,7 @@ def test_the_hop_to_rank_0_has_one_owner() -> None:
     assert channel_clients == ["service.transport.link"], channel_clients
     shm_creators = sorted(m for m, path in mods.items() if _inside(m, "service.ingress") and "shm.create(" in path.read_text())
     assert shm_creators == [], f"ingress modules creating shared-memory refs themselves: {shm_creators}"
-    assert "service.transport.link" in _imports()["service.ingress.gang_client"]
+    assert "service.transport.link" in _imports()["service.ingress.requests"]
 
 
 def test_the_code_walk_sees_the_tree(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, TEST_API_TOKEN, deploy, local_yaml_args, undeploy
 from tests.helpers import poll, scrape, total, wait_done
+from tests.statuses import gang_report
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
 DASHBOARD = ROOT / "deployments" / "grafana-dashboard.json"
@@ -90,7 +91,7 @@ def test_counters_survive_replicas_that_go_away() -> None:
     t0 = 1000.0
     fleet.report_metrics("gang:A", a.snapshot(), t0)
     fleet.report_metrics("gang:B", b.snapshot(), t0)
-    fleet.report("C", {"state": "ready", "reason": "ready"}, t0, metrics=c.snapshot())
+    fleet.report("C", gang_report(), t0, metrics=c.snapshot())
 
     def service_wide(now: float) -> dict:
         return merge(fleet.metrics(now))

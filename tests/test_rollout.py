@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from service.errors import ErrorCode, GangUnavailable
+from service.gang_status import FleetView, GangStatus
 from service.state.fleet import Fleet
 from service.weights.rollout import wait_for_gangs
+from tests.statuses import gang_report
 
 pytestmark = pytest.mark.unit
 
@@ -19,15 +21,15 @@ pytestmark = pytest.mark.unit
 def _watch_of(fleet: Fleet):
     """What Controller.watch_fleet answers, over a real Fleet: the view once its version moved
     past `known` (the Controller's own wait is tested in test_fleet.py)."""
-    async def watch(known: int) -> dict[str, Any]:
+    async def watch(known: int) -> FleetView:
         while fleet.version == known:
             await asyncio.sleep(0.005)
-        return {**fleet.view(time.time()), "version": fleet.version}
+        return fleet.view(time.time())
     return watch
 
 
-def _ready(version: int) -> dict[str, Any]:
-    return {"state": "ready", "reason": "ready", "world_size": 2, "backend": "gloo", "weights_version": version}
+def _ready(version: int) -> GangStatus:
+    return gang_report(weights_version=version)
 
 
 def test_the_wait_ends_when_the_last_gang_reports_the_version() -> None:
@@ -65,7 +67,7 @@ def test_a_fleet_view_that_cannot_be_read_is_never_taken_for_done() -> None:
     watch_fleet = _watch_of(fleet)
     calls = 0
 
-    async def watch(known: int) -> dict[str, Any]:
+    async def watch(known: int) -> FleetView:
         nonlocal calls
         calls += 1
         if calls <= 2:  # the Controller restarts

@@ -12,12 +12,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
+from service.gang_status import dump
 from service.transport import shm
 from tests.reference import reference, relative_error
 from tests.helpers import npy_bytes, rand
@@ -120,8 +122,8 @@ def test_http_requests_use_shared_memory_on_one_node_and_leave_no_files(app_url:
     assert gangserve_files() <= before_files
 
 
-def _driver_side_client(app_url: str) -> tuple[object, str]:
-    """A real GangClient (the ingress's code) in this test process, on a real handle, with
+def _driver_side_client(app_url: str) -> tuple[Any, str]:
+    """A real request policy (the ingress's code) in this test process, on a real handle, with
     the data channel off (tests/test_data_channel.py covers it): the tensor crosses the
     handle call, by value or through /dev/shm.
 
@@ -132,20 +134,20 @@ def _driver_side_client(app_url: str) -> tuple[object, str]:
     from ray import serve
 
     from service.config import AppConfig
-    from service.ingress.gang_client import GangClient
+    from service.ingress.requests import connect
     from tests.conftest import local_yaml_args
 
     handle = serve.get_deployment_handle("GangServer", app_name="gangserve")
     rank0_node = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
-    client = GangClient(handle, AppConfig.model_validate({**local_yaml_args(), "data_channel": False}),
-                        node_id=rank0_node)
+    client = connect(handle, AppConfig.model_validate({**local_yaml_args(), "data_channel": False}),
+                     node_id=rank0_node)
     return client, rank0_node
 
 
-def _paths(client: object) -> dict[str, int]:
-    """The handle-call counters of a GangClient's transport stats (its describe()'s
+def _paths(client: Any) -> dict[str, int]:
+    """The handle-call counters of a request policy's transport stats (its describe()'s
     ingress_transport, what GET /gang shows for an ingress replica)."""
-    used = asyncio.run(client.describe())["ingress_transport"]  # type: ignore[attr-defined]
+    used = dump(asyncio.run(client.describe()))["ingress_transport"]
     return {k: used[k] for k in ("shared_memory", "object_store", "shared_memory_fallbacks")}
 
 

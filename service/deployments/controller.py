@@ -39,6 +39,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from service.cluster import unplaced
 from service.logs import route_logs_to_serve
+from service.gang_status import FleetView, GangStatus
 from service.weights.record import ConfigWeights, ServedWeights, Source, WeightsRecord
 from service.state.fleet import Fleet
 from service.state.paths import state_dir
@@ -72,9 +73,9 @@ class Controller:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_unplaced())
 
     # -- the fleet ----------------------------------------------------------------------------
-    async def report_gang(self, replica_id: str, info: dict[str, Any], metrics: dict[str, list] | None = None,
+    async def report_gang(self, replica_id: str, info: GangStatus, metrics: dict[str, list] | None = None,
                           actor: ActorHandle | None = None) -> None:
-        """A GangServer replica's status (its /gang description) and metric snapshot."""
+        """A GangServer replica's report (its /gang description) and metric snapshot."""
         with self._telling():
             self._fleet.report(replica_id, info, time.time(), metrics)
         if actor is not None and replica_id not in self._actors and replica_id not in self._fleet.lost:
@@ -86,14 +87,13 @@ class Controller:
             self._fleet.withdraw(replica_id)
         self._forget_actor(replica_id)
 
-    async def fleet(self) -> dict[str, Any]:
-        """{"gangs": [...], "ready": n, "lost": [...], "controller_up_s", "version"} (Fleet.view)."""
+    async def fleet(self) -> FleetView:
+        """Every gang's latest report, how many serve, the lost ones, this view's version."""
         now = time.time()
         with self._telling():  # the view forgets old gangs as it is read
-            view = self._fleet.view(now)
-        return {**view, "controller_up_s": round(now - self._started, 1), "version": self._fleet.version}
+            return self._fleet.view(now, controller_up_s=round(now - self._started, 1))
 
-    async def watch_fleet(self, known_version: int, timeout_s: float) -> dict[str, Any]:
+    async def watch_fleet(self, known_version: int, timeout_s: float) -> FleetView:
         """The fleet view (`fleet()`), once its version differs from `known_version`: at once if
         it does, else when it moves, when a ready gang's report turns stale (a gang that went
         silent), or after `timeout_s` (at most tunables.watch_fleet_max_s), whichever comes first.

@@ -43,7 +43,7 @@ from service.deadlines import local_deadline
 from service.gang import worker as rank_worker
 from service.ingress.handle_errors import bounded_call
 from service.gang.gang import Gang
-from service.gang_status import DataChannelStatus, GangState, RankMemory, dump
+from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory
 from service.gang.router import routing_stats
 from service.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
@@ -164,7 +164,7 @@ class GangServer:
         return self._sessions.close(session_id)
 
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
-                             eval_loss: float | None = None) -> dict[str, object]:
+                             eval_loss: float | None = None) -> GangStatus:
         """Hot-swap to a dense checkpoint (an artifact key, or an absolute local path), or
         with `checkpoint=None` back to the app's configured weights, recorded as the app's
         next version (service.weights.rollout.Rollout.reload); returns the /gang
@@ -174,7 +174,7 @@ class GangServer:
         await self._publish()  # the rollout's progress is read from the fleet view
         return await self.describe()
 
-    async def rollback_weights(self, version: int) -> dict[str, object]:
+    async def rollback_weights(self, version: int) -> GangStatus:
         """Serve recorded version `version` again, recorded as the app's next version
         (service.weights.rollout.Rollout.rollback: 404 for a version never recorded, 409
         when it cannot be served again); returns the /gang description."""
@@ -187,29 +187,29 @@ class GangServer:
         once at a named point (see service.gang.failpoints)."""
         await self._gang.arm_failpoint(rank, name)
 
-    async def describe(self) -> dict[str, object]:
-        """GET /gang (a service.gang_status.GangStatus, as the dict a handle call carries)."""
-        status = self._gang.describe()
-        status.failed_rebuilds = self._failed_rebuilds
-        status.replica_id = self._replica_id
-        # The ingress connects to channel.socket_path(replica_id) when this is true.
-        status.data_channel = DataChannelStatus(listening=self._channel.path is not None, **self._channel.stats())
-        # Per-step timestamps of every rank (the control cost and the skew): the last
-        # summary, refreshed in the background (readiness calls describe too, and must never
-        # wait on a peer).
-        status.step_timings = self._step_timings
-        if self._memory:
-            status.memory = [RankMemory(**m) for m in self._memory]
+    async def describe(self) -> GangStatus:
+        """GET /gang: the gang's report (service.gang_status.GangStatus; the model itself
+        crosses the handle call)."""
         sessions = getattr(self, "_sessions", None)
-        if sessions is not None:
-            status.sessions = sessions.stats()
+        status = self._gang.describe(
+            replica_id=self._replica_id,
+            failed_rebuilds=self._failed_rebuilds,
+            # The ingress connects to channel.socket_path(replica_id) when this is true.
+            data_channel=DataChannelStatus(listening=self._channel.path is not None, **self._channel.stats()),
+            # Per-step timestamps of every rank (the control cost and the skew): the last
+            # summary, refreshed in the background (readiness calls describe too, and must
+            # never wait on a peer).
+            step_timings=self._step_timings,
+            memory=[RankMemory(**m) for m in self._memory],
+            sessions=sessions.stats() if sessions is not None else None,
+        )
         if self._gang.state is GangState.READY and (self._timings_task is None or self._timings_task.done()):
             self._timings_task = asyncio.get_running_loop().create_task(self._refresh_step_timings())
-        return dump(status)
+        return status
 
     async def _refresh_step_timings(self) -> None:
-        self._step_timings = await self._gang.step_loop_stats(timeout_s=2.0)
-        self._memory = await self._gang.memory_stats(timeout_s=2.0)
+        self._step_timings = await self._gang.step_loop_stats(timeout_s=self._t.stats_timeout_s)
+        self._memory = await self._gang.memory_stats(timeout_s=self._t.stats_timeout_s)
 
     def record_routing_stats(self) -> dict[str, object]:
         """Serve asks every tunables.gang.routing_stats_period_s; the router sends requests to ready gangs only."""

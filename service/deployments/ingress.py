@@ -9,8 +9,8 @@ from service.cluster.front_door import own_header_deadlines
 from service.config import AppConfig
 from service.ingress.api import create_api
 from service.ingress.fleet_client import FleetClient
-from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
+from service.ingress.requests import connect
 from service.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 
@@ -26,8 +26,9 @@ class Ingress:
         self._config = AppConfig.model_validate(config)
         enable_ray_metrics(self._config.tunables.fleet)
         own_header_deadlines()  # the request's stated deadline is ours alone (service.cluster.front_door)
-        self._fleet = FleetClient(controller, self._config.tunables)  # /gangs, /readyz, rollouts, /metrics -> the Controller
-        self._gang = GangClient(gang, self._config, self._fleet, app_name=serve.get_replica_context().app_name)
+        # /gangs, /readyz, rollouts, /metrics, the pushed gang status -> the Controller
+        self._fleet = FleetClient(controller, self._config, app_name=serve.get_replica_context().app_name)
+        self._gang = connect(gang, self._config, self._fleet)  # the request policy over the GangServer handle
         self._jobs = JobsClient(jobs, self._config.tunables.ingress.jobs_call_timeout_s)  # training routes -> the JobManager deployment
 
     def __serve_build_asgi_app__(self) -> FastAPI:

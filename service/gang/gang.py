@@ -70,7 +70,7 @@ from service.gang.peers import Calls, PeerGroup
 from service.gang.rank import RankInfo, RankWorker
 from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
-from service.gang_status import GangState, GangStatus
+from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory, SessionStats
 from service.weights.record import ServedWeights
 from service.tunables import GangTunables, StateTunables
 
@@ -323,21 +323,35 @@ class Gang:
             peers = []
         return [{"rank": rank, **stats} for rank, stats in enumerate([root.memory_stats(), *peers]) if stats]
 
-    def describe(self) -> GangStatus:
-        """The gang's part of GET /gang (the GangServer adds its own fields)."""
+    def describe(self, *, replica_id: str, failed_rebuilds: int, data_channel: DataChannelStatus,
+                 step_timings: dict[str, object], memory: list[RankMemory] | None = None,
+                 sessions: SessionStats | None = None) -> GangStatus:
+        """The gang's report (GET /gang): its own fields, and its GangServer's (given here, so
+        the report is built whole, in one place, and checked as it is built). `memory` and
+        `sessions` stay absent from the report when None (a CPU gang; sessions off)."""
+        weights = self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}
+        extra: dict[str, object] = {}
+        if memory:
+            extra["memory"] = memory
+        if sessions is not None:
+            extra["sessions"] = sessions
         return GangStatus(
             world_size=self.cfg.world_size,
             backend=self.backend,
-            step_loop=self._loop_on,
             state=self.state.value,
             reason=self.reason,
-            **(self.weights.public() if self.weights else {"weights_version": 0, "weights_source": None}),
+            **weights,
             generation=self.generation,
             last_bring_up=self.last_bring_up,
             spare=self._spare.status(),
             param_bytes_per_rank=list(self.param_bytes_per_rank),
             batching=self._batcher.stats(),
             ranks=[info.public() for info in self.rank_infos],
+            failed_rebuilds=failed_rebuilds,
+            replica_id=replica_id,
+            data_channel=data_channel,
+            step_timings=step_timings,
+            **extra,
         )
 
     def shutdown(self) -> None:

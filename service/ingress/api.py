@@ -17,9 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.ingress.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.config import AppConfig
 from service.errors import ErrorCode, GangServeError, bounded, describe_validation_errors
-from service.ingress.deps import DecodePool
+from service.ingress.deps import DecodePool, Gang
 from service.ingress.fleet_client import FleetClient
-from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient
 from service.ingress.routes import health, infer
 from service.ingress.oip import routes as oip
@@ -39,7 +38,7 @@ def error_response(status: int, message: str, code: ErrorCode | str, retry_after
     return JSONResponse({"error": bounded(message), "code": code}, status_code=status, headers=headers)
 
 
-def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = None,
+def create_api(config: AppConfig, gang: Gang, jobs: JobsClient | None = None,
                fleet: FleetClient | None = None) -> FastAPI:
     # FastAPIOffline: /docs and /redoc served from the package's static files (no CDN).
     app = FastAPIOffline(
@@ -60,7 +59,7 @@ def create_api(config: AppConfig, gang: GangClient, jobs: JobsClient | None = No
     # dependencies or body parsing (only the metrics middleware is outside it).
     app.add_middleware(AuthMiddleware, api_token=app.state.api_token, infer_token=app.state.infer_token)
     # Outside auth: refused requests are counted too (service.ingress.observe).
-    app.state.fleet = fleet or FleetClient(None)  # the Controller: fleet view, weights record
+    app.state.fleet = fleet or FleetClient(None, config)  # the Controller: fleet view, weights record
     app.state.metrics_publisher = make_publisher(app.state.fleet)
     app.add_middleware(RequestMetrics, publisher=app.state.metrics_publisher)
     app.include_router(health.router)

@@ -1,4 +1,4 @@
-"""FastAPI dependencies: the gang client, the config, a size-capped body reader, and the
+"""FastAPI dependencies: the gang (a Protocol: what the routes call), the fleet, the config, a size-capped body reader, and the
 bounded pool that does heavy decoding off the event loop."""
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
+import numpy as np
 from fastapi import Request
 
 from service.config import AppConfig
 from service.errors import BadRequest, ErrorCode, GangServeError, GangUnavailable, Overloaded, PayloadTooLarge
+from service.gang_status import AnyGangStatus, GangStatus, GangsView
+from service.ingress.diagnosis import Diagnosis
 from service.ingress.fleet_client import FleetClient
-from service.ingress.gang_client import GangClient
+from service.tunables import Tunables
 
 T = TypeVar("T")
 log = logging.getLogger("gangserve.ingress")
@@ -31,7 +34,34 @@ async def get_config(request: Request) -> AppConfig:
     return request.app.state.config
 
 
-async def get_gang(request: Request) -> GangClient:
+class Gang(Protocol):
+    """What the routes ask of the gang (service.ingress.requests.RequestPolicy in the service;
+    a test may hand the routes any object with these methods)."""
+
+    async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    deadline: float | None = None) -> np.ndarray: ...
+
+    async def session_call(self, method: str, *args: Any, session_id: str | None, deadline: float,
+                           **kwargs: Any) -> Any: ...
+
+    async def describe(self) -> AnyGangStatus: ...
+
+    async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
+                             eval_loss: float | None = None) -> GangStatus: ...
+
+    async def rollback_weights(self, version: int) -> GangStatus: ...
+
+
+class FleetReader(Protocol):
+    """What readiness and GET /gangs ask of the fleet view (service.ingress.fleet_client.FleetClient)."""
+
+    tunables: Tunables
+    diagnosis: Diagnosis
+
+    async def gangs(self, for_readiness: bool = False) -> GangsView: ...
+
+
+async def get_gang(request: Request) -> Gang:
     return request.app.state.gang
 
 

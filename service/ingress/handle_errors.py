@@ -14,13 +14,14 @@ unavailable right now, and the client may retry.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
+from service.deadlines import bounded
 from service.errors import ErrorCode, GangServeError, GangUnavailable
 
 log = logging.getLogger("gangserve.ingress")
@@ -56,12 +57,10 @@ async def bounded_call(handle: Any, method: str, *args: Any, what: str, timeout_
     failure goes through `map_handle_error`."""
     response = getattr(handle, method).remote(*args, **kwargs)
     try:
-        return await asyncio.wait_for(awaited(response), timeout_s)
-    except asyncio.TimeoutError:
-        response.cancel()
-        raise unavailable(f"the {what} did not answer {method} within {timeout_s:g}s",
-                          timeout_code or _codes(what)[2], 1.0) from None
-    except Exception as exc:
+        return await bounded(awaited(response), until=time.monotonic() + timeout_s, on_cancel=response.cancel,
+                             timed_out=lambda: unavailable(f"the {what} did not answer {method} within {timeout_s:g}s",
+                                                           timeout_code or _codes(what)[2], 1.0))
+    except Exception as exc:  # the bound's own error comes back out of map_handle_error as it is
         error = map_handle_error(exc, what=what, method=method, unavailable=unavailable)
         if error is None:
             raise

@@ -13,52 +13,52 @@ directly, as the only other source of truth.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from service.ingress.auth import redact_paths
 from service.errors import ErrorCode, GangServeError, GangUnavailable
-from service.gang_status import Readiness, dump
-from service.ingress.gang_client import GangClient, unavailable_error
+from service.gang_status import AnyGangStatus, GangStatus, GangsView, Readiness
+from service.ingress.auth import redact_paths
+from service.ingress.deps import FleetReader, Gang
+from service.ingress.requests import unavailable_error
 
-# A controller up for less than this may not have heard from every gang yet.
 
-
-async def readiness(gang: GangClient) -> dict[str, Any]:
-    """The 200 body (service.gang_status.Readiness, as a dict); raises the 503
-    (a GangServeError naming why) when no gang can serve now."""
+async def readiness(gang: Gang, fleet: FleetReader) -> Readiness:
+    """The 200 body; raises the 503 (a GangServeError naming why) when no gang can serve now."""
+    view: GangsView | None
     try:
-        fleet = await gang.gangs(for_readiness=True)
+        view = await fleet.gangs(for_readiness=True)
     except GangServeError:
-        fleet = None  # the controller is restarting: ask whichever gang the handle reaches
-    up_s = fleet.get("controller_up_s") if fleet is not None else None
-    if fleet is not None and not fleet["gangs"] and not fleet["lost"] and up_s is not None and up_s < gang.tunables.fleet.warm_up_s:
-        fleet = None  # a controller that just (re)started has not heard from the gangs yet
-    if fleet is None:
+        view = None  # the controller is restarting: ask whichever gang the handle reaches
+    if (view is not None and not view.gangs and not view.lost and view.controller_up_s is not None
+            and view.controller_up_s < fleet.tunables.fleet.warm_up_s):
+        view = None  # a controller that just (re)started has not heard from the gangs yet
+    if view is None:
         info = await gang.describe()
-        if info["state"] != "ready":
-            raise unavailable_error(redact_paths(info))
+        if not isinstance(info, GangStatus) or info.state != "ready":
+            raise _unavailable(info)
         return _ready(info, ready=1, desired=None, missing=[])
-    serving = [g for g in fleet["gangs"] if g.get("state") == "ready"]
+    serving = [g for g in view.gangs if g.state == "ready"]
     if serving:
-        gang.saw_ready()
-        return _ready(serving[0], ready=fleet["ready"], desired=fleet["desired"], missing=fleet["missing"])
-    raise await _why_not(gang, fleet)
+        fleet.diagnosis.saw_ready()
+        return _ready(serving[0], ready=view.ready, desired=view.desired, missing=view.missing)
+    raise await _why_not(fleet, view)
 
 
-async def _why_not(gang: GangClient, fleet: dict[str, Any]) -> GangServeError:
-    if fleet["gangs"]:  # gangs exist but none serves: the first one's own words
-        return unavailable_error(redact_paths(fleet["gangs"][0]))
-    lost = fleet["lost"]
-    what = (f"gang {lost[0]['replica_id']} was lost {lost[0]['s_ago']:g}s ago ({lost[0]['reason']})"
+async def _why_not(fleet: FleetReader, view: GangsView) -> GangServeError:
+    if view.gangs:  # gangs exist but none serves: the first one's own words
+        return _unavailable(view.gangs[0])
+    lost = view.lost
+    what = (f"gang {lost[0].replica_id} was lost {lost[0].s_ago:g}s ago ({lost[0].reason})"
             if lost else "no gang has reported yet")
-    status = await gang.diagnose(what)
-    if lost and status["state"] == "scheduling":
-        return GangUnavailable(f"no gang can serve: {redact_paths(status['reason'])}", code=ErrorCode.GANG_RESTARTING,
+    status = await fleet.diagnosis.diagnose(what)
+    if lost and status.state == "scheduling":
+        return GangUnavailable(f"no gang can serve: {redact_paths(status.reason)}", code=ErrorCode.GANG_RESTARTING,
                                retry_after_s=2.0)
-    return unavailable_error(redact_paths(status))
+    return _unavailable(status)
 
 
-def _ready(info: dict[str, Any], *, ready: int, desired: int | None, missing: list[str]) -> dict[str, Any]:
-    return dump(Readiness(status="ready", world_size=info["world_size"], backend=info["backend"],
-                          ready=ready, desired=desired if desired is not None else ready,
-                          missing=redact_paths(missing)))
+def _unavailable(status: AnyGangStatus) -> GangServeError:
+    return unavailable_error(status, reason=redact_paths(status.reason))
+
+
+def _ready(info: GangStatus, *, ready: int, desired: int | None, missing: list[str]) -> Readiness:
+    return Readiness(status="ready", world_size=info.world_size, backend=info.backend, ready=ready,
+                     desired=desired if desired is not None else ready, missing=redact_paths(missing))

@@ -6,6 +6,7 @@ import logging
 from typing import Any, Iterable
 
 from service.metrics.process import MetricSet, process_metrics
+from service.gang_status import GangStatus, SessionStats
 
 log = logging.getLogger("gangserve.metrics")
 
@@ -91,17 +92,15 @@ class GangServerMetrics:
         """One session append answered (service.sessions), `context`: its length bucket."""
         self._m.observe("gangserve_session_append_seconds", seconds, (context,))
 
-    def sessions(self, stats: dict[str, Any]) -> None:
+    def sessions(self, stats: SessionStats) -> None:
         """Gauges and counters from service.sessions.service.SessionService.stats()."""
-        self._m.set("gangserve_sessions_active", float(stats.get("active", 0)), self._replica)
-        for row in stats.get("per_rank", []):
-            for kind in ("used", "capacity"):
-                self._m.set("gangserve_session_cache_bytes", float(row[f"{kind}_bytes"]),
-                            (*self._replica, str(row["rank"]), kind))
-        for name, key in (("gangserve_session_evictions", "evictions"),
-                          ("gangserve_session_recomputed_tokens", "recomputed_tokens")):
+        self._m.set("gangserve_sessions_active", float(stats.active), self._replica)
+        for row in stats.per_rank:
+            for kind, value in (("used", row.used_bytes), ("capacity", row.capacity_bytes)):
+                self._m.set("gangserve_session_cache_bytes", float(value), (*self._replica, str(row.rank), kind))
+        for name, key, now in (("gangserve_session_evictions", "evictions", stats.evictions),
+                               ("gangserve_session_recomputed_tokens", "recomputed_tokens", stats.recomputed_tokens)):
             seen = self._session_counts.get(key, 0)
-            now = int(stats.get(key, 0))
             if now > seen:
                 self._m.inc(name, (), float(now - seen))
                 self._session_counts[key] = now
@@ -112,17 +111,17 @@ class GangServerMetrics:
     def queued(self) -> "_InFlight":
         return _InFlight(self)
 
-    def snapshot(self, info: dict[str, Any]) -> dict[str, list]:
+    def snapshot(self, info: GangStatus) -> dict[str, list]:
         """The replica's gauges from its /gang description, then everything it counted."""
-        self._m.set("gangserve_gang_ready", 1.0 if info.get("state") == "ready" else 0.0, self._replica)
-        self._m.set("gangserve_weights_version", float(info.get("weights_version") or 0), self._replica)
+        self._m.set("gangserve_gang_ready", 1.0 if info.state == "ready" else 0.0, self._replica)
+        self._m.set("gangserve_weights_version", float(info.weights_version), self._replica)
         self._m.set("gangserve_queue_depth", float(self.in_flight), self._replica)
-        if info.get("sessions"):
-            self.sessions(info["sessions"])
-        for rank in info.get("memory") or ():  # CUDA ranks only (GET /gang's `memory`)
-            labels = (*self._replica, str(rank["rank"]))
-            self._m.set("gangserve_gpu_memory_reserved_bytes", float(rank["memory_reserved_bytes"]), labels)
-            self._m.set("gangserve_gpu_max_memory_reserved_bytes", float(rank["max_memory_reserved_bytes"]), labels)
+        if info.sessions:
+            self.sessions(info.sessions)
+        for rank in info.memory or ():  # CUDA ranks only (GET /gang's `memory`)
+            labels = (*self._replica, str(rank.rank))
+            self._m.set("gangserve_gpu_memory_reserved_bytes", float(rank.memory_reserved_bytes), labels)
+            self._m.set("gangserve_gpu_max_memory_reserved_bytes", float(rank.max_memory_reserved_bytes), labels)
         return self._m.snapshot()
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from service.config import AppConfig
 from service.errors import Conflict, ErrorCode, InvalidInput
+from service.gang_status import SessionCacheRank, SessionStats
 from service.gang.gang import Gang
 from service.parallel.model import kv_bytes_per_token
 from service.parallel.registry import resolve
@@ -142,20 +143,16 @@ class SessionService:
         return rows, info
 
     # -- status --------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SessionStats:
+        """GET /gang `sessions`: the registry's figures, each rank's cache, the batcher's counters."""
         reg = self.registry.stats()
         pool = self._gang.kv_pool_bytes()
-        reg["per_rank"] = [{"rank": r, "capacity_bytes": reg["capacity_bytes_per_rank"],
-                            "used_bytes": reg["used_bytes_per_rank"],
-                            **({"allocated_bytes": pool} if r == 0 else {})}
-                           for r in range(self._cfg.world_size)]
-        reg["batching"] = self._batcher.stats()
-        reg["append_latency_ms_p50_by_context"] = {
-            bucket: round(statistics.median(v) * 1000, 3) for bucket, v in sorted(self._latency.items()) if v}
-        return reg
-
-    def latency_samples(self) -> dict[str, list[float]]:
-        return {k: list(v) for k, v in self._latency.items()}
+        per_rank = [SessionCacheRank(rank=r, capacity_bytes=reg["capacity_bytes_per_rank"],
+                                     used_bytes=reg["used_bytes_per_rank"], **({"allocated_bytes": pool} if r == 0 else {}))
+                    for r in range(self._cfg.world_size)]
+        latency = {bucket: round(statistics.median(v) * 1000, 3) for bucket, v in sorted(self._latency.items()) if v}
+        return SessionStats(**reg, per_rank=per_rank, batching=self._batcher.stats(),
+                            append_latency_ms_p50_by_context=latency)
 
     # -- internals -------------------------------------------------------------------------------
     def _require_enabled(self) -> None:

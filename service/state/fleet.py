@@ -33,9 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
-from service.gang_status import GangStatus, LostGangStatus, dump
+from service.gang_status import FleetView, GangStatus, LostGangStatus, dump
 from service.errors import ErrorCode
 from service.metrics.exposition import merge, to_snapshot
 from service.tunables import FleetTunables
@@ -72,17 +70,12 @@ class Fleet:
     version: int = 0  # bumped on every change a request path acts on (see the module docstring)
 
     # -- gangs ------------------------------------------------------------------------------
-    def report(self, replica_id: str, info: dict[str, Any], now: float,
+    def report(self, replica_id: str, status: GangStatus, now: float,
                metrics: dict[str, list] | None = None) -> None:
-        """A gang's `/gang` description (and its metric snapshot), as of `now`. Raises
-        ValueError (the reporting gang logs it) when `info` is not a GangStatus."""
+        """A gang's report (its /gang description) and its metric snapshot, as of `now`. The
+        report is a GangStatus, checked where it was built (service.gang.gang.Gang.describe)."""
         if replica_id in self.lost:
             return  # a late report from a process already seen dead never revives it
-        try:
-            status = GangStatus.model_validate(info)
-        except ValidationError as exc:  # one line: which gang, which field, what it was
-            raise ValueError(f"gang {replica_id}'s report is not a GangStatus (service.gang_status): "
-                             f"{_errors(exc)}") from None
         previous = self.gangs.get(replica_id)
         if (previous is None or previous.unreachable_since is not None or now - previous.reported_at > self.tunables.stale_after_s
                 or _routing_key(previous.info) != _routing_key(status)):
@@ -126,9 +119,9 @@ class Fleet:
         ends = [g.reported_at + self.tunables.stale_after_s for g in self.gangs.values() if self.serving(g, now)]
         return max(0.0, min(ends) - now) + 0.01 if ends else float("inf")
 
-    def view(self, now: float) -> dict[str, Any]:
-        """{"gangs": [the latest /gang of each live gang + replica_id, reported_s_ago],
-        "ready": how many serve now, "lost": [{replica_id, reason, s_ago}]}.
+    def view(self, now: float, controller_up_s: float | None = None) -> FleetView:
+        """The latest report of each live gang (+ `reported_s_ago`), how many serve now, and
+        the gangs lost recently (newest first), at this `version`.
 
         A gang that is not serving although its last report said ready (stale, or the
         controller cannot reach it) is shown with the state it is really in."""
@@ -142,10 +135,12 @@ class Fleet:
                     f"the controller cannot reach this gang's replica for {now - gang.unreachable_since:.1f}s"
                     if gang.unreachable_since is not None else
                     f"no report for {now - gang.reported_at:.1f}s (a gang reports every {self.tunables.report_interval_s:g}s)"))
-            rows.append(dump(gang.info.model_copy(update=update)))
-        lost = [dump(LostGangStatus(replica_id=g.replica_id, reason=g.reason, s_ago=round(now - g.at, 1)))
+            # Validated again: model_copy would take an update's misspelled key without a word.
+            rows.append(GangStatus.model_validate({**dump(gang.info), **update}))
+        lost = [LostGangStatus(replica_id=g.replica_id, reason=g.reason, s_ago=round(now - g.at, 1))
                 for g in sorted(self.lost.values(), key=lambda g: -g.at)]
-        return {"gangs": rows, "ready": sum(1 for r in rows if r.get("state") == "ready"), "lost": lost}
+        return FleetView(gangs=rows, ready=sum(1 for r in rows if r.state == "ready"), lost=lost,
+                         controller_up_s=controller_up_s, version=self.version)
 
     def _forget_old(self, now: float) -> None:
         for rid in [r for r, g in self.lost.items() if now - g.at > self.tunables.lost_kept_s]:
@@ -181,14 +176,8 @@ class Fleet:
 
 def _routing_key(info: GangStatus) -> tuple[Any, ...]:
     """What a request path acts on in a gang's report (its counters and timings are not)."""
-    return (info.state, info.reason, info.generation, info.weights_version,
-            info.data_channel.listening if info.data_channel else None,
-            tuple(r.node_id for r in info.ranks or ()))
-
-
-def _errors(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'report'}: {e['msg']} (found {e.get('input')!r:.60})"
-                     for e in exc.errors())
+    return (info.state, info.reason, info.generation, info.weights_version, info.data_channel.listening,
+            tuple(r.node_id for r in info.ranks))
 
 
 def gang_source(replica_id: str) -> str:

@@ -19,22 +19,25 @@ the fallback clocks count. A failed channel sends requests through the handle fo
 changed); a failed shared-memory hand-off sends tensors by value for `shm_retry_after_s`.
 The counters of each route (GET /gang `ingress_transport`) live here too.
 
-The link does not wait on its own: every call goes through the caller's bounded wait
-(`Bounded`: the request's deadline, the gang's timeout, and giving up as soon as the gang
-is seen unable to answer), so the rules for waiting have one home (service.ingress.gang_client).
+Every wait is bounded by the request's deadline: handle calls through `GangCalls` (which
+carries the deadline to the gang server and maps Ray's errors), the channel's through
+service.deadlines.bounded, the one bounded wait. The link takes no decision about the
+gang (whether to wait for it, retry, or give up when it is seen unable to answer): that is
+the request policy's (service.ingress.requests), which calls the link and reads
+`route_lost_at` to look at the gang's status again after a route failed.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Awaitable, Protocol, TypeVar
 
 import numpy as np
 
-from service.deadlines import seconds_left
-from service.errors import ErrorCode, GangUnavailable
-from service.gang_status import GangStatus, IngressTransport
+from service.deadlines import bounded, seconds_left
+from service.errors import DeadlineExceeded, ErrorCode, GangUnavailable
+from service.gang_status import AnyGangStatus, IngressTransport, SynthesizedStatus
 from service.metrics.process import process_metrics
 from service.transport import shm
 from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
@@ -44,17 +47,12 @@ log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
 
 
-class Bounded(Protocol):
-    """The caller's bounded wait for one call to the gang (see the module docstring)."""
+class GangCalls(Protocol):
+    """Calls to the GangServer replica by a request's `deadline` (time.monotonic(); carried to
+    the gang server as the seconds left), failures mapped to GangServeErrors; keyword
+    arguments go to the method (a `session_id` also steers the request router)."""
 
-    def __call__(self, call: Awaitable[T], what: str, deadline: float | None) -> Awaitable[T]: ...
-
-
-class HandleCall(Protocol):
-    """A bounded Serve handle call to a GangServer method (errors mapped to GangServeErrors);
-    keyword arguments go to the method (a `session_id` also steers the request router)."""
-
-    def __call__(self, method: str, *args: Any, deadline: float | None, **kwargs: Any) -> Awaitable[Any]: ...
+    async def request(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any: ...
 
 
 @dataclass
@@ -69,44 +67,46 @@ class _Counters:
 class GangLink:
     """The route from this ingress replica to the gang's rank 0 (see the module docstring)."""
 
-    def __init__(self, *, node_id: str, channel_enabled: bool, shm_enabled: bool, call: HandleCall,
-                 bounded: Bounded, on_route_lost: Callable[[], None],
+    def __init__(self, *, node_id: str, channel_enabled: bool, shm_enabled: bool, calls: GangCalls,
                  tunables: TransportTunables = TransportTunables()) -> None:
         self._t = tunables  # share threshold, retry-after times, the channel's bounds
         self._node_id = node_id
-        self._on_route_lost = on_route_lost  # a route failed: the caller reads the gang's status again
         self._channel_enabled = channel_enabled
         self._shm_enabled = shm_enabled
-        self._call = call
-        self._bounded = bounded
+        self._calls = calls
         self._seen: tuple[str | None, int | None, str] | None = None  # (replica, generation, state) last observed
         self._channel: ChannelClient | None = None  # the current gang's socket, when the channel is the route
         self._channel_replica: str | None = None
         self._rank0_here = False
         self._channel_retry_at = 0.0
         self._shm_retry_at = 0.0
+        self.route_lost_at = 0.0  # time.monotonic() of the last channel failure (the replica may have changed)
         self._counts = _Counters()
 
-    def observe(self, status: GangStatus) -> None:
+    def observe(self, status: AnyGangStatus) -> None:
         """A fresh status of the gang: choose the route again if its replica, generation or
-        state changed."""
-        key = (status.replica_id, status.generation, status.state)
+        state changed (no gang server answering: handle calls, by value)."""
+        if isinstance(status, SynthesizedStatus):
+            key: tuple[str | None, int | None, str] = (None, None, status.state)
+            ranks, listening, replica = [], False, None
+        else:
+            key = (status.replica_id, status.generation, status.state)
+            ranks, listening, replica = status.ranks, status.data_channel.listening, status.replica_id
         if key == self._seen:
             return
         self._seen = key
-        self._rank0_here = bool(status.ranks) and status.ranks[0].node_id == self._node_id
-        listening = status.data_channel is not None and status.data_channel.listening
-        use_channel = (self._channel_enabled and status.state == "ready" and status.replica_id is not None
+        self._rank0_here = bool(ranks) and ranks[0].node_id == self._node_id
+        use_channel = (self._channel_enabled and status.state == "ready" and replica is not None
                        and self._rank0_here and listening)
-        if not use_channel:
+        if not use_channel or replica is None:
             self._drop_channel()
-        elif status.replica_id != self._channel_replica:  # a new gang server: its socket, a fresh start
+        elif replica != self._channel_replica:  # a new gang server: its socket, a fresh start
             self._drop_channel()
-            self._channel, self._channel_replica = ChannelClient(socket_path(status.replica_id), self._t), status.replica_id
+            self._channel, self._channel_replica = ChannelClient(socket_path(replica), self._t), replica
             self._channel_retry_at = 0.0
 
     async def infer(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
-                    deadline: float | None) -> np.ndarray:
+                    deadline: float) -> np.ndarray:
         """x [batch, seq, E] float32 to rank 0 and its output back, by the current route (the
         mask, causal flag and deadline travel on every route)."""
         share = self._can_share(x)
@@ -121,10 +121,10 @@ class GangLink:
             except shm.SharedMemoryUnavailable as exc:
                 self._shm_failed(exc)
         self._counts.object_store += 1
-        return await self._call("infer", x, mask, causal, deadline=deadline)
+        return await self._calls.request("infer", x, mask, causal, deadline=deadline)
 
     async def session_append(self, x: np.ndarray, length: int | None, *, session_id: str,
-                             deadline: float | None) -> tuple[np.ndarray, dict[str, Any]]:
+                             deadline: float) -> tuple[np.ndarray, dict[str, Any]]:
         """Rows x [n, E] float32 appended to session `session_id` (service.sessions) ->
         (their outputs, the session's state): over the data channel when it is the route
         (one gang: the session's), else a handle call the request router sends to the gang
@@ -132,12 +132,12 @@ class GangLink:
         if self._channel is not None and time.monotonic() >= self._channel_retry_at:
             self._counts.data_channel += 1
             try:
-                return await self._bounded(self._channel.session_append(
-                    x, session_id, length, timeout_s=seconds_left(deadline)), "session append (data channel)", deadline)
+                return await _by(deadline, self._channel.session_append(
+                    x, session_id, length, timeout_s=seconds_left(deadline)), "a session append (data channel)")
             except ChannelUnavailable as exc:  # nothing was appended: the server never answered
                 self._channel_failed(exc)
         self._counts.object_store += 1
-        return await self._call("session_append", x, length, deadline=deadline, session_id=session_id)
+        return await self._calls.request("session_append", x, length, deadline=deadline, session_id=session_id)
 
     def transport(self) -> IngressTransport:
         """GET /gang `ingress_transport`: how this ingress replica has been sending requests."""
@@ -149,28 +149,27 @@ class GangLink:
 
     # -- the routes ------------------------------------------------------------------------
     async def _over_channel(self, channel: ChannelClient, x: np.ndarray, share: bool, mask: np.ndarray | None,
-                            causal: bool | None, deadline: float | None) -> np.ndarray:
+                            causal: bool | None, deadline: float) -> np.ndarray:
         """Inline, or (tensors worth it) through the connection's shared region; the mask inline."""
         self._counts.data_channel += 1
-        what = "infer (data channel)"
+        what = "an inference (data channel)"
         if share:
             try:
-                out = await self._bounded(channel.infer(x, share=True, mask=mask, causal=causal,
-                                                        timeout_s=seconds_left(deadline)), what, deadline)
+                out = await _by(deadline, channel.infer(x, share=True, mask=mask, causal=causal,
+                                                        timeout_s=seconds_left(deadline)), what)
                 self._counts.shared_memory += 1
                 return out
             except shm.SharedMemoryUnavailable as exc:
                 self._shm_failed(exc)  # /dev/shm full or unmappable: send the tensor itself
-        return await self._bounded(channel.infer(x, mask=mask, causal=causal, timeout_s=seconds_left(deadline)),
-                                   what, deadline)
+        return await _by(deadline, channel.infer(x, mask=mask, causal=causal, timeout_s=seconds_left(deadline)), what)
 
     async def _through_shared_memory(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
-                                     deadline: float | None) -> np.ndarray:
+                                     deadline: float) -> np.ndarray:
         """A handle call carrying a reference to x's pages; rank 0 writes the output into them."""
         ref, view = shm.create(x, self._node_id)
         self._counts.shared_memory += 1
         try:  # the mask is small: by value
-            shape = await self._call("infer_shared", ref, mask, causal, deadline=deadline)
+            shape = await self._calls.request("infer_shared", ref, mask, causal, deadline=deadline)
         finally:
             shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
         if tuple(shape) != ref.shape:
@@ -185,8 +184,8 @@ class GangLink:
 
     def _channel_failed(self, exc: Exception) -> None:
         self._counts.data_channel_fallbacks += 1
-        self._channel_retry_at = time.monotonic() + self._t.channel_retry_after_s
-        self._on_route_lost()
+        self.route_lost_at = time.monotonic()
+        self._channel_retry_at = self.route_lost_at + self._t.channel_retry_after_s
         log.warning("data channel failed (%s); using the Serve handle for %.0fs", exc,
                     self._t.channel_retry_after_s)
 
@@ -201,3 +200,9 @@ class GangLink:
         if self._channel is not None:
             self._channel.close()
         self._channel, self._channel_replica = None, None
+
+
+async def _by(deadline: float, call: Awaitable[T], what: str) -> T:
+    """`call` (a data channel exchange) by the request's deadline: 504 deadline_exceeded after."""
+    return await bounded(call, until=deadline, timed_out=lambda: DeadlineExceeded(
+        f"the request's deadline passed while the gang computed {what}"))

@@ -34,7 +34,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from service.config import ModelConfig
 from service.errors import Conflict, ErrorCode, GangServeError, GangStartupError, NotFound
-from service.gang_status import GangState
+from service.gang_status import FleetView, GangState
 from service.state import artifacts
 from service.tunables import GangTunables
 from service.weights.record import (
@@ -246,7 +246,7 @@ class Rollout:
         return True
 
 
-async def wait_for_gangs(watch: Callable[[int], Awaitable[dict[str, Any]]], version: int, timeout_s: float,
+async def wait_for_gangs(watch: Callable[[int], Awaitable[FleetView]], version: int, timeout_s: float,
                          retry_s: float = 0.5) -> tuple[bool, list[dict[str, Any]]]:
     """Wait (at most timeout_s) until every live gang of the app serves weights `version`
     or newer; returns (all there, each gang's {replica_id, state, weights_version}).
@@ -266,10 +266,10 @@ async def wait_for_gangs(watch: Callable[[int], Awaitable[dict[str, Any]]], vers
         except (GangServeError, asyncio.TimeoutError):
             view = None
         if view is not None:
-            known = view.get("version", known)
-            rows = view["gangs"]
-            outcome = [{k: g.get(k) for k in ("replica_id", "state", "weights_version")} for g in rows]
-            if all((g.get("weights_version") or 0) >= version for g in rows):
+            known = view.version
+            outcome = [{"replica_id": g.replica_id, "state": g.state, "weights_version": g.weights_version}
+                       for g in view.gangs]
+            if all(g.weights_version >= version for g in view.gangs):
                 return True, outcome
         if time.monotonic() >= deadline:
             return False, outcome

@@ -14,9 +14,9 @@ from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.ingress.deps import (
     DecodePool, check_declared_length, get_config, get_decode_pool,
-    get_gang, read_body_capped,
+    FleetReader, Gang, get_fleet, get_gang, read_body_capped,
 )
-from service.ingress.gang_client import GangClient
+
 from service.ingress.oip.codec import causal, content_encoding, prepare, reply
 from service.ingress.oip.sequences import rows_of, sequence_of
 from service.ingress.oip.schemas import (
@@ -77,8 +77,8 @@ async def server_live() -> Liveness:
 
 @router.get("/health/ready", summary="200 when the gang can serve, else 503", response_model=Readiness,
             responses=_NOT_READY)
-async def server_ready(gang: GangClient = Depends(get_gang)) -> Readiness:
-    await _require_ready(gang)
+async def server_ready(gang: Gang = Depends(get_gang), fleet: FleetReader = Depends(get_fleet)) -> Readiness:
+    await _require_ready(gang, fleet)
     return Readiness(ready=True)
 
 
@@ -96,16 +96,17 @@ async def model_metadata_version(version: str, cfg: AppConfig = Depends(get_conf
 
 @router.get(f"/models/{MODEL_NAME}/ready", summary="200 when the model can serve, else 503",
             response_model=Readiness, responses=_NOT_READY)
-async def model_ready(gang: GangClient = Depends(get_gang)) -> Readiness:
-    await _require_ready(gang)
+async def model_ready(gang: Gang = Depends(get_gang), fleet: FleetReader = Depends(get_fleet)) -> Readiness:
+    await _require_ready(gang, fleet)
     return Readiness(ready=True)
 
 
 @router.get(f"/models/{MODEL_NAME}/versions/{{version}}/ready", summary="Model readiness (versioned)",
             response_model=Readiness, responses={**_NOT_READY, **_VERSION_404})
-async def model_ready_version(version: str, gang: GangClient = Depends(get_gang)) -> Readiness:
+async def model_ready_version(version: str, gang: Gang = Depends(get_gang),
+                              fleet: FleetReader = Depends(get_fleet)) -> Readiness:
     _check_version(version)
-    await _require_ready(gang)
+    await _require_ready(gang, fleet)
     return Readiness(ready=True)
 
 
@@ -125,7 +126,7 @@ async def infer(
     output_dtype: _DtypeName | None = _OutputDtype,
     header_length: int | None = _HeaderLength,
     cfg: AppConfig = Depends(get_config),
-    gang: GangClient = Depends(get_gang),
+    gang: Gang = Depends(get_gang),
     pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
     return await _infer(request, output_dtype, header_length, cfg, gang, pool)
@@ -140,7 +141,7 @@ async def infer_version(
     output_dtype: _DtypeName | None = _OutputDtype,
     header_length: int | None = _HeaderLength,
     cfg: AppConfig = Depends(get_config),
-    gang: GangClient = Depends(get_gang),
+    gang: Gang = Depends(get_gang),
     pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
     _check_version(version)
@@ -148,7 +149,7 @@ async def infer_version(
 
 
 async def _infer(
-    request: Request, output_dtype: str | None, header_length: int | None, cfg: AppConfig, gang: GangClient,
+    request: Request, output_dtype: str | None, header_length: int | None, cfg: AppConfig, gang: Gang,
     pool: DecodePool,
 ) -> Response:
     started = time.monotonic()  # the deadline counts from here (service.deadlines)
@@ -210,6 +211,6 @@ def _check_version(version: str) -> None:
         raise NotFound(f"model {MODEL_NAME!r} has version {MODEL_VERSION!r} only; got {version!r:.50}")
 
 
-async def _require_ready(gang: GangClient) -> None:
+async def _require_ready(gang: Gang, fleet: FleetReader) -> None:
     """The same readiness as /readyz (one function, one answer)."""
-    await readiness(gang)
+    await readiness(gang, fleet)

@@ -9,14 +9,13 @@ reason) only to callers with the API token; everyone else gets them as '<path>'.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from fastapi import APIRouter, Depends, Request
 
-from service.gang_status import GangsView, GangStatus, Readiness
+from service.gang_status import GangsView, GangStatus, Readiness, SynthesizedStatus, dump
 from service.ingress.auth import has_api_token, optional_api_auth, redact_paths
-from service.ingress.deps import get_gang
-from service.ingress.gang_client import GangClient
+from service.ingress.deps import FleetReader, Gang, get_fleet, get_gang
 from service.ingress.readiness import readiness
 
 router = APIRouter(tags=["health"])
@@ -34,10 +33,10 @@ async def healthz() -> dict[str, str]:
     response_model_exclude_unset=True,
     responses={503: {"description": "gang not ready: starting, rebuilding, broken or unschedulable"}},
 )
-async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
+async def readyz(gang: Gang = Depends(get_gang), fleet: FleetReader = Depends(get_fleet)) -> Readiness:
     """Ready while at least one gang serves now (service.ingress.readiness, which
     /v2/health/ready shares)."""
-    return await readiness(gang)
+    return await readiness(gang, fleet)
 
 
 @router.get(
@@ -50,20 +49,22 @@ async def readyz(gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
     response_model=GangsView,
     response_model_exclude_unset=True,
 )
-async def gangs_info(request: Request, gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
-    info = await gang.gangs()
-    return info if has_api_token(request) else redact_paths(info)
+async def gangs_info(request: Request, fleet: FleetReader = Depends(get_fleet)) -> dict[str, Any]:
+    body = dump(await fleet.gangs())
+    return body if has_api_token(request) else redact_paths(body)
 
 
 @router.get(
     "/gang",
     summary="World size, backend, state, weights version and every rank's placement",
-    description="File-system paths (e.g. a checkpoint's location) are shown only with the API token.",
+    description="A gang's own report, or (no gang server answers) why there is none: its state "
+    "(scheduling, unschedulable), the error code a request gets, and the reason. "
+    "File-system paths (e.g. a checkpoint's location) are shown only with the API token.",
     dependencies=[Depends(optional_api_auth)],
     openapi_extra={"security": [{}]},  # the token is optional here
-    response_model=GangStatus,
+    response_model=Union[GangStatus, SynthesizedStatus],
     response_model_exclude_unset=True,
 )
-async def gang_info(request: Request, gang: GangClient = Depends(get_gang)) -> dict[str, Any]:
-    info = await gang.describe()
-    return info if has_api_token(request) else redact_paths(info)
+async def gang_info(request: Request, gang: Gang = Depends(get_gang)) -> dict[str, Any]:
+    body = dump(await gang.describe())
+    return body if has_api_token(request) else redact_paths(body)

@@ -21,9 +21,9 @@ from service.ingress.auth import inference_auth
 from service.config import AppConfig
 from service.ingress.deps import (
     DecodePool, check_declared_length, get_config, get_decode_pool,
-    get_gang, read_body_capped,
+    Gang, get_gang, read_body_capped,
 )
-from service.ingress.gang_client import GangClient
+
 from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY
 
 router = APIRouter(tags=["inference"], dependencies=[Depends(inference_auth)])
@@ -92,7 +92,7 @@ async def infer(
         "(the checkpoint's recorded `causal`, else the builder's `causal`)."
     ),
     cfg: AppConfig = Depends(get_config),
-    gang: GangClient = Depends(get_gang),
+    gang: Gang = Depends(get_gang),
     pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
     started = time.monotonic()  # the deadline counts from here (service.deadlines)

@@ -26,9 +26,9 @@ from service.errors import InvalidInput
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.ingress.deps import (
-    DecodePool, check_declared_length, get_config, get_decode_pool, get_gang, read_body_capped,
+    DecodePool, Gang, check_declared_length, get_config, get_decode_pool, get_gang, read_body_capped,
 )
-from service.ingress.gang_client import GangClient
+
 from service.ingress.routes.infer import _encode
 from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY
 
@@ -42,7 +42,7 @@ _OutputDtype = Query(None, description="Reply dtype; default: the request's dtyp
              response_class=Response, openapi_extra=OPTIONAL_INFER_SECURITY, responses=INFER_ERROR_RESPONSES,
              status_code=201)
 async def open_session(request: Request, output_dtype: _DtypeName | None = _OutputDtype,
-                       cfg: AppConfig = Depends(get_config), gang: GangClient = Depends(get_gang),
+                       cfg: AppConfig = Depends(get_config), gang: Gang = Depends(get_gang),
                        pool: DecodePool = Depends(get_decode_pool)) -> Response:
     deadline = _deadline(request, cfg)
     decoded = await _rows(request, cfg, pool, output_dtype, optional=True)
@@ -59,7 +59,7 @@ async def open_session(request: Request, output_dtype: _DtypeName | None = _Outp
 async def append(session_id: str, request: Request, output_dtype: _DtypeName | None = _OutputDtype,
                  length: int | None = Query(None, ge=0, description="Precondition: the session's length before "
                                             "this append (409 `session_length_mismatch` otherwise): a safe retry."),
-                 cfg: AppConfig = Depends(get_config), gang: GangClient = Depends(get_gang),
+                 cfg: AppConfig = Depends(get_config), gang: Gang = Depends(get_gang),
                  pool: DecodePool = Depends(get_decode_pool)) -> Response:
     deadline = _deadline(request, cfg)
     decoded = await _rows(request, cfg, pool, output_dtype, optional=False)
@@ -72,7 +72,7 @@ async def append(session_id: str, request: Request, output_dtype: _DtypeName | N
 @router.get("/sessions/{session_id}", summary="A session: length, weights version, created, last used, bytes held",
             openapi_extra=OPTIONAL_INFER_SECURITY, responses=INFER_ERROR_RESPONSES)
 async def get_session(session_id: str, request: Request, cfg: AppConfig = Depends(get_config),
-                      gang: GangClient = Depends(get_gang)) -> JSONResponse:
+                      gang: Gang = Depends(get_gang)) -> JSONResponse:
     info = await gang.session_call("session_info", session_id=session_id, deadline=_deadline(request, cfg))
     return JSONResponse(info, headers=_headers(info))
 
@@ -80,7 +80,7 @@ async def get_session(session_id: str, request: Request, cfg: AppConfig = Depend
 @router.delete("/sessions/{session_id}", summary="End a session (its cache blocks and kept inputs are freed)",
                openapi_extra=OPTIONAL_INFER_SECURITY, responses=INFER_ERROR_RESPONSES)
 async def delete_session(session_id: str, request: Request, cfg: AppConfig = Depends(get_config),
-                         gang: GangClient = Depends(get_gang)) -> JSONResponse:
+                         gang: Gang = Depends(get_gang)) -> JSONResponse:
     info = await gang.session_call("session_close", session_id=session_id, deadline=_deadline(request, cfg))
     return JSONResponse(info)
 

@@ -28,10 +28,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import ErrorCode, InvalidInput
+from service.gang_status import dump
 from service.ingress.auth import require_token
-from service.ingress.deps import check_declared_length, get_fleet, get_gang
+from service.ingress.deps import Gang, check_declared_length, get_fleet, get_gang
 from service.ingress.fleet_client import FleetClient
-from service.ingress.gang_client import GangClient
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, ErrorBody
 from service.weights.gate import check_eval_gate, job_eval_loss
@@ -137,7 +137,7 @@ def _one_target(req: WeightsRequest) -> str:
                                     "recorded version)"}},
 )
 async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs),
-                       gang: GangClient = Depends(get_gang), fleet: FleetClient = Depends(get_fleet)) -> dict[str, Any]:
+                       gang: Gang = Depends(get_gang), fleet: FleetClient = Depends(get_fleet)) -> dict[str, Any]:
     what = _one_target(req)
     target: dict[str, Any] = {"job_id": None, "path": None}
     if what == "version":
@@ -154,7 +154,7 @@ async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs)
         info = await gang.reload_weights(target["path"], target["job_id"], eval_loss)
     # One gang swaps and records the new version; every other gang of the app follows the
     # record within a few seconds (each swap atomic); the reply reports where each one is.
-    version = int(info.get("weights_version") or 0)
+    version = info.weights_version
     rolled_out, gangs = await wait_for_gangs(fleet.watch, version, timeout_s=fleet.tunables.ingress.rollout_timeout_s)
     return {"job_id": target["job_id"], "checkpoint": target["path"], "weights_version": version,
-            "rollback_of": req.version, "rolled_out": rolled_out, "gangs": gangs, "gang": info}
+            "rollback_of": req.version, "rolled_out": rolled_out, "gangs": gangs, "gang": dump(info)}

@@ -1,0 +1,273 @@
+"""The ingress -> rank 0 link (service.transport.link.GangLink), on its own: the route it
+takes for each gang status, its fallbacks and its counters (GET /gang `ingress_transport`).
+
+Real parts throughout: a real ChannelServer and ChannelClient over a real Unix socket, real
+shared memory in /dev/shm (the channel's region and the handle path's files). What stands
+in for the GangServer replica is `_Rank0`, a small in-process object with the replica's
+handle methods (`infer`, `infer_shared`, `session_append`) computing y = 2x + 1; every
+expected output below is computed here with numpy, not by the code under test.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.gang_status import DataChannelStatus, GangStatus, SynthesizedStatus
+from service.transport import channel, shm
+from service.transport.channel import ChannelServer
+from service.transport.link import GangLink
+from service.tunables import TransportTunables
+from tests.helpers import rand
+from tests.statuses import gang_report
+
+pytestmark = pytest.mark.unit
+
+HERE = "node0"  # the link's node; rank 0 runs there unless a test says otherwise
+TUNABLES = TransportTunables(min_shared_bytes=4096)  # 1024 float32 values and up go through shared memory
+
+
+def expected(x: np.ndarray) -> np.ndarray:
+    return 2.0 * x.astype(np.float32) + 1.0
+
+
+def _compute(x: np.ndarray) -> np.ndarray:
+    """The stand-in gang's function (y = 2x + 1, float32)."""
+    return (x * np.float32(2.0) + np.float32(1.0)).astype(np.float32)
+
+
+class _Rank0:
+    """The GangServer replica's handle methods, in process (service.transport.link.GangCalls)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def request(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any:
+        self.calls.append(method)
+        assert deadline > time.monotonic(), "a request was sent past its deadline"
+        if method == "infer":
+            x, _mask, _causal = args
+            return _compute(x)
+        if method == "infer_shared":
+            ref, _mask, _causal = args
+            view = shm.open_ref(ref, HERE)  # as the replica does: read the pages, write the reply into them
+            view[...] = _compute(view)
+            return view.shape
+        if method == "session_append":
+            x, length = args
+            return _compute(x), {"session_id": kwargs["session_id"], "length": (length or 0) + len(x)}
+        raise AssertionError(f"unexpected call {method}")
+
+
+def _status(listening: bool = True, rank0_node: str = HERE, replica_id: str = "replica1", state: str = "ready",
+            generation: int = 1) -> GangStatus:
+    ranks = [{"rank": r, "node_id": rank0_node if r == 0 else "node1", "node_ip": "10.0.0.1", "pid": 100 + r,
+              "device": "cpu", "iface": None} for r in range(2)]
+    return gang_report(state=state, replica_id=replica_id, ranks=ranks, generation=generation,
+                       data_channel=DataChannelStatus(listening=listening, requests=0, refused_overloaded=0,
+                                                      disconnected=0, in_flight=0))
+
+
+def _link(rank0: _Rank0, channel_enabled: bool = True, shm_enabled: bool = True) -> GangLink:
+    return GangLink(node_id=HERE, channel_enabled=channel_enabled, shm_enabled=shm_enabled, calls=rank0,
+                    tunables=TUNABLES)
+
+
+async def _serve_channel(replica_id: str = "replica1") -> ChannelServer:
+    async def infer(x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    timeout_s: float | None = None) -> np.ndarray:
+        return _compute(x)
+
+    async def append(x: np.ndarray, length: int | None, timeout_s: float | None = None,
+                     session_id: str = "") -> tuple[np.ndarray, dict[str, Any]]:
+        return _compute(x), {"session_id": session_id, "length": (length or 0) + len(x)}
+
+    server = ChannelServer(infer, max_in_flight=4, session_append=append, tunables=TUNABLES)
+    assert await server.start(replica_id)
+    return server
+
+
+def _counts(link: GangLink) -> dict[str, int]:
+    t = link.transport()
+    return {"data_channel": t.data_channel, "data_channel_fallbacks": t.data_channel_fallbacks,
+            "shared_memory": t.shared_memory, "shared_memory_fallbacks": t.shared_memory_fallbacks,
+            "object_store": t.object_store}
+
+
+@pytest.fixture(autouse=True)
+def _sockets_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)
+
+
+def _shm_files() -> set[str]:
+    return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}*")} if shm.SHM_DIR.is_dir() else set()
+
+
+def test_a_ready_gang_with_rank_0_here_is_served_over_the_channel_inline_and_shared() -> None:
+    small, big = rand(1, 4, 8, seed=1), rand(2, 16, 64, seed=2)  # 128 B inline; 8 KiB through the region
+    rank0 = _Rank0()
+
+    async def main() -> list[np.ndarray]:
+        server = await _serve_channel()
+        link = _link(rank0)
+        try:
+            link.observe(_status())
+            deadline = time.monotonic() + 10
+            return [await link.infer(small, None, None, deadline), await link.infer(big, None, None, deadline)]
+        finally:
+            link.close()
+            server.close()
+
+    out_small, out_big = asyncio.run(main())
+    np.testing.assert_array_equal(out_small, expected(small))
+    np.testing.assert_array_equal(out_big, expected(big))
+    assert rank0.calls == []  # nothing took the handle
+
+
+def test_a_channel_that_went_down_falls_back_to_the_handle_and_is_not_retried_at_once() -> None:
+    x = rand(1, 4, 8, seed=3)
+    rank0 = _Rank0()
+
+    async def main() -> tuple[list[np.ndarray], dict[str, int], float]:
+        server = await _serve_channel()
+        link = _link(rank0)
+        try:
+            link.observe(_status())
+            deadline = time.monotonic() + 10
+            first = await link.infer(x, None, None, deadline)  # over the channel
+            await server.drain(1.0)  # the gang server goes away: its connections close unanswered
+            before = time.monotonic()
+            outs = [first, await link.infer(x, None, None, deadline), await link.infer(x, None, None, deadline)]
+            assert link.route_lost_at >= before  # the request policy reads it: look at the gang again
+            return outs, _counts(link), link.route_lost_at
+        finally:
+            link.close()
+
+    outs, counts, _ = asyncio.run(main())
+    for out in outs:
+        np.testing.assert_array_equal(out, expected(x))
+    # One channel attempt failed (counted as sent and as a fallback); then the handle, twice,
+    # without trying the channel again within channel_retry_after_s.
+    assert counts == {"data_channel": 2, "data_channel_fallbacks": 1, "shared_memory": 0,
+                      "shared_memory_fallbacks": 0, "object_store": 2}, counts
+    assert rank0.calls == ["infer", "infer"]
+
+
+@pytest.mark.parametrize("status", [
+    _status(listening=False),  # the gang server has no socket
+    _status(rank0_node="node1"),  # rank 0 runs on another node
+    _status(state="rebuilding"),  # not ready: its socket may belong to a gang that is going
+], ids=["not-listening", "rank0-elsewhere", "rebuilding"])
+def test_without_a_usable_channel_requests_take_the_handle(status: GangStatus) -> None:
+    x = rand(1, 4, 8, seed=4)
+    rank0 = _Rank0()
+
+    async def main() -> np.ndarray:
+        server = await _serve_channel()  # listening, but not the route for this status
+        link = _link(rank0)
+        try:
+            link.observe(status)
+            return await link.infer(x, None, None, time.monotonic() + 10)
+        finally:
+            link.close()
+            server.close()
+
+    np.testing.assert_array_equal(asyncio.run(main()), expected(x))
+    assert rank0.calls == ["infer"]
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
+def test_the_handle_path_hands_big_tensors_over_shared_memory_and_leaves_no_file() -> None:
+    big, small = rand(2, 16, 64, seed=5), rand(1, 2, 8, seed=6)
+    rank0 = _Rank0()
+    before = _shm_files()
+
+    async def main() -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        link = _link(rank0, channel_enabled=False)
+        link.observe(_status())
+        deadline = time.monotonic() + 10
+        return await link.infer(big, None, None, deadline), await link.infer(small, None, None, deadline), _counts(link)
+
+    out_big, out_small, counts = asyncio.run(main())
+    np.testing.assert_array_equal(out_big, expected(big))
+    np.testing.assert_array_equal(out_small, expected(small))
+    assert rank0.calls == ["infer_shared", "infer"]  # the small one is not worth a file
+    assert counts["shared_memory"] == 1 and counts["object_store"] == 1 and counts["data_channel"] == 0, counts
+    assert _shm_files() <= before
+
+
+def test_a_failed_shared_memory_hand_off_sends_tensors_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "SHM_DIR", Path("/nonexistent-shm-dir"))  # as if /dev/shm were gone or full
+    big = rand(2, 16, 64, seed=7)
+    rank0 = _Rank0()
+
+    async def main() -> tuple[list[np.ndarray], dict[str, int]]:
+        link = _link(rank0, channel_enabled=False)
+        link.observe(_status())
+        deadline = time.monotonic() + 10
+        return [await link.infer(big, None, None, deadline), await link.infer(big, None, None, deadline)], _counts(link)
+
+    outs, counts = asyncio.run(main())
+    for out in outs:
+        np.testing.assert_array_equal(out, expected(big))
+    # One failed hand-off, then by value without trying shared memory again for a while.
+    assert counts["shared_memory_fallbacks"] == 1 and counts["object_store"] == 2 and counts["shared_memory"] == 0
+    assert rank0.calls == ["infer", "infer"]
+
+
+def test_a_gang_that_cannot_answer_drops_the_channel_and_a_new_replica_gets_its_own() -> None:
+    """No gang server answers (a synthesized status): the channel is dropped; the next ready
+    status names another replica: the link connects to that replica's socket."""
+    x = rand(1, 4, 8, seed=8)
+    rank0 = _Rank0()
+
+    async def main() -> dict[str, int]:
+        first, second = await _serve_channel("replica1"), await _serve_channel("replica2")
+        link = _link(rank0)
+        try:
+            deadline = time.monotonic() + 10
+            link.observe(_status(replica_id="replica1"))
+            np.testing.assert_array_equal(await link.infer(x, None, None, deadline), expected(x))
+            link.observe(SynthesizedStatus(state="scheduling", code="gang_scheduling", reason="waiting for CPUs"))
+            np.testing.assert_array_equal(await link.infer(x, None, None, deadline), expected(x))  # the handle
+            await first.drain(1.0)  # the old replica is gone; the new one listens
+            link.observe(_status(replica_id="replica2", generation=1))
+            np.testing.assert_array_equal(await link.infer(x, None, None, deadline), expected(x))
+            assert second.requests == 1 and first.requests == 1
+            return _counts(link)
+        finally:
+            link.close()
+            first.close()
+            second.close()
+
+    counts = asyncio.run(main())
+    assert counts["data_channel"] == 2 and counts["data_channel_fallbacks"] == 0 and counts["object_store"] == 1
+    assert rank0.calls == ["infer"]
+
+
+def test_session_appends_take_the_channel_then_the_handle_when_it_fails() -> None:
+    rows = rand(1, 5, 8, seed=9)[0]  # [5, E]
+    rank0 = _Rank0()
+
+    async def main() -> list[tuple[np.ndarray, dict[str, Any]]]:
+        server = await _serve_channel()
+        link = _link(rank0)
+        try:
+            link.observe(_status())
+            deadline = time.monotonic() + 10
+            first = await link.session_append(rows[:3], 0, session_id="s-1", deadline=deadline)
+            await server.drain(1.0)
+            second = await link.session_append(rows[3:], 3, session_id="s-1", deadline=deadline)
+            return [first, second]
+        finally:
+            link.close()
+
+    (out1, info1), (out2, info2) = asyncio.run(main())
+    np.testing.assert_array_equal(out1, expected(rows[:3]))
+    np.testing.assert_array_equal(out2, expected(rows[3:]))
+    assert (info1["length"], info2["length"]) == (3, 5)
+    assert rank0.calls == ["session_append"]  # only the second, after the channel failed
