@@ -61,22 +61,12 @@ FLAG_CAUSAL = 2
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
-def step_header(seq: int, shape: tuple[int, ...], flags: int, dtype: torch.dtype, version: int,
-                sent_ns: int) -> torch.Tensor:
-    batch, seq_len, width = shape
-    return torch.tensor([OP_STEP, seq, batch, seq_len, width, flags, DTYPE_CODES[dtype], version, sent_ns, 0],
-                        dtype=torch.int64)
-
-
-def append_header(seq: int, sessions: int, rows: int, width: int, dtype: torch.dtype, version: int,
-                  sent_ns: int, meta_len: int) -> torch.Tensor:
-    """An OP_APPEND header: `sessions` sessions, `rows` new rows of `width`, a plan of `meta_len` values."""
-    return torch.tensor([OP_APPEND, seq, sessions, rows, width, 0, DTYPE_CODES[dtype], version, sent_ns, meta_len],
-                        dtype=torch.int64)
-
-
-def op_header(op: int, seq: int, sent_ns: int) -> torch.Tensor:
-    return torch.tensor([op, seq, 0, 0, 0, 0, 0, 0, sent_ns, 0], dtype=torch.int64)
+def header(op: int, seq: int, sent_ns: int, *, batch: int = 0, seq_len: int = 0, width: int = 0, flags: int = 0,
+           dtype: torch.dtype | None = None, version: int = 0, meta_len: int = 0) -> torch.Tensor:
+    """One header (the layout above); a step kind's fields come from its declaration
+    (service.gang.steps), a heartbeat's or a stop's are 0."""
+    code = DTYPE_CODES[dtype] if dtype is not None else 0
+    return torch.tensor([op, seq, batch, seq_len, width, flags, code, version, sent_ns, meta_len], dtype=torch.int64)
 
 
 def empty_header() -> torch.Tensor:
