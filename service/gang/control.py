@@ -12,14 +12,15 @@ Header: `HEADER_LEN` int64 values, indices named by the constants below::
 
     [OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, META_LEN]
 
-    OP       OP_STEP, OP_HEARTBEAT, OP_STOP or OP_APPEND (a session append step: BATCH is
-             the number of sessions, SEQ_LEN the step's new rows T; see below)
+    OP       OP_HEARTBEAT, OP_STOP, or a step kind's (service.gang.steps.KINDS: OP_STEP,
+             OP_APPEND, a session append step: BATCH is the number of sessions, SEQ_LEN
+             the step's new rows T; see below)
     SEQ      rank 0's sequence number of this header (+1 per header, heartbeats included)
-    BATCH, SEQ_LEN, WIDTH   the step's input shape [batch, seq, E] (OP_STEP only)
+    BATCH, SEQ_LEN, WIDTH   the step's input shape [batch, seq, E] (steps only)
     FLAGS    FLAG_MASKED: a key mask follows x in the data broadcast; FLAG_CAUSAL
     DTYPE    DTYPE_CODES[compute dtype]: a peer computing in another dtype refuses the step
     VERSION  the weights version the step expects (a peer holding another computes on
-             NaN and records the mismatch; see RankWorker._forward)
+             NaN and records the mismatch; see Rank.collective)
     SENT_NS  rank 0's time.time_ns() when it sent the header (instrumentation only)
     META_LEN OP_APPEND only: the int64 values of the step's plan (0 otherwise)
 
