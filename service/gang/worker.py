@@ -1,6 +1,7 @@
 """One rank of the gang as a plain class: process-group membership plus its shard of the model.
 
-`Rank` rendezvouses, loads its shard, runs the peers' step loop and rank 0's root step.
+`Rank` rendezvouses, loads its shard, runs the peers' step loop (dispatching on each
+header's OP through the step kinds' table, service.gang.steps) and every step's collectives.
 It imports neither Ray nor pydantic nor the service's configuration (torch, numpy,
 safetensors and the standard library only), so the same code runs as rank 0 inside the
 GangServer replica, as a Ray actor for ranks 1..N-1 (service.gang.rank.RankWorker wraps
@@ -23,7 +24,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
