@@ -257,8 +257,8 @@ class Gang:
         mine = {t[0]: t for t in self._timings[-window:]}
         group = self._peers
         try:  # off the sequencer (a stats read never waits behind a step): no heartbeats from here
-            peers = await asyncio.to_thread(group.call, "loop_timings", stage="step timings", timeout_s=self._t.stats_timeout_s,
-                                            tick=False)
+            peers = await asyncio.to_thread(group.call, "loop_timings", stage="step timings",
+                                            timeout_s=self._t.stats_timeout_s, tick=False)
         except Exception as exc:  # a stats read must never fail /gang
             return {"enabled": True, "error": f"{type(exc).__name__}: {first_line(exc)}"}
         by_peer = [{t[0]: t for t in p} for p in peers]
@@ -413,7 +413,8 @@ class Gang:
                 stages.done("start_loop")
 
             # Stage 5: warmup. One tiny request proves every collective path works.
-            self._run_step(Forward(np.zeros((1, 1, model.embed_dim), dtype=np.float32)))
+            self._run_step(Forward(np.zeros((1, 1, model.embed_dim), dtype=np.float32),
+                                   causal=self._root.default_causal))
             stages.done("warmup")
         except Exception as exc:
             self._teardown()
