@@ -208,8 +208,7 @@ def bench_equal_compute(base: str, n: int, load_s: float) -> dict[str, dict]:
     2-process TP step."""
     from ray import serve
 
-    from bench.bare_tp import bare_step_ms
-    from bench.peers import EchoPeer, NaivePeer
+    from bench.peers import NaivePeer
     from harness.local import local_yaml_args
     from service.app import build_app
 

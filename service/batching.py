@@ -33,6 +33,10 @@ can stop waiting for its result then. A queued request whose caller is cancelled
 client disconnected, or the ingress gave up) is dropped as well. `on_drop(reason, n)`
 hears of both ("deadline", "cancelled"), for /metrics; `stats()` counts them.
 
+The queue, the deadlines, cancellation and the steps in flight are `BatchQueue`, the
+batching core that the session appends' batcher (service.sessions.batcher) runs on too;
+`StepBatcher` adds only how requests group (padding) and what a step does with them.
+
 It is the one batcher on the request path, in the GangServer (one gang step per batch):
 the ingress sends every request on its own, so this batcher sees the requests of every
 ingress replica at once, and Serve counts each as an ongoing request of the gang (what its
@@ -45,7 +49,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Generic, TypeVar
 
 import numpy as np
 
@@ -62,14 +66,163 @@ StepObserver = Callable[[int, float, "BaseException | None", float], None]
 
 
 @dataclass(eq=False)  # identity: `in` / remove() must never compare the arrays
-class _Pending:
+class Queued:
+    """One queued call as the batching core sees it (each batcher adds its own input)."""
+
+    future: asyncio.Future
+    deadline: float | None  # time.monotonic() instant; None: none
+    timer: asyncio.TimerHandle | None = None
+    expired_in_step: bool = False  # answered at its deadline after its group was taken
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+@dataclass(frozen=True)
+class DeadlineWords:
+    """What a caller is told when its deadline passes: queued (never computed), taken but
+    not yet started (never computed), or while its step runs."""
+
+    queued: str
+    before_step: str
+    running: str
+
+
+class BatchQueue(Generic[Q]):
+    """The batching core under both batchers (this module's StepBatcher, and the session
+    appends' service.sessions.batcher): the queue, one deadline mechanism, cancellation
+    and the steps in flight. What forms a group (`take`) and what a step does with it
+    (`run`: it answers every member's future) are the batcher's.
+
+    Deadlines: a timer per queued call answers it at its deadline (queued: dropped and
+    never computed; taken: DeadlineExceeded now, its step's other members unaffected).
+    A caller that goes away while queued is dropped. At most `max_in_flight` steps run at
+    once; calls that arrive meanwhile form the next group. With `inline_when_idle`, a call
+    that finds the queue idle runs its step in its own task, at no cost over calling it."""
+
+    def __init__(self, take: Callable[[list[Q]], list[Q]], run: Callable[[list[Q], "float | None"], Awaitable[None]],
+                 words: DeadlineWords, *, max_in_flight: int = 1, wait_s: float = 0.0,
+                 company: Callable[[list[Q]], bool] = lambda queued: False, inline_when_idle: bool = False,
+                 on_drop: DropObserver | None = None) -> None:
+        self._take, self._run, self._words = take, run, words
+        self._wait_s = wait_s  # linger this long for company while `company(queued)` says more may come
+        self._company = company
+        self._inline = inline_when_idle
+        self._on_drop = on_drop
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._running: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
+        self.pending: list[Q] = []
+        self._drainer: asyncio.Task | None = None
+        self.inline_steps = 0  # steps run in the submitting task (the queue was idle)
+        self.expired_queued = 0  # dropped uncomputed: deadline passed while queued
+        self.expired_running = 0  # deadline passed while their step ran
+        self.cancelled_queued = 0  # dropped uncomputed: the caller went away
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no step running (a drain waits for this)."""
+        return not self.pending and not self._running and not self._slots.locked()
+
+    async def submit(self, item: Q) -> object:
+        """Queue `item` and wait for its answer (what `run` set on its future)."""
+        loop = asyncio.get_running_loop()
+        if item.deadline is not None and item.deadline <= time.monotonic():
+            self.dropped("deadline", 1)
+            raise DeadlineExceededBeforeStep(self._words.queued)
+        if self._inline and not self.pending and self._wait_s <= 0 and not self._slots.locked():
+            # Idle: nobody to batch with and a slot free. Run the step in the caller's own
+            # task (no drainer or group task, no extra loop iterations); calls that arrive
+            # meanwhile queue as usual and form the next group.
+            await self._slots.acquire()  # free, so this does not yield
+            self.inline_steps += 1
+            await self._run_group([item])
+            return item.future.result()
+        self.pending.append(item)
+        if item.deadline is not None:
+            item.timer = loop.call_at(_loop_time(loop, item.deadline), self._expire, item)
+        if self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain())
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            if item in self.pending:  # not taken yet: it will never run
+                self.pending.remove(item)
+                self.dropped("cancelled", 1)
+            raise
+        finally:
+            if item.timer is not None:
+                item.timer.cancel()
+
+    def dropped(self, reason: str, n: int) -> None:
+        """`n` calls dropped uncomputed (`reason`: "deadline" or "cancelled")."""
+        if reason == "deadline":
+            self.expired_queued += n
+        else:
+            self.cancelled_queued += n
+        if self._on_drop is not None:
+            self._on_drop(reason, n)
+
+    def _expire(self, item: Q) -> None:
+        """`item`'s deadline: answer it now, and drop it if it has not been taken yet."""
+        if item.future.done():
+            return
+        if item in self.pending:
+            self.pending.remove(item)
+            self.dropped("deadline", 1)
+            item.future.set_exception(DeadlineExceededBeforeStep(self._words.queued))
+        else:
+            self.expired_running += 1
+            item.expired_in_step = True
+            item.future.set_exception(DeadlineExceeded(self._words.running))
+
+    def _drop_late(self, items: list[Q]) -> list[Q]:
+        """Answer the members of `items` whose deadline has passed (never computed) and
+        remove them from it; returns the rest."""
+        now = time.monotonic()
+        late = [q for q in items if q.deadline is not None and q.deadline <= now]
+        if late:
+            for q in late:
+                items.remove(q)
+                if not q.future.done():
+                    q.future.set_exception(DeadlineExceededBeforeStep(self._words.before_step))
+            self.dropped("deadline", len(late))
+        return items
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.pending:
+            await self._slots.acquire()  # calls keep queueing while every slot is busy
+            if self._wait_s > 0 and self._company(self.pending):
+                await asyncio.sleep(self._wait_s)
+            self.pending = [q for q in self.pending if not q.future.done()]
+            self._drop_late(self.pending)  # before `take`: a late call takes no room in the group
+            group = self._take(self.pending) if self.pending else []
+            taken = {id(q) for q in group}
+            self.pending = [q for q in self.pending if id(q) not in taken]
+            if not group:
+                self._slots.release()
+                continue
+            task = loop.create_task(self._run_group(group))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run_group(self, group: list[Q]) -> None:
+        """One step for `group` (holding one slot); late members are answered uncomputed."""
+        try:
+            group = self._drop_late(group)  # expired between being taken and now: never computed
+            if not group:
+                return
+            deadlines = [q.deadline for q in group]
+            await self._run(group, None if None in deadlines else max(d for d in deadlines if d is not None))
+        finally:
+            self._slots.release()
+
+
+@dataclass(eq=False, kw_only=True)
+class _Pending(Queued):
     x: np.ndarray  # [batch, seq, E]
     mask: np.ndarray | None  # [batch, seq] bool, True = token; None = all tokens
     causal: bool | None  # None: the served model's default
-    future: asyncio.Future
-    deadline: float | None = None  # time.monotonic() instant; None: none
-    timer: asyncio.TimerHandle | None = None
-    expired_in_step: bool = False  # answered at its deadline after its group was taken
 
     @property
     def rows(self) -> int:
@@ -93,29 +246,23 @@ class BatchPolicy:
 
 
 class StepBatcher:
-    """Coalesces concurrent `submit` calls into steps, as `policy` says."""
+    """Coalesces concurrent `submit` calls into steps, as `policy` says (on a BatchQueue)."""
 
     def __init__(self, run_step: StepFn, policy: BatchPolicy, *, on_step: StepObserver | None = None,
                  on_drop: DropObserver | None = None) -> None:
         self._run_step = run_step
         self._on_step = on_step
-        self._on_drop = on_drop
         self._max_rows = policy.max_batch_size
         self._max_padding = policy.max_padding_fraction
-        self._wait_s = policy.wait_s
-        self._slots = asyncio.Semaphore(policy.max_in_flight)
-        self._running: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
-        self._pending: list[_Pending] = []
-        self._drainer: asyncio.Task | None = None
+        self._queue: BatchQueue[_Pending] = BatchQueue(
+            self._take_group, self._step, _REQUEST_DEADLINE, max_in_flight=policy.max_in_flight,
+            wait_s=policy.wait_s, company=lambda queued: sum(p.rows for p in queued) < self._max_rows,
+            inline_when_idle=True, on_drop=on_drop)
         self.steps = 0  # counters for /gang and the benchmark
         self.requests = 0
-        self.inline_steps = 0  # steps run in the submitting task (the batcher was idle)
         self.tokens = 0  # batch rows x seq of every step, padding included
         self.padded_tokens = 0  # of which padding added to batch mixed lengths
         self.mixed_steps = 0  # steps that padded requests of different lengths
-        self.expired_queued = 0  # requests dropped uncomputed: deadline passed while queued
-        self.expired_running = 0  # requests whose deadline passed while their step ran
-        self.cancelled_queued = 0  # requests dropped uncomputed: the caller went away
         self._step_ms: deque[float] = deque(maxlen=256)
         self._padded_share: deque[float] = deque(maxlen=256)
 
@@ -126,7 +273,7 @@ class StepBatcher:
         return {
             "steps": self.steps,
             "requests": self.requests,
-            "inline_steps": self.inline_steps,
+            "inline_steps": self._queue.inline_steps,
             "recent_step_ms_p50": round(statistics.median(recent), 3) if recent else 0.0,
             "mixed_length_steps": self.mixed_steps,
             "tokens": self.tokens,
@@ -134,153 +281,69 @@ class StepBatcher:
             "padded_token_share": round(self.padded_tokens / self.tokens, 4) if self.tokens else 0.0,
             "recent_padded_token_share_mean": round(statistics.fmean(shares), 4) if shares else 0.0,
             "max_padding_fraction": self._max_padding,
-            "expired_queued": self.expired_queued,
-            "expired_running": self.expired_running,
-            "cancelled_queued": self.cancelled_queued,
+            "expired_queued": self._queue.expired_queued,
+            "expired_running": self._queue.expired_running,
+            "cancelled_queued": self._queue.cancelled_queued,
         }
 
     @property
     def idle(self) -> bool:
         """Nothing queued and no step running (a drain waits for this)."""
-        return not self._pending and not self._running and not self._slots.locked()
+        return self._queue.idle
 
     async def submit(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                      deadline: float | None = None) -> np.ndarray:
         """x [batch, seq, E] (+ key mask [batch, seq] bool, causal) -> this request's output
         [batch, seq, E] from the batched step; DeadlineExceeded at `deadline` (monotonic)."""
-        loop = asyncio.get_running_loop()
-        item = _Pending(x, mask, causal, loop.create_future(), deadline)
-        if deadline is not None and deadline <= time.monotonic():
-            self._dropped("deadline", 1)
-            raise DeadlineExceededBeforeStep("the request's deadline passed before it could be computed")
-        if not self._pending and self._wait_s <= 0 and not self._slots.locked():
-            # Idle: nobody to batch with and a slot free. Run the step in the caller's own
-            # task (no drainer or group task, no extra loop iterations); requests that
-            # arrive meanwhile queue as usual and form the next batch.
-            await self._slots.acquire()  # free, so this does not yield
-            # The step function itself stops waiting at the deadline (it gets it).
-            self.inline_steps += 1
-            await self._run_group([item])
-            return item.future.result()
-        self._pending.append(item)
-        if deadline is not None:
-            item.timer = loop.call_at(_loop_time(loop, deadline), self._expire, item)
-        if self._drainer is None or self._drainer.done():
-            self._drainer = loop.create_task(self._drain())
+        item = _Pending(asyncio.get_running_loop().create_future(), deadline, x=x, mask=mask, causal=causal)
+        out = await self._queue.submit(item)
+        assert isinstance(out, np.ndarray)
+        return out
+
+    async def _step(self, group: list[_Pending], deadline: float | None) -> None:
+        """One gang step for `group`; every member gets its rows or the error."""
+        x, mask, padded = pad_group([(p.x, p.mask) for p in group])
+        rows, seq = int(x.shape[0]), int(x.shape[1])
+        share = padded / (rows * seq) if rows * seq else 0.0
+        started = time.perf_counter()
         try:
-            return await item.future
-        except asyncio.CancelledError:
-            if item in self._pending:  # not taken yet: it will never run
-                self._pending.remove(item)
-                self._dropped("cancelled", 1)
-            raise
-        finally:
-            if item.timer is not None:
-                item.timer.cancel()
-
-    def _expire(self, item: _Pending) -> None:
-        """`item`'s deadline: answer it now, and drop it if it has not been taken yet."""
-        if item.future.done():
-            return
-        if item in self._pending:
-            self._pending.remove(item)
-            self._dropped("deadline", 1)
-            item.future.set_exception(DeadlineExceededBeforeStep(
-                "the request's deadline passed while it was queued for the gang; it was not computed"))
-        else:
-            self.expired_running += 1
-            item.expired_in_step = True
-            item.future.set_exception(DeadlineExceeded(
-                "the request's deadline passed before the gang's answer to it was ready"))
-
-    def _dropped(self, reason: str, n: int) -> None:
-        if reason == "deadline":
-            self.expired_queued += n
-        else:
-            self.cancelled_queued += n
-        if self._on_drop is not None:
-            self._on_drop(reason, n)
-
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            await self._slots.acquire()  # requests keep queueing while every slot is busy
-            if self._wait_s > 0 and self._pending_rows() < self._max_rows:
-                await asyncio.sleep(self._wait_s)
-            group = self._take_group()
-            if not group:
-                self._slots.release()
-                continue
-            task = loop.create_task(self._run_group(group))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-
-    async def _run_group(self, group: list[_Pending]) -> None:
-        """One step for `group` (holding one slot); every member gets its rows or the error."""
-        try:
-            now = time.monotonic()
-            late = [p for p in group if p.deadline is not None and p.deadline <= now]
-            if late:  # expired between being taken and now: never computed
-                for p in late:
-                    if not p.future.done():
-                        p.future.set_exception(DeadlineExceededBeforeStep(
-                            "the request's deadline passed before its gang step started; it was not computed"))
-                self._dropped("deadline", len(late))
-                group = [p for p in group if p not in late]
-                if not group:
-                    return
-            deadlines = [p.deadline for p in group]
-            step_deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
-            x, mask, padded = pad_group([(p.x, p.mask) for p in group])
-            rows, seq = int(x.shape[0]), int(x.shape[1])
-            share = padded / (rows * seq) if rows * seq else 0.0
-            started = time.perf_counter()
-            try:
-                out = await self._run_step(x, mask, group[0].causal, step_deadline)  # [sum b_i, S, E]
-            except Exception as exc:
-                if isinstance(exc, DeadlineExceededBeforeStep):  # the step function dropped it uncomputed (the sequencer)
-                    self.expired_running -= sum(1 for p in group if p.expired_in_step)
-                    self._dropped("deadline", len(group))
-                if self._on_step:
-                    self._on_step(rows, time.perf_counter() - started, exc, share)
-                for p in group:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                return
-            self._step_ms.append((time.perf_counter() - started) * 1000)
+            out = await self._run_step(x, mask, group[0].causal, deadline)  # [sum b_i, S, E]
+        except Exception as exc:
+            if isinstance(exc, DeadlineExceededBeforeStep):  # the step function dropped it uncomputed (the sequencer)
+                self._queue.expired_running -= sum(1 for p in group if p.expired_in_step)
+                self._queue.dropped("deadline", len(group))
             if self._on_step:
-                self._on_step(rows, self._step_ms[-1] / 1000, None, share)
-            self.steps += 1
-            self.requests += len(group)
-            self.tokens += rows * seq
-            self.padded_tokens += padded
-            self._padded_share.append(share)
-            if padded:
-                self.mixed_steps += 1
-            start = 0
+                self._on_step(rows, time.perf_counter() - started, exc, share)
             for p in group:
                 if not p.future.done():
-                    mine = out[start : start + p.rows]
-                    # Cut back to the request's own length (a copy: the reply must not pin
-                    # the whole step's output, and encoders want C order).
-                    p.future.set_result(mine if p.seq == seq else np.ascontiguousarray(mine[:, : p.seq]))
-                start += p.rows
-        finally:
-            self._slots.release()
+                    p.future.set_exception(exc)
+            return
+        self._step_ms.append((time.perf_counter() - started) * 1000)
+        if self._on_step:
+            self._on_step(rows, self._step_ms[-1] / 1000, None, share)
+        self.steps += 1
+        self.requests += len(group)
+        self.tokens += rows * seq
+        self.padded_tokens += padded
+        self._padded_share.append(share)
+        if padded:
+            self.mixed_steps += 1
+        start = 0
+        for p in group:
+            if not p.future.done():
+                mine = out[start : start + p.rows]
+                # Cut back to the request's own length (a copy: the reply must not pin
+                # the whole step's output, and encoders want C order).
+                p.future.set_result(mine if p.seq == seq else np.ascontiguousarray(mine[:, : p.seq]))
+            start += p.rows
 
-    def _pending_rows(self) -> int:
-        return sum(p.rows for p in self._pending)
-
-    def _take_group(self) -> list[_Pending]:
+    def _take_group(self, pending: list[_Pending]) -> list[_Pending]:
         """The oldest request, plus queued ones of the same `causal`, closest in length first,
         while rows <= max_batch_size and the padded share <= max_padding_fraction."""
-        self._pending = [p for p in self._pending if not p.future.done()]
-        if not self._pending:
-            return []
-        first = self._pending[0]
+        first = pending[0]
         group, rows, seq_max, real = [first], first.rows, first.seq, first.rows * first.seq
         candidates = sorted(
-            (p for p in self._pending[1:] if p.causal == first.causal),
+            (p for p in pending[1:] if p.causal == first.causal),
             key=lambda p: abs(p.seq - first.seq),  # stable: FIFO among equal distances
         )
         for p in candidates:
@@ -292,9 +355,13 @@ class StepBatcher:
                 continue
             group.append(p)
             rows, seq_max, real = new_rows, new_max, new_real
-        taken = {id(p) for p in group}
-        self._pending = [p for p in self._pending if id(p) not in taken]
         return group
+
+
+_REQUEST_DEADLINE = DeadlineWords(
+    queued="the request's deadline passed while it was queued for the gang; it was not computed",
+    before_step="the request's deadline passed before its gang step started; it was not computed",
+    running="the request's deadline passed before the gang's answer to it was ready")
 
 
 def pad_group(items: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None, int]:

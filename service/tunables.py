@@ -55,9 +55,6 @@ class GangTunables:
 
     __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
-    stats_timeout_s: float = knob(2.0, (
-        "Bound on the background read of the peers' step timings and device memory (GET /gang's "
-        "step_timings, memory): a peer busy in a long step must not hold the summary; the next /gang asks again."))
     probe_interval_s: float = knob(2.0, (
         "How often the supervisor probes a ready gang's peers (one small Ray call per rank) and asks "
         "the Controller for a newer weights version. A peer that dies while no request runs is found "
@@ -100,6 +97,14 @@ class GangTunables:
         "How often Serve asks each GangServer for its routing stats (is its gang ready): a gang that just "
         "broke may get requests for up to this long, which fail fast (503), never wait."))
     routing_stats_timeout_s: float = knob(5.0, "Serve's bound on one routing-stats call.")
+    peer_answer_timeout_s: float = knob(5.0, (
+        "Bound on the sequencer's small questions to the peers: a liveness probe and, after a poisoned "
+        "step, why a rank refused it (`step_error`); capped at collective_timeout_s. The sequencer waits "
+        "on them, so a peer that does not answer within this marks the gang BROKEN instead of stalling "
+        "every queued request."))
+    stats_timeout_s: float = knob(2.0, (
+        "Bound on reading the peers' step timings and device memory for GET /gang (off the sequencer, "
+        "refreshed in the background): a slow peer leaves the last summary in place, never delays /gang."))
 
     def heartbeat_interval(self, collective_timeout_s: float) -> float:
         """Idle time after which rank 0 sends a heartbeat header to the step loops."""

@@ -299,3 +299,45 @@ def test_deadline_sources_and_bad_values() -> None:
     # Behind the front door the ingress alone times the header: exactly what it says.
     assert deadlines.request_deadline(100.0, 120.0, 6.0, behind_serve_proxy=False) == 106.0
     assert deadlines.request_deadline(100.0, 120.0, 6.0, 5.0, behind_serve_proxy=False) == 105.0
+
+
+def test_session_appends_share_the_core_deadlines_and_one_append_per_session_per_step() -> None:
+    """service.sessions.batcher.AppendBatcher on the batching core: appends of distinct
+    sessions share a step, a session's second append waits for the next one; a deadline
+    that passes while queued drops the append (never run), one that passes while its step
+    runs answers 504 at once and the step still completes."""
+    from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+    from service.sessions.batcher import AppendBatcher
+    from service.sessions.registry import Session, StepItem
+
+    steps: list[list[str]] = []
+
+    async def run_step(items: list[StepItem], deadline: float | None) -> list[tuple[np.ndarray, dict]]:
+        steps.append([item.session.id for item in items])
+        await asyncio.sleep(0.2)
+        return [(item.x * 2, {"session_id": item.session.id}) for item in items]
+
+    def session(sid: str) -> Session:
+        return Session(sid, time.time(), time.monotonic(), time.time())
+
+    async def scenario() -> tuple[list, AppendBatcher]:
+        batcher = AppendBatcher(run_step, max_sessions_per_step=8, max_rows_per_step=64, num_blocks=64,
+                                blocks_for=lambda n: n, wait_s=0.0)
+        a, b, c = session("a"), session("b"), session("c")
+        x = np.ones((2, 4), dtype=np.float32)
+        now = time.monotonic()
+        results = await asyncio.gather(
+            batcher.submit(a, x, None), batcher.submit(b, x, None), batcher.submit(a, x * 3, None),
+            batcher.submit(c, x, now + 0.1),  # its step runs 0.2 s: 504 while it runs, the step completes
+            return_exceptions=True)
+        late = await asyncio.gather(batcher.submit(b, x, time.monotonic() - 1), return_exceptions=True)
+        return [*results, *late], batcher
+
+    results, batcher = asyncio.run(scenario())
+    assert steps == [["a", "b", "c"], ["a"]], steps  # a's second append waits for the next step
+    np.testing.assert_array_equal(results[2][0], np.full((2, 4), 6.0, dtype=np.float32))
+    assert isinstance(results[3], DeadlineExceeded) and not isinstance(results[3], DeadlineExceededBeforeStep)
+    assert isinstance(results[4], DeadlineExceededBeforeStep)  # never queued for a step
+    stats = batcher.stats()
+    assert (stats["steps"], stats["appends"], stats["expired_queued"], stats["queued"]) == (2, 4, 1, 0), stats
+    assert batcher.idle

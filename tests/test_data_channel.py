@@ -38,11 +38,11 @@ def _affine(x: np.ndarray) -> np.ndarray:
 
 def _run_with_server(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: Callable[[ChannelServer, ChannelClient], Awaitable[Any]],
-    infer: Callable[[np.ndarray], Awaitable[np.ndarray]] | None = None, max_in_flight: int = 8,
+    infer: Callable[..., Awaitable[np.ndarray]] | None = None, max_in_flight: int = 8,
 ) -> Any:
     monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)
 
-    async def default_infer(x: np.ndarray) -> np.ndarray:
+    async def default_infer(x: np.ndarray, mask: Any = None, causal: Any = None, timeout_s: Any = None) -> np.ndarray:
         return _affine(x)
 
     async def main() -> Any:
@@ -85,7 +85,7 @@ def test_shared_region_is_reused_and_leaves_no_file(tmp_path: Path, monkeypatch:
         pytest.skip("needs a writable /dev/shm")
     seen: list[np.ndarray] = []
 
-    async def infer(x: np.ndarray) -> np.ndarray:
+    async def infer(x: np.ndarray, mask: Any = None, causal: Any = None, timeout_s: Any = None) -> np.ndarray:
         seen.append(x)
         return _affine(x)
 
@@ -120,7 +120,7 @@ def test_gang_errors_cross_with_type_code_and_retry_after(tmp_path: Path, monkey
         CollectiveTimeout("a collective timed out"),
     ])
 
-    async def failing(_: np.ndarray) -> np.ndarray:
+    async def failing(_: np.ndarray, mask: Any = None, causal: Any = None, timeout_s: Any = None) -> np.ndarray:
         raise next(errors)
 
     async def body(_: ChannelServer, client: ChannelClient) -> None:
@@ -139,7 +139,7 @@ def test_gang_errors_cross_with_type_code_and_retry_after(tmp_path: Path, monkey
 def test_more_calls_than_max_in_flight_are_refused_as_overloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release = asyncio.Event()
 
-    async def slow(x: np.ndarray) -> np.ndarray:
+    async def slow(x: np.ndarray, mask: Any = None, causal: Any = None, timeout_s: Any = None) -> np.ndarray:
         await release.wait()
         return _affine(x)
 
@@ -166,7 +166,7 @@ def test_no_socket_a_foreign_owner_or_a_server_that_dies_is_channel_unavailable(
         with pytest.raises(ChannelUnavailable, match="no data channel"):
             await ChannelClient(channel.socket_path("nobody")).infer(rand(1, 2, 8))
 
-        async def dies(_: np.ndarray) -> np.ndarray:
+        async def dies(_: np.ndarray, mask: Any = None, causal: Any = None, timeout_s: Any = None) -> np.ndarray:
             # The connection's handler ends without a reply, as when the replica dies.
             raise asyncio.CancelledError()
 
@@ -311,7 +311,10 @@ def test_a_session_append_crosses_the_channel_with_its_state(tmp_path: Path, mon
         return _affine(x), {"session_id": session_id, "length": (length or 0) + x.shape[0]}
 
     async def main() -> None:
-        server = ChannelServer(lambda x: _affine(x), max_in_flight=4, session_append=append)  # type: ignore[arg-type,return-value]
+        async def infer(x: np.ndarray, mask: Any = None, causal: Any = None, timeout_s: Any = None) -> np.ndarray:
+            return _affine(x)
+
+        server = ChannelServer(infer, max_in_flight=4, session_append=append)
         assert await server.start("sess")
         client = ChannelClient(channel.socket_path("sess"))
         try:
@@ -398,7 +401,8 @@ def test_mask_and_causal_travel_on_the_channel(tmp_path: Path, monkeypatch: pyte
         pytest.skip("needs a writable /dev/shm")
     seen: list[tuple] = []
 
-    async def infer(x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None) -> np.ndarray:
+    async def infer(x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
+                    timeout_s: float | None = None) -> np.ndarray:
         seen.append((x.copy(), None if mask is None else mask.copy(), causal))
         return _affine(x)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from service.gang.failures import PeerCallFailed, is_timeout
+from service.gang.failures import PeerCallFailed, WeightsVersionMismatch, is_timeout, is_version_mismatch
 from service.gang.peers import PeerGroup
 
 pytestmark = pytest.mark.ray
@@ -34,6 +34,13 @@ def _peers(ray_cluster: Any, behaviours: list[str], **kwargs: Any) -> tuple[Peer
             if self.behaviour == "hang":
                 time.sleep(SLOW_S)
             return self.rank, x
+
+        def step_error(self, seq: int) -> RuntimeError | None:  # as service.gang.worker.Rank answers it
+            if self.behaviour == "refuse":
+                return WeightsVersionMismatch(f"rank {self.rank} holds weights version 1, the step expected {seq}")
+            if self.behaviour == "loop failed":
+                return RuntimeError(f"rank {self.rank}: step {seq} failed: a message naming the weights version")
+            return None
 
     actors = [Peer.remote(rank, b) for rank, b in enumerate(behaviours, start=1)]
     ray.get([a.__ray_ready__.remote() for a in actors], timeout=60)
@@ -113,3 +120,14 @@ def test_settle_collects_every_rank_without_raising(ray_cluster: Any) -> None:
     ticks.clear()
     group.call("answer", 6, stage="step timings", timeout_s=0.5, collect="settle", tick=False)
     assert ticks == []
+
+
+def test_a_refusal_crosses_ray_as_its_type_and_is_read_by_type(ray_cluster: Any) -> None:
+    """`step_error` answers with the refusal itself: rank 0 reads a weights-version refusal by
+    its type after the Ray hop, and a loop failure whose words mention weights is not one."""
+    group, _ = _peers(ray_cluster, ["ok", "refuse", "loop failed"])
+    none, refusal, failure = group.call("step_error", 7, stage="step error")
+    assert none is None
+    assert isinstance(refusal, WeightsVersionMismatch) and is_version_mismatch(refusal)
+    assert "expected 7" in str(refusal)
+    assert isinstance(failure, RuntimeError) and not is_version_mismatch(failure)

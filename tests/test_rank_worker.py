@@ -2,7 +2,7 @@
 
 Rank 0 and rank 1 are spawned with torch.multiprocessing and run exactly what the gang
 runs: rank 0 hosts the store, both rendezvous, load the seed weights, rank 1 starts its
-step loop and rank 0 drives steps with headers and `root_step`. Checked against the
+step loop and rank 0 drives steps with headers and `Forward.root` (service.gang.steps). Checked against the
 independent dense reference (nn.MultiheadAttention with the same weights), then: a peer
 killed in the middle of a step gives rank 0 an error at once, a peer that stops gives a
 timeout error within the group timeout, teardown is bounded, and a second gang forms in
@@ -45,14 +45,14 @@ def _step(rank: Any, seq: int, x: np.ndarray, mask: np.ndarray | None, causal: b
           between: Any = None) -> np.ndarray:
     """What the gang's sequencer does for one step with the step loop on; `between()` runs
     after the header went out, before rank 0's own collectives."""
-    from service.gang import control
+    from service.gang.steps import Forward
 
-    flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
-    rank.send_header(control.step_header(seq, x.shape, flags, rank.dtype, 1, time.time_ns()))
+    step = Forward(x, mask, causal)
+    rank.send_header(step.header(seq, rank.dtype, 1, time.time_ns()))
     rank.step_seq = seq
     if between is not None:
         between()
-    return rank.root_step(x, 1, mask, causal)
+    return step.root(rank, 1)
 
 
 def _peer_main(port: int, timeout_s: float) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from service.gang import control
+from service.gang.steps import Forward
 from service.tunables import GangTunables
 from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
@@ -29,14 +30,15 @@ ALLOWED = {200, 503, 504}
 
 @pytest.mark.unit
 def test_header_layout_is_fixed_and_carries_every_step_field() -> None:
-    h = control.step_header(7, (2, 3, 512), control.FLAG_MASKED | control.FLAG_CAUSAL, torch.bfloat16, 4, 99)
+    step = Forward(np.zeros((2, 3, 512), dtype=np.float32), np.ones((2, 3), dtype=bool), causal=True)
+    h = step.header(7, torch.bfloat16, 4, 99)
     assert h.dtype == torch.int64 and h.shape == (control.HEADER_LEN,)
     values = h.tolist()
     assert values[control.OP] == control.OP_STEP and values[control.SEQ] == 7
     assert values[control.BATCH:control.WIDTH + 1] == [2, 3, 512]
     assert values[control.FLAGS] == 3 and values[control.VERSION] == 4 and values[control.SENT_NS] == 99
     assert values[control.DTYPE] == control.DTYPE_CODES[torch.bfloat16]
-    beat = control.op_header(control.OP_HEARTBEAT, 8, 0)
+    beat = control.header(control.OP_HEARTBEAT, 8, 0)
     assert beat.shape == h.shape and beat.tolist()[control.OP] == control.OP_HEARTBEAT
     # Two heartbeats may be late before a peer's wait (the group timeout) runs out.
     assert GangTunables().heartbeat_interval(30.0) * 2 < 30.0

@@ -131,6 +131,7 @@ def copies_and_step() -> None:
 
 def rank_root_step() -> None:
     """The real rank (service.gang.worker.Rank) at world size 1 on CUDA (the CPU in the dry run)."""
+    from service.gang.steps import Forward
     from service.gang.worker import PlainModel, Rank
 
     rank = Rank(0, 1, device=torch.device(DEV.type, 0), node_ip="127.0.0.1", device_how="tier A")
@@ -139,12 +140,12 @@ def rank_root_step() -> None:
     x = np.random.default_rng(0).standard_normal((128, 8, E)).astype(np.float32)
     mask = _mask(128, 8).numpy()
     row("rank allocator conf", rank.allocator_conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "(CPU: none)")
-    row("rank root_step 128x8x512 (pinned in/out, sync), wall p50 ms", f"{wall_ms(lambda: rank.root_step(x, 1)):.3f}")
-    row("rank root_step masked 128x8x512, wall p50 ms", f"{wall_ms(lambda: rank.root_step(x, 1, mask)):.3f}")
-    rank.root_step(x, 1)
+    row("rank root_step 128x8x512 (pinned in/out, sync), wall p50 ms", f"{wall_ms(lambda: Forward(x).root(rank, 1)):.3f}")
+    row("rank root_step masked 128x8x512, wall p50 ms", f"{wall_ms(lambda: Forward(x, mask).root(rank, 1)):.3f}")
+    Forward(x).root(rank, 1)
     row("rank step clock broadcast->forward (CUDA events), ms", f"{(rank.last_forward_ns - rank.last_bcast_ns) / 1e6:.3f}")
     small = x[:1, :1]
-    row("rank root_step 1x1x512, wall p50 ms", f"{wall_ms(lambda: rank.root_step(small, 1)):.3f}")
+    row("rank root_step 1x1x512, wall p50 ms", f"{wall_ms(lambda: Forward(small).root(rank, 1)):.3f}")
     row("rank memory_stats", rank.memory_stats() or "(CPU: none)")
     rank.close()
 

@@ -81,21 +81,21 @@ def _inputs(batch: int = 4, seq: int = 24) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Driver:
-    """Rank 0's side of a step, as the gang's sequencer does it (service.gang.gang._compute)."""
+    """Rank 0's side of a step, as the gang's sequencer does it (service.gang.gang.Gang._run_step)."""
 
     def __init__(self, rank: Any) -> None:
         self.rank, self.seq = rank, 0
 
     def step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool = False, between: Any = None) -> np.ndarray:
-        from service.gang import control
+        from service.gang.steps import Forward
 
         self.seq += 1
-        flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
-        self.rank.send_header(control.step_header(self.seq, x.shape, flags, self.rank.dtype, 1, time.time_ns()))
+        step = Forward(x, mask, causal)
+        self.rank.send_header(step.header(self.seq, self.rank.dtype, 1, time.time_ns()))
         self.rank.step_seq = self.seq
         if between is not None:
             between()
-        return self.rank.root_step(x, 1, mask, causal)
+        return step.root(self.rank, 1)
 
 
 def _peer_main(port: int, backend: str, model: Any, timeout_s: float, env: dict[str, str], gen: int) -> None:

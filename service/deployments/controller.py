@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 from ray import serve
 from ray.actor import ActorHandle

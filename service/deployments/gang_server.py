@@ -208,8 +208,8 @@ class GangServer:
         return status
 
     async def _refresh_step_timings(self) -> None:
-        self._step_timings = await self._gang.step_loop_stats(timeout_s=self._t.stats_timeout_s)
-        self._memory = await self._gang.memory_stats(timeout_s=self._t.stats_timeout_s)
+        self._step_timings = await self._gang.step_loop_stats()
+        self._memory = await self._gang.memory_stats()
 
     def record_routing_stats(self) -> dict[str, object]:
         """Serve asks every tunables.gang.routing_stats_period_s; the router sends requests to ready gangs only."""

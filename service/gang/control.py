@@ -12,14 +12,15 @@ Header: `HEADER_LEN` int64 values, indices named by the constants below::
 
     [OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, META_LEN]
 
-    OP       OP_STEP, OP_HEARTBEAT, OP_STOP or OP_APPEND (a session append step: BATCH is
-             the number of sessions, SEQ_LEN the step's new rows T; see below)
+    OP       OP_HEARTBEAT, OP_STOP, or a step kind's (service.gang.steps.KINDS: OP_STEP,
+             OP_APPEND, a session append step: BATCH is the number of sessions, SEQ_LEN
+             the step's new rows T; see below)
     SEQ      rank 0's sequence number of this header (+1 per header, heartbeats included)
-    BATCH, SEQ_LEN, WIDTH   the step's input shape [batch, seq, E] (OP_STEP only)
+    BATCH, SEQ_LEN, WIDTH   the step's input shape [batch, seq, E] (steps only)
     FLAGS    FLAG_MASKED: a key mask follows x in the data broadcast; FLAG_CAUSAL
     DTYPE    DTYPE_CODES[compute dtype]: a peer computing in another dtype refuses the step
     VERSION  the weights version the step expects (a peer holding another computes on
-             NaN and records the mismatch; see RankWorker._forward)
+             NaN and records the mismatch; see Rank.collective)
     SENT_NS  rank 0's time.time_ns() when it sent the header (instrumentation only)
     META_LEN OP_APPEND only: the int64 values of the step's plan (0 otherwise)
 
@@ -61,22 +62,12 @@ FLAG_CAUSAL = 2
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
-def step_header(seq: int, shape: tuple[int, ...], flags: int, dtype: torch.dtype, version: int,
-                sent_ns: int) -> torch.Tensor:
-    batch, seq_len, width = shape
-    return torch.tensor([OP_STEP, seq, batch, seq_len, width, flags, DTYPE_CODES[dtype], version, sent_ns, 0],
-                        dtype=torch.int64)
-
-
-def append_header(seq: int, sessions: int, rows: int, width: int, dtype: torch.dtype, version: int,
-                  sent_ns: int, meta_len: int) -> torch.Tensor:
-    """An OP_APPEND header: `sessions` sessions, `rows` new rows of `width`, a plan of `meta_len` values."""
-    return torch.tensor([OP_APPEND, seq, sessions, rows, width, 0, DTYPE_CODES[dtype], version, sent_ns, meta_len],
-                        dtype=torch.int64)
-
-
-def op_header(op: int, seq: int, sent_ns: int) -> torch.Tensor:
-    return torch.tensor([op, seq, 0, 0, 0, 0, 0, 0, sent_ns, 0], dtype=torch.int64)
+def header(op: int, seq: int, sent_ns: int, *, batch: int = 0, seq_len: int = 0, width: int = 0, flags: int = 0,
+           dtype: torch.dtype | None = None, version: int = 0, meta_len: int = 0) -> torch.Tensor:
+    """One header (the layout above); a step kind's fields come from its declaration
+    (service.gang.steps), a heartbeat's or a stop's are 0."""
+    code = DTYPE_CODES[dtype] if dtype is not None else 0
+    return torch.tensor([op, seq, batch, seq_len, width, flags, code, version, sent_ns, meta_len], dtype=torch.int64)
 
 
 def empty_header() -> torch.Tensor:

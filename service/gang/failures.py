@@ -1,5 +1,8 @@
 """How the gang classifies what went wrong with a rank: the one place that reads errors.
 
+Imports no Ray at module level: the plain rank (service.gang.worker, which runs without
+Ray in the GPU check) raises `WeightsVersionMismatch` and uses `first_line` from here.
+
 A peer's failure reaches rank 0 as a Ray error (its task raised, its process died, a bounded
 `ray.get` ran out) or as the process group's own RuntimeError. What the caller is told
 depends on which: 504 when something ran out of time (a rank is stuck), 503 when a rank
@@ -9,12 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError
-
 
 class WeightsVersionMismatch(RuntimeError):
-    """A step expected another weights version than the one this rank holds."""
+    """A step expected another weights version than the one this rank holds: raised by
+    the refusing rank (service.gang.worker), returned to rank 0 by `step_error`, and read
+    here by type (`is_version_mismatch`) whichever process raised it."""
 
 
 class PeerCallFailed(RuntimeError):
@@ -59,6 +61,8 @@ def is_timeout(exc: BaseException) -> bool:
     the first line of the error's own message decides, never a RayTaskError's rendered
     traceback (its source lines can contain "timeout" whatever happened).
     """
+    from ray.exceptions import GetTimeoutError, RayActorError  # here: the ranks import this module without Ray
+
     inner = cause(exc)
     for e in (exc, inner):
         if isinstance(e, PeerCallFailed):
@@ -75,6 +79,8 @@ def is_timeout(exc: BaseException) -> bool:
 
 def kill_quietly(actor: Any) -> None:
     """ray.kill without restart; an actor that is already gone is not an error."""
+    import ray
+
     try:
         ray.kill(actor, no_restart=True)
     except Exception:  # already dead

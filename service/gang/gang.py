@@ -64,12 +64,12 @@ from service.errors import (CollectiveTimeout, Conflict, ErrorCode, GangServeErr
 from service.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang import control
-from service.gang.failures import (PeerCallFailed, WeightsVersionMismatch, cause, first_line, is_timeout,
-                                   is_version_mismatch)
+from service.gang.failures import PeerCallFailed, cause, first_line, is_timeout, is_version_mismatch
 from service.gang.peers import Calls, PeerGroup
 from service.gang.rank import RankInfo, RankWorker
 from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
+from service.gang.steps import Append, Forward, StepKind
 from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory, SessionStats
 from service.weights.record import ServedWeights
 from service.tunables import GangTunables, StateTunables
@@ -130,6 +130,7 @@ class Gang:
         self._last_header = time.monotonic()
         self._heartbeat_queued = False
         self._heartbeat_s = tunables.heartbeat_interval(gang.collective_timeout_s)
+        self._peer_answer_s = min(tunables.peer_answer_timeout_s, gang.collective_timeout_s)
         self._peers = self._new_peers([])  # ranks 1..N-1 of the current generation
         self._heartbeats_stop: threading.Event | None = None  # set to end this generation's timer
         # rank 0's (seq, received, header sent, broadcast done, forward done, reply), ns
@@ -205,39 +206,11 @@ class Gang:
 
     def _session_step(self, prepare: Callable[[int, int], "SessionStepPlan"], received_ns: int) -> Any:
         self._require_ready()
-        assert self._root is not None
-        version = self.weights_version
-        plan = prepare(self.generation, version)
+        plan = prepare(self.generation, self.weights_version)
         if not plan.sessions:  # every session of the step ended meanwhile: nothing to compute
             return plan.commit(np.zeros((0, self.declared_model.embed_dim), dtype=np.float32))
-        x, meta = plan.x, plan.meta
-        seq, sent_ns = 0, time.time_ns()
         try:
-            if self._loop_on:
-                seq = self._seq + 1
-                self._send_header(control.append_header(seq, plan.sessions, int(x.shape[0]), int(x.shape[1]),
-                                                        self._root.dtype, version, sent_ns, int(meta.numel())))
-                self._root.step_seq = seq
-            out = self._root.root_append(x, meta, version)
-            if out.size and np.isnan(out.flat[0]) and self._loop_on:
-                self._ask_step_errors(seq)
-            if self._loop_on:
-                self._record_timing(seq, received_ns or sent_ns, sent_ns)
-        except (RayError, RuntimeError) as exc:
-            plan.abort()
-            if is_version_mismatch(exc):
-                self._mark_broken(f"weights versions disagree: {first_line(cause(exc))}")
-                raise GangUnavailable(
-                    f"a rank did not hold the expected weights version {version} ({first_line(cause(exc))}); "
-                    "no answer was computed from mixed weights; the gang is being rebuilt",
-                    code=ErrorCode.WEIGHTS_VERSION_MISMATCH) from exc
-            self._mark_broken(f"collective failed in an append step: {type(exc).__name__}: {first_line(exc)}")
-            if is_timeout(exc):
-                raise CollectiveTimeout(
-                    f"a collective timed out after collective_timeout_s={self.cfg.collective_timeout_s:.1f}s "
-                    "(a rank is stuck); the gang is being rebuilt") from exc
-            raise GangUnavailable(f"a rank failed during the append step ({type(exc).__name__}); the gang is "
-                                  "being rebuilt", code=ErrorCode.GANG_BROKEN) from exc
+            out = self._run_step(Append(plan.sessions, plan.x, plan.meta), received_ns)
         except BaseException:
             plan.abort()
             raise
@@ -272,7 +245,7 @@ class Gang:
         if self.state is GangState.READY and self._actors:
             await self._sequencer.run(self._probe_step)
 
-    async def step_loop_stats(self, timeout_s: float = 2.0, window: int = 32) -> dict[str, object]:
+    async def step_loop_stats(self, window: int = 32) -> dict[str, object]:
         """Where the last `window` steps' time went, from every rank's timestamps (medians, ms):
         `queue` (step handed to the sequencer -> header sent), `peer_wake` (header sent ->
         each peer awake: the control cost), `skew` (the latest peer's wake-up minus rank
@@ -284,8 +257,8 @@ class Gang:
         mine = {t[0]: t for t in self._timings[-window:]}
         group = self._peers
         try:  # off the sequencer (a stats read never waits behind a step): no heartbeats from here
-            peers = await asyncio.to_thread(group.call, "loop_timings", stage="step timings", timeout_s=timeout_s,
-                                            tick=False)
+            peers = await asyncio.to_thread(group.call, "loop_timings", stage="step timings",
+                                            timeout_s=self._t.stats_timeout_s, tick=False)
         except Exception as exc:  # a stats read must never fail /gang
             return {"enabled": True, "error": f"{type(exc).__name__}: {first_line(exc)}"}
         by_peer = [{t[0]: t for t in p} for p in peers]
@@ -307,7 +280,7 @@ class Gang:
             "reply_ms": med([mine[s][5] - mine[s][4] for s in seqs]),
         }
 
-    async def memory_stats(self, timeout_s: float = 2.0) -> list[dict[str, object]]:
+    async def memory_stats(self) -> list[dict[str, object]]:
         """Each CUDA rank's device memory (Rank.memory_stats: the caching allocator's
         `memory_reserved_bytes` and its peak, allocated, pinned host buffers), with its rank;
         [] when no rank is on CUDA (no peer is asked then). Off the sequencer, like the step
@@ -317,7 +290,7 @@ class Gang:
             return []
         try:
             peers = await asyncio.to_thread(self._peers.call, "memory_stats", stage="memory stats",
-                                            timeout_s=timeout_s, tick=False) if self._actors else []
+                                            timeout_s=self._t.stats_timeout_s, tick=False) if self._actors else []
         except Exception as exc:  # noqa: BLE001  (a stats read must never fail /gang)
             log.warning("memory stats not read: %s", first_line(exc))
             peers = []
@@ -454,7 +427,8 @@ class Gang:
                 stages.done("start_loop")
 
             # Stage 5: warmup. One tiny request proves every collective path works.
-            self._compute(np.zeros((1, 1, model.embed_dim), dtype=np.float32))
+            self._run_step(Forward(np.zeros((1, 1, model.embed_dim), dtype=np.float32),
+                                   causal=self._root.default_causal))
             stages.done("warmup")
         except Exception as exc:
             self._teardown()
@@ -520,29 +494,32 @@ class Gang:
                     received_ns: int = 0) -> np.ndarray:
         # Requests queued behind a failure must not touch the broken group.
         self._require_ready()
-        return self._compute(x, mask, causal, received_ns)
-
-    def _compute(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
-                 received_ns: int = 0) -> np.ndarray:
         assert self._root is not None
-        shape = tuple(int(d) for d in x.shape)
-        version = self.weights_version
         # None = the served weights' default, read here on the sequencer: the same weights
         # this step runs on (a swap is sequenced between steps).
-        causal = self._root.default_causal if causal is None else bool(causal)
-        seq = 0
+        return self._run_step(Forward(x, mask, self._root.default_causal if causal is None else bool(causal)),
+                              received_ns)
+
+    def _run_step(self, step: StepKind, received_ns: int = 0) -> np.ndarray:
+        """Every step kind's one path (sequencer only; the kinds: service.gang.steps).
+
+        The header first, before rank 0 converts its own input: the peers allocate their
+        buffers meanwhile, so the data broadcast does not wait for them (a gang of one rank
+        has no peers to tell). A poisoned output (the kind's `poisoned`) makes rank 0 ask the
+        peers why (`step_error`). Any failure marks the gang BROKEN and maps to the caller's
+        error: a weights-version refusal (503 weights_version_mismatch), a collective that
+        ran out of time (504), a rank that failed (503 gang_broken)."""
+        assert self._root is not None
+        version = self.weights_version
+        seq, sent_ns = 0, time.time_ns()
         try:
-            if self._loop_on:  # (no peers: rank 0 computes alone)
-                # The header first, before rank 0 converts its own input: the peers allocate
-                # their buffers meanwhile, so the data broadcast does not wait for them.
-                seq, sent_ns = self._seq + 1, time.time_ns()
-                flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
-                self._send_header(control.step_header(seq, shape, flags, self._root.dtype, version, sent_ns))
+            if self._loop_on:
+                seq = self._seq + 1
+                self._send_header(step.header(seq, self._root.dtype, version, sent_ns))
                 self._root.step_seq = seq
-            out = self._root.root_step(x, version, mask, causal)
-            if self._loop_on and out.size and np.isnan(out.flat[_first_token(mask, shape[2])]):
-                # Maybe a rank refused the step (see RankWorker._forward): it says so.
-                self._ask_step_errors(seq)
+            out = step.root(self._root, version)
+            if self._loop_on and step.poisoned(out):
+                self._ask_step_errors(seq)  # maybe a rank refused the step: it says so
             if self._loop_on:
                 self._record_timing(seq, received_ns or sent_ns, sent_ns)
         except (RayError, RuntimeError) as exc:
@@ -555,14 +532,14 @@ class Gang:
                     code=ErrorCode.WEIGHTS_VERSION_MISMATCH,
                 ) from exc
             # A peer died or a collective failed or timed out: the group is unusable now.
-            self._mark_broken(f"collective failed: {type(exc).__name__}: {first_line(exc)}")
+            self._mark_broken(f"collective failed in a {step.name}: {type(exc).__name__}: {first_line(exc)}")
             if is_timeout(exc):
                 raise CollectiveTimeout(
                     f"a collective timed out after collective_timeout_s={self.cfg.collective_timeout_s:.1f}s "
                     "(a rank is stuck); the gang is being rebuilt"
                 ) from exc
             raise GangUnavailable(
-                f"a rank failed during the request ({type(exc).__name__}); the gang is being rebuilt",
+                f"a rank failed during the {step.name} ({type(exc).__name__}); the gang is being rebuilt",
                 code=ErrorCode.GANG_BROKEN,
             ) from exc
         return out
@@ -575,18 +552,19 @@ class Gang:
         self._last_header = time.monotonic()
 
     def _ask_step_errors(self, seq: int) -> None:
-        """After a poisoned output: raise the first peer's reason for refusing step `seq`."""
-        whys = self._peers.call("step_error", seq, stage="step error", timeout_s=min(5.0, self.cfg.collective_timeout_s))
-        for why in whys:
-            if why:
-                raise WeightsVersionMismatch(why) if "weights version" in why else RuntimeError(why)
+        """After a poisoned output: raise the first peer's reason for refusing step `seq` (its
+        WeightsVersionMismatch, or why its loop stopped)."""
+        refusals = self._peers.call("step_error", seq, stage="step error", timeout_s=self._peer_answer_s)
+        for refusal in refusals:
+            if refusal is not None:
+                raise refusal
 
     def _heartbeat_if_idle(self) -> None:
         """Send a heartbeat header if none went out for half of `_heartbeat_s` (sequencer only)."""
         if self._loop_on and self.state in (GangState.READY, GangState.STARTING) and (
                 time.monotonic() - self._last_header >= self._heartbeat_s / 2):
             try:
-                self._send_header(control.op_header(control.OP_HEARTBEAT, self._seq + 1, time.time_ns()))
+                self._send_header(control.header(control.OP_HEARTBEAT, self._seq + 1, time.time_ns()))
             except RuntimeError as exc:  # a peer's connection is gone
                 self._mark_broken(f"heartbeat to the step loops failed: {first_line(exc)}")
 
@@ -643,9 +621,8 @@ class Gang:
     def _probe_step(self) -> None:
         if self.state is not GangState.READY:
             return
-        timeout_s = min(5.0, self.cfg.collective_timeout_s)
         try:
-            self._peers.call("describe", stage="liveness probe", timeout_s=timeout_s)
+            self._peers.call("describe", stage="liveness probe", timeout_s=self._peer_answer_s)
         except (RayError, RuntimeError, GangServeError) as exc:
             self._mark_broken(f"liveness probe failed: {type(exc).__name__}: {first_line(exc)}")
 
@@ -748,10 +725,3 @@ class _StageClock:
         self.ms[stage] = round((now - self._last) * 1000, 1)
         self._last = now
 
-
-def _first_token(mask: np.ndarray | None, width: int) -> int:
-    """Flat index into the output [batch, seq, E] of the first token's first element (padded
-    positions are 0 even in a poisoned step, so the NaN check must look at a token)."""
-    if mask is None:
-        return 0
-    return int(np.argmax(mask.reshape(-1))) * width  # argmax of bool: the first True

@@ -34,11 +34,6 @@ class RankWorker(Rank):
                  tunables: GangTunables = GangTunables(), state_tunables: StateTunables = StateTunables()) -> None:
         import ray
 
-        from service.gang.failures import WeightsVersionMismatch
-
-        # The gang's class, so service.gang.failures.is_version_mismatch recognises a
-        # refused step whichever process raised it.
-        self.version_mismatch_error = WeightsVersionMismatch
         ctx = ray.get_runtime_context()
         gpu_ids = [str(g) for g in ray.get_gpu_ids()] if use_gpu else []
         choice = choose_device(use_gpu, gpu_ids)

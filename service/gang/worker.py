@@ -1,6 +1,7 @@
 """One rank of the gang as a plain class: process-group membership plus its shard of the model.
 
-`Rank` rendezvouses, loads its shard, runs the peers' step loop and rank 0's root step.
+`Rank` rendezvouses, loads its shard, runs the peers' step loop (dispatching on each
+header's OP through the step kinds' table, service.gang.steps) and every step's collectives.
 It imports neither Ray nor pydantic nor the service's configuration (torch, numpy,
 safetensors and the standard library only), so the same code runs as rank 0 inside the
 GangServer replica, as a Ray actor for ranks 1..N-1 (service.gang.rank.RankWorker wraps
@@ -21,9 +22,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,8 +38,10 @@ from service.gang.backends import (
     prepare_env,
 )
 from service.gang.failpoints import Failpoints
+from service.gang.failures import WeightsVersionMismatch, first_line
 from service.gang.staging import PinnedStaging
 from service.gang.stepclock import StepClock
+from service.gang.steps import KINDS
 from service.parallel import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool
 from service.parallel.model import (
@@ -71,10 +73,6 @@ RENDEZVOUS_WAITS = 3
 # the same process (rank 0's next bring-up) refuses to rendezvous, so the rebuild fails,
 # the GangServer counts it, and Serve replaces the replica with a fresh process.
 abandoned: str | None = None
-
-
-class WeightsVersionMismatch(RuntimeError):
-    """A step expected another weights version than the one this rank holds."""
 
 
 class ModelSpec(ModelArgs, Protocol):
@@ -127,12 +125,6 @@ class RankInfo:
         return {k: v for k, v in asdict(self).items() if k in ("rank", "node_id", "node_ip", "pid", "device", "iface")}
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an error's message (at most 300 characters), else its type's name."""
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
 def check_dtype_fits(model: ModelSpec) -> None:
     """Refuse a model whose weights the compute dtype cannot hold, before anything is built:
     the seed init's W[i, j] = i*E + j + offset reaches E*E - 1 (262143 at E=512), and
@@ -176,9 +168,6 @@ class Rank:
     the address its peers reach this node at (its collectives bind to that interface).
     """
 
-    # The type a refused step raises; RankWorker substitutes the gang's own class.
-    version_mismatch_error: type[RuntimeError] = WeightsVersionMismatch
-
     def __init__(self, rank: int, world_size: int, *, device: torch.device, node_ip: str, node_id: str = "",
                  gpu_ids: list[str] | None = None, torch_threads: int = 1, device_how: str = "",
                  tunables: GangTunables = GangTunables(), state_tunables: StateTunables = StateTunables()) -> None:
@@ -215,14 +204,14 @@ class Rank:
         self.weights_version = 0  # the recorded version self.model holds (0: none yet)
         self._store: dist.TCPStore | None = None
         self.failpoints = Failpoints()
-        self._staging = PinnedStaging(device) if device.type == "cuda" else None
+        self.staging = PinnedStaging(device) if device.type == "cuda" else None
         # The step loop (see service.gang.control): the control group rank 0's headers
         # arrive on, the loop thread, and what the loop records for rank 0 to ask about.
         self._control: dist.ProcessGroup | None = None
         self._loop: threading.Thread | None = None
         self.loop_error: str | None = None  # why the loop stopped (it then exits the process)
         self.step_seq = 0  # the header sequence number of the step being computed
-        self._mismatches: deque[tuple[int, str]] = deque(maxlen=64)  # (seq, why) refused steps
+        self._mismatches: deque[tuple[int, WeightsVersionMismatch]] = deque(maxlen=64)  # (seq, why) refused steps
         # (seq, header sent ns, woke ns, the step's clock: broadcast done, forward done)
         self._timings: deque[tuple[int, int, int, StepClock]] = deque(maxlen=tunables.timings_kept)
         self._clock: StepClock | None = None  # the last step's
@@ -274,7 +263,7 @@ class Rank:
             "memory_allocated_bytes": int(torch.cuda.memory_allocated(self.device)),
             "memory_reserved_bytes": int(torch.cuda.memory_reserved(self.device)),
             "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
-            "pinned_host_bytes": self._staging.pinned_bytes if self._staging else 0,
+            "pinned_host_bytes": self.staging.pinned_bytes if self.staging else 0,
         }
 
     # -- stage: rendezvous ---------------------------------------------------------------
@@ -399,75 +388,53 @@ class Rank:
                     model.warm_local(x, mask, causal)
         torch.cuda.synchronize(self.device)
 
-    # -- serving -------------------------------------------------------------------------
-    def step(self, shape: tuple[int, ...], weights_version: int, masked: bool = False, causal: bool = False) -> None:
-        """Ranks 1..N-1: receive rank 0's input by broadcast and compute this rank's heads.
-
-        `shape`, whether a key mask comes along, the causal flag and the weights version
-        the step expects arrive in the step's header (the step loop, service.gang.control);
-        the tensors themselves only travel through the process group (see `_forward`).
-        """
-        batch, seq, width = shape
-        buf = torch.empty(batch * seq * (width + 1) if masked else batch * seq * width, dtype=self.dtype,
-                          device=self.device)
-        self._forward(buf, tuple(shape), masked, causal, weights_version)
-
-    def root_step(self, x: np.ndarray, weights_version: int, mask: np.ndarray | None = None,
-                  causal: bool = False) -> np.ndarray:
-        """Rank 0: broadcast x [batch, seq, E] float32 (and the key mask [batch, seq] bool) to
-        the gang and return the reduced output [batch, seq, E] float32."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        shape = tuple(int(d) for d in x.shape)
-        if self._staging is not None:  # CUDA: through pinned buffers, one DMA each way
-            buf = self._staging.upload(x, mask, self.dtype)
-            out = self._forward(buf, shape, mask is not None, causal, weights_version)
-            return self._staging.download(out)
-        if not x.flags.writeable:  # arrays from Ray's object store are read-only views
-            x = x.copy()
-        xt = torch.from_numpy(x)  # [batch, seq, E]
-        if mask is None:
-            buf = xt.to(device=self.device, dtype=self.dtype).reshape(-1)  # no copy for float32 on CPU
-        else:
-            # One broadcast carries both: [x.flatten(), mask.flatten()] in the compute dtype
-            # (0/1 are exact in every float dtype), so the mask costs no extra collective.
-            n = xt.numel()
-            buf = torch.empty(n + shape[0] * shape[1], dtype=self.dtype, device=self.device)
-            buf[:n].copy_(xt.reshape(-1))
-            buf[n:].copy_(torch.from_numpy(np.ascontiguousarray(mask, dtype=np.bool_)).reshape(-1))
-        out = self._forward(buf, shape, mask is not None, causal, weights_version)
-        return out.to(torch.float32).cpu().numpy()
-
-    def _forward(self, buf: torch.Tensor, shape: tuple[int, ...], masked: bool, causal: bool,
-                 weights_version: int) -> torch.Tensor:
-        """One step: broadcast, this rank's heads, all-reduce.
-
-        `buf` is x flattened ([batch * seq * E]), followed with `masked` by the key mask
-        ([batch * seq], 1.0 = token), in the compute dtype.
+    # -- serving (the step kinds: service.gang.steps) -------------------------------------
+    def collective(self, buf: torch.Tensor, n: int, weights_version: int,
+                   compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Every step kind's collectives on this rank: broadcast `buf` from rank 0, then
+        `compute(x, rest)` (the kind's model call, its all_reduce included) on the first
+        `n` values and the rest; returns the all-reduced output.
 
         A rank holding another weights version than the step expects must not contribute
         to an answer, yet must still take part in every collective (or the others would
         wait out the group timeout). So it computes on NaN: its partial output is NaN in
         every element (every output element depends on all of this rank's inputs), the
         all-reduced output is NaN everywhere except at padded query positions (set to 0),
-        and rank 0 refuses it by looking at one token's element. The rank then raises; its
-        step loop keeps the reason for rank 0 (`step_error`).
+        and rank 0 refuses it by looking at one token's element (the kind's `poisoned`).
+        The rank then raises WeightsVersionMismatch; its step loop keeps it for rank 0
+        (`step_error`).
         """
-        if self.model is None or self.group is None:
+        group = self.group
+        if self.model is None or group is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
-        batch, seq, width = shape
         clock = self._clock = StepClock(self.device)
         with torch.inference_mode():
-            self.group.broadcast_(buf, src=0)  # on every rank
+            group.broadcast_(buf, src=0)  # on every rank
             clock.mark()
-            n = batch * seq * width
-            x = buf[:n].view(batch, seq, width)  # [batch, seq, E]
-            key_mask = buf[n:].view(batch, seq) > 0.5 if masked else None  # [batch, seq] bool
-            x, why = self._poison_if_stale(x, weights_version)
-            out = self.model(x) if key_mask is None and not causal else self.model(x, key_mask, causal)
+            x, refusal = self._poison_if_stale(buf[:n], weights_version)
+            out = compute(x, buf[n:])
             clock.mark()
-        if why is not None:
-            raise self.version_mismatch_error(why)
-        return out  # [batch, seq, E], all-reduced
+        if refusal is not None:
+            raise refusal
+        return out
+
+    def broadcast_control(self, values: torch.Tensor) -> None:
+        """A step's own values on the control group (an append step's plan), after its header."""
+        if self._control is None:
+            raise RuntimeError(f"rank {self.rank}: this step needs the step loop's control group")
+        dist.broadcast(values, src=0, group=self._control)
+
+    def kv_pool_for(self, plan: AppendPlan) -> PagedKVPool:
+        """This rank's KV pool, (re)allocated when `plan` needs another shape than it has."""
+        arch = self.model_def
+        if arch is None:
+            raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
+        heads_local = arch.kv_heads // self.world_size
+        if self.kv_pool is None or not self.kv_pool.fits(plan, arch.kv_layers, heads_local, arch.head_dim, self.dtype):
+            self.kv_pool = new_kv_pool(arch, self.world_size, plan, self.dtype, self.device)
+            log.info("rank %d: KV pool of %d layers x %d blocks x %d tokens (%d bytes)", self.rank, arch.kv_layers,
+                     plan.num_blocks, plan.block_size, self.kv_pool.nbytes)
+        return self.kv_pool
 
     @property
     def last_bcast_ns(self) -> int:
@@ -495,13 +462,13 @@ class Rank:
         self._loop = threading.Thread(target=self._run_loop, name=f"step-loop-{self.rank}", daemon=True)
         self._loop.start()
 
-    def step_error(self, seq: int) -> str | None:
-        """Why this rank refused step `seq` (a weights version mismatch), or why its loop
-        stopped; None if it took part normally."""
-        for s, why in self._mismatches:
+    def step_error(self, seq: int) -> RuntimeError | None:
+        """Why this rank refused step `seq` (the WeightsVersionMismatch it raised), or why
+        its loop stopped (a RuntimeError); None if it took part normally."""
+        for s, refusal in self._mismatches:
             if s == seq:
-                return why
-        return self.loop_error
+                return refusal
+        return RuntimeError(self.loop_error) if self.loop_error else None
 
     def loop_timings(self) -> list[tuple[int, int, int, int, int]]:
         """The last steps' (seq, header sent, woke, broadcast done, forward done), ns; on
@@ -537,101 +504,36 @@ class Rank:
             if op == control.OP_STOP:
                 log.info("rank %d: step loop stopped by rank 0", self.rank)
                 return
-            if op == control.OP_APPEND:
-                if not self._loop_append(h):
-                    return
-                continue
-            if op != control.OP_STEP:
+            kind = KINDS.get(op)
+            if kind is None:
                 self._loop_failed(f"unknown header op {op} (header {h})")
                 return
             if h[control.DTYPE] != control.DTYPE_CODES[self.dtype]:
-                self._loop_failed(f"the step computes in dtype code {h[control.DTYPE]}, this rank in "
+                self._loop_failed(f"the {kind.name} computes in dtype code {h[control.DTYPE]}, this rank in "
                                   f"{self.dtype} (code {control.DTYPE_CODES[self.dtype]})")
                 return
             self.step_seq = h[control.SEQ]
-            flags = h[control.FLAGS]
             try:
-                self.step((h[control.BATCH], h[control.SEQ_LEN], h[control.WIDTH]), h[control.VERSION],
-                          bool(flags & control.FLAG_MASKED), bool(flags & control.FLAG_CAUSAL))
-            except self.version_mismatch_error:
+                kind.peer(self, h)
+            except WeightsVersionMismatch:
                 pass  # took part in every collective on NaN; recorded for rank 0 (step_error)
             except Exception as exc:  # the group is out of step now: only a rebuild helps
-                self._loop_failed(f"step {h[control.SEQ]} failed: {type(exc).__name__}: {first_line(exc)}")
+                self._loop_failed(f"{kind.name} {h[control.SEQ]} failed: {type(exc).__name__}: {first_line(exc)}")
                 return
             assert self._clock is not None
             self._timings.append((h[control.SEQ], h[control.SENT_NS], woke, self._clock))
 
-    # -- session append steps (OP_APPEND; service.parallel.kv_cache) ----------------------
-    def root_append(self, x: np.ndarray, meta: torch.Tensor, weights_version: int) -> np.ndarray:
-        """Rank 0: after the gang sent the OP_APPEND header, broadcast the plan `meta` (the
-        control group) and the new rows x [T, E] float32 (the data group); returns the
-        all-reduced output [T, E] float32."""
-        if self.world_size > 1:
-            if self._control is None:
-                raise RuntimeError(f"rank {self.rank}: append steps need the step loop's control group")
-            dist.broadcast(meta, src=0, group=self._control)
-        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-        buf = xt.to(device=self.device, dtype=self.dtype).reshape(-1)
-        out = self._append_forward(buf, meta, int(x.shape[1]), weights_version)
-        return out.to(torch.float32).cpu().numpy()
-
-    def _loop_append(self, h: list[int]) -> bool:
-        """A peer's OP_APPEND: the plan, then the rows, then its heads' share; False when the
-        loop must stop (it then exits the process, see _loop_failed)."""
-        if h[control.DTYPE] != control.DTYPE_CODES[self.dtype]:
-            self._loop_failed(f"the append step computes in dtype code {h[control.DTYPE]}, this rank in {self.dtype}")
-            return False
-        self.step_seq = h[control.SEQ]
-        try:
-            meta = torch.empty(h[control.META_LEN], dtype=torch.int64)
-            dist.broadcast(meta, src=0, group=self._control)
-            buf = torch.empty(h[control.SEQ_LEN] * h[control.WIDTH], dtype=self.dtype, device=self.device)
-            self._append_forward(buf, meta, h[control.WIDTH], h[control.VERSION])
-        except self.version_mismatch_error:
-            pass  # took part in every collective on NaN; recorded for rank 0 (step_error)
-        except Exception as exc:  # the group is out of step now: only a rebuild helps
-            self._loop_failed(f"append step {h[control.SEQ]} failed: {type(exc).__name__}: {first_line(exc)}")
-            return False
-        assert self._clock is not None
-        self._timings.append((h[control.SEQ], h[control.SENT_NS], time.time_ns(), self._clock))
-        return True
-
-    def _append_forward(self, buf: torch.Tensor, meta: torch.Tensor, width: int, weights_version: int) -> torch.Tensor:
-        """One append step on every rank: broadcast the rows, write and attend over this
-        rank's pool (the model's `append`, service.parallel.kv_cache), all-reduce. A rank holding
-        another weights version computes on NaN and raises afterwards, as `_forward` does."""
-        if self.model is None or self.group is None:
-            raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
-        plan = AppendPlan.decode(meta)
-        plan.check()
-        model, arch = self.model, self.model_def
-        assert arch is not None
-        heads_local = arch.kv_heads // self.world_size
-        if self.kv_pool is None or not self.kv_pool.fits(plan, arch.kv_layers, heads_local, arch.head_dim, self.dtype):
-            self.kv_pool = new_kv_pool(arch, self.world_size, plan, self.dtype, self.device)
-            log.info("rank %d: KV pool of %d layers x %d blocks x %d tokens (%d bytes)", self.rank, arch.kv_layers,
-                     plan.num_blocks, plan.block_size, self.kv_pool.nbytes)
-        clock = self._clock = StepClock(self.device)
-        with torch.inference_mode():
-            self.group.broadcast_(buf, src=0)
-            clock.mark()
-            x = buf.view(-1, width)  # [T, E]
-            x, why = self._poison_if_stale(x, weights_version)
-            out = model.append(x, plan, self.kv_pool)
-            clock.mark()
-        if why is not None:
-            raise self.version_mismatch_error(why)
-        return out  # [T, E], all-reduced
-
-    def _poison_if_stale(self, x: torch.Tensor, weights_version: int) -> tuple[torch.Tensor, str | None]:
+    def _poison_if_stale(self, x: torch.Tensor, weights_version: int
+                         ) -> tuple[torch.Tensor, WeightsVersionMismatch | None]:
         """x, or NaN in its shape when this rank holds another weights version than the step
         expects (its contribution then poisons the all_reduce, so no answer mixes versions),
-        with why. The reason is recorded before the all_reduce: once rank 0's is done, it can ask."""
+        with the refusal. It is recorded before the all_reduce: once rank 0's is done, it can ask."""
         if weights_version == self.weights_version:
             return x, None
-        why = f"rank {self.rank} holds weights version {self.weights_version}, the step expected {weights_version}"
-        self._mismatches.append((self.step_seq, why))
-        return torch.full_like(x, float("nan")), why
+        refusal = WeightsVersionMismatch(
+            f"rank {self.rank} holds weights version {self.weights_version}, the step expected {weights_version}")
+        self._mismatches.append((self.step_seq, refusal))
+        return torch.full_like(x, float("nan")), refusal
 
     def kv_pool_bytes(self) -> int:
         """Bytes this rank's KV pool holds on its device (0 before the first append step)."""

@@ -21,126 +21,99 @@ answers 504 at once, and the append still completes (GET /sessions/{id} shows th
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+from service.batching import BatchQueue, DeadlineWords, Queued
 from service.sessions.registry import Session, StepItem
 
 # (items of one step, latest deadline or None) -> [(rows or None, info or error)] in item order
 RunStep = Callable[[list[StepItem], "float | None"], Awaitable[list[tuple[Any, Any]]]]
 
+_APPEND_DEADLINE = DeadlineWords(
+    queued="the append's deadline passed while it was queued; nothing was appended",
+    before_step="the append's deadline passed before its step started; nothing was appended",
+    running="the append's deadline passed while its step ran; the append itself completes "
+            "(GET /sessions/{id} shows the length)")
 
-@dataclass(eq=False)
-class _Queued:
+
+@dataclass(eq=False, kw_only=True)
+class _Queued(Queued):
     session: Session
-    x: np.ndarray
-    future: asyncio.Future
-    deadline: float | None
+    x: np.ndarray  # [n, E] float32
     expect_length: int | None = None
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 class AppendBatcher:
-    """Groups queued appends of distinct sessions into steps (see the module docstring)."""
+    """Groups queued appends of distinct sessions into steps (see the module docstring),
+    on the batching core (service.batching.BatchQueue: the queue, deadlines, cancellation)."""
 
     def __init__(self, run_step: RunStep, *, max_sessions_per_step: int, max_rows_per_step: int,
                  num_blocks: int, blocks_for: Callable[[int], int], wait_s: float = 0.0) -> None:
         self._run_step = run_step
-        self._wait_s = wait_s  # linger this long for company when fewer sessions than a full step wait
         self._max_sessions = max_sessions_per_step
         self._max_rows = max_rows_per_step
         self._num_blocks = num_blocks
         self._blocks_for = blocks_for
-        self._pending: list[_Queued] = []
-        self._drainer: asyncio.Task | None = None
+        # linger wait_s for company while fewer sessions than a full step wait
+        self._queue: BatchQueue[_Queued] = BatchQueue(
+            self._take_group, self._step, _APPEND_DEADLINE, wait_s=wait_s,
+            company=lambda queued: len({q.session.id for q in queued}) < self._max_sessions)
         self.steps = 0
         self.appends = 0
         self.max_step_sessions = 0
-        self.expired_queued = 0
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "appends": self.appends, "max_sessions_in_a_step": self.max_step_sessions,
-                "queued": len(self._pending), "expired_queued": self.expired_queued,
+                "queued": len(self._queue.pending), "expired_queued": self._queue.expired_queued,
                 "appends_per_step": round(self.appends / self.steps, 3) if self.steps else 0.0}
 
     @property
     def idle(self) -> bool:
-        return not self._pending and (self._drainer is None or self._drainer.done())
+        return self._queue.idle
 
     async def submit(self, session: Session, x: np.ndarray, deadline: float | None,
                      expect_length: int | None = None) -> tuple[np.ndarray, dict]:
         """x [n, E] float32 appended to `session` -> (its output rows [n, E], the session's info)."""
-        loop = asyncio.get_running_loop()
-        item = _Queued(session, x, loop.create_future(), deadline, expect_length)
+        item = _Queued(asyncio.get_running_loop().create_future(), deadline, session=session, x=x,
+                       expect_length=expect_length)
         session.busy += 1
-        self._pending.append(item)
-        if self._drainer is None or self._drainer.done():
-            self._drainer = loop.create_task(self._drain())
         try:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return await asyncio.wait_for(asyncio.shield(item.future), timeout)
-        except asyncio.TimeoutError:
-            if item in self._pending:
-                self._pending.remove(item)
-                self.expired_queued += 1
-                raise DeadlineExceededBeforeStep(
-                    "the append's deadline passed while it was queued; nothing was appended") from None
-            raise DeadlineExceeded("the append's deadline passed while its step ran; the append itself "
-                                   "completes (GET /sessions/{id} shows the length)") from None
-        except asyncio.CancelledError:
-            if item in self._pending:
-                self._pending.remove(item)
-            raise
+            answer = await self._queue.submit(item)
         finally:
             session.busy -= 1
+        assert isinstance(answer, tuple)
+        return answer
 
-    async def _drain(self) -> None:
-        while self._pending:
-            if self._wait_s > 0 and len({q.session.id for q in self._pending}) < self._max_sessions:
-                await asyncio.sleep(self._wait_s)
-            group = self._take_group()
-            if not group:
+    async def _step(self, group: list[_Queued], deadline: float | None) -> None:
+        """One append step for `group`; every member gets its rows and info, or its error."""
+        try:
+            results = await self._run_step([StepItem(q.session, q.x, q.expect_length) for q in group], deadline)
+        except BaseException as exc:  # noqa: BLE001 - every member gets the step's error
+            for q in group:
+                if not q.future.done():
+                    q.future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        self.steps += 1
+        self.appends += len(group)
+        self.max_step_sessions = max(self.max_step_sessions, len(group))
+        for q, (rows, info) in zip(group, results):
+            if q.future.done():
                 continue
-            deadlines = [q.deadline for q in group]
-            step_deadline = None if None in deadlines else max(d for d in deadlines if d is not None)
-            items = [StepItem(q.session, q.x, q.expect_length) for q in group]
-            try:
-                results = await self._run_step(items, step_deadline)
-            except BaseException as exc:  # noqa: BLE001 - every member gets the step's error
-                for q in group:
-                    if not q.future.done():
-                        q.future.set_exception(exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
-            self.steps += 1
-            self.appends += len(group)
-            self.max_step_sessions = max(self.max_step_sessions, len(group))
-            for q, (rows, info) in zip(group, results):
-                if q.future.done():
-                    continue
-                if isinstance(info, BaseException):
-                    q.future.set_exception(info)
-                else:
-                    q.future.set_result((rows, info))
+            if isinstance(info, BaseException):
+                q.future.set_exception(info)
+            else:
+                q.future.set_result((rows, info))
 
-    def _take_group(self) -> list[_Queued]:
-        now = time.monotonic()
-        late = [q for q in self._pending if q.deadline is not None and q.deadline <= now]
-        for q in late:
-            self._pending.remove(q)
-            self.expired_queued += 1
-            if not q.future.done():
-                q.future.set_exception(DeadlineExceededBeforeStep(
-                    "the append's deadline passed before its step started; nothing was appended"))
+    def _take_group(self, pending: list[_Queued]) -> list[_Queued]:
         group: list[_Queued] = []
         seen: set[str] = set()
         rows = blocks = 0
-        for q in self._pending:
+        for q in pending:
             if q.session.id in seen:
                 continue
             seen.add(q.session.id)  # a session's later appends wait behind its first queued one
@@ -154,6 +127,4 @@ class AppendBatcher:
             group.append(q)
             rows += mine
             blocks += need
-        taken = {id(q) for q in group}
-        self._pending = [q for q in self._pending if id(q) not in taken]
         return group

@@ -61,7 +61,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import orjson
@@ -75,12 +75,14 @@ log = logging.getLogger("gangserve.channel")
 FRAME = struct.Struct("<IQ")
 SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and pod)
 
-# rank 0's side: x [b, s, E] float32 (inline, or a view of shared pages)[, key mask [b, s]
-# bool or None, causal or None] -> the output (called with x alone when neither is sent)
+# rank 0's side: (x [b, s, E] float32 (inline, or a view of shared pages), key mask [b, s]
+# bool or None, causal or None, timeout_s=seconds left or None) -> the output
 InferFn = Callable[..., Awaitable[np.ndarray]]
 # rank 0's side of a session append: (rows [n, E] float32, length precondition or None,
 # timeout_s=, session_id=) -> (outputs [n, E], the session's state)
 SessionAppendFn = Callable[..., Awaitable[tuple[np.ndarray, dict[str, Any]]]]
+Region = tuple[str, Any]  # a connection's shared region on rank 0's side: (name, mapping)
+Answer = tuple[dict[str, Any], "memoryview | bytes", "Region | None"]  # (reply header, payload, region kept)
 
 
 class ChannelUnavailable(RuntimeError):
@@ -174,15 +176,8 @@ class ChannelServer:
             await asyncio.sleep(0.02)
         return self._in_flight == 0
 
-    def _call(self, x: np.ndarray, mask: np.ndarray | None, causal: bool | None,
-              timeout_s: float | None) -> Awaitable[np.ndarray]:
-        if timeout_s is not None:
-            return self._infer(x, mask, causal, timeout_s=timeout_s)
-        # Without mask or flag, exactly the unmasked call.
-        return self._infer(x) if mask is None and causal is None else self._infer(x, mask, causal)  # type: ignore[call-arg]
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        region: tuple[str, Any] | None = None  # this connection's shared region (name, mapping)
+        region: Region | None = None  # this connection's shared region
         try:
             while True:
                 try:
@@ -212,31 +207,18 @@ class ChannelServer:
         finally:
             writer.close()
 
-    async def _answer(self, header: dict[str, Any], payload: bytes, region: tuple[str, Any] | None
-                      ) -> tuple[dict[str, Any], memoryview | bytes, tuple[str, Any] | None]:
-        if header.get("op") == "session_append" and self._session_append is not None:
-            reply, out = await self._answer_append(header, payload)
-            return reply, out, region
-        try:  # a malformed frame: only a buggy client sends one; nothing reaches the gang
-            if header.get("op") != "infer":
-                raise ValueError(f"unknown op {header.get('op')!r}")
-            shape = _shape(header.get("shape"))
-            name = header.get("shm")
-            causal = header.get("causal")
-            if causal is not None and not isinstance(causal, bool):
-                raise ValueError(f"causal must be null or a boolean, got {causal!r:.50}")
-            timeout_s = header.get("timeout_s")
-            if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
-                raise ValueError(f"timeout_s must be null or a number, got {timeout_s!r:.50}")
-            mask = None
-            if header.get("mask"):  # the mask's bytes end the payload
-                mask_bytes = shape[0] * shape[1]
-                if len(payload) < mask_bytes:
-                    raise ValueError(f"payload of {len(payload)} bytes cannot hold a [{shape[0]}, {shape[1]}] mask")
-                mask = np.frombuffer(payload, dtype=np.bool_, count=mask_bytes,
-                                     offset=len(payload) - mask_bytes).reshape(shape[0], shape[1])
-                payload = memoryview(payload)[: len(payload) - mask_bytes]
-            x = _tensor(payload, shape) if name is None else None
+    async def _answer(self, header: dict[str, Any], payload: bytes, region: Region | None) -> Answer:
+        """Every op's one admission and error wrapper: the op parses its frame (a malformed
+        one, which only a buggy client sends, reaches nothing), the in-flight bound refuses
+        it (Overloaded), then it runs; whatever it raises becomes an error reply."""
+        try:
+            op = header.get("op")
+            if op == "infer":
+                run = self._infer_op(header, payload, region)
+            elif op == "session_append" and self._session_append is not None:
+                run = self._append_op(header, payload, region)
+            else:
+                raise ValueError(f"unknown op {op!r:.50}")
         except ValueError as exc:
             return _error(GangUnavailable(f"bad data-channel request: {exc}", code=ErrorCode.CHANNEL_ERROR)), b"", region
         if self._in_flight >= self._max_in_flight:
@@ -246,62 +228,73 @@ class ChannelServer:
         self._in_flight += 1
         self.requests += 1
         try:
-            if x is not None:
-                out = np.ascontiguousarray(await self._call(x, mask, causal, timeout_s), dtype=np.float32)
-                return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
-            nbytes = int(np.prod(shape, dtype=np.int64)) * 4
-            if region is None or region[0] != name or len(region[1]) < nbytes:
-                region = (str(name), shm.map_named(str(name), nbytes))  # kept for the next request
-            view = np.frombuffer(region[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
-            out = await self._call(view, mask, causal, timeout_s)
-            view[...] = out  # the reply goes back in the same pages
-            return {"ok": True, "shape": list(out.shape)}, b"", region
+            return await run()
         except GangServeError as exc:
             return _error(exc), b"", region
         except shm.SharedMemoryUnavailable as exc:
             return {"ok": False, "shm_unavailable": str(exc)}, b"", None
         except Exception as exc:  # noqa: BLE001 - the reply must say something; the log has the rest
-            log.exception("data channel request failed")
+            log.exception("data channel %s failed", header.get("op"))
             return _error(GangUnavailable(f"the gang server failed ({type(exc).__name__}); see the service log",
                                           code=ErrorCode.GANG_ERROR)), b"", region
         finally:
             self._in_flight -= 1
 
+    def _infer_op(self, header: dict[str, Any], payload: bytes, region: Region | None
+                  ) -> Callable[[], Awaitable[Answer]]:
+        """An infer frame (see the wire format) -> the call that answers it; ValueError when malformed."""
+        shape = _shape(header.get("shape"))
+        name = header.get("shm")
+        causal = header.get("causal")
+        if causal is not None and not isinstance(causal, bool):
+            raise ValueError(f"causal must be null or a boolean, got {causal!r:.50}")
+        timeout_s = _timeout(header)
+        mask = None
+        if header.get("mask"):  # the mask's bytes end the payload
+            mask_bytes = shape[0] * shape[1]
+            if len(payload) < mask_bytes:
+                raise ValueError(f"payload of {len(payload)} bytes cannot hold a [{shape[0]}, {shape[1]}] mask")
+            mask = np.frombuffer(payload, dtype=np.bool_, count=mask_bytes,
+                                 offset=len(payload) - mask_bytes).reshape(shape[0], shape[1])
+            payload = memoryview(payload)[: len(payload) - mask_bytes]
+        x = _tensor(payload, shape) if name is None else None
 
-    async def _answer_append(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], memoryview | bytes]:
-        """A session append (see the wire format): the rows inline, the outputs and the
-        session's state back."""
+        async def run() -> Answer:
+            if x is not None:
+                out = np.ascontiguousarray(await self._infer(x, mask, causal, timeout_s=timeout_s), dtype=np.float32)
+                return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
+            nbytes = int(np.prod(shape, dtype=np.int64)) * 4
+            mapped = region
+            if mapped is None or mapped[0] != name or len(mapped[1]) < nbytes:
+                mapped = (str(name), shm.map_named(str(name), nbytes))  # kept for the next request
+            view = np.frombuffer(mapped[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
+            out = await self._infer(view, mask, causal, timeout_s=timeout_s)
+            view[...] = out  # the reply goes back in the same pages
+            return {"ok": True, "shape": list(out.shape)}, b"", mapped
+
+        return run
+
+    def _append_op(self, header: dict[str, Any], payload: bytes, region: Region | None
+                   ) -> Callable[[], Awaitable[Answer]]:
+        """A session_append frame -> the call that answers it (the outputs and the session's
+        state); ValueError when malformed."""
         assert self._session_append is not None
-        try:
-            shape = _shape(header.get("shape"), ndim=2)
-            session_id, length, timeout_s = header.get("session_id"), header.get("length"), header.get("timeout_s")
-            if not isinstance(session_id, str) or not session_id:
-                raise ValueError(f"session_id must be a non-empty string, got {session_id!r:.50}")
-            if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
-                raise ValueError(f"length must be null or an integer, got {length!r:.50}")
-            if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
-                raise ValueError(f"timeout_s must be null or a number, got {timeout_s!r:.50}")
-            x = _tensor(payload, shape)
-        except ValueError as exc:
-            return _error(GangUnavailable(f"bad data-channel request: {exc}", code=ErrorCode.CHANNEL_ERROR)), b""
-        if self._in_flight >= self._max_in_flight:
-            self.refused += 1
-            return _error(Overloaded(f"the gang server has {self._in_flight} requests in flight "
-                                     f"(max_ongoing_requests + max_queued_requests = {self._max_in_flight})")), b""
-        self._in_flight += 1
-        self.requests += 1
-        try:
-            out, info = await self._session_append(x, length, timeout_s=timeout_s, session_id=session_id)
+        append = self._session_append
+        shape = _shape(header.get("shape"), ndim=2)
+        session_id, length = header.get("session_id"), header.get("length")
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r:.50}")
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
+            raise ValueError(f"length must be null or an integer, got {length!r:.50}")
+        timeout_s = _timeout(header)
+        x = _tensor(payload, shape)
+
+        async def run() -> Answer:
+            out, info = await append(x, length, timeout_s=timeout_s, session_id=session_id)
             out = np.ascontiguousarray(out, dtype=np.float32)
-            return {"ok": True, "shape": list(out.shape), "session": info}, memoryview(out).cast("B")
-        except GangServeError as exc:
-            return _error(exc), b""
-        except Exception as exc:  # noqa: BLE001 - the reply must say something; the log has the rest
-            log.exception("data channel session append failed")
-            return _error(GangUnavailable(f"the gang server failed ({type(exc).__name__}); see the service log",
-                                          code=ErrorCode.GANG_ERROR)), b""
-        finally:
-            self._in_flight -= 1
+            return {"ok": True, "shape": list(out.shape), "session": info}, memoryview(out).cast("B"), region
+
+        return run
 
 
 @dataclass
@@ -309,6 +302,7 @@ class _Connection:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     region: shm.Arena = field(default_factory=shm.Arena)
+    answered: bool = False  # the current call got its reply: the connection may be reused
 
 
 class ChannelClient:
@@ -334,40 +328,29 @@ class ChannelClient:
         raised it. Unbounded here: the caller bounds the wait; cancelling it closes the
         connection.
         """
-        conn = await self._connection()
-        done = False
         shape = tuple(int(d) for d in x.shape)
         share = share and x.size * 4 <= self._max_region
-        extra: dict[str, Any] = {}
+        header: dict[str, Any] = {"op": "infer", "shape": list(shape), "shm": None}
         tail = b""
         if mask is not None:
-            extra["mask"] = True
+            header["mask"] = True
             tail = np.ascontiguousarray(mask, dtype=np.bool_).tobytes()  # [b, s], one byte each
         if causal is not None:
-            extra["causal"] = bool(causal)
+            header["causal"] = bool(causal)
         if timeout_s is not None:
-            extra["timeout_s"] = float(timeout_s)  # the seconds left, taken when the frame is written
-        try:
+            header["timeout_s"] = float(timeout_s)  # the seconds left, taken when the frame is written
+        async with self._leased() as conn:
             if share:
                 try:
                     view = conn.region.view(shape)
                 except shm.SharedMemoryUnavailable:
-                    done = True  # nothing was sent: the connection stays usable
+                    conn.answered = True  # nothing was sent: the connection stays usable
                     raise
                 view[...] = x
-                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": conn.region.name, **extra},
-                                  tail)
+                reply, payload = await self._round_trip(conn, {**header, "shm": conn.region.name}, b"", tail)
             else:
                 data = np.ascontiguousarray(x, dtype=np.float32)
-                await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None, **extra},
-                                  memoryview(data).cast("B"), tail)
-            reply, payload = await _read_reply(conn, self._max_header)
-            done = True
-            if not reply.get("ok"):
-                if "shm_unavailable" in reply:
-                    conn.region.release()  # the server could not map it: a new region next time
-                    raise shm.SharedMemoryUnavailable(str(reply["shm_unavailable"]))
-                raise error_from_wire(reply.get("error") or {})
+                reply, payload = await self._round_trip(conn, header, memoryview(data).cast("B"), tail)
             try:
                 out_shape = _shape(reply.get("shape"))
                 if not share:
@@ -378,32 +361,18 @@ class ChannelClient:
                 raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
             conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
             return view.copy()  # the region is reused by this connection's next request
-        except (ConnectionError, OSError) as exc:
-            raise ChannelUnavailable(f"data channel write failed: {exc}") from None
-        finally:
-            if done:
-                self._idle.append(conn)
-            else:  # cancelled or failed mid-call: the stream is in an unknown state
-                conn.writer.close()
-                conn.region.release()
 
     async def session_append(self, x: np.ndarray, session_id: str, length: int | None = None,
                              timeout_s: float | None = None) -> tuple[np.ndarray, dict[str, Any]]:
         """Rows x [n, E] appended to session `session_id` -> (their outputs [n, E], the
         session's state). The rows travel inline. Raises as `infer` does."""
-        conn = await self._connection()
-        done = False
         data = np.ascontiguousarray(x, dtype=np.float32)
         header: dict[str, Any] = {"op": "session_append", "shape": [int(d) for d in data.shape],
                                   "session_id": session_id, "length": length}
         if timeout_s is not None:
             header["timeout_s"] = float(timeout_s)
-        try:
-            await write_frame(conn.writer, header, memoryview(data).cast("B"))
-            reply, payload = await _read_reply(conn, self._max_header)
-            done = True
-            if not reply.get("ok"):
-                raise error_from_wire(reply.get("error") or {})
+        async with self._leased() as conn:
+            reply, payload = await self._round_trip(conn, header, memoryview(data).cast("B"))
             try:
                 out = _tensor(payload, _shape(reply.get("shape"), ndim=2))
                 info = reply.get("session")
@@ -412,14 +381,38 @@ class ChannelClient:
             except ValueError as exc:
                 raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
             return out, info
+
+    @contextlib.asynccontextmanager
+    async def _leased(self) -> AsyncIterator[_Connection]:
+        """A pooled connection for one call: back to the pool once the call got its reply
+        (or sent nothing); closed when it was cancelled or failed mid-call (the stream is in
+        an unknown state). A failed write or read is ChannelUnavailable."""
+        conn = await self._connection()
+        conn.answered = False
+        try:
+            yield conn
         except (ConnectionError, OSError) as exc:
             raise ChannelUnavailable(f"data channel write failed: {exc}") from None
         finally:
-            if done:
+            if conn.answered:
                 self._idle.append(conn)
-            else:  # cancelled or failed mid-call: the stream is in an unknown state
+            else:
                 conn.writer.close()
                 conn.region.release()
+
+    async def _round_trip(self, conn: _Connection, header: dict[str, Any], payload: memoryview | bytes,
+                          tail: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        """One request frame, its reply frame; the server's error replies raised (its
+        GangServeError as it raised it, SharedMemoryUnavailable when it could not map the region)."""
+        await write_frame(conn.writer, header, payload, tail)
+        reply, out = await _read_reply(conn, self._max_header)
+        conn.answered = True
+        if not reply.get("ok"):
+            if "shm_unavailable" in reply:
+                conn.region.release()  # the server could not map it: a new region next time
+                raise shm.SharedMemoryUnavailable(str(reply["shm_unavailable"]))
+            raise error_from_wire(reply.get("error") or {})
+        return reply, out
 
     def close(self) -> None:
         for conn in self._idle:
@@ -496,6 +489,14 @@ def _tensor(payload: bytes, shape: tuple[int, ...]) -> np.ndarray:
     if len(payload) != expected:
         raise ValueError(f"payload of {len(payload)} bytes for a float32 tensor of shape {list(shape)} ({expected})")
     return np.frombuffer(payload, dtype=np.float32).reshape(shape)
+
+
+def _timeout(header: dict[str, Any]) -> float | None:
+    """A frame's `timeout_s`: null or a number of seconds (ValueError otherwise)."""
+    timeout_s = header.get("timeout_s")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
+        raise ValueError(f"timeout_s must be null or a number, got {timeout_s!r:.50}")
+    return timeout_s
 
 
 def _error(exc: GangServeError) -> dict[str, Any]:
