@@ -71,6 +71,7 @@ from service.gang.rank import RankInfo, RankWorker
 from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
 from service.gang_status import GangState, GangStatus
+from service.metrics import timeline
 from service.weights.record import ServedWeights
 from service.tunables import GangTunables, StateTunables
 
@@ -134,6 +135,7 @@ class Gang:
         self._heartbeats_stop: threading.Event | None = None  # set to end this generation's timer
         # rank 0's (seq, received, header sent, broadcast done, forward done, reply), ns
         self._timings: list[tuple[int, int, int, int, int, int]] = []
+        self._header_sent_ns = 0  # when the last step's header went out (monotonic; the timeline's `header`)
         # One thread = one global order of collectives (service.gang.sequencer).
         self._sequencer = Sequencer(on_stuck=self._mark_broken)
         self._batcher = StepBatcher(self._batched_step, gang.batching, on_step=on_step, on_drop=on_drop)
@@ -182,7 +184,7 @@ class Gang:
         # for a lost node), only to be refused then. Checked and submitted in one go on the
         # event loop, where the supervisor submits the rebuild, so no rebuild slips between.
         self._require_ready()
-        return await self._sequencer.run(self._infer_step, x, mask, causal, received_ns,
+        return await self._sequencer.run(self._infer_step, x, mask, causal, received_ns, timeline.current_step(),
                                          step_timeout_s=self.cfg.collective_timeout_s, request_deadline=deadline)
 
     async def session_step(self, prepare: Callable[[int, int], "SessionStepPlan"],
@@ -503,10 +505,33 @@ class Gang:
         return "nccl" if all_cuda else "gloo"
 
     def _infer_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
-                    received_ns: int = 0) -> np.ndarray:
+                    received_ns: int = 0, marks: timeline.StepMarks | None = None) -> np.ndarray:
+        if marks is not None:
+            marks.mark("handoff")  # the event loop -> the sequencer thread
         # Requests queued behind a failure must not touch the broken group.
         self._require_ready()
-        return self._compute(x, mask, causal, received_ns)
+        out = self._compute(x, mask, causal, received_ns)
+        if marks is not None:
+            self._mark_step(marks)
+        return out
+
+    def _mark_step(self, marks: timeline.StepMarks) -> None:
+        """The step just run, as parts (service.metrics.timeline): header (the peers' step
+        header), broadcast, compute and all_reduce (interleaved layer by layer: their sums),
+        to_numpy (rank 0's output back to a float32 array)."""
+        assert self._root is not None
+        done = time.monotonic_ns()
+        if self._loop_on:
+            marks.mark("header", self._header_sent_ns)
+        forward = timeline.wall_to_monotonic_ns(self._root.last_forward_ns)
+        marks.mark("broadcast", timeline.wall_to_monotonic_ns(self._root.last_bcast_ns))
+        all_reduce = self._root.last_all_reduce_ns
+        if all_reduce is not None:
+            marks.mark("compute", forward - all_reduce)
+            marks.mark("all_reduce", forward)
+        else:
+            marks.mark("compute", forward)
+        marks.mark("to_numpy", done)
 
     def _compute(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                  received_ns: int = 0) -> np.ndarray:
@@ -524,6 +549,7 @@ class Gang:
                 seq, sent_ns = self._seq + 1, time.time_ns()
                 flags = (control.FLAG_MASKED if mask is not None else 0) | (control.FLAG_CAUSAL if causal else 0)
                 self._send_header(control.step_header(seq, shape, flags, self._root.dtype, version, sent_ns))
+                self._header_sent_ns = time.monotonic_ns()
                 self._root.step_seq = seq
             out = self._root.root_step(x, version, mask, causal)
             if self._loop_on and out.size and np.isnan(out.flat[_first_token(mask, shape[2])]):

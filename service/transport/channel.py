@@ -66,6 +66,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 import orjson
 
+from service.metrics import timeline
 from service.transport import shm
 from service.errors import ErrorCode, GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
 from service.tunables import TransportTunables
@@ -191,7 +192,13 @@ class ChannelServer:
                     return  # the client closed the connection
                 if self._draining:
                     return  # closed unanswered: the client resends through the handle
+                # The request's marks on this side (the reply carries them back to the ingress,
+                # which shares this host's monotonic clock): the answer's task inherits it.
+                marks = timeline.Timeline.starting_now()
+                marks.mark("gang_receive")
+                token = timeline.start(marks)
                 answer = asyncio.ensure_future(self._answer(header, payload, region))
+                timeline.reset(token)
                 # One request per connection at a time: anything readable now is the end
                 # of the stream, i.e. the client went away; then the request is cancelled.
                 gone = asyncio.ensure_future(reader.read(1))
@@ -248,14 +255,14 @@ class ChannelServer:
         try:
             if x is not None:
                 out = np.ascontiguousarray(await self._call(x, mask, causal, timeout_s), dtype=np.float32)
-                return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
+                return _ok(out.shape), memoryview(out).cast("B"), region
             nbytes = int(np.prod(shape, dtype=np.int64)) * 4
             if region is None or region[0] != name or len(region[1]) < nbytes:
                 region = (str(name), shm.map_named(str(name), nbytes))  # kept for the next request
             view = np.frombuffer(region[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
             out = await self._call(view, mask, causal, timeout_s)
             view[...] = out  # the reply goes back in the same pages
-            return {"ok": True, "shape": list(out.shape)}, b"", region
+            return _ok(out.shape), b"", region
         except GangServeError as exc:
             return _error(exc), b"", region
         except shm.SharedMemoryUnavailable as exc:
@@ -334,6 +341,9 @@ class ChannelClient:
         raised it. Unbounded here: the caller bounds the wait; cancelling it closes the
         connection.
         """
+        marks = timeline.current()
+        if marks is not None:
+            marks.mark("policy")  # decoded -> the link starts sending (the request policy's part)
         conn = await self._connection()
         done = False
         shape = tuple(int(d) for d in x.shape)
@@ -361,8 +371,12 @@ class ChannelClient:
                 data = np.ascontiguousarray(x, dtype=np.float32)
                 await write_frame(conn.writer, {"op": "infer", "shape": list(shape), "shm": None, **extra},
                                   memoryview(data).cast("B"), tail)
+            if marks is not None:
+                marks.mark("link_send")  # into the shared region or the socket
             reply, payload = await _read_reply(conn, self._max_header)
             done = True
+            if marks is not None:
+                marks.extend(_marks(reply.get("marks")))
             if not reply.get("ok"):
                 if "shm_unavailable" in reply:
                     conn.region.release()  # the server could not map it: a new region next time
@@ -371,13 +385,17 @@ class ChannelClient:
             try:
                 out_shape = _shape(reply.get("shape"))
                 if not share:
-                    return _tensor(payload, out_shape)
-                if out_shape != shape:
+                    out = _tensor(payload, out_shape)
+                elif out_shape != shape:
                     raise ValueError(f"reply shape {list(out_shape)} for a {list(shape)} request")
             except ValueError as exc:
                 raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
-            conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
-            return view.copy()  # the region is reused by this connection's next request
+            if share:
+                conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
+                out = view.copy()  # the region is reused by this connection's next request
+            if marks is not None:
+                marks.mark("link_receive")  # the reply read (and copied out of the region)
+            return out
         except (ConnectionError, OSError) as exc:
             raise ChannelUnavailable(f"data channel write failed: {exc}") from None
         finally:
@@ -496,6 +514,28 @@ def _tensor(payload: bytes, shape: tuple[int, ...]) -> np.ndarray:
     if len(payload) != expected:
         raise ValueError(f"payload of {len(payload)} bytes for a float32 tensor of shape {list(shape)} ({expected})")
     return np.frombuffer(payload, dtype=np.float32).reshape(shape)
+
+
+def _ok(shape: tuple[int, ...]) -> dict[str, Any]:
+    """An infer reply's header, with this side's marks of the request (service.metrics.timeline)."""
+    marks = timeline.current()
+    if marks is None:
+        return {"ok": True, "shape": list(shape)}
+    marks.mark("reply")  # the step's end -> the reply is about to be written
+    return {"ok": True, "shape": list(shape), "marks": marks.marks}
+
+
+def _marks(value: Any) -> list[tuple[str, int]]:
+    """The server's marks from a reply header; [] when absent or malformed (timing is never
+    a reason to fail a request)."""
+    if not isinstance(value, list):
+        return []
+    marks = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], int)):
+            return []
+        marks.append((item[0], item[1]))
+    return marks
 
 
 def _error(exc: GangServeError) -> dict[str, Any]:
