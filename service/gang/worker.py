@@ -483,8 +483,9 @@ class Rank:
     @property
     def last_all_reduce_ns(self) -> int | None:
         """Nanoseconds the last step spent in its all_reduces (waiting for the slowest peer
-        included); None on CUDA, where a collective returns once queued."""
-        if self.group is None or self.device.type == "cuda":
+        included); None with no peers (no all_reduce) and on CUDA, where a collective returns
+        once queued."""
+        if self.group is None or self.world_size == 1 or self.device.type == "cuda":
             return None
         return self.group.timer.ns
 
