@@ -48,12 +48,13 @@ import asyncio
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Generic, TypeVar
 
 import numpy as np
 
 from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+from service.metrics import timeline
 
 # (x [batch, seq, E] float32, key mask [batch, seq] bool or None, causal or None,
 #  the latest monotonic deadline of the step's requests or None) -> output
@@ -223,6 +224,9 @@ class _Pending(Queued):
     x: np.ndarray  # [batch, seq, E]
     mask: np.ndarray | None  # [batch, seq] bool, True = token; None = all tokens
     causal: bool | None  # None: the served model's default
+    # The request's timeline (service.metrics.timeline), taken in the submitting task: its
+    # step may run in another task, which gets the step's marks through `StepMarks`.
+    request_timeline: timeline.Timeline | None = field(default_factory=timeline.current)
 
     @property
     def rows(self) -> int:
@@ -305,7 +309,12 @@ class StepBatcher:
         x, mask, padded = pad_group([(p.x, p.mask) for p in group])
         rows, seq = int(x.shape[0]), int(x.shape[1])
         share = padded / (rows * seq) if rows * seq else 0.0
+        timed = [p.request_timeline for p in group if p.request_timeline is not None]
+        marks = timeline.StepMarks() if timed else None
+        for t in timed:
+            t.mark("queue")  # the batcher: arrival -> its step starts
         started = time.perf_counter()
+        token = timeline.running_step(marks)
         try:
             out = await self._run_step(x, mask, group[0].causal, deadline)  # [sum b_i, S, E]
         except Exception as exc:
@@ -318,6 +327,13 @@ class StepBatcher:
                 if not p.future.done():
                     p.future.set_exception(exc)
             return
+        finally:
+            timeline.end_step(token)
+        if marks is not None:
+            back = time.monotonic_ns()
+            for t in timed:
+                t.extend(marks.marks)
+                t.mark("to_loop", back)  # the sequencer thread -> this event loop
         self._step_ms.append((time.perf_counter() - started) * 1000)
         if self._on_step:
             self._on_step(rows, self._step_ms[-1] / 1000, None, share)

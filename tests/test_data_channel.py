@@ -465,3 +465,70 @@ def test_deadline_travels_a_gone_client_cancels_and_a_drain_finishes_accepted_re
             await client.infer(rand(1, 2, 8), timeout_s=1.0)
 
     _run_with_server(tmp_path, monkeypatch, body, infer=infer)
+
+
+# -- where a request's time goes (service.metrics.timeline, issue 44) ---------------------
+
+# The parts a request over the data channel is split into, in order, between the ingress's
+# `decode` and its `return` (world size 2: the peers get a step header; gloo: all_reduce timed).
+CHANNEL_PARTS = ["policy", "link_send", "gang_receive", "queue", "handoff", "header", "broadcast", "compute",
+                 "all_reduce", "to_numpy", "to_loop", "reply", "link_receive"]
+
+
+@pytest.mark.ray
+def test_a_request_over_the_channel_names_every_part_of_its_time(app_url: str) -> None:
+    """The link and the GangServer mark each part's end on the request's timeline (one host:
+    one monotonic clock), so the parts follow one another, none is negative, and they add up
+    to the whole; the answer is still the reference's."""
+    from service.metrics import timeline
+
+    client = _driver_side_client(app_url)
+    x = rand(3, 32, 512, seed=23)
+
+    async def run() -> tuple[np.ndarray, Any]:
+        marks = timeline.Timeline.starting_now()
+        token = timeline.start(marks)
+        try:
+            out = np.array(await client.infer(x))
+        finally:
+            timeline.reset(token)
+        marks.mark("return")
+        return out, marks
+
+    out, marks = asyncio.run(run())
+    assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
+    assert [name for name, _ in marks.marks] == [*CHANNEL_PARTS, "return"], marks.marks
+    parts = dict(marks.parts_ms())
+    # Stamps from rank 0's wall-clock step clock are moved onto the monotonic clock (to ~1 us).
+    assert all(ms > -0.05 for ms in parts.values()), parts
+    assert sum(parts.values()) == pytest.approx(marks.total_ms(), abs=1e-6)
+    assert parts["compute"] > 0 and parts["all_reduce"] > 0, parts
+
+
+@pytest.mark.ray
+def test_server_timing_parts_add_up_to_the_ingress_total(app_url: str) -> None:
+    """POST /infer's Server-Timing lists the ingress's parts (and, when the request took the
+    data channel, the link's and the GangServer's) and their total: the parts add up to it,
+    and the total fits inside what the client measured."""
+    body = io_npy(rand(2, 16, 512, seed=24))
+    for _ in range(3):
+        started = time.perf_counter()
+        r = httpx.post(app_url + "/infer", content=body, headers={"content-type": "application/x-npy"}, timeout=60)
+        client_ms = (time.perf_counter() - started) * 1000
+        assert r.status_code == 200, r.text[:300]
+        entries = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
+        names, values = [name for name, _ in entries], [float(ms) for _, ms in entries]
+        assert names[:2] == ["read", "decode"] and names[-2:] == ["encode", "total"], names
+        middle = names[2:-2]
+        assert middle in (["gang"], [*CHANNEL_PARTS, "return"]), names
+        assert all(v > -0.05 for v in values), entries
+        assert sum(values[:-1]) == pytest.approx(values[-1], abs=0.001 * len(values)), entries
+        assert values[-1] <= client_ms, (values[-1], client_ms)
+
+
+def io_npy(x: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()

@@ -71,6 +71,7 @@ from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
 from service.gang.steps import Append, Forward, StepKind
 from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory, SessionStats
+from service.metrics import timeline
 from service.weights.record import ServedWeights
 from service.tunables import GangTunables, StateTunables
 
@@ -135,6 +136,7 @@ class Gang:
         self._heartbeats_stop: threading.Event | None = None  # set to end this generation's timer
         # rank 0's (seq, received, header sent, broadcast done, forward done, reply), ns
         self._timings: list[tuple[int, int, int, int, int, int]] = []
+        self._header_sent_ns = 0  # when the last step's header went out (monotonic; the timeline's `header`)
         # One thread = one global order of collectives (service.gang.sequencer).
         self._sequencer = Sequencer(on_stuck=self._mark_broken)
         self._batcher = StepBatcher(self._batched_step, gang.batching, on_step=on_step, on_drop=on_drop)
@@ -183,7 +185,7 @@ class Gang:
         # for a lost node), only to be refused then. Checked and submitted in one go on the
         # event loop, where the supervisor submits the rebuild, so no rebuild slips between.
         self._require_ready()
-        return await self._sequencer.run(self._infer_step, x, mask, causal, received_ns,
+        return await self._sequencer.run(self._infer_step, x, mask, causal, received_ns, timeline.current_step(),
                                          step_timeout_s=self.cfg.collective_timeout_s, request_deadline=deadline)
 
     async def session_step(self, prepare: Callable[[int, int], "SessionStepPlan"],
@@ -491,14 +493,37 @@ class Gang:
         return "nccl" if all_cuda else "gloo"
 
     def _infer_step(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
-                    received_ns: int = 0) -> np.ndarray:
+                    received_ns: int = 0, marks: timeline.StepMarks | None = None) -> np.ndarray:
+        if marks is not None:
+            marks.mark("handoff")  # the event loop -> the sequencer thread
         # Requests queued behind a failure must not touch the broken group.
         self._require_ready()
         assert self._root is not None
         # None = the served weights' default, read here on the sequencer: the same weights
         # this step runs on (a swap is sequenced between steps).
-        return self._run_step(Forward(x, mask, self._root.default_causal if causal is None else bool(causal)),
-                              received_ns)
+        out = self._run_step(Forward(x, mask, self._root.default_causal if causal is None else bool(causal)),
+                             received_ns)
+        if marks is not None:
+            self._mark_step(marks)
+        return out
+
+    def _mark_step(self, marks: timeline.StepMarks) -> None:
+        """The step just run, as parts (service.metrics.timeline): header (the peers' step
+        header), broadcast, compute and all_reduce (interleaved layer by layer: their sums),
+        to_numpy (rank 0's output back to a float32 array)."""
+        assert self._root is not None
+        done = time.monotonic_ns()
+        if self._loop_on:
+            marks.mark("header", self._header_sent_ns)
+        forward = timeline.wall_to_monotonic_ns(self._root.last_forward_ns)
+        marks.mark("broadcast", timeline.wall_to_monotonic_ns(self._root.last_bcast_ns))
+        all_reduce = self._root.last_all_reduce_ns
+        if all_reduce is not None:
+            marks.mark("compute", forward - all_reduce)
+            marks.mark("all_reduce", forward)
+        else:
+            marks.mark("compute", forward)
+        marks.mark("to_numpy", done)
 
     def _run_step(self, step: StepKind, received_ns: int = 0) -> np.ndarray:
         """Every step kind's one path (sequencer only; the kinds: service.gang.steps).
@@ -516,6 +541,7 @@ class Gang:
             if self._loop_on:
                 seq = self._seq + 1
                 self._send_header(step.header(seq, self._root.dtype, version, sent_ns))
+                self._header_sent_ns = time.monotonic_ns()
                 self._root.step_seq = seq
             out = step.root(self._root, version)
             if self._loop_on and step.poisoned(out):

@@ -408,6 +408,7 @@ class Rank:
         if self.model is None or group is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
         clock = self._clock = StepClock(self.device)
+        self.group.timer.reset()
         with torch.inference_mode():
             group.broadcast_(buf, src=0)  # on every rank
             clock.mark()
@@ -445,6 +446,15 @@ class Rank:
     def last_forward_ns(self) -> int:
         """When the last step's forward (its all_reduce included) completed."""
         return self._clock.stamps()[1] if self._clock else 0
+
+    @property
+    def last_all_reduce_ns(self) -> int | None:
+        """Nanoseconds the last step spent in its all_reduces (waiting for the slowest peer
+        included); None with no peers (no all_reduce) and on CUDA, where a collective returns
+        once queued."""
+        if self.group is None or self.world_size == 1 or self.device.type == "cuda":
+            return None
+        return self.group.timer.ns
 
     # -- the step loop (ranks 1..N-1; protocol in service.gang.control) -----------------
     def send_header(self, header: torch.Tensor) -> None:

@@ -13,10 +13,23 @@ so no layer reaches for the global itself.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+
+class CollectiveTimer:
+    """Host nanoseconds this rank spent in `all_reduce_` since the last `reset()`: the
+    all_reduce part of a step (service.metrics.timeline). Meaningful where collectives are
+    synchronous (gloo on CPU); on CUDA a call returns once queued, so `ns` says little."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def reset(self) -> None:
+        self.ns = 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,7 @@ class ParallelGroup:
     backend: str
     device: torch.device
     group: dist.ProcessGroup | None
+    timer: CollectiveTimer = field(default_factory=CollectiveTimer, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -52,7 +66,9 @@ class ParallelGroup:
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over all ranks, in place; identity for one rank."""
         if self.world_size > 1:
+            started = time.perf_counter_ns()
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            self.timer.ns += time.perf_counter_ns() - started
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

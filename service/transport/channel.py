@@ -66,6 +66,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import numpy as np
 import orjson
 
+from service.metrics import timeline
 from service.transport import shm
 from service.errors import ErrorCode, GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
 from service.tunables import TransportTunables
@@ -186,7 +187,13 @@ class ChannelServer:
                     return  # the client closed the connection
                 if self._draining:
                     return  # closed unanswered: the client resends through the handle
+                # The request's marks on this side (the reply carries them back to the ingress,
+                # which shares this host's monotonic clock): the answer's task inherits it.
+                marks = timeline.Timeline.starting_now()
+                marks.mark("gang_receive")
+                token = timeline.start(marks)
                 answer = asyncio.ensure_future(self._answer(header, payload, region))
+                timeline.reset(token)
                 # One request per connection at a time: anything readable now is the end
                 # of the stream, i.e. the client went away; then the request is cancelled.
                 gone = asyncio.ensure_future(reader.read(1))
@@ -262,7 +269,7 @@ class ChannelServer:
         async def run() -> Answer:
             if x is not None:
                 out = np.ascontiguousarray(await self._infer(x, mask, causal, timeout_s=timeout_s), dtype=np.float32)
-                return {"ok": True, "shape": list(out.shape)}, memoryview(out).cast("B"), region
+                return _ok(out.shape), memoryview(out).cast("B"), region
             nbytes = int(np.prod(shape, dtype=np.int64)) * 4
             mapped = region
             if mapped is None or mapped[0] != name or len(mapped[1]) < nbytes:
@@ -270,7 +277,7 @@ class ChannelServer:
             view = np.frombuffer(mapped[1], dtype=np.float32, count=nbytes // 4).reshape(shape)
             out = await self._infer(view, mask, causal, timeout_s=timeout_s)
             view[...] = out  # the reply goes back in the same pages
-            return {"ok": True, "shape": list(out.shape)}, b"", mapped
+            return _ok(out.shape), b"", mapped
 
         return run
 
@@ -328,6 +335,9 @@ class ChannelClient:
         raised it. Unbounded here: the caller bounds the wait; cancelling it closes the
         connection.
         """
+        marks = timeline.current()
+        if marks is not None:
+            marks.mark("policy")  # decoded -> the link starts sending (the request policy's part)
         shape = tuple(int(d) for d in x.shape)
         share = share and x.size * 4 <= self._max_region
         header: dict[str, Any] = {"op": "infer", "shape": list(shape), "shm": None}
@@ -354,13 +364,17 @@ class ChannelClient:
             try:
                 out_shape = _shape(reply.get("shape"))
                 if not share:
-                    return _tensor(payload, out_shape)
-                if out_shape != shape:
+                    out = _tensor(payload, out_shape)
+                elif out_shape != shape:
                     raise ValueError(f"reply shape {list(out_shape)} for a {list(shape)} request")
             except ValueError as exc:
                 raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
-            conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
-            return view.copy()  # the region is reused by this connection's next request
+            if share:
+                conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
+                out = view.copy()  # the region is reused by this connection's next request
+            if marks is not None:
+                marks.mark("link_receive")  # the reply read (and copied out of the region)
+            return out
 
     async def session_append(self, x: np.ndarray, session_id: str, length: int | None = None,
                              timeout_s: float | None = None) -> tuple[np.ndarray, dict[str, Any]]:
@@ -405,8 +419,13 @@ class ChannelClient:
         """One request frame, its reply frame; the server's error replies raised (its
         GangServeError as it raised it, SharedMemoryUnavailable when it could not map the region)."""
         await write_frame(conn.writer, header, payload, tail)
+        marks = timeline.current()
+        if marks is not None:
+            marks.mark("link_send")  # into the shared region or the socket
         reply, out = await _read_reply(conn, self._max_header)
         conn.answered = True
+        if marks is not None:
+            marks.extend(_marks(reply.get("marks")))
         if not reply.get("ok"):
             if "shm_unavailable" in reply:
                 conn.region.release()  # the server could not map it: a new region next time
@@ -489,6 +508,28 @@ def _tensor(payload: bytes, shape: tuple[int, ...]) -> np.ndarray:
     if len(payload) != expected:
         raise ValueError(f"payload of {len(payload)} bytes for a float32 tensor of shape {list(shape)} ({expected})")
     return np.frombuffer(payload, dtype=np.float32).reshape(shape)
+
+
+def _ok(shape: tuple[int, ...]) -> dict[str, Any]:
+    """An infer reply's header, with this side's marks of the request (service.metrics.timeline)."""
+    marks = timeline.current()
+    if marks is None:
+        return {"ok": True, "shape": list(shape)}
+    marks.mark("reply")  # the step's end -> the reply is about to be written
+    return {"ok": True, "shape": list(shape), "marks": marks.marks}
+
+
+def _marks(value: Any) -> list[tuple[str, int]]:
+    """The server's marks from a reply header; [] when absent or malformed (timing is never
+    a reason to fail a request)."""
+    if not isinstance(value, list):
+        return []
+    marks = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], int)):
+            return []
+        marks.append((item[0], item[1]))
+    return marks
 
 
 def _timeout(header: dict[str, Any]) -> float | None:

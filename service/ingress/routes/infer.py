@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 import numpy as np
 
 from service import deadlines
+from service.metrics import timeline
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.config import AppConfig
@@ -101,33 +102,35 @@ async def infer(
         tunables=cfg.tunables.ingress)
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
-    t_start = time.perf_counter()
-    check_declared_length(request, cfg.max_body_bytes)
-    if media == codecs.JSON:
-        body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
-    else:
-        body = await read_body_capped(request, cfg.max_body_bytes)
-    t_read = time.perf_counter()
-    limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
-    x, mask, squeezed, dtype = await pool.decode(_prepare, body, media, limits, output_dtype, reply_media,
-                                                 inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
-    t_decoded = time.perf_counter()
-    out = await gang.infer(x, mask, causal, deadline)  # [batch, seq, E] float32
-    t_gang = time.perf_counter()
-    if squeezed:
-        out = out[0]
-    if out.size > cfg.tunables.ingress.inline_encode_values:
-        content = await pool.run_unbounded(_encode, out, dtype, reply_media)
-    else:
-        content = _encode(out, dtype, reply_media)
-    t_end = time.perf_counter()
-    # Where the time went, for clients and `make bench` (W3C Server-Timing, milliseconds).
-    timing = ", ".join(
-        f"{name};dur={(b - a) * 1000:.2f}"
-        for name, a, b in (("read", t_start, t_read), ("decode", t_read, t_decoded),
-                           ("gang", t_decoded, t_gang), ("encode", t_gang, t_end))
-    )
-    return Response(content=content, media_type=reply_media, headers={"Server-Timing": timing})
+    # Where the time goes (service.metrics.timeline): the link and the GangServer mark their
+    # parts on this request's timeline; the reply's Server-Timing lists every part.
+    marks = timeline.Timeline.starting_now()
+    token = timeline.start(marks)
+    try:
+        check_declared_length(request, cfg.max_body_bytes)
+        if media == codecs.JSON:
+            body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
+        else:
+            body = await read_body_capped(request, cfg.max_body_bytes)
+        marks.mark("read")
+        limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
+        x, mask, squeezed, dtype = await pool.decode(_prepare, body, media, limits, output_dtype, reply_media,
+                                                     inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
+        marks.mark("decode")
+        out = await gang.infer(x, mask, causal, deadline)  # [batch, seq, E] float32
+        # Over the data channel the link marked its parts and the GangServer's; otherwise the
+        # whole hop is one part.
+        marks.mark("return" if marks.marks[-1][0] == "link_receive" else "gang")
+        if squeezed:
+            out = out[0]
+        if out.size > cfg.tunables.ingress.inline_encode_values:
+            content = await pool.run_unbounded(_encode, out, dtype, reply_media)
+        else:
+            content = _encode(out, dtype, reply_media)
+        marks.mark("encode")
+    finally:
+        timeline.reset(token)
+    return Response(content=content, media_type=reply_media, headers={"Server-Timing": marks.server_timing()})
 
 
 def _prepare(

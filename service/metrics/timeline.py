@@ -1,0 +1,123 @@
+"""Where one request's time went: an ordered timeline of named parts on one clock.
+
+A request crosses three places: the Ingress replica (read, decode, the link to rank 0), the
+GangServer replica (the data channel, the batcher, the sequencer thread) and rank 0's step
+(broadcast, compute, all_reduce). Each place marks the END of a part, `mark(name)`, on
+`time.monotonic_ns()`. CLOCK_MONOTONIC is one clock for every process of a host, so the
+GangServer's marks belong on the Ingress's timeline when the two share a node: the data
+channel's route, the one that carries them back (service.transport.channel); on any other
+route the whole hop is one part, `gang`.
+
+A part's duration is the difference of consecutive marks (the first from `start_ns`), so the
+parts add up to the whole by construction: the breakdown can hide nothing, every interval
+has a name. Two parts are interleaved in time rather than consecutive: a step's compute and
+its all_reduces alternate layer by layer, so the step reports their sums as two marks
+(`compute`, then `all_reduce` at the step's end).
+
+How a timeline travels: the request's Timeline is the *current* one of its asyncio task (a
+context variable), the way tracing libraries carry a span, so the code between a route and
+the wire (the request policy, the link) passes nothing along. A batch step serves several
+requests at once and runs in a task of its own, so the batcher hands each member's timeline
+the step's marks explicitly (`StepMarks`), and the step's thread fills those.
+"""
+from __future__ import annotations
+
+import contextvars
+import time
+from dataclasses import dataclass, field
+
+# The timeline of the request the running task serves (None: nobody is timing it).
+_current: contextvars.ContextVar["Timeline | None"] = contextvars.ContextVar("gangserve_timeline", default=None)
+# The marks of the gang step the running task is about to run (set by the batcher around a step).
+_current_step: contextvars.ContextVar["StepMarks | None"] = contextvars.ContextVar("gangserve_step", default=None)
+
+
+@dataclass
+class Timeline:
+    """One request's parts: (name, monotonic ns at the part's end), in the order they ended."""
+
+    start_ns: int
+    marks: list[tuple[str, int]] = field(default_factory=list)
+
+    @classmethod
+    def starting_now(cls) -> "Timeline":
+        return cls(time.monotonic_ns())
+
+    def mark(self, part: str, at_ns: int | None = None) -> None:
+        """`part` ended now (or at `at_ns`, a monotonic_ns taken on this host)."""
+        self.marks.append((part, time.monotonic_ns() if at_ns is None else at_ns))
+
+    def extend(self, marks: list[tuple[str, int]]) -> None:
+        """Marks taken elsewhere on this host (the GangServer's, from the channel's reply)."""
+        self.marks.extend(marks)
+
+    def parts_ms(self) -> list[tuple[str, float]]:
+        """Each part's milliseconds: its mark minus the previous one (the first: minus start).
+        A name that recurs (a resent request) is summed into its first place."""
+        out: dict[str, float] = {}
+        previous = self.start_ns
+        for name, at in self.marks:
+            out[name] = out.get(name, 0.0) + (at - previous) / 1e6
+            previous = at
+        return list(out.items())
+
+    def total_ms(self) -> float:
+        """From the start to the last mark."""
+        return ((self.marks[-1][1] if self.marks else self.start_ns) - self.start_ns) / 1e6
+
+    def server_timing(self) -> str:
+        """The parts and their sum as a W3C Server-Timing header value (milliseconds)."""
+        parts = [f"{name};dur={ms:.3f}" for name, ms in self.parts_ms()]
+        return ", ".join([*parts, f"total;dur={self.total_ms():.3f}"])
+
+
+@dataclass
+class StepMarks:
+    """One gang step's marks, shared by every request of its batch: filled by the Gang on the
+    sequencer thread, copied onto each member's timeline by the batcher."""
+
+    marks: list[tuple[str, int]] = field(default_factory=list)
+
+    def mark(self, part: str, at_ns: int | None = None) -> None:
+        self.marks.append((part, time.monotonic_ns() if at_ns is None else at_ns))
+
+
+def start(timeline: Timeline) -> contextvars.Token:
+    """Make `timeline` the running task's current one (tasks it creates inherit it)."""
+    return _current.set(timeline)
+
+
+def reset(token: contextvars.Token) -> None:
+    """Undo `start` (the task goes on without a timeline of its own)."""
+    _current.reset(token)
+
+
+def current() -> Timeline | None:
+    """The running task's request timeline, if someone is timing it."""
+    return _current.get()
+
+
+def mark(part: str) -> None:
+    """Mark `part` on the running task's timeline (nothing when nobody is timing it)."""
+    timeline = _current.get()
+    if timeline is not None:
+        timeline.mark(part)
+
+
+def running_step(step: StepMarks | None) -> contextvars.Token:
+    """Set the marks the step about to run (in this task) fills; reset with `end_step`."""
+    return _current_step.set(step)
+
+
+def end_step(token: contextvars.Token) -> None:
+    _current_step.reset(token)
+
+
+def current_step() -> StepMarks | None:
+    """The marks of the step this task is running (None: nobody is timing it)."""
+    return _current_step.get()
+
+
+def wall_to_monotonic_ns(wall_ns: int) -> int:
+    """A time.time_ns() stamp (rank 0's step clock) on the monotonic clock (to ~1 us)."""
+    return wall_ns - time.time_ns() + time.monotonic_ns()
