@@ -127,18 +127,31 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
     jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len,
                                            cfg.part(ModelConfig).model_dump(), t)
-    # The ingress only parses HTTP; it reserves no logical CPU so the gang gets them all.
-    # Several replicas are spread over the nodes (Serve alone packs 0-CPU replicas): at most
-    # ceil(replicas / nodes) per node, so one lost node never takes every ingress with it.
-    spread: dict[str, Any] = {}
-    if cfg.ingress_replicas > 1 and nodes:
-        spread["max_replicas_per_node"] = -(-cfg.ingress_replicas // nodes)
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
         # A replica being replaced (redeploy, scale-down) holds requests that wait for a gang
         # (a redeploy replaces a gang by stopping it first): give them the time a new gang
         # takes to come up before Serve kills the replica (Serve's default: 20 s).
         graceful_shutdown_timeout_s=t.ingress.drain_timeout_s,
-        ray_actor_options={"num_cpus": 0, **event_loop_options(cfg)}, max_ongoing_requests=max(256, cfg.max_ongoing_requests),
-        **spread, **logs,
+        max_ongoing_requests=max(256, cfg.max_ongoing_requests),
+        **ingress_placement(cfg, nodes), **logs,
     ).bind(server, cfg.model_dump(), jobs, controller)
+
+
+# Ray's resource of the head node (ray._common.constants.HEAD_NODE_RESOURCE_NAME): 1 on the
+# head, absent elsewhere.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def ingress_placement(cfg: AppConfig, nodes: int | None) -> dict[str, Any]:
+    """The Ingress deployment's placement options. It only parses HTTP and reserves no logical
+    CPU, so the gang gets them all. `head`: every replica asks for a sliver of the head's own
+    resource, so it runs beside the head's front door: a worker node lost or cut off takes no
+    ingress with it (HAProxy keeps real servers, and no answer waits on a cut link).
+    `spread`: at most ceil(replicas / nodes) per node (Serve alone packs 0-CPU replicas)."""
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0, **event_loop_options(cfg)}}
+    if cfg.ingress_placement == "head":
+        options["ray_actor_options"]["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    elif cfg.ingress_replicas > 1 and nodes:
+        options["max_replicas_per_node"] = -(-cfg.ingress_replicas // nodes)
+    return options

@@ -236,9 +236,17 @@ class ServingConfig(BaseModel):
     )
     ingress_replicas: int = Field(
         1, ge=1, le=64,
-        description="Replicas of the HTTP ingress (no logical CPU each), spread over the nodes: at "
-        "most ceil(replicas / alive nodes at deploy time) per node, so on a multi-node cluster the "
-        "loss of one node leaves the others answering (2 in gpu.yaml and kuberay.yaml).",
+        description="Replicas of the HTTP ingress (no logical CPU each), placed as ingress_placement "
+        "says (2 in gpu.yaml and kuberay.yaml: one replica's process lost, the other answers).",
+    )
+    ingress_placement: Literal["head", "spread"] = Field(
+        "head",
+        description="Where the ingress replicas run. `head`: on the head node, beside the front door "
+        "(HAProxy) that clients reach: a lost or cut-off worker node never holds an ingress replica, "
+        "so HAProxy never falls back to Serve's Python proxy and never waits on a cut link for an "
+        "answer; the ingress bounds its own call to the gang by the request's deadline. `spread`: "
+        "at most ceil(replicas / alive nodes at deploy time) per node, for clusters whose clients "
+        "use every node's front door (docs/operations.md#the-front-door-under-faults).",
     )
     max_json_bytes: int = Field(
         8 * 1024 * 1024, ge=1024,

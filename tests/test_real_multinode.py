@@ -41,6 +41,11 @@ FAULT_BOUND_S = COLLECTIVE_TIMEOUT_S + 1.0 + 3.0
 # the deadline is what bounds a client's wait during a fault: the gang's own detection must
 # let every request end by then, with its answer, or with 504 deadline_exceeded / 503.
 REQUEST_DEADLINE_S = COLLECTIVE_TIMEOUT_S + 1.0
+# What a client waits at most, as gangserve_client does with a deadline: the deadline + 1 s.
+# Through the front door under a node loss or a partition, every answer comes by then
+# (issue 44), in our JSON format: the ingress replicas run beside the front door, on the head
+# (ingress_placement: head), so neither fault holds a request of HAProxy's.
+CLIENT_WAIT_S = REQUEST_DEADLINE_S + 1.0
 APP_ARGS = {
     "world_size": 2, "use_gpu": True, "placement_strategy": "STRICT_SPREAD", "cpus_per_rank": 0.5,
     "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "stage_timeout_s": 20.0, "schedule_timeout_s": 30.0,
@@ -175,12 +180,12 @@ class Load:
                                              "x-request-timeout-seconds": str(REQUEST_DEADLINE_S)})
                     status = r.status_code
                     if status != 200:
-                        self.body_at[t0] = r.text[:500]
+                        self.body_at[t0] = r.text[:4000]
                     if status == 200:
                         got = torch.from_numpy(np.load(io.BytesIO(r.content)))
                         status = 200 if relative_error(got, want) < 1e-5 else -200  # -200: wrong answer
-                except httpx.HTTPError as exc:
-                    status = -1  # no HTTP answer at all
+                    except httpx.HTTPError as exc:
+                    status = -1  # no HTTP answer at all, or none within the client's wait
                     self.body_at[t0] = repr(exc)[:500]
                 self.results.append((status, time.monotonic() - t0, t0))
                 if status != 200:
@@ -209,6 +214,22 @@ class Load:
                 first.setdefault(status, self.body_at[t0])
         return first
 
+    def foreign_bodies(self) -> list[tuple[int, str]]:
+        """Non-200 answers that are not ours: our errors are JSON `{"error", "code"}` (the front
+        door's own pages and Serve's proxy's plain-text 408 are not)."""
+        foreign = []
+        for status, _, t0 in list(self.results):
+            body = self.body_at.get(t0)
+            if status in (200, -200, -1) or body is None:
+                continue
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+            if not (isinstance(parsed, dict) and {"error", "code"} <= parsed.keys()):
+                foreign.append((status, body[:200]))
+        return foreign
+
     def statuses(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for status, _, _ in self.results:
@@ -219,7 +240,8 @@ class Load:
 def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: NetnsCluster, app: str) -> None:
     info = httpx.get(app + "/gang", timeout=10).json()
     victim = next(n for n in cluster.nodes if not n.head and n.ip in [r["node_ip"] for r in info["ranks"]])
-    with Load(app) as load:
+    assert set(ingress_node_ips(cluster)) == {cluster.head.ip}  # beside the front door (ingress_placement)
+    with Load(app, timeout_s=CLIENT_WAIT_S) as load:
         load.wait_answered()  # the clients are sending ...
         time.sleep(1.0)  # ... for a second before the cut: steady load, both ingress replicas in use
         cut_at = time.monotonic()
@@ -232,30 +254,18 @@ def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: Ne
         while time.monotonic() < deadline and recovered_at is None:
             recovered_at = load.first_answered(healed_at)
             time.sleep(0.2)
-    print(f"partition: {load.statuses()}, serving again {recovered_at - healed_at if recovered_at else None:.1f}s "
+    print(f"partition: {load.statuses()}, serving again {recovered_at - healed_at if recovered_at else float('nan'):.1f}s "
           f"after the link came back; slowest (status, s, started s after the cut): {load.slowest(cut_at)}")
     statuses = load.statuses()
     assert -200 not in statuses, "a 200 carried a wrong answer"
-    # One of the two ingress replicas is on the cut node. A request the front door (HAProxy on
-    # the head) handed to it in the partition is stranded: its bytes reach that replica only
-    # once the link is back (TCP's retransmission backoff: up to ~PARTITION_S after the heal),
-    # and the ingress times a stated deadline from when it sees the request. So it is answered
-    # late, by the service (a right 200, or our 503/504), never lost and never a front-door
-    # answer of its own: only for requests started from 1 s before the cut until the heal,
-    # answered within REQUEST_DEADLINE_S + 1 s of that arrival, at most 2 per client thread;
-    # every other answer within the fault bound.
-    stranded = [(status, round(lat, 2), round(t0 - cut_at, 2)) for status, lat, t0 in load.results
-                if lat > FAULT_BOUND_S]
-    assert len(stranded) <= 2 * load.threads and all(
-        status in (200, 503, 504) and -1.0 <= started <= PARTITION_S
-        and started + lat <= 2 * PARTITION_S + REQUEST_DEADLINE_S + 1.0
-        for status, lat, started in stranded), stranded
+    # Every request got an answer of the service's within the client's wait (the deadline +
+    # 1 s): a right 200, or our JSON 503/504. No request sat on the cut side: the ingress
+    # replicas are on the head with the front door, and they bound their own call to the cut
+    # gang by the request's deadline.
+    assert -1 not in statuses, f"unanswered within {CLIENT_WAIT_S} s: {load.slowest(cut_at)}"
     assert set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
+    assert not load.foreign_bodies(), load.foreign_bodies()
     assert recovered_at is not None, "not serving again within 120 s of the link coming back"
-    # The gang gives up on the unreachable peer itself (the group's timeout), so no request
-    # served on the reachable side waits longer than collective_timeout_s + 1 s (+ slack for
-    # this loaded machine), never for the partition to end or for Ray's node health check.
-    assert len(stranded) < len(load.results), load.slowest(cut_at)
 
 
 def test_launcher_refuses_the_notes_four_gpu_gang_at_once(cluster: NetnsCluster) -> None:
@@ -284,12 +294,13 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     # head also holds the GCS, whose loss is a different failure.
     victim = next(n for n in cluster.nodes if not n.head and n.ip in [r["node_ip"] for r in info["ranks"]])
     reason, seen, health = None, [], []
-    assert victim.ip in ingress_node_ips(cluster)  # it also holds one of the two ingress replicas
+    # The ingress replicas run beside the front door (ingress_placement: head): the lost node
+    # takes none of them, so HAProxy keeps its real servers and never answers itself.
+    assert set(ingress_node_ips(cluster)) == {cluster.head.ip}
     _, slow_before = infer_times(app, FAULT_BOUND_S)
-    # The clients give up as gangserve_client does with a deadline (it waits the deadline + 1 s;
-    # here the fault bound + 1 s, so an answer of ours past the bound still arrives and fails
-    # the bound below), then count the request as unanswered (-1) and send the next one.
-    with Load(app, timeout_s=FAULT_BOUND_S + 1.0) as load:
+    # The clients give up as gangserve_client does with a deadline (the deadline + 1 s), then
+    # count the request as unanswered (-1) and send the next one.
+    with Load(app, timeout_s=CLIENT_WAIT_S) as load:
         load.wait_answered()  # the clients are sending ...
         time.sleep(1.0)  # ... for a second before the kill, as before the cut above
         killed_at = time.monotonic()
@@ -316,34 +327,20 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     statuses = load.statuses()
     print(f"node loss: {statuses}; reason after {diagnosed_at - killed_at:.1f}s: {reason}; "
           f"serving again {recovered_at - joined_at if recovered_at else float('nan'):.1f}s after the new node joined; "
-          f"slowest (status, s, started s after the kill): {load.slowest(killed_at)}; the front door's own answers (status, s): "
-          f"{[(s, round(lat, 2)) for s, lat, _ in load.results if s == 500]}")
+          f"slowest (status, s, started s after the kill): {load.slowest(killed_at)}")
     assert reason is not None and "GPU: 1" in reason and "STRICT_SPREAD" in reason, sorted(set(seen))[-5:]
-    # The other ingress replica kept answering: health always 200, every request a JSON answer.
-    # The only exceptions are the front door's own, at most two per client thread:
-    # - a request in flight on the ingress replica that died with the node gets HAProxy's own
-    #   answer (its connection to the replica was reset after the request was sent, so it
-    #   cannot be retried): Serve's one 500 page, plain text "Internal Server Error", or the
-    #   client's connection closed with no answer (-1 here);
-    # - Serve applies each change of the ingress replicas by reloading HAProxy, and an old
-    #   HAProxy process keeps the client connections it holds. HAProxy's access log, captured
-    #   in this test's cluster, showed answers our ingress gave in ~4 s logged as sent by a
-    #   process reloaded out within a second of them, and their clients got them ~55 s later,
-    #   or never. The client gives up at its timeout (-1); its next request, on a new
-    #   connection, is served.
+    # The front door stayed ours: health always 200, and every request got the service's own
+    # answer within the client's wait (a right 200, or our JSON 503/504), none dropped, none
+    # from HAProxy or its backup (Serve's Python proxy).
     assert set(health) == {200}, health
-    front_door_500s, dropped = statuses.pop(500, 0), statuses.pop(-1, 0)
-    assert front_door_500s + dropped <= 2 * load.threads and (
-        not front_door_500s or load.bodies[500] == "Internal Server Error"), load.bodies
-    # Every answer the service gave came within the bound: the gang noticed the lost peer
-    # itself (its group's error), without Ray's node health check. Seen by the clients (every
-    # answer that reached them), and by the service itself (the ingress replicas' own request
-    # times, app-wide, the lost replica's included up to its last report).
-    ours = [(lat, t0 - killed_at) for s, lat, t0 in load.results if s not in (500, -1)]
-    assert max(lat for lat, _ in ours) <= FAULT_BOUND_S, f"slowest answers: {load.slowest(killed_at)}"
+    assert -200 not in statuses, "a 200 carried a wrong answer"
+    assert -1 not in statuses, f"unanswered within {CLIENT_WAIT_S} s: {load.slowest(killed_at)}"
+    assert set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
+    assert not load.foreign_bodies(), load.foreign_bodies()
+    # The gang noticed the lost peer itself (its group's error), without Ray's node health
+    # check: the ingress replicas' own request times, app-wide, stay within the fault bound.
     answered, slow = infer_times(app, FAULT_BOUND_S)
     assert answered > 0 and slow == slow_before, f"the ingress answered {slow - slow_before:g} requests after the bound"
-    assert -200 not in statuses and set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     assert recovered_at is not None, "the gang did not come back on the replacement node"
     info = httpx.get(app + "/gang", timeout=10).json()
     assert replacement.ip in [r["node_ip"] for r in info["ranks"]], info
