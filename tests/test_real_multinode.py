@@ -184,7 +184,7 @@ class Load:
                     if status == 200:
                         got = torch.from_numpy(np.load(io.BytesIO(r.content)))
                         status = 200 if relative_error(got, want) < 1e-5 else -200  # -200: wrong answer
-                    except httpx.HTTPError as exc:
+                except httpx.HTTPError as exc:
                     status = -1  # no HTTP answer at all, or none within the client's wait
                     self.body_at[t0] = repr(exc)[:500]
                 self.results.append((status, time.monotonic() - t0, t0))
