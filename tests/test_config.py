@@ -76,8 +76,7 @@ def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
 
 
 def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
-    from service.config import ModelConfig
-    from service.training.limits import TrainingLimits
+    from service.config import ModelConfig, TrainingLimits
 
     defaults = parse_args({})
     assert defaults.part(TrainingLimits) == TrainingLimits()

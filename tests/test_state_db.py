@@ -260,7 +260,8 @@ def test_one_store_used_from_many_threads_at_once(store_url: str) -> None:
     """A Database is thread-safe: SQLite's one held connection (serialized) and PostgreSQL's
     pool (8 threads, 4 connections) both give every thread its own complete statements and
     transactions, and admission under the lock never overshoots."""
-    from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
+    from service.config import TrainingLimits
+    from service.training.limits import QuotaExceeded, check_job_fits
     from service.training.store import JobStore
 
     store = JobStore(store_url)
@@ -309,7 +310,8 @@ def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_b
     from service.weights.record import WeightsRecord
     from service.state.db import StateUnavailable
     from service.tunables import StateTunables
-    from service.training.limits import TrainingLimits, check_job_fits
+    from service.config import TrainingLimits
+    from service.training.limits import check_job_fits
     from service.training.store import JobStore
 
     url = postgres_server.create_database()
@@ -386,7 +388,7 @@ def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server
     built with real dependencies and never opened: no poll loop runs)."""
     from service.state.artifacts import open_store
     from service.training.jobs import Jobs
-    from service.training.limits import TrainingLimits
+    from service.config import TrainingLimits
     from service.training.run_actors import RunActors
     from service.training.store import JobStore
     from service.weights.record import WeightsRecord
