@@ -24,8 +24,9 @@ import orjson
 
 from gangserve_client import codecs, tokens
 from gangserve_client.errors import ServiceUnreachableError
+from gangserve_client.replies import decode_reply, session_info
 from gangserve_client.retries import RetryPolicy, asend, send
-from gangserve_client.sessions import AsyncSession, Session, _info_from
+from gangserve_client.sessions import AsyncSession, Session
 
 FORMATS = {
     "safetensors": codecs.SAFETENSORS,
@@ -60,16 +61,6 @@ def encode_request(x: np.ndarray, fmt: str, attention_mask: np.ndarray | None = 
     if mask is not None:  # one more key in the same object
         body = body[:-1] + b',"' + codecs.MASK_NAME.encode() + b'":' + orjson.dumps(mask.astype(np.int64).tolist()) + b"}"
     return body, FORMATS[fmt]
-
-
-def decode_reply(reply: httpx.Response) -> np.ndarray:
-    """The `output` tensor of a 200 /infer reply, in the reply's dtype."""
-    media = reply.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media == codecs.SAFETENSORS:
-        return codecs.decode_safetensors(reply.content, name=codecs.OUTPUT_NAME)
-    if media == codecs.NPY:
-        return codecs.decode_npy(reply.content)
-    return codecs.decode_json(reply.content, name=codecs.OUTPUT_NAME)
 
 
 def _known_api_token(token: str | None) -> str | None:
@@ -166,7 +157,7 @@ class GangServeClient(_Base):
             reply = self._request("POST", "/sessions", idempotent=False, headers=self._infer_headers())
             return Session(self, reply.json())
         reply = self._session_request("/sessions", prefill, fmt, deadline_s, idempotent=False)
-        return Session(self, _info_from(reply, {}), decode_reply(reply))
+        return Session(self, session_info(reply, {}), decode_reply(reply))
 
     def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
                          params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
@@ -227,7 +218,7 @@ class AsyncGangServeClient(_Base):
             reply = await self._request("POST", "/sessions", idempotent=False, headers=self._infer_headers())
             return AsyncSession(self, reply.json())
         reply = await self._session_request("/sessions", prefill, fmt, deadline_s, idempotent=False)
-        return AsyncSession(self, _info_from(reply, {}), decode_reply(reply))
+        return AsyncSession(self, session_info(reply, {}), decode_reply(reply))
 
     async def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
                                params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
