@@ -9,10 +9,6 @@ service takes them (`gangserve_client.tokens`): inference sends the inference to
 service accepts it on inference too); `gang()` sends the API token, which shows the full
 description. For the Open Inference Protocol v2 routes use a stock client
 (`tritonclient.http`), which works against /v2 unchanged.
-
-`direct=True` (CLI `--direct`) is accepted and does nothing: it used to send requests to a
-side port of rank 0's process; port 8000 is now the fast path for every client (the
-service's front door: Serve's HAProxy straight to the ingress replicas).
 """
 from __future__ import annotations
 
@@ -113,13 +109,11 @@ class GangServeClient(_Base):
 
     token: the API token (default: $GANGSERVE_API_TOKEN, else $GANGSERVE_STATE_DIR/api_token);
     infer_token: the inference token (default: $GANGSERVE_INFER_TOKEN, else `token`);
-    timeout_s: per HTTP request; retries / retry_timeout_s: see `RetryPolicy`;
-    direct: accepted for compatibility, no effect (see the module docstring).
+    timeout_s: per HTTP request; retries / retry_timeout_s: see `RetryPolicy`.
     """
 
     def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0,
-                 direct: bool = False) -> None:
+                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0) -> None:
         super().__init__(token, infer_token, retries, retry_timeout_s)
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
 
@@ -190,8 +184,7 @@ class AsyncGangServeClient(_Base):
     GangServeClient's."""
 
     def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0,
-                 direct: bool = False) -> None:
+                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0) -> None:
         super().__init__(token, infer_token, retries, retry_timeout_s)
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
 
