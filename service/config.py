@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.batching import BatchPolicy
 from service.tunables import GangTunables, Tunables, TransportTunables
@@ -153,15 +153,6 @@ class GangConfig(BaseModel):
         "starting a process and importing torch ([operations.md](operations.md#fast-rebuild-the-warm-spare)). CPU gangs only: a spare "
         "cannot hold a bundle's GPU, so use_gpu gangs always start a new process.",
     )
-    step_loop: bool = Field(
-        True,
-        description="Always true: peer ranks take their steps from rank 0's headers on the gang's own gloo "
-        "control group (a persistent step loop, see service.gang.control); heartbeats every "
-        "collective_timeout_s / tunables.gang.heartbeats_per_timeout while idle; a peer whose loop fails "
-        "exits within tunables.gang.peer_exit_grace_s. Ray calls remain for bring-up, weights, probes "
-        "and teardown. false (one Ray actor call per peer per step) was removed and is refused.",
-    )
-
     max_batch_size: int = Field(
         64, ge=1, le=65536,
         description="Most batch rows one gang step coalesces from concurrent requests (see max_padding_fraction).",
@@ -177,15 +168,6 @@ class GangConfig(BaseModel):
         description="Extra wait for company before a step when fewer than max_batch_size rows are queued; "
         "0 = none (batches still form from requests that arrive while a step runs).",
     )
-
-    @field_validator("step_loop")
-    @classmethod
-    def _only_the_step_loop(cls, value: bool) -> bool:
-        # Accepted so that configs written with `step_loop: true` keep deploying.
-        if not value:
-            raise ValueError("false (a Ray call per peer per step) was removed: the step loop is the only "
-                             "protocol; omit it")
-        return value
 
     @model_validator(mode="after")
     def _check_backend(self) -> "GangConfig":

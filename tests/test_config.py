@@ -35,8 +35,6 @@ def test_cli_style_string_args_are_coerced() -> None:
         ({"compute_dtype": "float16"}, "compute_dtype=float16 needs use_gpu=true"),
         ({"compute_dtype": "int8"}, "compute_dtype"),
         ({"max_padding_fraction": 1.0}, "max_padding_fraction"),
-        ({"step_loop": False}, "step_loop: Value error, false (a Ray call per peer per step) was removed: "
-                               "the step loop is the only protocol; omit it"),
     ],
 )
 def test_impossible_configs_name_the_numbers(args: dict, needle: str) -> None:
