@@ -398,14 +398,6 @@ def oip_datatype(dtype: np.dtype) -> str:
     return NP_TO_OIP[dtype_name(dtype)]
 
 
-def oip_json_data(array: np.ndarray) -> np.ndarray | float:
-    """Row-major flat data of `array`, ready for orjson (OPT_SERIALIZE_NUMPY). The OIP reply
-    does not use it (service.ingress.oip.codec writes `json_values(out.reshape(-1))`, in
-    chunks); only tests call it."""
-    array = array.astype(np.float32) if array.dtype == BFLOAT16 else np.require(array, requirements="C")
-    return array.reshape(-1)
-
-
 def raw_bytes(array: np.ndarray) -> memoryview:
     """Little-endian row-major bytes of `array` (no copy when already contiguous)."""
     return wire.little_endian(np.require(array, requirements="C")).reshape(-1).view(np.uint8).data
