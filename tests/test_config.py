@@ -221,9 +221,7 @@ def test_inline_decode_bytes_decides_which_bodies_pass_a_full_decoding_pool(monk
     loop and answered (its 512-value reply is encoded there too), while one of [1, 2, 512]
     (4,224 bytes) needs the pool: 503 `overloaded`. At the default (64 KiB) both are decoded
     inline. The ingress's real app, in-process; the gang is a stand-in that answers its input."""
-    import asyncio
     import io
-    import threading
     import time
 
     import numpy as np
@@ -232,41 +230,29 @@ def test_inline_decode_bytes_decides_which_bodies_pass_a_full_decoding_pool(monk
     from gangserve_client import codecs as wire
     from service.ingress.api import create_api
     from tests.conftest import local_yaml_args
-    from tests.helpers import eventually
+    from tests.helpers import npy_bytes, one_decode_slot_held
 
     class EchoGang:
         async def infer(self, x: np.ndarray, mask: object, causal: object, deadline: float) -> np.ndarray:
             return x
 
-    def npy(rows: int) -> bytes:
-        buf = io.BytesIO()
-        np.save(buf, np.ones((1, rows, 512), np.float32))
-        return buf.getvalue()
-
     monkeypatch.delenv("GANGSERVE_INFER_TOKEN", raising=False)
-    small, large = npy(1), npy(2)
+    small, large = npy_bytes(np.ones((1, 1, 512), np.float32)), npy_bytes(np.ones((1, 2, 512), np.float32))
     assert (len(small), len(large)) == (2176, 4224)
     answers = {}
     for inline_bytes in (4096, 64 * 1024):
         cfg = parse_args({**local_yaml_args(), "decode_threads": 1, "max_pending_decodes": 1,
                           "tunables": {"ingress": {"inline_decode_bytes": inline_bytes}}})
         app = create_api(cfg, gang=EchoGang())  # type: ignore[arg-type]
-        pool = app.state.decode_pool
-        release = threading.Event()
-        holder = threading.Thread(target=lambda: asyncio.run(pool.run(release.wait, 30)))
-        holder.start()
         try:
-            eventually(lambda: pool.pending == 1, 10, "the one slot taken")
-            with TestClient(app, base_url="http://127.0.0.1") as client:
+            with one_decode_slot_held(app.state.decode_pool), TestClient(app, base_url="http://127.0.0.1") as client:
                 started = time.monotonic()
                 answers[inline_bytes] = [client.post("/infer", content=small, headers={"content-type": wire.NPY})]
                 # Not encoded in the pool either: its one thread is held for 30 s.
                 assert time.monotonic() - started < 10
                 answers[inline_bytes].append(client.post("/infer", content=large, headers={"content-type": wire.NPY}))
         finally:
-            release.set()
-            holder.join(10)
-            pool.shutdown()
+            app.state.decode_pool.shutdown()
     (small_reply, large_reply), default_replies = answers[4096], answers[64 * 1024]
     assert small_reply.status_code == 200 and np.load(io.BytesIO(small_reply.content)).shape == (1, 1, 512)
     assert large_reply.status_code == 503 and large_reply.json()["code"] == "overloaded", large_reply.text

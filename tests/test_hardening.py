@@ -49,7 +49,7 @@ from service.ingress.oip import routes as oip
 from service.ingress.oip.schemas import HEADER_LENGTH as OIP_HEADER_LENGTH
 from service.state.paths import state_dir
 from tests.conftest import TEST_API_TOKEN, local_yaml_args, undeploy, wait_ready
-from tests.helpers import eventually, eventually_async
+from tests.helpers import eventually, eventually_async, one_decode_slot_held
 from tests.reference import reference, relative_error
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
@@ -548,25 +548,17 @@ def test_a_full_decoding_pool_answers_503_overloaded_and_serves_once_a_slot_is_f
     body = json.dumps({"hidden_states": x.tolist()}).encode()
     assert 64 * 1024 < len(body) < 1 << 20  # over the inline size: decoded in the pool
     pool: DecodePool = app.state.decode_pool
-    release = threading.Event()
-    holder = threading.Thread(target=lambda: asyncio.run(pool.run(release.wait, 30)))
-    holder.start()
     try:
-        eventually(lambda: pool.pending == 1, 10, "the one slot taken")
-        with TestClient(app, base_url="http://127.0.0.1") as client:
+        with one_decode_slot_held(pool) as free, TestClient(app, base_url="http://127.0.0.1") as client:
             r = client.post("/infer", content=body, headers={"content-type": wire.JSON})
             assert r.status_code == 503 and r.json()["code"] == "overloaded", r.text
             assert int(r.headers["retry-after"]) >= 1 and "max_pending_decodes=1" in r.json()["error"]
-            release.set()
-            holder.join(10)
-            eventually(lambda: pool.pending == 0, 10, "the slot freed")
+            free()
             r = client.post("/infer", content=body, headers={"content-type": wire.JSON})
             assert r.status_code == 200, r.text
             assert relative_error(torch.tensor(r.json()["output"]), reference(x)) < 1e-5
         assert pool.refused == 1
     finally:
-        release.set()
-        holder.join(10)
         pool.shutdown()
 
 
