@@ -962,12 +962,13 @@ def print_rebuild(rows: dict[str, dict]) -> dict[str, float]:
 
 
 def bench_codecs(x: np.ndarray, n: int = 50) -> dict[str, dict[str, float]]:
-    """Encode + decode of one tensor per wire codec (service.ingress.codecs), printed side by side.
+    """Encode + decode of one tensor per wire codec (gangserve_client.codecs, the service's and the
+    client's one implementation), printed side by side.
 
     "decode" is what the ingress does to a request body, "encode" what it does to a reply;
     JSON is timed with fewer repetitions (it is ~1000x slower).
     """
-    from service.ingress import codecs
+    from gangserve_client import codecs
 
     cases = {
         "safetensors": (lambda a: codecs.encode_safetensors({"hidden_states": a}), codecs.decode_safetensors, n),

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from service.config import AppConfig, ModelConfig
+from service.config import AppConfig, ModelConfig, TrainingLimits
 from service.errors import describe_validation_errors
 from service.cluster.front_door import warn_if_slow_front_door
 from service.cluster.placement import check_feasible, cluster_snapshot, gang_request
@@ -19,7 +19,6 @@ from service.gang.router import ReadyGangRouter
 from service.deployments.controller import Controller
 from service.deployments.ingress import Ingress
 from service.deployments.gang_server import GangServer
-from service.training.limits import TrainingLimits
 from service.deployments.job_manager import JobManager
 
 

@@ -1,25 +1,25 @@
 """Configuration: one pydantic model per concern, composed into the builder's arguments.
 
 `AppConfig` is what `service.app:build_app` validates (unknown keys rejected); it is the
-union of `ModelConfig`, `GangConfig`, `ServingConfig` and the training quotas
-(`service.training.limits.TrainingLimits`), so every argument is declared once, with its
-description, in the concern it belongs to.
+union of `ModelConfig`, `GangConfig`, `ServingConfig`, `SessionConfig` and `TrainingLimits`
+(the training quotas, which service.training.limits checks jobs and datasets against), so every
+argument is declared once, with its description, in the concern it belongs to.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.batching import BatchPolicy
-from service.training.limits import TrainingLimits
 from service.tunables import GangTunables, Tunables, TransportTunables
 
 _Part = TypeVar("_Part", bound=BaseModel)
 
 
 FLOAT16_MAX = 65504.0  # float16's largest finite value
+GIB = 1024**3
 
 
 # The builder arguments only `model=transformer` reads (refused with another model).
@@ -153,15 +153,6 @@ class GangConfig(BaseModel):
         "starting a process and importing torch ([operations.md](operations.md#fast-rebuild-the-warm-spare)). CPU gangs only: a spare "
         "cannot hold a bundle's GPU, so use_gpu gangs always start a new process.",
     )
-    step_loop: bool = Field(
-        True,
-        description="Always true: peer ranks take their steps from rank 0's headers on the gang's own gloo "
-        "control group (a persistent step loop, see service.gang.control); heartbeats every "
-        "collective_timeout_s / tunables.gang.heartbeats_per_timeout while idle; a peer whose loop fails "
-        "exits within tunables.gang.peer_exit_grace_s. Ray calls remain for bring-up, weights, probes "
-        "and teardown. false (one Ray actor call per peer per step) was removed and is refused.",
-    )
-
     max_batch_size: int = Field(
         64, ge=1, le=65536,
         description="Most batch rows one gang step coalesces from concurrent requests (see max_padding_fraction).",
@@ -177,15 +168,6 @@ class GangConfig(BaseModel):
         description="Extra wait for company before a step when fewer than max_batch_size rows are queued; "
         "0 = none (batches still form from requests that arrive while a step runs).",
     )
-
-    @field_validator("step_loop")
-    @classmethod
-    def _only_the_step_loop(cls, value: bool) -> bool:
-        # Accepted so that configs written with `step_loop: true` keep deploying.
-        if not value:
-            raise ValueError("false (a Ray call per peer per step) was removed: the step loop is the only "
-                             "protocol; omit it")
-        return value
 
     @model_validator(mode="after")
     def _check_backend(self) -> "GangConfig":
@@ -351,6 +333,42 @@ class SessionConfig(BaseModel):
     session_idle_timeout_s: float = Field(
         600.0, gt=0, le=30 * 86400,
         description="A session unused this long is ended; its id then answers 404 `session_expired`.",
+    )
+
+
+class TrainingLimits(BaseModel):
+    """Training quotas (builder arguments). Active = PENDING or RUNNING: a waiting job already
+    holds its run actor and Ray Train's controller, so it counts as much as a running one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_active_jobs: int = Field(
+        8, ge=1, le=10_000,
+        description="Training jobs PENDING or RUNNING at once; one more is 429 quota_exceeded.",
+    )
+    max_training_workers: int = Field(
+        32, ge=1, le=100_000,
+        description="Training workers (the sum of world_size) that active jobs hold together; a job "
+        "alone asking for more is 422 over_limit, one that does not fit next to the others 429.",
+    )
+    max_training_gpus: int = Field(
+        8, ge=0, le=100_000,
+        description="GPUs (world_size of use_gpu jobs) that active jobs hold together; 0 forbids GPU "
+        "training. Alone over it: 422 over_limit; next to the others: 429 quota_exceeded.",
+    )
+    max_runtime_s: float = Field(
+        6 * 3600.0, gt=0, le=30 * 86_400,
+        description="Wall-clock limit of one job, from submission (PENDING included) to its end, and "
+        "the default of the spec's max_runtime_s (which may only be lower). A job past it is stopped "
+        "and FAILS naming max_runtime_s.",
+    )
+    max_datasets: int = Field(
+        64, ge=1, le=1_000_000, description="Uploaded datasets stored at once; one more is 429 quota_exceeded."
+    )
+    max_dataset_bytes: int = Field(
+        4 * GIB, ge=1024,
+        description="Bytes all stored datasets may take together (as stored: float32 safetensors). "
+        "One dataset alone over it: 422 over_limit; not fitting next to the others: 429.",
     )
 
 

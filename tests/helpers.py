@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import io
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import httpx
 import numpy as np
@@ -68,6 +70,28 @@ def npy_bytes(x: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, x, allow_pickle=False)
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def one_decode_slot_held(pool: Any, hold_s: float = 30.0) -> Iterator[Callable[[], None]]:
+    """One slot of an ingress DecodePool (service.ingress.deps) taken by a pool thread that waits
+    (at most `hold_s`) until the block ends. Yields `free()`, which lets it go earlier and waits
+    until the slot is free again."""
+    release = threading.Event()
+    holder = threading.Thread(target=lambda: asyncio.run(pool.run(release.wait, hold_s)))
+
+    def free() -> None:
+        release.set()
+        holder.join(10)
+        eventually(lambda: pool.pending == 0, 10, "the slot freed")
+
+    holder.start()
+    try:
+        eventually(lambda: pool.pending == 1, 10, "the one slot taken")
+        yield free
+    finally:
+        release.set()
+        holder.join(10)
 
 
 def post(url: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:

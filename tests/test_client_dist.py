@@ -87,6 +87,24 @@ def test_the_service_codecs_and_token_rule_are_the_clients() -> None:
 
 
 @pytest.mark.unit
+def test_the_client_modules_import_each_other_without_a_circle() -> None:
+    from graphlib import TopologicalSorter
+
+    modules = {p.stem for p in CLIENT_PACKAGE.glob("*.py")} - {"__init__", "__main__"}
+    graph: dict[str, set[str]] = {}
+    for stem in sorted(modules):
+        graph[stem] = set()
+        for node in ast.walk(ast.parse((CLIENT_PACKAGE / f"{stem}.py").read_text())):
+            module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+            if module == "gangserve_client":  # from gangserve_client import codecs, tokens
+                graph[stem] |= {alias.name for alias in getattr(node, "names", ())} & modules
+            elif module.startswith("gangserve_client."):
+                graph[stem].add(module.split(".")[1])
+    TopologicalSorter(graph).prepare()  # raises CycleError naming the circle
+    assert {"sessions", "replies"} <= graph["client"], graph  # the walk sees the imports
+
+
+@pytest.mark.unit
 def test_bench_does_not_import_tests() -> None:
     for path in sorted((ROOT / "bench").glob("*.py")):
         assert "tests" not in imported_modules(path), path.name

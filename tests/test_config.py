@@ -35,8 +35,6 @@ def test_cli_style_string_args_are_coerced() -> None:
         ({"compute_dtype": "float16"}, "compute_dtype=float16 needs use_gpu=true"),
         ({"compute_dtype": "int8"}, "compute_dtype"),
         ({"max_padding_fraction": 1.0}, "max_padding_fraction"),
-        ({"step_loop": False}, "step_loop: Value error, false (a Ray call per peer per step) was removed: "
-                               "the step loop is the only protocol; omit it"),
     ],
 )
 def test_impossible_configs_name_the_numbers(args: dict, needle: str) -> None:
@@ -76,8 +74,7 @@ def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
 
 
 def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
-    from service.config import ModelConfig
-    from service.training.limits import TrainingLimits
+    from service.config import ModelConfig, TrainingLimits
 
     defaults = parse_args({})
     assert defaults.part(TrainingLimits) == TrainingLimits()
@@ -218,13 +215,48 @@ def test_a_worker_line_is_cut_once_at_the_tunable() -> None:
     assert run.logged == [f"[rank 0] {line}" for _, line in lines]
 
 
-def test_the_inline_encode_size_follows_the_decode_size() -> None:
-    """Replies of as many float32 values as an inline-decoded body has bytes / 4 are
-    encoded inline, whatever inline_decode_bytes is set to."""
-    from service.tunables import IngressTunables
+def test_inline_decode_bytes_decides_which_bodies_pass_a_full_decoding_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tunables.ingress.inline_decode_bytes=4096, and the decoding pool's one slot held: an npy
+    body of [1, 1, 512] float32 (128 header + 2,048 data = 2,176 bytes) is decoded on the event
+    loop and answered (its 512-value reply is encoded there too), while one of [1, 2, 512]
+    (4,224 bytes) needs the pool: 503 `overloaded`. At the default (64 KiB) both are decoded
+    inline. The ingress's real app, in-process; the gang is a stand-in that answers its input."""
+    import io
+    import time
 
-    assert IngressTunables(inline_decode_bytes=4096).inline_encode_values == 1024
-    assert IngressTunables(inline_decode_bytes=1 << 20).inline_encode_values == 1 << 18
+    import numpy as np
+    from starlette.testclient import TestClient
+
+    from gangserve_client import codecs as wire
+    from service.ingress.api import create_api
+    from tests.conftest import local_yaml_args
+    from tests.helpers import npy_bytes, one_decode_slot_held
+
+    class EchoGang:
+        async def infer(self, x: np.ndarray, mask: object, causal: object, deadline: float) -> np.ndarray:
+            return x
+
+    monkeypatch.delenv("GANGSERVE_INFER_TOKEN", raising=False)
+    small, large = npy_bytes(np.ones((1, 1, 512), np.float32)), npy_bytes(np.ones((1, 2, 512), np.float32))
+    assert (len(small), len(large)) == (2176, 4224)
+    answers = {}
+    for inline_bytes in (4096, 64 * 1024):
+        cfg = parse_args({**local_yaml_args(), "decode_threads": 1, "max_pending_decodes": 1,
+                          "tunables": {"ingress": {"inline_decode_bytes": inline_bytes}}})
+        app = create_api(cfg, gang=EchoGang())  # type: ignore[arg-type]
+        try:
+            with one_decode_slot_held(app.state.decode_pool), TestClient(app, base_url="http://127.0.0.1") as client:
+                started = time.monotonic()
+                answers[inline_bytes] = [client.post("/infer", content=small, headers={"content-type": wire.NPY})]
+                # Not encoded in the pool either: its one thread is held for 30 s.
+                assert time.monotonic() - started < 10
+                answers[inline_bytes].append(client.post("/infer", content=large, headers={"content-type": wire.NPY}))
+        finally:
+            app.state.decode_pool.shutdown()
+    (small_reply, large_reply), default_replies = answers[4096], answers[64 * 1024]
+    assert small_reply.status_code == 200 and np.load(io.BytesIO(small_reply.content)).shape == (1, 1, 512)
+    assert large_reply.status_code == 503 and large_reply.json()["code"] == "overloaded", large_reply.text
+    assert [r.status_code for r in default_replies] == [200, 200]
 
 
 def test_the_environment_reference_is_generated_and_current() -> None:

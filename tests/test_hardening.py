@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from gangserve_client import codecs as wire
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save as st_save
@@ -48,7 +49,7 @@ from service.ingress.oip import routes as oip
 from service.ingress.oip.schemas import HEADER_LENGTH as OIP_HEADER_LENGTH
 from service.state.paths import state_dir
 from tests.conftest import TEST_API_TOKEN, local_yaml_args, undeploy, wait_ready
-from tests.helpers import eventually, eventually_async
+from tests.helpers import eventually, eventually_async, one_decode_slot_held
 from tests.reference import reference, relative_error
 
 AUTH = {"authorization": f"Bearer {TEST_API_TOKEN}"}
@@ -81,7 +82,7 @@ def decoded_or_typed_error(fn: Callable[[], np.ndarray], limits: codecs.Limits |
     start = time.perf_counter()
     try:
         array = fn()
-        assert codecs.dtype_name(array.dtype) in codecs.FLOAT_DTYPES, array.dtype
+        assert wire.dtype_name(array.dtype) in wire.FLOAT_DTYPES, array.dtype
         if limits is not None:
             codecs.validate_hidden_states(array, embed_dim=limits.embed_dim, max_seq_len=limits.max_seq_len,
                                           max_tokens=limits.max_tokens)
@@ -100,7 +101,7 @@ def npy_file(header: str, version: tuple[int, int] = (1, 0), data: bytes = b"", 
     text += b" " * (-(len(text) + 11) % 64) + b"\n"
     length = len(text) if header_len is None else header_len
     prefix = struct.pack("<H", length & 0xFFFF) if version[0] == 1 else struct.pack("<I", length & 0xFFFFFFFF)
-    return codecs.NPY_MAGIC + bytes(version) + prefix + text + data
+    return wire.NPY_MAGIC + bytes(version) + prefix + text + data
 
 
 NPY_DESCRS = ["<f4", "<f2", "<f8", ">f4", ">f8", "=f4", "<f16", "<g", "<c8", "<c16", "<i8", "<u4", "|b1", "|V2",
@@ -204,7 +205,7 @@ def json_bodies(draw: st.DrawFn) -> bytes:
         values = draw(st.one_of(json_trees, st.lists(st.one_of(st.floats(), st.integers()), max_size=40)))
     doc: Any = {"hidden_states": values}
     if draw(st.booleans()):
-        doc["dtype"] = draw(st.sampled_from(codecs.DTYPE_NAMES))
+        doc["dtype"] = draw(st.sampled_from(wire.DTYPE_NAMES))
         if rarely(draw):
             doc["dtype"] = draw(st.one_of(st.sampled_from(["int8", "float128", "complex64", "bool"]), json_trees))
     if draw(st.booleans()):
@@ -299,9 +300,9 @@ def valid_bodies(x: np.ndarray) -> dict[str, bytes]:
     npy = io.BytesIO()
     np.save(npy, x, allow_pickle=False)
     return {
-        codecs.NPY: npy.getvalue(),
-        codecs.SAFETENSORS: st_save({"hidden_states": x}),
-        codecs.JSON: json.dumps({"hidden_states": x.tolist()}).encode(),
+        wire.NPY: npy.getvalue(),
+        wire.SAFETENSORS: st_save({"hidden_states": x}),
+        wire.JSON: json.dumps({"hidden_states": x.tolist()}).encode(),
     }
 
 
@@ -324,7 +325,7 @@ def prepare_oip(body: bytes, encoding: str, header_length: int | None, output_dt
     try:
         _, x, _, _, dtype, _ = oip_codec.prepare(body, encoding, cap, header_length, limits, output_dtype)
         assert x.dtype == np.float32 and x.ndim == 3 and x.shape[-1] == limits.embed_dim
-        assert codecs.dtype_name(dtype) in codecs.FLOAT_DTYPES
+        assert wire.dtype_name(dtype) in wire.FLOAT_DTYPES
     except GangServeError as exc:
         check_error(exc)
     finally:
@@ -337,26 +338,26 @@ def prepare_oip(body: bytes, encoding: str, header_length: int | None, output_dt
 @given(npy_bodies())
 @pytest.mark.unit
 def test_fuzz_npy_headers(body: bytes) -> None:
-    decoded_or_typed_error(lambda: codecs.decode(body, codecs.NPY, LIMITS))
-    decoded_or_typed_error(lambda: codecs.decode_npy(body), limits=None)  # without limits too (the client uses it)
+    decoded_or_typed_error(lambda: codecs.decode(body, wire.NPY, LIMITS))
+    decoded_or_typed_error(lambda: codecs.decode(body, wire.NPY), limits=None)  # without limits too (the client uses it)
 
 
 @deterministic(400)
 @given(safetensors_bodies())
 @pytest.mark.unit
 def test_fuzz_safetensors_headers(body: bytes) -> None:
-    array = decoded_or_typed_error(lambda: codecs.decode(body, codecs.SAFETENSORS, LIMITS))
+    array = decoded_or_typed_error(lambda: codecs.decode(body, wire.SAFETENSORS, LIMITS))
     if array is not None:  # whatever was accepted lies exactly inside the body
         assert array.nbytes <= len(body)
-    decoded_or_typed_error(lambda: codecs.decode_safetensors(body), limits=None)
+    decoded_or_typed_error(lambda: codecs.decode(body, wire.SAFETENSORS), limits=None)
 
 
 @deterministic(400)
 @given(json_bodies())
 @pytest.mark.unit
 def test_fuzz_json_bodies(body: bytes) -> None:
-    decoded_or_typed_error(lambda: codecs.decode(body, codecs.JSON, LIMITS))
-    decoded_or_typed_error(lambda: codecs.decode_json(body), limits=None)
+    decoded_or_typed_error(lambda: codecs.decode(body, wire.JSON, LIMITS))
+    decoded_or_typed_error(lambda: codecs.decode(body, wire.JSON), limits=None)
 
 
 @deterministic(400)
@@ -404,7 +405,7 @@ def test_npy_dtypes_outside_the_four_are_refused_by_name(descr: str, name: str) 
     body = npy_file(f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': (1, {E}), }}",
                     data=b"\0" * (E * np.dtype(descr).itemsize))
     with pytest.raises(GangServeError) as info:
-        codecs.decode(body, codecs.NPY, LIMITS)
+        codecs.decode(body, wire.NPY, LIMITS)
     assert info.value.status == 422 and name in info.value.message and "floating-point" in info.value.message
 
 
@@ -422,7 +423,7 @@ def test_npy_dtypes_outside_the_four_are_refused_by_name(descr: str, name: str) 
 @pytest.mark.unit
 def test_npy_header_crafts_that_gave_500s(header: str) -> None:
     with pytest.raises(GangServeError) as info:
-        codecs.decode(npy_file(header), codecs.NPY, LIMITS)
+        codecs.decode(npy_file(header), wire.NPY, LIMITS)
     check_error(info.value)
 
 
@@ -437,7 +438,7 @@ def test_npy_header_crafts_that_gave_500s(header: str) -> None:
 @pytest.mark.unit
 def test_json_crafts_that_gave_500s(body: bytes) -> None:
     with pytest.raises(GangServeError) as info:
-        codecs.decode(body, codecs.JSON, LIMITS)
+        codecs.decode(body, wire.JSON, LIMITS)
     check_error(info.value)
 
 
@@ -446,7 +447,7 @@ def test_safetensors_zero_size_tensor_with_a_huge_dim_is_refused() -> None:
     for shape in ([0, 2**40], [0, 2**62], [0] + [2**31 - 1] * 3):
         header = json.dumps({"hidden_states": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
         with pytest.raises(GangServeError) as info:
-            codecs.decode(struct.pack("<Q", len(header)) + header, codecs.SAFETENSORS)
+            codecs.decode(struct.pack("<Q", len(header)) + header, wire.SAFETENSORS)
         check_error(info.value)
 
 
@@ -466,12 +467,12 @@ def test_json_bombs_are_refused_before_they_are_converted(kind: str) -> None:
     body = bomb(kind, SERVICE_LIMITS.max_json_bytes - 64)
     start = time.perf_counter()
     with pytest.raises(GangServeError) as info:
-        codecs.decode(body, codecs.JSON, SERVICE_LIMITS)
+        codecs.decode(body, wire.JSON, SERVICE_LIMITS)
     elapsed = time.perf_counter() - start
     check_error(info.value)
     assert info.value.status == 422 and elapsed < TIME_BOUND_S, (elapsed, info.value.message)
     with pytest.raises(GangServeError) as info:  # one byte over the limit: 413, not parsed at all
-        codecs.decode(bomb(kind, SERVICE_LIMITS.max_json_bytes + 64), codecs.JSON, SERVICE_LIMITS)
+        codecs.decode(bomb(kind, SERVICE_LIMITS.max_json_bytes + 64), wire.JSON, SERVICE_LIMITS)
     assert info.value.status == 413 and "max_json_bytes" in info.value.message
 
 
@@ -492,7 +493,7 @@ def test_error_messages_are_bounded() -> None:
     assert len(GangServeError("x" * 100_000).message) == MAX_MESSAGE_CHARS
     huge = json.dumps({"hidden_states": [["a" * 50_000]]}).encode()
     with pytest.raises(GangServeError) as info:
-        codecs.decode(huge, codecs.JSON)
+        codecs.decode(huge, wire.JSON)
     assert len(info.value.message) < 300
 
 
@@ -547,25 +548,17 @@ def test_a_full_decoding_pool_answers_503_overloaded_and_serves_once_a_slot_is_f
     body = json.dumps({"hidden_states": x.tolist()}).encode()
     assert 64 * 1024 < len(body) < 1 << 20  # over the inline size: decoded in the pool
     pool: DecodePool = app.state.decode_pool
-    release = threading.Event()
-    holder = threading.Thread(target=lambda: asyncio.run(pool.run(release.wait, 30)))
-    holder.start()
     try:
-        eventually(lambda: pool.pending == 1, 10, "the one slot taken")
-        with TestClient(app, base_url="http://127.0.0.1") as client:
-            r = client.post("/infer", content=body, headers={"content-type": codecs.JSON})
+        with one_decode_slot_held(pool) as free, TestClient(app, base_url="http://127.0.0.1") as client:
+            r = client.post("/infer", content=body, headers={"content-type": wire.JSON})
             assert r.status_code == 503 and r.json()["code"] == "overloaded", r.text
             assert int(r.headers["retry-after"]) >= 1 and "max_pending_decodes=1" in r.json()["error"]
-            release.set()
-            holder.join(10)
-            eventually(lambda: pool.pending == 0, 10, "the slot freed")
-            r = client.post("/infer", content=body, headers={"content-type": codecs.JSON})
+            free()
+            r = client.post("/infer", content=body, headers={"content-type": wire.JSON})
             assert r.status_code == 200, r.text
             assert relative_error(torch.tensor(r.json()["output"]), reference(x)) < 1e-5
         assert pool.refused == 1
     finally:
-        release.set()
-        holder.join(10)
         pool.shutdown()
 
 
@@ -613,8 +606,8 @@ def test_paths_and_protected_routes() -> None:
 
 def assert_serves_correctly(base: str, headers: dict[str, str] | None = None) -> None:
     x = np.random.default_rng(7).standard_normal((1, 3, 512)).astype(np.float32)
-    r = httpx.post(base + "/infer", content=valid_bodies(x)[codecs.NPY],
-                   headers={"content-type": codecs.NPY, **(headers or {})}, timeout=60)
+    r = httpx.post(base + "/infer", content=valid_bodies(x)[wire.NPY],
+                   headers={"content-type": wire.NPY, **(headers or {})}, timeout=60)
     assert r.status_code == 200, r.text
     assert relative_error(torch.from_numpy(np.load(io.BytesIO(r.content))), reference(x)) < 1e-5
 
@@ -640,7 +633,7 @@ def http(app_url: str) -> Iterator[httpx.Client]:
 
 def http_fuzz_request(client: httpx.Client, kind: str, body: bytes) -> httpx.Response:
     if kind.startswith("oip"):
-        headers = {"content-type": "application/octet-stream" if kind == "oip-binary" else codecs.JSON}
+        headers = {"content-type": "application/octet-stream" if kind == "oip-binary" else wire.JSON}
         if kind == "oip-binary":
             headers[OIP_HEADER_LENGTH] = str(_OIP_HEADER_LEN)
         return client.post(oip.router.prefix + "/models/attention/infer", content=body, headers=headers)
@@ -657,9 +650,9 @@ def test_http_fuzz_mutated_bodies_never_5xx(http: httpx.Client, case: tuple[str,
 
 
 @deterministic(40)
-@given(st.one_of(npy_bodies().map(lambda b: (codecs.NPY, b)), safetensors_bodies().map(lambda b: (codecs.SAFETENSORS, b)),
-                 json_bodies().map(lambda b: (codecs.JSON, b)),
-                 oip_requests().map(lambda r: ("oip-json", r[0]) if r[1] == "identity" and r[2] is None else (codecs.JSON, r[0]))))
+@given(st.one_of(npy_bodies().map(lambda b: (wire.NPY, b)), safetensors_bodies().map(lambda b: (wire.SAFETENSORS, b)),
+                 json_bodies().map(lambda b: (wire.JSON, b)),
+                 oip_requests().map(lambda r: ("oip-json", r[0]) if r[1] == "identity" and r[2] is None else (wire.JSON, r[0]))))
 @pytest.mark.ray
 def test_http_fuzz_generated_headers_never_5xx(http: httpx.Client, case: tuple[str, bytes]) -> None:
     assert_typed_reply(http_fuzz_request(http, *case))
@@ -671,13 +664,13 @@ def test_service_answers_right_after_the_fuzzing(app_url: str) -> None:
 
 
 @pytest.mark.parametrize("media, body, status, fragment", [
-    (codecs.NPY, npy_file("{'descr': '<f4', 'fortran_order': False, 'shape': (True, 512)}"), 400, "npy shape"),
-    (codecs.NPY, npy_file("{'descr': '<f16', 'fortran_order': False, 'shape': (1, 512)}", data=b"\0" * 16 * 512), 422, "float128"),
-    (codecs.NPY, npy_file("{'descr': '<c8', 'fortran_order': False, 'shape': (1, 512)}", data=b"\0" * 8 * 512), 422, "complex64"),
-    (codecs.NPY, npy_file("{'descr': [('a', '<f4', (2,))], 'fortran_order': False, 'shape': (1,)}"), 422, "structured"),
-    (codecs.JSON, b'{"hidden_states": [[1.0]], "dtype": {}}', 422, "dtype must be one of"),
-    (codecs.JSON, b'{"hidden_states": [[1.0]], "dtype": []}', 422, "dtype must be one of"),
-    (codecs.SAFETENSORS, (lambda h: struct.pack("<Q", len(h)) + h)(json.dumps(
+    (wire.NPY, npy_file("{'descr': '<f4', 'fortran_order': False, 'shape': (True, 512)}"), 400, "npy shape"),
+    (wire.NPY, npy_file("{'descr': '<f16', 'fortran_order': False, 'shape': (1, 512)}", data=b"\0" * 16 * 512), 422, "float128"),
+    (wire.NPY, npy_file("{'descr': '<c8', 'fortran_order': False, 'shape': (1, 512)}", data=b"\0" * 8 * 512), 422, "complex64"),
+    (wire.NPY, npy_file("{'descr': [('a', '<f4', (2,))], 'fortran_order': False, 'shape': (1,)}"), 422, "structured"),
+    (wire.JSON, b'{"hidden_states": [[1.0]], "dtype": {}}', 422, "dtype must be one of"),
+    (wire.JSON, b'{"hidden_states": [[1.0]], "dtype": []}', 422, "dtype must be one of"),
+    (wire.SAFETENSORS, (lambda h: struct.pack("<Q", len(h)) + h)(json.dumps(
         {"hidden_states": {"dtype": "F32", "shape": [0, 2**62], "data_offsets": [0, 0]}}).encode()), 422, "too large"),
 ], ids=["npy bool dim", "npy float128", "npy complex", "npy subarray", "json dtype {}", "json dtype []", "st huge dim"])
 @pytest.mark.ray
@@ -696,7 +689,7 @@ def _cut_and_followed_by_the_next_request(body: bytes, media: str, cut: int) -> 
     return body[:cut] + following[:len(body) - cut]
 
 
-@pytest.mark.parametrize("media", [codecs.NPY, codecs.JSON])
+@pytest.mark.parametrize("media", [wire.NPY, wire.JSON])
 @pytest.mark.ray
 def test_a_body_mixed_with_the_next_request_is_a_retryable_503_not_the_clients_400(
         http: httpx.Client, media: str) -> None:
@@ -712,7 +705,7 @@ def test_a_body_mixed_with_the_next_request_is_a_retryable_503_not_the_clients_4
     garbled = mixed.replace(b" HTTP/1.1\r\n", b" HTTP/1.1\n\n")
     r = http.post("/infer", content=garbled, headers={"content-type": media})
     assert r.status_code == 400 and r.json()["code"] == "malformed", r.text
-    if media == codecs.NPY:
+    if media == wire.NPY:
         assert "not a Python dict literal; got b\"{'descr'" in r.json()["error"], r.text
     assert_serves_correctly(str(http.base_url).rstrip("/"))
 
@@ -720,9 +713,9 @@ def test_a_body_mixed_with_the_next_request_is_a_retryable_503_not_the_clients_4
 @pytest.mark.ray
 def test_json_over_max_json_bytes_is_refused_before_it_is_read(http: httpx.Client) -> None:
     limit = SERVICE_LIMITS.max_json_bytes
-    r = http.post("/infer", content=b" " * (limit + 1), headers={"content-type": codecs.JSON})
+    r = http.post("/infer", content=b" " * (limit + 1), headers={"content-type": wire.JSON})
     assert r.status_code == 413 and "max_json_bytes" in r.json()["error"]
-    r = http.post("/v2/models/attention/infer", content=b" " * (limit + 1), headers={"content-type": codecs.JSON})
+    r = http.post("/v2/models/attention/infer", content=b" " * (limit + 1), headers={"content-type": wire.JSON})
     assert r.status_code == 413 and "max_json_bytes" in r.json()["error"]
     gz = gzip.compress(bomb("empty lists", 4 * limit), 9)  # ~100 KiB that inflates to 32 MiB
     r = http.post("/v2/models/attention/infer", content=gz, headers={"content-encoding": "gzip"})
@@ -741,7 +734,7 @@ def test_json_bombs_in_flight_leave_small_requests_served(app_url: str) -> None:
     def fire(body: bytes) -> None:
         with httpx.Client(timeout=120) as client:
             while not done.is_set():
-                r = client.post(app_url + "/infer", content=body, headers={"content-type": codecs.JSON})
+                r = client.post(app_url + "/infer", content=body, headers={"content-type": wire.JSON})
                 assert_typed_reply(r)
                 bomb_statuses.append(r.status_code)
 
@@ -753,11 +746,11 @@ def test_json_bombs_in_flight_leave_small_requests_served(app_url: str) -> None:
             eventually(lambda: len(bomb_statuses) >= len(bombs) or any(f.done() for f in futures), 60,
                        f"{len(bombs)} JSON bombs answered")
             x = np.random.default_rng(3).standard_normal((1, 4, 512)).astype(np.float32)
-            body = valid_bodies(x)[codecs.NPY]
+            body = valid_bodies(x)[wire.NPY]
             with httpx.Client(timeout=60) as client:
                 for _ in range(20):
                     start = time.perf_counter()
-                    r = client.post(app_url + "/infer", content=body, headers={"content-type": codecs.NPY})
+                    r = client.post(app_url + "/infer", content=body, headers={"content-type": wire.NPY})
                     latencies.append(time.perf_counter() - start)
                     assert r.status_code == 200, r.text
                     assert relative_error(torch.from_numpy(np.load(io.BytesIO(r.content))), reference(x)) < 1e-5
@@ -802,10 +795,10 @@ def _raw_post_headers_only(base: str, path: str, declared: int, headers: dict[st
 @pytest.mark.parametrize("path", ["/weights", "/datasets", "/train"])
 @pytest.mark.ray
 def test_auth_is_checked_before_the_body_is_read(app_url: str, path: str) -> None:
-    status, seconds = _raw_post_headers_only(app_url, path, 300 * 1024 * 1024, {"content-type": codecs.JSON})
+    status, seconds = _raw_post_headers_only(app_url, path, 300 * 1024 * 1024, {"content-type": wire.JSON})
     assert status == 401 and seconds < 15
     status, seconds = _raw_post_headers_only(app_url, path, 300 * 1024 * 1024,
-                                             {"content-type": codecs.JSON, "authorization": "Bearer wrong"})
+                                             {"content-type": wire.JSON, "authorization": "Bearer wrong"})
     assert status == 401 and seconds < 15
 
 
@@ -853,9 +846,9 @@ def hard_url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_inference_token_when_set(hard_url: str) -> None:
     x = _X512
     oip_json, _ = oip_body(x, False)
-    for path, body, media in (("/infer", valid_bodies(x)[codecs.NPY], codecs.NPY),
-                              ("/v2/models/attention/infer", oip_json, codecs.JSON),
-                              ("/v2/models/attention/versions/1/infer", oip_json, codecs.JSON)):
+    for path, body, media in (("/infer", valid_bodies(x)[wire.NPY], wire.NPY),
+                              ("/v2/models/attention/infer", oip_json, wire.JSON),
+                              ("/v2/models/attention/versions/1/infer", oip_json, wire.JSON)):
         r = httpx.post(hard_url + path, content=body, headers={"content-type": media}, timeout=60)
         assert r.status_code == 401, (path, r.text)  # the ingress's environment sets the token (the matrix: test_auth)
         for token in (INFER_TOKEN, TEST_API_TOKEN):  # the API token is accepted too

@@ -19,7 +19,7 @@ from service.errors import GangServeError
 from service.state.artifacts import ArtifactStore, open_store
 from service.training.jobs import Jobs
 from service.training.lifecycle import ActorDied, Answered, Observation, TimedOut
-from service.training.limits import TrainingLimits
+from service.config import TrainingLimits
 from service.training.run_actors import RunActors
 from service.training.store import JobRecord, JobStore
 from service.tunables import TrainingTunables

@@ -45,9 +45,6 @@ ALLOWED_SIDEWAYS = {
 FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state",
                "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics",
                "service.deadlines", "service.gang_status", "service.tunables")
-# AppConfig declares every builder argument once; the training quotas are one of its sections
-# (a plain pydantic model that training owns and validates jobs against).
-ALLOWED_UPWARD = {("service.config", "service.training.limits")}
 
 
 def _modules() -> dict[str, Path]:
@@ -126,7 +123,6 @@ def test_shared_packages_import_no_subsystem() -> None:
         f"{src} -> {dst}" for src, dsts in _imports().items()
         if any(_inside(src, p) for p in FOUNDATIONS)
         for dst in dsts if any(_inside(dst, p) for p in (*SUBSYSTEMS, "service.deployments", "service.app"))
-        and (src, dst) not in ALLOWED_UPWARD
     )
     assert not offenders, f"a shared package imports a subsystem or a deployment: {offenders}"
 

@@ -28,12 +28,12 @@ from tests.helpers import AUTH, assert_error, post, state_dir, wait_done
 
 @pytest.mark.unit
 def test_limits_name_themselves_and_split_alone_from_next_to_others() -> None:
+    from service.config import TrainingLimits
     from service.errors import GangServeError
     from service.training.limits import (
         ActiveUsage,
         OverLimit,
         QuotaExceeded,
-        TrainingLimits,
         check_dataset_alone,
         check_dataset_fits,
         check_job_alone,
@@ -84,7 +84,8 @@ def _job(i: int, **kw: Any) -> Any:
 def test_admission_is_atomic_across_concurrent_submits(store_url: str) -> None:
     """16 threads (two stores = two writers, like two managers) race for 3 active slots, on
     SQLite and on PostgreSQL."""
-    from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
+    from service.config import TrainingLimits
+    from service.training.limits import QuotaExceeded, check_job_fits
     from service.training.store import JobStore
 
     limits = TrainingLimits(max_active_jobs=3)

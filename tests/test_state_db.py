@@ -211,16 +211,18 @@ def test_a_pre_versioning_sqlite_file_upgrades_in_place_with_every_row(tmp_path:
     again.close()
     check = sqlite3.connect(path)
     assert check.execute("SELECT COUNT(*) FROM gangs").fetchone()[0] == 1
-    assert check.execute("SELECT store, version FROM schema_version ORDER BY store").fetchall() == [
-        ("jobs", 2), ("served_weights", 2)]
+    # The version table of the code before Alembic is not written (Alembic's are the record).
+    assert check.execute("SELECT name FROM sqlite_master WHERE name = 'schema_version'").fetchall() == []
     check.close()
 
 
 def test_stores_opening_at_once_run_each_step_once_and_a_newer_schema_is_refused(store_url: str) -> None:
     """On both dialects: several stores opening a fresh database at the same time migrate it
     once (an ADD COLUMN run twice would fail); a database a newer gangserve migrated (a
-    revision this code does not have, or a higher number in the old version table) is a
-    clear error, and so is a store without migrations."""
+    revision this code does not have, or, before Alembic, a higher number in the old version
+    table) is a clear error, and so is a store without migrations."""
+    import sqlalchemy as sa
+
     from service.state.db import SchemaTooNew, connect
     from service.training.store import JobStore
 
@@ -242,13 +244,14 @@ def test_stores_opening_at_once_run_each_step_once_and_a_newer_schema_is_refused
     assert db.schema_version("jobs") == 2 and db.schema_version("served_weights") == 0
     with db.session() as s:
         assert s.all("SELECT version_num FROM alembic_version_jobs") == [{"version_num": "jobs_0002"}]
-        assert s.value("SELECT version FROM schema_version WHERE store = ?", ("jobs",)) == 2
+        assert not sa.inspect(s.connection).has_table("schema_version")  # the old version table: never written
         s.execute("UPDATE alembic_version_jobs SET version_num = ?", ("jobs_0003",))  # a newer gangserve's step
     with pytest.raises(SchemaTooNew, match="schema version jobs_0003; this gangserve knows versions up to 2"):
         JobStore(store_url)
-    with db.session() as s:
-        s.execute("UPDATE alembic_version_jobs SET version_num = ?", ("jobs_0002",))
-        s.execute("UPDATE schema_version SET version = 3 WHERE store = ?", ("jobs",))  # a newer one before Alembic
+    with db.session() as s:  # the version record of the code before Alembic, from a newer one of that code
+        s.execute("DROP TABLE alembic_version_jobs")
+        s.execute("CREATE TABLE schema_version (store TEXT PRIMARY KEY, version INTEGER NOT NULL, updated_at REAL NOT NULL)")
+        s.execute("INSERT INTO schema_version (store, version, updated_at) VALUES (?, ?, ?)", ("jobs", 3, 1.0))
     with pytest.raises(SchemaTooNew, match="schema version 3; this gangserve knows versions up to 2"):
         JobStore(store_url)
     with pytest.raises(ValueError, match="no migrations for store 'demo'"):
@@ -260,7 +263,8 @@ def test_one_store_used_from_many_threads_at_once(store_url: str) -> None:
     """A Database is thread-safe: SQLite's one held connection (serialized) and PostgreSQL's
     pool (8 threads, 4 connections) both give every thread its own complete statements and
     transactions, and admission under the lock never overshoots."""
-    from service.training.limits import QuotaExceeded, TrainingLimits, check_job_fits
+    from service.config import TrainingLimits
+    from service.training.limits import QuotaExceeded, check_job_fits
     from service.training.store import JobStore
 
     store = JobStore(store_url)
@@ -309,7 +313,8 @@ def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_b
     from service.weights.record import WeightsRecord
     from service.state.db import StateUnavailable
     from service.tunables import StateTunables
-    from service.training.limits import TrainingLimits, check_job_fits
+    from service.config import TrainingLimits
+    from service.training.limits import check_job_fits
     from service.training.store import JobStore
 
     url = postgres_server.create_database()
@@ -380,46 +385,56 @@ def test_the_launcher_exits_non_zero_naming_the_redacted_url(tmp_path: Path) -> 
 
 def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server: Any, tmp_path: Path) -> None:
     """A job FAILED by the poller after its run was stopped (nobody polls it again) is not
-    dropped while PostgreSQL is gone: it is kept, in order with its log line, and written by
-    the next round once the database is back. The manager's own code, on a real server; no
-    Ray cluster (service.training.jobs.Jobs, the class the deployment wraps, without Serve,
-    built with real dependencies and never opened: no poll loop runs)."""
+    dropped while PostgreSQL is gone: it is kept, and written, in order after the job's earlier
+    log line, by a later poll round once the database is back. The manager's own code
+    (service.training.jobs.Jobs, the class the deployment wraps, without Serve or Ray) through
+    its public calls, on a real server; the run actors are a stand-in whose kill takes the
+    server away, so the FAIL that follows finds it gone."""
+    from service.cluster.placement import ClusterSnapshot
+    from service.config import TrainingLimits
     from service.state.artifacts import open_store
+    from service.state.db import StateUnavailable
     from service.training.jobs import Jobs
-    from service.training.limits import TrainingLimits
     from service.training.run_actors import RunActors
     from service.training.store import JobStore
-    from service.weights.record import WeightsRecord
+
+    class RunsWhoseKillStopsTheDatabase(RunActors):
+        async def launch(self, job_id: str, spec: dict[str, Any], dataset_path: str | None,
+                         init_key: str | None, resume: dict[str, Any] | None = None) -> Any:
+            return job_id  # the handle; no actor
+
+        async def kill(self, handle: Any) -> None:  # type: ignore[override]
+            await asyncio.to_thread(postgres_server.stop)
 
     url = postgres_server.create_database()
     store = JobStore(url)
-    store.create_job(_job(1, status="RUNNING", owner="mgr-test"))
+    nodes = ClusterSnapshot(totals=[{"CPU": 4.0}], free=[{"CPU": 4.0}])
     manager = Jobs(store=store, artifacts=open_store(str(tmp_path / "artifacts"), local_state=tmp_path),
-                   weights=WeightsRecord(tmp_path, store.database), limits=TrainingLimits(),
-                   runs=RunActors("no-node"))  # no run is launched here
+                   weights=None, limits=TrainingLimits(max_runtime_s=1), runs=RunsWhoseKillStopsTheDatabase("no-node"),
+                   cluster=lambda: nodes)
 
-    async def scenario() -> None:
-        postgres_server.stop()
+    async def scenario() -> str:
+        job = await manager.submit({"model": {"kind": "linear"}, "dataset": {"samples": 8}})
+        await asyncio.sleep(1.2)  # past max_runtime_s
         try:
-            await manager._fail("job-1", "exceeded max_runtime_s=1")  # must not raise
-            await manager._manager_log("job-1", "another line")
-            assert manager._kept.pending == ["FAILED of job job-1", "a log line of job job-1"]
-            with pytest.raises(Exception):
-                await manager._kept.flush()  # still down: everything stays queued
-            assert len(manager._kept.pending) == 2
+            await manager.poll_round()  # stops the run (the database goes), then FAILs the job: kept, no raise
+            with pytest.raises(StateUnavailable):
+                await manager.poll_round()  # still down: the kept write cannot be written yet
         finally:
             postgres_server.start()
         deadline = time.monotonic() + 30
-        while manager._kept.pending:
+        while True:
             try:
-                await manager._kept.flush()
-            except Exception:  # noqa: BLE001 - the pool reconnects within seconds
-                assert time.monotonic() < deadline
+                await manager.poll_round()  # writes the kept FAIL first
+                return str(job["id"])
+            except StateUnavailable:  # the pool reconnects within seconds
+                assert time.monotonic() < deadline, "the kept write was not written within 30 s of the restart"
                 await asyncio.sleep(0.5)
 
-    asyncio.run(scenario())
-    job = store.get_job("job-1")
-    assert job is not None and job.status == "FAILED" and job.error == "exceeded max_runtime_s=1"
-    assert [line for _, line in store.tail_logs("job-1", 10)] == ["FAILED: exceeded max_runtime_s=1", "another line"]
+    job_id = asyncio.run(scenario())
+    job = store.get_job(job_id)
+    assert job is not None and job.status == "FAILED" and (job.error or "").startswith("exceeded max_runtime_s=1:")
+    lines = [line for _, line in store.tail_logs(job_id, 10)]
+    assert len(lines) == 2 and lines[0].startswith("submitted by") and lines[1] == f"FAILED: {job.error}", lines
     store.close()
     postgres_server.drop_database(url)

@@ -165,7 +165,7 @@ OLD_DDL: dict[str, dict[int, list[str]]] = {
         ],
     },
 }
-TABLES = ("jobs", "job_history", "job_logs", "managers", "datasets", "served_weights", "schema_version")
+TABLES = ("jobs", "job_history", "job_logs", "managers", "datasets", "served_weights")
 
 # Rows as the code before Alembic wrote them (the columns every version has).
 OLD_ROWS = [
@@ -228,7 +228,7 @@ def test_a_database_of_the_code_before_alembic_opens_and_upgrades_in_place(
         store_url: str, version: int, tmp_path: Path) -> None:
     """At version 2 (today's newest) nothing runs again (a second ADD COLUMN would fail); at
     version 1 step 2 runs. Every old row reads back, new rows continue the old sequences,
-    and the old version record says 2 (so the code before Alembic still opens it)."""
+    and the old version record is read, never written."""
     from service.training.store import JobRecord, JobStore
     from service.weights.record import WeightsRecord
 
@@ -262,7 +262,7 @@ def test_a_database_of_the_code_before_alembic_opens_and_upgrades_in_place(
     record.close()
     store.close()
     assert sorted(_query_raw(store_url, "SELECT store, version FROM schema_version")) == [
-        ("jobs", 2), ("served_weights", 2)]
+        ("jobs", version), ("served_weights", version)]
     assert _query_raw(store_url, "SELECT version_num FROM alembic_version_jobs") == [("jobs_0002",)]
     assert _query_raw(store_url, "SELECT version_num FROM alembic_version_served_weights") == [
         ("served_weights_0002",)]
@@ -291,8 +291,27 @@ def test_a_failed_step_leaves_the_database_as_it_was(store_url: str) -> None:
             else {r["column_name"] for r in s.all("SELECT column_name FROM information_schema.columns "
                                                    "WHERE table_name = 'jobs'")}
     assert "init_from" not in columns  # the step's first ADD COLUMN was rolled back
-    assert db.schema_version("jobs") == 1  # no Alembic stamp was kept either
+    assert db.schema_version("jobs") == 0  # no Alembic stamp was kept either
     db.close()
+
+
+def _engine(url: str) -> Any:
+    """A bare SQLAlchemy Engine on `url` (not the code under test)."""
+    import sqlalchemy as sa
+
+    if url.startswith("sqlite://"):
+        return sa.create_engine("sqlite:///" + url.split("://", 1)[1])  # sqlite:////ABSOLUTE/PATH
+    return sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+
+
+def _has_table(url: str, table: str) -> bool:
+    import sqlalchemy as sa
+
+    engine = _engine(url)
+    try:
+        return bool(sa.inspect(engine).has_table(table))
+    finally:
+        engine.dispose()
 
 
 def _schema(url: str) -> dict[str, Any]:
@@ -301,10 +320,7 @@ def _schema(url: str) -> dict[str, Any]:
     reports them."""
     import sqlalchemy as sa
 
-    if url.startswith("sqlite://"):
-        engine = sa.create_engine("sqlite:///" + url.split("://", 1)[1])  # sqlite:////ABSOLUTE/PATH
-    else:
-        engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    engine = _engine(url)
     try:
         inspector = sa.inspect(engine)
         out: dict[str, Any] = {}
@@ -341,6 +357,7 @@ def test_a_fresh_database_has_exactly_the_schema_the_code_before_alembic_made(
     old, new = _schema(old_url), _schema(store_url)
     for table in TABLES:
         assert new[table] == old[table], table
+    assert _has_table(old_url, "schema_version") and not _has_table(store_url, "schema_version")  # never written
     if not old_url.startswith("sqlite://"):
         request.getfixturevalue("postgres_server").drop_database(old_url)
 

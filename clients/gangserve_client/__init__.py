@@ -7,7 +7,7 @@
             y1 = s.append(row)  # a stateful session: causal over everything it was given
 
 Modules: `client` (inference, sync and async), `sessions` (a session, sync and async),
-`training` (jobs, datasets, weights), `codecs` (the wire formats, shared with the service),
+`replies` (an answer's tensor and session state), `training` (jobs, datasets, weights), `codecs` (the wire formats, shared with the service),
 `errors` (typed errors), `retries` (the retry policy), `tokens` (where tokens come from,
 shared with the service), `cli` with `cli_training` (the `gangserve` command), `bench`
 (`gangserve bench`, a load generator).

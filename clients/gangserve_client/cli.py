@@ -68,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gangserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=DEFAULT_URL, help="service base URL")
-    parser.add_argument("--direct", action="store_true",
-                        help="accepted for compatibility, no effect: port 8000 is the fast path for every client")
     sub = parser.add_subparsers(dest="command", required=True)
     p_infer = sub.add_parser("infer", help="run attention on a .npy or .safetensors tensor")
     p_infer.add_argument("input", type=Path)

@@ -9,10 +9,6 @@ service takes them (`gangserve_client.tokens`): inference sends the inference to
 service accepts it on inference too); `gang()` sends the API token, which shows the full
 description. For the Open Inference Protocol v2 routes use a stock client
 (`tritonclient.http`), which works against /v2 unchanged.
-
-`direct=True` (CLI `--direct`) is accepted and does nothing: it used to send requests to a
-side port of rank 0's process; port 8000 is now the fast path for every client (the
-service's front door: Serve's HAProxy straight to the ingress replicas).
 """
 from __future__ import annotations
 
@@ -24,8 +20,9 @@ import orjson
 
 from gangserve_client import codecs, tokens
 from gangserve_client.errors import ServiceUnreachableError
+from gangserve_client.replies import decode_reply, session_info
 from gangserve_client.retries import RetryPolicy, asend, send
-from gangserve_client.sessions import AsyncSession, Session, _info_from
+from gangserve_client.sessions import AsyncSession, Session
 
 FORMATS = {
     "safetensors": codecs.SAFETENSORS,
@@ -60,16 +57,6 @@ def encode_request(x: np.ndarray, fmt: str, attention_mask: np.ndarray | None = 
     if mask is not None:  # one more key in the same object
         body = body[:-1] + b',"' + codecs.MASK_NAME.encode() + b'":' + orjson.dumps(mask.astype(np.int64).tolist()) + b"}"
     return body, FORMATS[fmt]
-
-
-def decode_reply(reply: httpx.Response) -> np.ndarray:
-    """The `output` tensor of a 200 /infer reply, in the reply's dtype."""
-    media = reply.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media == codecs.SAFETENSORS:
-        return codecs.decode_safetensors(reply.content, name=codecs.OUTPUT_NAME)
-    if media == codecs.NPY:
-        return codecs.decode_npy(reply.content)
-    return codecs.decode_json(reply.content, name=codecs.OUTPUT_NAME)
 
 
 def _known_api_token(token: str | None) -> str | None:
@@ -122,13 +109,11 @@ class GangServeClient(_Base):
 
     token: the API token (default: $GANGSERVE_API_TOKEN, else $GANGSERVE_STATE_DIR/api_token);
     infer_token: the inference token (default: $GANGSERVE_INFER_TOKEN, else `token`);
-    timeout_s: per HTTP request; retries / retry_timeout_s: see `RetryPolicy`;
-    direct: accepted for compatibility, no effect (see the module docstring).
+    timeout_s: per HTTP request; retries / retry_timeout_s: see `RetryPolicy`.
     """
 
     def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0,
-                 direct: bool = False) -> None:
+                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0) -> None:
         super().__init__(token, infer_token, retries, retry_timeout_s)
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
 
@@ -166,7 +151,7 @@ class GangServeClient(_Base):
             reply = self._request("POST", "/sessions", idempotent=False, headers=self._infer_headers())
             return Session(self, reply.json())
         reply = self._session_request("/sessions", prefill, fmt, deadline_s, idempotent=False)
-        return Session(self, _info_from(reply, {}), decode_reply(reply))
+        return Session(self, session_info(reply, {}), decode_reply(reply))
 
     def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
                          params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
@@ -199,8 +184,7 @@ class AsyncGangServeClient(_Base):
     GangServeClient's."""
 
     def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, infer_token: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0,
-                 direct: bool = False) -> None:
+                 timeout_s: float = 120.0, retries: int = 3, retry_timeout_s: float | None = 60.0) -> None:
         super().__init__(token, infer_token, retries, retry_timeout_s)
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
 
@@ -227,7 +211,7 @@ class AsyncGangServeClient(_Base):
             reply = await self._request("POST", "/sessions", idempotent=False, headers=self._infer_headers())
             return AsyncSession(self, reply.json())
         reply = await self._session_request("/sessions", prefill, fmt, deadline_s, idempotent=False)
-        return AsyncSession(self, _info_from(reply, {}), decode_reply(reply))
+        return AsyncSession(self, session_info(reply, {}), decode_reply(reply))
 
     async def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
                                params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:

@@ -15,21 +15,41 @@ Leaving the `with` block ends the session (DELETE).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
 
 from gangserve_client.errors import NotFoundError
+from gangserve_client.replies import decode_reply, session_info
 
-if TYPE_CHECKING:
-    from gangserve_client.client import AsyncGangServeClient, GangServeClient
+
+class SessionCalls(Protocol):
+    """What a Session needs of its client (GangServeClient): one retried call, and a session call."""
+
+    def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response: ...
+
+    def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
+                         params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response: ...
+
+    def _infer_headers(self) -> dict[str, str]: ...
+
+
+class AsyncSessionCalls(Protocol):
+    """What an AsyncSession needs of its client (AsyncGangServeClient): SessionCalls, awaited."""
+
+    async def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response: ...
+
+    async def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
+                               params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response: ...
+
+    def _infer_headers(self) -> dict[str, str]: ...
 
 
 class Session:
     """One session; made by `GangServeClient.session()` (a prefill's outputs are in `prefill_output`)."""
 
-    def __init__(self, client: "GangServeClient", info: dict[str, Any], prefill_output: np.ndarray | None = None) -> None:
+    def __init__(self, client: SessionCalls, info: dict[str, Any], prefill_output: np.ndarray | None = None) -> None:
         self._client = client
         self.id: str = str(info["session_id"])
         self.info: dict[str, Any] = info
@@ -48,9 +68,7 @@ class Session:
         whole session so far."""
         reply = self._client._session_request(f"/sessions/{self.id}/append", rows, fmt, deadline_s,
                                               params={"length": str(self.length)})
-        self.info = _info_from(reply, self.info)
-        from gangserve_client.client import decode_reply
-
+        self.info = session_info(reply, self.info)
         return decode_reply(reply)
 
     def refresh(self) -> dict[str, Any]:
@@ -75,7 +93,7 @@ class Session:
 class AsyncSession:
     """One session of an AsyncGangServeClient (`await client.session()`); as Session, awaited."""
 
-    def __init__(self, client: "AsyncGangServeClient", info: dict[str, Any],
+    def __init__(self, client: AsyncSessionCalls, info: dict[str, Any],
                  prefill_output: np.ndarray | None = None) -> None:
         self._client = client
         self.id: str = str(info["session_id"])
@@ -90,9 +108,7 @@ class AsyncSession:
         """As Session.append."""
         reply = await self._client._session_request(f"/sessions/{self.id}/append", rows, fmt, deadline_s,
                                                     params={"length": str(self.length)})
-        self.info = _info_from(reply, self.info)
-        from gangserve_client.client import decode_reply
-
+        self.info = session_info(reply, self.info)
         return decode_reply(reply)
 
     async def refresh(self) -> dict[str, Any]:
@@ -113,15 +129,3 @@ class AsyncSession:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _info_from(reply: httpx.Response, previous: dict[str, Any]) -> dict[str, Any]:
-    """The session's state from an append's headers (every format carries them)."""
-    h = reply.headers
-    info = dict(previous)
-    for key, header in (("length", "x-session-length"), ("weights_version", "x-weights-version")):
-        if h.get(header, "").isdigit():
-            info[key] = int(h[header])
-    if h.get("x-session-id"):
-        info["session_id"] = h["x-session-id"]
-    return info

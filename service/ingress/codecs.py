@@ -40,21 +40,14 @@ import ml_dtypes  # noqa: F401  (the service always carries bfloat16: the shared
 import numpy as np
 
 from gangserve_client import codecs as wire
-from gangserve_client.codecs import (  # noqa: F401  (re-exported: the routes and tests use service.ingress.codecs.X)
+from gangserve_client.codecs import (
     DTYPE_NAMES,
     FLOAT_DTYPES,
     INPUT_NAME,
     JSON,
     MASK_NAME,
-    JSON_CHUNK_VALUES,
-    MAX_DIM,
-    MAX_DIMS,
-    MAX_ELEMENTS_BOUND,
-    MAX_NPY_HEADER,
-    MAX_SAFETENSORS_HEADER,
     MEDIA_TYPES,
     NPY,
-    NPY_MAGIC,
     OUTPUT_NAME,
     SAFETENSORS,
     dtype_name,
@@ -78,7 +71,6 @@ MODEL_DTYPE = np.dtype(np.float32)
 MAX_JSON_OBJECTS = 256
 MAX_JSON_KEYS = 4096
 MAX_JSON_STRINGS = 8192
-_ACCEPTED = wire.ACCEPTED
 
 # Open Inference Protocol v2 datatypes (only the floating ones are served).
 OIP_TO_NP: dict[str, np.dtype] = {
@@ -170,64 +162,46 @@ def reply_dtype(request_dtype: np.dtype, override: str | None, media_type: str |
 
 # ---------------------------------------------------------------- decode / encode
 
+@_service_errors
 def decode(body: bytes, media_type: str, limits: Limits | None = None) -> np.ndarray:
-    """The request tensor of `body` in its wire dtype (see the module docstring)."""
+    """The request tensor `hidden_states` of `body` in its wire dtype (see the module docstring);
+    binary formats as a zero-copy view of `body`, JSON parsed only after `loads_json`'s bounds."""
     if not body:
         raise BadRequest("request body is empty")
     if media_type == SAFETENSORS:
-        return decode_safetensors(body, limits=limits)
+        return wire.decode_safetensors(body, INPUT_NAME, check=_check(limits))
     if media_type == NPY:
-        return decode_npy(body, limits=limits)
+        return wire.decode_npy(body, check=_check(limits))
     if media_type == JSON:
-        return decode_json(body, limits=limits)
+        return wire.tensor_from_json(loads_json(body, limits), INPUT_NAME, check=_check(limits))
     raise UnsupportedMediaType(f"no decoder for {snip(media_type)}")
 
 
+@_service_errors
 def encode(array: np.ndarray, media_type: str) -> bytes:
     """`array` in `media_type`, keeping its dtype (tensor `output`; JSON adds shape and dtype)."""
     if media_type == SAFETENSORS:
-        return encode_safetensors({OUTPUT_NAME: array})
+        return wire.encode_safetensors({OUTPUT_NAME: array})
     if media_type == NPY:
-        return encode_npy(array)
+        return wire.encode_npy(array)
     if media_type == JSON:
-        return encode_json(array)
+        return wire.encode_json(array)
     raise NotAcceptable(f"no encoder for {snip(media_type)}")
 
 
 @_service_errors
-def decode_safetensors(body: bytes, name: str = INPUT_NAME, limits: Limits | None = None) -> np.ndarray:
-    """Tensor `name` of a safetensors body, as a zero-copy view of `body` (`wire.decode_safetensors`)."""
-    return wire.decode_safetensors(body, name, check=_check(limits))
-
-
 def decode_request(body: bytes, media_type: str, limits: Limits | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """`decode`, plus the optional raw `attention_mask` next to hidden_states (JSON field,
     safetensors tensor; npy bodies carry one array, so never a mask). The mask is returned
     as sent: `validate_attention_mask` checks it against the hidden states."""
     if media_type == SAFETENSORS and body:
-        x = decode_safetensors(body, limits=limits)
-        return x, _safetensors_mask(body)
+        return decode(body, media_type, limits), wire.decode_safetensors_mask(body)
     if media_type == JSON and body:
         doc = loads_json(body, limits)
-        x = _tensor_from_json(doc, limits)
+        x = wire.tensor_from_json(doc, INPUT_NAME, check=_check(limits))
         raw = doc.get(MASK_NAME)
-        return x, None if raw is None else _mask_from_json(raw)
+        return x, None if raw is None else wire.mask_from_json(raw)
     return decode(body, media_type, limits), None
-
-
-@_service_errors
-def _safetensors_mask(body: bytes) -> np.ndarray | None:
-    return wire.decode_safetensors_mask(body)
-
-
-@_service_errors
-def _tensor_from_json(doc: Any, limits: Limits | None) -> np.ndarray:
-    return wire.tensor_from_json(doc, INPUT_NAME, check=_check(limits))
-
-
-@_service_errors
-def _mask_from_json(values: Any) -> np.ndarray:
-    return wire.mask_from_json(values)
 
 
 MASK_DTYPES = ("bool", "uint8", "int32", "int64")
@@ -267,34 +241,6 @@ def validate_attention_mask(mask: np.ndarray | None, x_shape: Sequence[int], squ
     if mask.all():
         return None
     return np.ascontiguousarray(mask)
-
-
-@_service_errors
-def decode_npy(body: bytes, limits: Limits | None = None) -> np.ndarray:
-    """The array of an npy body, zero-copy; only float16/32/64 (`wire.decode_npy`)."""
-    return wire.decode_npy(body, check=_check(limits))
-
-
-@_service_errors
-def decode_json(body: bytes, limits: Limits | None = None) -> np.ndarray:
-    """`{"hidden_states": nested lists, "dtype"?, "shape"?}` (`wire.tensor_from_json`), parsed only
-    after `loads_json`'s bounds."""
-    return wire.tensor_from_json(loads_json(body, limits), INPUT_NAME, check=_check(limits))
-
-
-encode_safetensors = _service_errors(wire.encode_safetensors)
-encode_npy = _service_errors(wire.encode_npy)
-encode_json = _service_errors(wire.encode_json)
-json_values = wire.json_values
-
-
-@_service_errors
-def numbers_to_array(
-    values: Any, dtype: np.dtype, *, what: str, shape: Sequence[int] | None = None, limits: Limits | None = None
-) -> np.ndarray:
-    """A (nested) JSON list of numbers as an array of `dtype` (`wire.numbers_to_array`), the
-    shape checked against `limits` before any value is converted."""
-    return wire.numbers_to_array(values, dtype, what=what, shape=shape, check=_check(limits))
 
 
 # ---------------------------------------------------------------- JSON bounds
@@ -398,14 +344,6 @@ def oip_datatype(dtype: np.dtype) -> str:
     return NP_TO_OIP[dtype_name(dtype)]
 
 
-def oip_json_data(array: np.ndarray) -> np.ndarray | float:
-    """Row-major flat data of `array`, ready for orjson (OPT_SERIALIZE_NUMPY). The OIP reply
-    does not use it (service.ingress.oip.codec writes `json_values(out.reshape(-1))`, in
-    chunks); only tests call it."""
-    array = array.astype(np.float32) if array.dtype == BFLOAT16 else np.require(array, requirements="C")
-    return array.reshape(-1)
-
-
 def raw_bytes(array: np.ndarray) -> memoryview:
     """Little-endian row-major bytes of `array` (no copy when already contiguous)."""
     return wire.little_endian(np.require(array, requirements="C")).reshape(-1).view(np.uint8).data
@@ -475,4 +413,4 @@ def cast_reply(out: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _check_float(dtype: np.dtype) -> None:
     if dtype_name(dtype) not in FLOAT_DTYPES:
-        raise InvalidInput(f"{_ACCEPTED}; got dtype {dtype_name(dtype)}")
+        raise InvalidInput(f"{wire.ACCEPTED}; got dtype {dtype_name(dtype)}")

@@ -44,7 +44,6 @@ import os
 import re
 import sqlite3
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Sequence
 
@@ -53,7 +52,6 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import QueuePool, StaticPool
 
 from service.errors import ErrorCode, GangServeError
-from service.state.migrations import FLOAT
 from service.state.paths import state_dir
 from service.state.urls import redact, secrets_of
 from service.tunables import StateTunables
@@ -279,14 +277,8 @@ class Session:
 
 # ---- migrations ------------------------------------------------------------------------------
 
-# The version record of the code before Alembic: still written (the store's head number), so
-# an older gangserve opening a newer database refuses it (its SchemaTooNew) instead of using it.
-_LEGACY_VERSIONS = sa.Table(
-    "schema_version", sa.MetaData(),
-    sa.Column("store", sa.Text, primary_key=True),
-    sa.Column("version", sa.Integer, nullable=False),
-    sa.Column("updated_at", FLOAT, nullable=False),
-)
+# The version record of the code before Alembic: read once, to adopt such a database; never written.
+_LEGACY_VERSIONS = "schema_version"
 
 
 @functools.cache
@@ -404,9 +396,9 @@ class Database:
         """Bring `store`'s tables to the head of its Alembic branch; returns the version now
         in force (N of `<store>_<NNNN>`). Concurrent migrators wait for each other (one
         lock) and the steps run in that one transaction, so each step runs once, all or
-        nothing. A database of the code before Alembic is adopted: its `schema_version`
-        number is stamped as the revision of that number, then upgraded. SchemaTooNew if the
-        database is ahead of this code."""
+        nothing. A database of the code before Alembic (no Alembic version of the store) is
+        adopted: its `schema_version` number is stamped as the revision of that number, then
+        upgraded; that table is left as it was. SchemaTooNew if the database is ahead of this code."""
         from alembic import command
         from alembic.config import Config
         from alembic.runtime.migration import MigrationContext
@@ -415,14 +407,15 @@ class Database:
         if head_number is None:
             raise ValueError(f"no migrations for store {store!r} in {MIGRATIONS_DIR} (revisions <store>_<NNNN>)")
         table = version_table(store)
-        with self.transaction(lock="schema_version") as s:
+        with self.transaction(lock="schema_version") as s:  # the lock's name predates Alembic: keep it
             conn = s.connection
-            _LEGACY_VERSIONS.create(conn, checkfirst=True)
-            legacy = int(s.value("SELECT version FROM schema_version WHERE store = ?", (store,)) or 0)
             current = MigrationContext.configure(conn, opts={"version_table": table}).get_current_revision()
+            legacy = 0
+            if current is None and sa.inspect(conn).has_table(_LEGACY_VERSIONS):
+                legacy = int(s.value(f"SELECT version FROM {_LEGACY_VERSIONS} WHERE store = ?", (store,)) or 0)
             number = legacy if current is None else _revision_number(store, current)
-            if number is None or max(number, legacy) > head_number:
-                shown = current if number is None else max(number, legacy)
+            if number is None or number > head_number:
+                shown = current if number is None else number
                 raise SchemaTooNew(
                     f"the state database {self.url} has store {store!r} at schema version {shown}; this gangserve "
                     f"knows versions up to {head_number}: run a newer gangserve"
@@ -436,26 +429,17 @@ class Database:
                 command.upgrade(config, f"{store}@head")
                 log.info("state database %s: store %s migrated from version %d to %d",
                          self.url, store, number or 0, head_number)
-            if legacy != head_number:
-                s.execute(
-                    "INSERT INTO schema_version (store, version, updated_at) VALUES (?, ?, ?) "
-                    "ON CONFLICT (store) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at",
-                    (store, head_number, time.time()),
-                )
         return head_number
 
     def schema_version(self, store: str) -> int:
-        """The version `store` is at (0: never migrated)."""
+        """The version `store` is at (0: never migrated by this code; `migrate` adopts a
+        database of the code before Alembic)."""
         from alembic.runtime.migration import MigrationContext
 
         with self.session() as s:
             current = MigrationContext.configure(s.connection, opts={"version_table": version_table(store)}) \
                 .get_current_revision()
-            if current is not None:
-                return _number(store, current) or 0
-            if not sa.inspect(s.connection).has_table("schema_version"):
-                return 0
-            return int(s.value("SELECT version FROM schema_version WHERE store = ?", (store,)) or 0)
+            return 0 if current is None else _number(store, current) or 0
 
     def ping(self) -> None:
         """One round trip; StateUnavailable if the database cannot answer."""

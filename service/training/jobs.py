@@ -57,7 +57,8 @@ from service.training import init_from, lifecycle, resources
 from service.training.checkpoints import spec_architecture
 from service.training.clock import SYSTEM_CLOCK, Clock
 from service.training.kept_writes import KeptWrites
-from service.training.limits import ActiveUsage, TrainingLimits, check_job_alone, check_job_fits
+from service.config import TrainingLimits
+from service.training.limits import ActiveUsage, check_job_alone, check_job_fits
 from service.training.run import final_checkpoint_key, read_result, run_prefix
 from service.training.run_actors import RunActors
 from service.training.spec import JobSpec, UploadedDataset

@@ -1,5 +1,6 @@
 """Quotas of the training side: how much of the cluster and the state dir jobs and datasets
-may hold. Each limit is a builder argument with a default; hitting one is a 4xx that names it.
+may hold. Each limit is a builder argument with a default (`service.config.TrainingLimits`);
+hitting one is a 4xx that names it.
 
 Two kinds of refusal:
 - 429 `quota_exceeded`: the request is fine on its own, but what is held now (active jobs,
@@ -14,11 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from service.config import TrainingLimits
 from service.errors import ErrorCode, GangServeError, InvalidInput
-
-GIB = 1024**3
 
 
 class QuotaExceeded(GangServeError):
@@ -31,42 +29,6 @@ class OverLimit(InvalidInput):
     """The request on its own exceeds a configured limit."""
 
     code = ErrorCode.OVER_LIMIT
-
-
-class TrainingLimits(BaseModel):
-    """Training quotas (builder arguments). Active = PENDING or RUNNING: a waiting job already
-    holds its run actor and Ray Train's controller, so it counts as much as a running one."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_active_jobs: int = Field(
-        8, ge=1, le=10_000,
-        description="Training jobs PENDING or RUNNING at once; one more is 429 quota_exceeded.",
-    )
-    max_training_workers: int = Field(
-        32, ge=1, le=100_000,
-        description="Training workers (the sum of world_size) that active jobs hold together; a job "
-        "alone asking for more is 422 over_limit, one that does not fit next to the others 429.",
-    )
-    max_training_gpus: int = Field(
-        8, ge=0, le=100_000,
-        description="GPUs (world_size of use_gpu jobs) that active jobs hold together; 0 forbids GPU "
-        "training. Alone over it: 422 over_limit; next to the others: 429 quota_exceeded.",
-    )
-    max_runtime_s: float = Field(
-        6 * 3600.0, gt=0, le=30 * 86_400,
-        description="Wall-clock limit of one job, from submission (PENDING included) to its end, and "
-        "the default of the spec's max_runtime_s (which may only be lower). A job past it is stopped "
-        "and FAILS naming max_runtime_s.",
-    )
-    max_datasets: int = Field(
-        64, ge=1, le=1_000_000, description="Uploaded datasets stored at once; one more is 429 quota_exceeded."
-    )
-    max_dataset_bytes: int = Field(
-        4 * GIB, ge=1024,
-        description="Bytes all stored datasets may take together (as stored: float32 safetensors). "
-        "One dataset alone over it: 422 over_limit; not fitting next to the others: 429.",
-    )
 
 
 @dataclass(frozen=True)

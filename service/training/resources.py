@@ -2,14 +2,12 @@
 group forever: "worker group startup timed out", then again).
 
 `infeasible_reason` answers "can this cluster EVER hold the job?" from each alive node's
-total resources: a worker's bundle must fit whole on one node, so the number of workers
-the cluster can hold is the sum over nodes of how many bundles each node's totals fit.
+total resources with the serving gang's check (`placement.fits`: a worker's bundle must fit
+whole on one node), and words the answer for a job.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
-from service.cluster.placement import ClusterSnapshot, GangRequest, bundles_per_node, waiting_reason
+from service.cluster.placement import ClusterSnapshot, GangRequest, bundles_per_node, fits, waiting_reason
 
 Resources = dict[str, float]
 
@@ -20,25 +18,18 @@ def fmt(resources: Resources) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
-def workers_placeable(bundle: Resources, nodes: Iterable[Resources]) -> int:
-    """Workers of `bundle` the nodes can hold (the same count the serving gang's PACK check uses)."""
-    return sum(bundles_per_node(node, bundle) for node in nodes)
-
-
 def infeasible_reason(bundle: Resources, count: int, nodes: list[Resources], strategy: str = "PACK") -> str | None:
     """None if `count` workers of `bundle` fit the cluster's totals under `strategy`; else a
     message with needed vs available numbers."""
-    placeable = workers_placeable(bundle, nodes)
+    if fits(nodes, GangRequest(world_size=count, bundle=bundle, strategy=strategy)):
+        return None
     if strategy == "STRICT_SPREAD":
         holders = sum(1 for n in nodes if bundles_per_node(n, bundle) >= 1)
-        if holders >= count:
-            return None
         return (
             f"the cluster can never hold this job: STRICT_SPREAD needs {count} node(s) that can each hold a "
             f"worker of {fmt(bundle)}; the cluster has {holders} such node(s) of {len(nodes)} alive"
         )
-    if placeable >= count:
-        return None
+    placeable = sum(bundles_per_node(node, bundle) for node in nodes)
     needed = {k: v * count for k, v in bundle.items()}
     have = {k: sum(n.get(k, 0.0) for n in nodes) for k in bundle}
     per_node = "; ".join(fmt({k: n.get(k, 0.0) for k in bundle}) for n in nodes) or "none"

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import Response
+from gangserve_client import codecs as wire
 from pydantic import ValidationError
 
 from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType, describe_validation_errors
@@ -67,8 +68,8 @@ def _check_sizes(doc: Any) -> None:
         for tensor in tensors:
             if isinstance(tensor, dict):
                 shape = tensor.get("shape")
-                if isinstance(shape, list) and len(shape) > codecs.MAX_DIMS:
-                    raise InvalidInput(f"a shape in {key} has {len(shape)} dimensions; at most {codecs.MAX_DIMS}")
+                if isinstance(shape, list) and len(shape) > wire.MAX_DIMS:
+                    raise InvalidInput(f"a shape in {key} has {len(shape)} dimensions; at most {wire.MAX_DIMS}")
                 maps.append(tensor.get("parameters"))
     for params in maps:
         if isinstance(params, dict) and len(params) > MAX_PARAMETERS:
@@ -82,12 +83,12 @@ def _decode_input(
     optional `attention_mask` input, raw: (hidden_states, mask or None, squeezed). Binary
     data follows the header in input order."""
     names = [i.name for i in req.inputs]
-    if codecs.INPUT_NAME not in names or len(set(names)) != len(names) or not set(names) <= {
-        codecs.INPUT_NAME, codecs.MASK_NAME
+    if wire.INPUT_NAME not in names or len(set(names)) != len(names) or not set(names) <= {
+        wire.INPUT_NAME, wire.MASK_NAME
     }:
         raise InvalidInput(
-            f"model {MODEL_NAME!r} takes one input {codecs.INPUT_NAME!r} and optionally {codecs.MASK_NAME!r}; "
-            f"got {codecs.snip(names)}"
+            f"model {MODEL_NAME!r} takes one input {wire.INPUT_NAME!r} and optionally {wire.MASK_NAME!r}; "
+            f"got {wire.snip(names)}"
         )
     squeezed = False
     offset = 0
@@ -103,13 +104,13 @@ def _decode_input(
         if "shared_memory_region" in params:
             raise BadRequest("shared-memory inputs are not supported over HTTP here; send JSON data or binary data")
         if any(d < 0 for d in spec.shape):
-            raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {codecs.snip(spec.shape)}")
-        is_mask = spec.name == codecs.MASK_NAME
+            raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {wire.snip(spec.shape)}")
+        is_mask = spec.name == wire.MASK_NAME
         if not is_mask:
             if spec.datatype not in codecs.OIP_TO_NP:
                 raise InvalidInput(
                     f"input {spec.name!r} datatype must be one of {', '.join(codecs.OIP_TO_NP)}; "
-                    f"got {codecs.snip(spec.datatype)}"
+                    f"got {wire.snip(spec.datatype)}"
                 )
             squeezed = limits.check(spec.shape)
         raw = None
@@ -123,14 +124,14 @@ def _decode_input(
         decode = codecs.decode_oip_mask if is_mask else codecs.decode_oip_tensor
         decoded[spec.name] = decode(spec.datatype, spec.shape, data=None if raw is not None else spec.data,
                                     raw=raw, name=spec.name)
-    return decoded[codecs.INPUT_NAME], decoded.get(codecs.MASK_NAME), squeezed
+    return decoded[wire.INPUT_NAME], decoded.get(wire.MASK_NAME), squeezed
 
 
 def _binary_size(spec: RequestInput) -> int | None:
     size = (spec.parameters or {}).get("binary_data_size")
     if size is not None and (type(size) is not int or size < 0):
         raise BadRequest(
-            f"binary_data_size of input {spec.name!r} must be a non-negative integer; got {codecs.snip(size)}"
+            f"binary_data_size of input {spec.name!r} must be a non-negative integer; got {wire.snip(size)}"
         )
     return size
 
@@ -152,8 +153,8 @@ def _binary_outputs(req: InferenceRequest) -> bool:
         return default
     binary = default
     for out in req.outputs:
-        if out.name != codecs.OUTPUT_NAME:
-            raise InvalidInput(f"model {MODEL_NAME!r} has one output {codecs.OUTPUT_NAME!r}; asked for {out.name!r:.50}")
+        if out.name != wire.OUTPUT_NAME:
+            raise InvalidInput(f"model {MODEL_NAME!r} has one output {wire.OUTPUT_NAME!r}; asked for {out.name!r:.50}")
         params = out.parameters or {}
         if params.get("classification"):
             raise BadRequest("the classification extension is not supported: the output is a dense tensor")
@@ -165,15 +166,15 @@ def _binary_outputs(req: InferenceRequest) -> bool:
 
 
 def reply(req: InferenceRequest, out: np.ndarray, binary: bool, parameters: dict[str, Any] | None = None) -> Response:
-    tensor: dict[str, Any] = {"name": codecs.OUTPUT_NAME, "datatype": codecs.oip_datatype(out.dtype), "shape": list(out.shape)}
+    tensor: dict[str, Any] = {"name": wire.OUTPUT_NAME, "datatype": codecs.oip_datatype(out.dtype), "shape": list(out.shape)}
     doc: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION, "outputs": [tensor]}
     if req.id is not None:
         doc["id"] = req.id
     if parameters:  # a sequence's answer: its length and the weights version (service.ingress.oip.sequences)
         doc["parameters"] = parameters
     if not binary:
-        tensor["data"] = codecs.json_values(out.reshape(-1))  # serialized in chunks
-        return Response(orjson.dumps(doc), media_type=codecs.JSON)
+        tensor["data"] = wire.json_values(out.reshape(-1))  # serialized in chunks
+        return Response(orjson.dumps(doc), media_type=wire.JSON)
     raw = codecs.raw_bytes(out)
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = orjson.dumps(doc)
@@ -184,7 +185,7 @@ def content_encoding(header: str | None) -> str:
     """'identity', 'gzip' or 'deflate' (tritonclient's request_compression_algorithm); else 415."""
     encoding = (header or "identity").strip().lower()
     if encoding not in ("identity", "gzip", "deflate"):
-        raise UnsupportedMediaType(f"Content-Encoding {codecs.snip(encoding)} is not supported; use gzip, deflate or none")
+        raise UnsupportedMediaType(f"Content-Encoding {wire.snip(encoding)} is not supported; use gzip, deflate or none")
     return encoding
 
 

@@ -3,8 +3,8 @@ by hand: no alembic.ini; `env.py` takes the open connection the Database passes)
 
 Each store is one branch of revisions, labelled with the store's name, with ids
 `<store>_<NNNN>` numbered 1, 2, ... and its own version table `alembic_version_<store>`
-(so the stores' versions are independent, as they were in the table `schema_version`, which
-is still written for gangserve versions before Alembic). To change a store's schema, add
+(so the stores' versions are independent, as they were in the table `schema_version` of the
+code before Alembic, which is read once to adopt such a database and never written). To change a store's schema, add
 `versions/<store>_<N+1>.py` with `down_revision = "<store>_<N>"` and an `upgrade()` (written
 for both dialects: the types below, `op.add_column`, ...). `tests/test_state_migrations.py`
 checks the chains.
