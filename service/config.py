@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.batching import BatchPolicy
-from service.tunables import GangTunables, Tunables, TransportTunables
+from service.tunables import Tunables, TransportTunables
 
 _Part = TypeVar("_Part", bound=BaseModel)
 

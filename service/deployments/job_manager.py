@@ -19,14 +19,13 @@ from typing import Any
 import ray
 from ray import serve
 
-from service.config import ModelConfig
+from service.config import ModelConfig, TrainingLimits
 from service.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 from service.state import artifacts
 from service.state.db import database_url
 from service.state.paths import state_dir
 from service.training.jobs import DEFAULT_MAX_SEQ_LEN, Jobs
-from service.training.limits import TrainingLimits
 from service.training.run_actors import RunActors
 from service.training.store import JobStore
 from service.tunables import Tunables

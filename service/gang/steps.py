@@ -24,16 +24,33 @@ Imports neither Ray nor the service's configuration: the plain rank runs it with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from service.gang import control
-from service.parallel.kv_cache import AppendPlan
+from service.gang.staging import PinnedStaging
+from service.parallel.kv_cache import AppendPlan, PagedKVPool
+from service.parallel.model import RankModel
 
-if TYPE_CHECKING:
-    from service.gang.worker import Rank
+
+class Rank(Protocol):
+    """What a step kind uses of a rank (service.gang.worker.Rank): declared here, so that the
+    worker imports the kinds and the kinds never import the worker."""
+
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+    model: RankModel | None
+    staging: PinnedStaging | None
+
+    def collective(self, buf: torch.Tensor, n: int, weights_version: int,
+                   compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
+
+    def broadcast_control(self, values: torch.Tensor) -> None: ...
+
+    def kv_pool_for(self, plan: AppendPlan) -> PagedKVPool: ...
 
 
 class StepKind(Protocol):

@@ -296,7 +296,6 @@ def decode_oip_tensor(
     shape = wire.shape_of(list(shape), f"shape of input {snip(name)}")
     if limits is not None:
         limits.check(shape)
-    count = wire.numel(shape)
     if raw is not None:
         return _oip_binary(raw, dtype, shape, datatype, name)
     if data is None:

@@ -136,7 +136,7 @@ class DecodePool:
     What the bound buys: parsing in a thread still holds the interpreter lock for the
     length of one C call (orjson parses a whole body in one call), so the loop can stall
     for up to one body's parse time (docs/api.md, "Codec timings"); numpy conversion runs
-    in chunks (codecs.JSON_CHUNK_VALUES) and zlib inflation releases the lock.
+    in chunks (gangserve_client.codecs.JSON_CHUNK_VALUES) and zlib inflation releases the lock.
     """
 
     def __init__(self, threads: int, max_pending: int) -> None:
