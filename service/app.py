@@ -122,10 +122,9 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         graceful_shutdown_timeout_s=t.gang.graceful_shutdown_timeout_s,
         health_check_period_s=t.gang.health_check_period_s,
         health_check_timeout_s=t.gang.health_check_timeout_s,
-    ).bind(cfg.model_dump(), controller)
+    ).bind(cfg, controller)
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
-    jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits).model_dump(), cfg.max_seq_len,
-                                           cfg.part(ModelConfig).model_dump(), t)
+    jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits), cfg.max_seq_len, cfg.part(ModelConfig), t)
     return Ingress.options(
         num_replicas=cfg.ingress_replicas,
         # A replica being replaced (redeploy, scale-down) holds requests that wait for a gang
@@ -134,7 +133,7 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         graceful_shutdown_timeout_s=t.ingress.drain_timeout_s,
         max_ongoing_requests=max(256, cfg.max_ongoing_requests),
         **ingress_placement(cfg, nodes), **logs,
-    ).bind(server, cfg.model_dump(), jobs, controller)
+    ).bind(server, cfg, jobs, controller)
 
 
 # Ray's resource of the head node (ray._common.constants.HEAD_NODE_RESOURCE_NAME): 1 on the

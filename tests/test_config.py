@@ -90,9 +90,8 @@ def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
     ingress = compose_app(cfg)._bound_deployment
     limits, max_seq_len, model, tunables = ingress.init_args[2]._bound_deployment.init_args
     assert tunables == cfg.tunables
-    assert TrainingLimits.model_validate(limits) == cfg.part(TrainingLimits)
-    assert ModelConfig.model_validate(model) == cfg.part(ModelConfig)
-    assert (limits["max_active_jobs"], limits["max_runtime_s"], max_seq_len) == (3, 60.0, 128)
+    assert limits == cfg.part(TrainingLimits) and model == cfg.part(ModelConfig)
+    assert (limits.max_active_jobs, limits.max_runtime_s, max_seq_len) == (3, 60.0, 128)
 
 
 def test_the_builder_argument_reference_is_generated_and_current() -> None:

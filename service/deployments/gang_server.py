@@ -64,9 +64,9 @@ log = logging.getLogger("gangserve.server")
 class GangServer:
     """Owns one Gang; answers inference and status calls from the ingress."""
 
-    async def __init__(self, config: dict, controller: DeploymentHandle) -> None:
+    async def __init__(self, cfg: AppConfig, controller: DeploymentHandle) -> None:
+        """`cfg`: the app's validated configuration (service.app binds the object itself)."""
         route_logs_to_serve()
-        cfg = AppConfig.model_validate(config)
         self._model = cfg.part(ModelConfig)
         self._tunables = cfg.tunables
         self._t = cfg.tunables.gang

@@ -6,6 +6,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from service.cluster.front_door import own_header_deadlines
+from service.cluster.heap import keep_freed_buffers
 from service.config import AppConfig
 from service.ingress.api import create_api
 from service.ingress.fleet_client import FleetClient
@@ -20,10 +21,12 @@ from service.metrics.process import enable_ray_metrics
 class Ingress:
     """HTTP only: parses, validates and forwards to the GangServer; owns no actors."""
 
-    def __init__(self, gang: DeploymentHandle, config: dict, jobs: DeploymentHandle | None = None,
+    def __init__(self, gang: DeploymentHandle, config: AppConfig, jobs: DeploymentHandle | None = None,
                  controller: DeploymentHandle | None = None) -> None:
+        """`config`: the app's validated configuration (service.app binds the object itself)."""
         route_logs_to_serve()
-        self._config = AppConfig.model_validate(config)
+        keep_freed_buffers()  # a request's body, output and reply reuse the heap (service.cluster.heap)
+        self._config = config
         enable_ray_metrics(self._config.tunables.fleet)
         own_header_deadlines()  # the request's stated deadline is ours alone (service.cluster.front_door)
         # /gangs, /readyz, rollouts, /metrics, the pushed gang status -> the Controller

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import ray
 from ray import serve
@@ -43,14 +42,14 @@ log = logging.getLogger("gangserve.training")
 class JobManager(Jobs):
     """The training jobs of one app, as a Serve deployment."""
 
-    async def __init__(self, limits: dict[str, Any] | None = None, max_seq_len: int | None = None,
-                       model: dict[str, Any] | None = None, tunables: Tunables | None = None) -> None:
-        """`limits`: TrainingLimits fields (builder arguments; defaults otherwise).
+    async def __init__(self, limits: TrainingLimits | None = None, max_seq_len: int | None = None,
+                       model: ModelConfig | None = None, tunables: Tunables | None = None) -> None:
+        """`limits`: the training quotas (builder arguments; defaults otherwise).
         `max_seq_len`: the serving limit, applied to uploaded attention datasets too.
         `model`: the app's ModelConfig, to regenerate a served version its `init` made.
         `tunables`: the app's (AppConfig.tunables; default, the defaults)."""
         route_logs_to_serve()
-        quotas = TrainingLimits.model_validate(limits or {})
+        quotas = limits or TrainingLimits()
         tunables = tunables or Tunables()
         state = state_dir()
         # StorageConfigError / StorageUnavailable
@@ -64,7 +63,7 @@ class JobManager(Jobs):
             limits=quotas,
             runs=RunActors(ray.get_runtime_context().get_node_id(), tunables),
             app=serve.get_replica_context().app_name,
-            app_model=ModelConfig.model_validate(model) if model else None,
+            app_model=model,
             max_seq_len=int(max_seq_len or DEFAULT_MAX_SEQ_LEN),
             tunables=tunables.training,
         )

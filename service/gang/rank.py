@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from service.cluster.heap import keep_freed_buffers
 from service.gang.backends import set_tf32_matmuls
 from service.gang.devices import choose_device
 from service.tunables import GangTunables, StateTunables
@@ -34,6 +35,7 @@ class RankWorker(Rank):
                  tunables: GangTunables = GangTunables(), state_tunables: StateTunables = StateTunables()) -> None:
         import ray
 
+        keep_freed_buffers()  # each step's tensors reuse the heap, no page faults (rank 0: the GangServer's process)
         ctx = ray.get_runtime_context()
         gpu_ids = [str(g) for g in ray.get_gpu_ids()] if use_gpu else []
         choice = choose_device(use_gpu, gpu_ids)

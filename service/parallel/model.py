@@ -66,14 +66,6 @@ class ParamSpec:
     shard: Shard
     parts: int = 1
 
-    def local_shape(self, world_size: int) -> tuple[int, ...]:
-        """The shape rank r of `world_size` holds."""
-        if self.shard is Shard.COLUMN:
-            return (self.shape[0] // world_size, *self.shape[1:])
-        if self.shard is Shard.ROW:
-            return (self.shape[0], self.shape[1] // world_size, *self.shape[2:])
-        return self.shape
-
     def check_divides(self, world_size: int) -> str | None:
         """Why this parameter cannot be split `world_size` ways, or None."""
         if self.shard is Shard.COLUMN and self.shape[0] % (self.parts * world_size):
