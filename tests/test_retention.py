@@ -277,13 +277,14 @@ def tight(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from ray import serve
 
     from service.ingress.jobs_client import JobsClient
+    from service.config import TrainingLimits
     from service.deployments.job_manager import JobManager
 
     state = tmp_path_factory.mktemp("tight-state")
     handle = serve.run(
         JobManager.options(ray_actor_options={
             "num_cpus": 0, "runtime_env": {"env_vars": {"GANGSERVE_STATE_DIR": str(state)}}}
-        ).bind(TIGHT, TIGHT_SEQ_LEN),
+        ).bind(TrainingLimits(**TIGHT), TIGHT_SEQ_LEN),
         name="tight-jobs", route_prefix=None,
     )
     yield JobsClient(handle, timeout_s=60), state

@@ -234,8 +234,8 @@ def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> No
             good = tmp_path / "good.safetensors"
             save_checkpoint(good, weights, num_heads=8)
             info = handle.reload_weights.remote(str(good)).result(timeout_s=120)
-            assert info["weights_version"] == 2 and info["weights_source"] == "swap"
-            assert info["weights_description"] == "checkpoint good.safetensors" and str(tmp_path) not in str(info)
+            assert info.weights_version == 2 and info.weights_source == "swap"
+            assert info.weights_description == "checkpoint good.safetensors" and str(tmp_path) not in str(info)
             assert relative_error(torch.from_numpy(client.infer(x)), reference(x, weights=weights)) < 1e-5
             bad = tmp_path / "bad.safetensors"
             save_checkpoint(bad, random_weights(64, seed=1), num_heads=8)

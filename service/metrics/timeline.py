@@ -97,13 +97,6 @@ def current() -> Timeline | None:
     return _current.get()
 
 
-def mark(part: str) -> None:
-    """Mark `part` on the running task's timeline (nothing when nobody is timing it)."""
-    timeline = _current.get()
-    if timeline is not None:
-        timeline.mark(part)
-
-
 def running_step(step: StepMarks | None) -> contextvars.Token:
     """Set the marks the step about to run (in this task) fills; reset with `end_step`."""
     return _current_step.set(step)
@@ -119,5 +112,16 @@ def current_step() -> StepMarks | None:
 
 
 def wall_to_monotonic_ns(wall_ns: int) -> int:
-    """A time.time_ns() stamp (rank 0's step clock) on the monotonic clock (to ~1 us)."""
-    return wall_ns - time.time_ns() + time.monotonic_ns()
+    """A time.time_ns() stamp (rank 0's step clock) on the monotonic clock (to ~1 us).
+
+    The clocks' offset is read between two monotonic reads, three times, and the tightest
+    pair wins: a thread preempted between the reads (a busy machine) would otherwise shift
+    the stamp by the preemption and turn a part negative."""
+    best_gap, offset = None, 0
+    for _ in range(3):
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        if best_gap is None or after - before < best_gap:
+            best_gap, offset = after - before, wall - (before + after) // 2
+    return wall_ns - offset

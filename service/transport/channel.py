@@ -418,10 +418,12 @@ class ChannelClient:
                           tail: bytes = b"") -> tuple[dict[str, Any], bytes]:
         """One request frame, its reply frame; the server's error replies raised (its
         GangServeError as it raised it, SharedMemoryUnavailable when it could not map the region)."""
-        await write_frame(conn.writer, header, payload, tail)
         marks = timeline.current()
         if marks is not None:
-            marks.mark("link_send")  # into the shared region or the socket
+            # Before the write, never after: the server may read the frame (and mark its
+            # gang_receive) before this task runs again. The socket's transit is gang_receive.
+            marks.mark("link_send")  # the tensor in the shared region, the frame about to go
+        await write_frame(conn.writer, header, payload, tail)
         reply, out = await _read_reply(conn, self._max_header)
         conn.answered = True
         if marks is not None:
