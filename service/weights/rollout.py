@@ -47,6 +47,8 @@ from service.weights.record import (
 )
 
 log = logging.getLogger("gangserve.server")
+# Slack over a call's own bound for the hop onto the replica's event loop and back (see _swap_to).
+_LOOP_HOPS_S = 5.0
 
 # The checkpoint check and the config's hash need torch. They are imported when first called,
 # not with this module: the ingress imports this module (wait_for_gangs) and loads no torch
@@ -207,7 +209,9 @@ class Rollout:
             # replica's event loop (where its handles live).
             asking = self._ask("record_weights", source, description, sha, self.config_weights.fingerprint,
                                stored, job_id, eval_loss, rollback_of, timeout_s=timeout_s)
-            return asyncio.run_coroutine_threadsafe(asking, loop).result(timeout=timeout_s + 5)
+            # `asking` bounds itself by timeout_s; this wait only adds the hops onto the replica's
+            # event loop and back, which a busy loop may delay (never unbounded).
+            return asyncio.run_coroutine_threadsafe(asking, loop).result(timeout=timeout_s + _LOOP_HOPS_S)
 
         return await self._gang.swap_weights(model, record)
 
