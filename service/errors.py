@@ -206,7 +206,7 @@ class ErrorCode(enum.StrEnum):
 
 _BY_WIRE: dict[str, ErrorCode] = {code.value: code for code in ErrorCode}
 
-# What the ingress retries an inference request through (service.ingress.gang_client).
+# What the ingress retries a request through (service.ingress.requests.RequestPolicy).
 RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(code for code in ErrorCode if code.retryable)
 
 # A gang that is not ready answers with the code of its state (service.gang_status's states).

@@ -1,6 +1,6 @@
 """One mapping from what a Serve handle call can raise to a GangServeError.
 
-Both of the ingress's handle clients (GangClient -> GangServer, JobsClient -> JobManager)
+Both of the ingress's handle clients (GangServerCalls -> GangServer, JobsClient -> JobManager)
 use it, so a deployment's failure reads the same way whichever deployment it was:
 
     RayTaskError whose cause is a GangServeError  -> that error, code and Retry-After intact
