@@ -25,6 +25,31 @@ def gang_info(base: str) -> dict | None:
     return reply.json()
 
 
+def driver_side_policy(base: str, app_name: str = "gangserve", **overrides: object) -> object:
+    """A real request policy (the ingress's code, service.ingress.requests) in this test
+    process, on a real handle to app `app_name`'s GangServer, that claims rank 0's node id:
+    every raylet of the test cluster runs on this machine and shares /dev/shm (where the gang
+    server's socket lives), so the data channel is reachable."""
+    from ray import serve
+
+    from service.config import AppConfig
+    from service.ingress.requests import connect
+    from harness.local import local_yaml_args
+
+    handle = serve.get_deployment_handle("GangServer", app_name=app_name)
+    # As an ingress replica on rank 0's node sees it.
+    rank0_node = httpx.get(base + "/gang", timeout=30).json()["ranks"][0]["node_id"]
+    return connect(handle, AppConfig.model_validate({**local_yaml_args(), **overrides}), node_id=rank0_node)
+
+
+def transport_used(policy: object) -> dict:
+    """How the policy handed tensors to the gang: its describe()'s ingress_transport (what
+    GET /gang shows for an ingress replica)."""
+    from service.gang_status import dump
+
+    return dump(asyncio.run(policy.describe()))["ingress_transport"]  # type: ignore[attr-defined]
+
+
 def wait_for_new_gang(base: str, old_pids: set[int], timeout_s: float) -> tuple[dict, float]:
     """Poll /gang until the gang is ready without any of `old_pids` (the ranks that had to
     be replaced); returns (info, seconds)."""

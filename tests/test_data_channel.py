@@ -24,7 +24,7 @@ import torch
 from service.transport import channel, shm
 from service.transport.channel import ChannelClient, ChannelServer, ChannelUnavailable
 from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
-from service.gang_status import dump
+from tests.faults import driver_side_policy, transport_used
 from tests.reference import reference, relative_error
 from tests.helpers import eventually_async, rand
 
@@ -233,31 +233,9 @@ def test_sweep_removes_only_old_sockets_nobody_listens_on(tmp_path: Path, monkey
 
 # -- ray: the ingress's request policy against the deployed gang -----------------------------
 
-def _driver_side_client(app_url: str, **overrides: Any) -> Any:
-    """A real request policy (the ingress's code) in this test process, on a real handle, that
-    claims rank 0's node id: every raylet of the test cluster runs on this machine and
-    shares /dev/shm (where the gang server's socket lives), so the channel is reachable."""
-    from ray import serve
-
-    from service.config import AppConfig
-    from service.ingress.requests import connect
-    from tests.conftest import local_yaml_args
-
-    handle = serve.get_deployment_handle("GangServer", app_name="gangserve")
-    # As an ingress replica on rank 0's node sees it.
-    rank0_node = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][0]["node_id"]
-    return connect(handle, AppConfig.model_validate({**local_yaml_args(), **overrides}), node_id=rank0_node)
-
-
-def _transport(client: Any) -> dict[str, Any]:
-    """How the client handed tensors to the gang: its describe()'s ingress_transport (what
-    GET /gang shows for an ingress replica)."""
-    return dump(asyncio.run(client.describe()))["ingress_transport"]
-
-
 @pytest.mark.ray
 def test_requests_take_the_data_channel_and_match_the_reference(app_url: str) -> None:
-    client = _driver_side_client(app_url)
+    client = driver_side_policy(app_url)
     big, small = rand(3, 32, 512, seed=21), rand(1, 4, 512, seed=22)  # 192 KiB (shm), 8 KiB (inline)
 
     async def run() -> list[np.ndarray]:
@@ -277,7 +255,7 @@ def test_session_appends_take_the_data_channel_and_match_causal_attention(app_ur
     """A session's appends travel over the data channel when it is the route (one gang, rank
     0 on this node): three appends of 3, 1 and 3 rows give the rows of causal attention over
     the whole 7-row sequence (the dense reference), and the session's state comes back too."""
-    client = _driver_side_client(app_url)
+    client = driver_side_policy(app_url)
     rows = rand(1, 7, 512, seed=31)[0]  # [7, E]
 
     async def run() -> tuple[np.ndarray, dict]:
@@ -334,7 +312,7 @@ def test_a_session_append_crosses_the_channel_with_its_state(tmp_path: Path, mon
 
 @pytest.mark.ray
 def test_an_unusable_channel_falls_back_to_the_handle(app_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    client = _driver_side_client(app_url)
+    client = driver_side_policy(app_url)
     monkeypatch.setattr(channel, "SOCKET_DIR", tmp_path)  # as if the socket were gone
     x = rand(1, 4, 512, seed=23)
 
@@ -350,34 +328,12 @@ def test_an_unusable_channel_falls_back_to_the_handle(app_url: str, tmp_path: Pa
 
 @pytest.mark.ray
 def test_data_channel_off_uses_the_handle(app_url: str) -> None:
-    client = _driver_side_client(app_url, data_channel=False)
+    client = driver_side_policy(app_url, data_channel=False)
     x = rand(1, 4, 512, seed=24)
     out = np.array(asyncio.run(client.infer(x)))
     assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
-    used = _transport(client)
+    used = transport_used(client)
     assert (used["data_channel"], used["object_store"]) == (0, 1), used
-
-
-@pytest.mark.ray
-def test_rank_death_during_channel_requests_is_a_clean_error_then_channel_again(app_url: str) -> None:
-    """kill -9 of rank 1 while channel requests flow: every request gets its exact rows (the
-    ones the dying gang could not answer are retried once it is rebuilt, issue 23), and the
-    rebuilt gang is served over the channel."""
-    from tests.faults import gang_client_around_kill, wait_for_new_gang
-
-    client = _driver_side_client(app_url)
-    victim = httpx.get(app_url + "/gang", timeout=30).json()["ranks"][1]["pid"]
-    x = rand(1, 8, 512, seed=25)
-    want = reference(x)
-    outcomes = gang_client_around_kill(client, x, want, victim)
-    print("channel requests around kill -9 of rank 1:", {c: outcomes.count(c) for c in set(outcomes)})
-    assert set(outcomes) == {"ok"}, outcomes
-    assert client.retries >= 1, "no request met the broken gang: the kill came too late"
-    wait_for_new_gang(app_url, {victim}, timeout_s=60)
-    fresh = _driver_side_client(app_url)
-    assert relative_error(torch.from_numpy(np.array(asyncio.run(fresh.infer(x)))), want) < 1e-5
-    used = _transport(fresh)
-    assert used["data_channel"] == 1 and used["data_channel_fallbacks"] == 0, used
 
 
 @pytest.mark.ray
@@ -482,7 +438,7 @@ def test_a_request_over_the_channel_names_every_part_of_its_time(app_url: str) -
     to the whole; the answer is still the reference's."""
     from service.metrics import timeline
 
-    client = _driver_side_client(app_url)
+    client = driver_side_policy(app_url)
     x = rand(3, 32, 512, seed=23)
 
     async def run() -> tuple[np.ndarray, Any]:

@@ -5,6 +5,7 @@ tight numbers.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from tests.conftest import deploy, local_yaml_args, undeploy
-from tests.faults import RequestLoop, gang_info, wait_for_new_gang
+from tests.faults import (RequestLoop, driver_side_policy, gang_client_around_kill, gang_info, transport_used,
+                          wait_for_new_gang)
 from tests.helpers import eventually, pid_alive, poll, scrape, total
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
@@ -151,6 +153,28 @@ def test_stopped_rank_gives_504_at_the_request_deadline_then_rebuild(fault_url: 
     n_dropped = dropped(poll(fault_url, lambda s: dropped(s) >= 1, 10, "a request dropped at its deadline"))
     print(f"dropped uncomputed at their deadline: {n_dropped:.0f}")
     _check_one_request(fault_url)
+
+
+def test_rank_death_during_channel_requests_is_a_clean_error_then_channel_again(fault_url: str) -> None:
+    """kill -9 of rank 1 while data-channel requests flow (a real request policy, the ingress's
+    code, in this process): every request gets its exact rows (the ones the dying gang could
+    not answer are retried once it is rebuilt, issue 23), and the rebuilt gang is served over
+    the channel again."""
+    args = {"cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S}
+    policy = driver_side_policy(fault_url, "faults", **args)
+    victim = httpx.get(fault_url + "/gang", timeout=30).json()["ranks"][1]["pid"]
+    x = np.random.default_rng(25).standard_normal((1, 8, 512), dtype=np.float32)
+    want = dense_attention(WEIGHTS, 8, torch.from_numpy(x))
+    outcomes = gang_client_around_kill(policy, x, want, victim)
+    print("channel requests around kill -9 of rank 1:", {c: outcomes.count(c) for c in set(outcomes)})
+    assert set(outcomes) == {"ok"}, outcomes
+    assert policy.retries >= 1, "no request met the broken gang: the kill came too late"  # type: ignore[attr-defined]
+    wait_for_new_gang(fault_url, {victim}, timeout_s=60)
+    fresh = driver_side_policy(fault_url, "faults", **args)
+    out = np.array(asyncio.run(fresh.infer(x)))  # type: ignore[attr-defined]
+    assert relative_error(torch.from_numpy(out), want) < 1e-5
+    used = transport_used(fresh)
+    assert used["data_channel"] == 1 and used["data_channel_fallbacks"] == 0, used
 
 
 def test_kill_rank0_replica_under_load_recovers(fault_url: str) -> None:
