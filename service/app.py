@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from service.config import AppConfig, ModelConfig, TrainingLimits
+from service.config import BUILDER_ARGS, AppConfig
 from service.errors import describe_validation_errors
 from service.cluster.front_door import warn_if_slow_front_door
 from service.cluster.placement import check_feasible, cluster_snapshot, gang_request
@@ -33,7 +33,7 @@ def parse_args(args: dict[str, Any]) -> AppConfig:
         # Whole messages: a broken relation names both settings and both values.
         problems = describe_validation_errors(exc.errors(), "args", limit=20, msg_chars=1000)
         raise InvalidAppArgs(
-            f"invalid gangserve arguments: {problems}. Valid keys: {', '.join(sorted(AppConfig.model_fields))}"
+            f"invalid gangserve arguments: {problems}. Valid keys: {', '.join(sorted([*BUILDER_ARGS, 'tunables']))}"
         ) from None
 
 
@@ -43,7 +43,7 @@ def check_model(cfg: AppConfig) -> None:
     from service.weights.declared import check_declared_model
 
     try:
-        check_declared_model(cfg, cfg.world_size)
+        check_declared_model(cfg.model, cfg.gang.world_size)
     except (ValueError, TypeError) as exc:
         raise InvalidAppArgs(f"invalid gangserve arguments: {exc}") from None
 
@@ -59,7 +59,7 @@ def preflight(cfg: AppConfig) -> int | None:
     if not ray.is_initialized():
         return None
     snapshot = cluster_snapshot()
-    check_feasible(snapshot, gang_request(cfg))
+    check_feasible(snapshot, gang_request(cfg.gang))
     return len(snapshot.totals)
 
 
@@ -84,7 +84,7 @@ def event_loop_options(cfg: AppConfig) -> dict[str, Any]:
     `same_event_loop`, our code and Serve's share the replica's main loop, saving a
     cross-thread hand-off per request in each of them. The JobManager keeps Serve's
     default (isolation matters more than latency there)."""
-    if not cfg.same_event_loop:
+    if not cfg.serving.same_event_loop:
         return {}
     return {"runtime_env": {"env_vars": dict(SAME_EVENT_LOOP_ENV)}}
 
@@ -93,15 +93,15 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve;
     the Controller owns the fleet view and the weights record, the JobManager the jobs."""
     t = cfg.tunables  # validated with the builder arguments (service.config)
-    request = gang_request(cfg)
+    request = gang_request(cfg.gang)
     bundle = dict(request.bundle)
     # One gang per replica: a fixed count, or Serve's autoscaling.
     scale: dict[str, Any] = (
-        {"num_replicas": cfg.num_replicas} if cfg.autoscaling_config is None
-        else {"autoscaling_config": dict(cfg.autoscaling_config)}
+        {"num_replicas": cfg.gang.num_replicas} if cfg.gang.autoscaling_config is None
+        else {"autoscaling_config": dict(cfg.gang.autoscaling_config)}
     )
     # Structured logs: Serve's logging_config on every deployment (service.logs).
-    logs: dict[str, Any] = {"logging_config": {"encoding": cfg.log_encoding}} if cfg.log_encoding else {}
+    logs: dict[str, Any] = {"logging_config": {"encoding": cfg.serving.log_encoding}} if cfg.serving.log_encoding else {}
     # One replica, no CPU: the app's shared state has one owner (service.deployments.controller).
     controller = Controller.options(**logs).bind(t)
     server = GangServer.options(
@@ -113,25 +113,25 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
             request_routing_stats_timeout_s=t.gang.routing_stats_timeout_s,
         ),
         # One bundle per rank, reserved all-or-nothing; the replica is rank 0 in bundle 0.
-        placement_group_bundles=[dict(bundle) for _ in range(cfg.world_size)],
-        placement_group_strategy=cfg.placement_strategy,
+        placement_group_bundles=[dict(bundle) for _ in range(cfg.gang.world_size)],
+        placement_group_strategy=cfg.gang.placement_strategy,
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), **event_loop_options(cfg)},
-        max_ongoing_requests=cfg.max_ongoing_requests,
-        max_queued_requests=cfg.max_queued_requests,
+        max_ongoing_requests=cfg.serving.max_ongoing_requests,
+        max_queued_requests=cfg.serving.max_queued_requests,
         # Serve's default, explicit: the gang server's own drain must fit inside it (service.config).
         graceful_shutdown_timeout_s=t.gang.graceful_shutdown_timeout_s,
         health_check_period_s=t.gang.health_check_period_s,
         health_check_timeout_s=t.gang.health_check_timeout_s,
     ).bind(cfg, controller)
     # Training jobs: num_cpus=0, owns the job store, enforces the training quotas.
-    jobs = JobManager.options(**logs).bind(cfg.part(TrainingLimits), cfg.max_seq_len, cfg.part(ModelConfig), t)
+    jobs = JobManager.options(**logs).bind(cfg.training, cfg.serving.max_seq_len, cfg.model, t)
     return Ingress.options(
-        num_replicas=cfg.ingress_replicas,
+        num_replicas=cfg.serving.ingress_replicas,
         # A replica being replaced (redeploy, scale-down) holds requests that wait for a gang
         # (a redeploy replaces a gang by stopping it first): give them the time a new gang
         # takes to come up before Serve kills the replica (Serve's default: 20 s).
         graceful_shutdown_timeout_s=t.ingress.drain_timeout_s,
-        max_ongoing_requests=max(256, cfg.max_ongoing_requests),
+        max_ongoing_requests=max(256, cfg.serving.max_ongoing_requests),
         **ingress_placement(cfg, nodes), **logs,
     ).bind(server, cfg, jobs, controller)
 
@@ -148,8 +148,8 @@ def ingress_placement(cfg: AppConfig, nodes: int | None) -> dict[str, Any]:
     ingress with it (HAProxy keeps real servers, and no answer waits on a cut link).
     `spread`: at most ceil(replicas / nodes) per node (Serve alone packs 0-CPU replicas)."""
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0, **event_loop_options(cfg)}}
-    if cfg.ingress_placement == "head":
+    if cfg.serving.ingress_placement == "head":
         options["ray_actor_options"]["resources"] = {HEAD_NODE_RESOURCE: 0.001}
-    elif cfg.ingress_replicas > 1 and nodes:
-        options["max_replicas_per_node"] = -(-cfg.ingress_replicas // nodes)
+    elif cfg.serving.ingress_replicas > 1 and nodes:
+        options["max_replicas_per_node"] = -(-cfg.serving.ingress_replicas // nodes)
     return options

@@ -1,22 +1,21 @@
 """Configuration: one pydantic model per concern, composed into the builder's arguments.
 
-`AppConfig` is what `service.app:build_app` validates (unknown keys rejected); it is the
-union of `ModelConfig`, `GangConfig`, `ServingConfig`, `SessionConfig` and `TrainingLimits`
-(the training quotas, which service.training.limits checks jobs and datasets against), so every
-argument is declared once, with its description, in the concern it belongs to.
+`AppConfig` is what `service.app:build_app` validates (unknown keys rejected): a tree of one
+section per concern, `cfg.model` (ModelConfig), `cfg.gang`, `cfg.batching`, `cfg.transport`,
+`cfg.serving`, `cfg.sessions`, `cfg.training` (the training quotas, which service.training.limits
+checks jobs and datasets against) and `cfg.tunables`. The builder arguments stay flat, as every
+config writes them; each is declared once, with its description, in the section it belongs to,
+and a class takes the section it needs, never the whole tree, where it can.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.batching import BatchPolicy
 from service.tunables import Tunables, TransportTunables
-
-_Part = TypeVar("_Part", bound=BaseModel)
-
 
 FLOAT16_MAX = 65504.0  # float16's largest finite value
 GIB = 1024**3
@@ -29,10 +28,12 @@ TRANSFORMER_ARGS = ("num_layers", "ffn_dim", "activation", "norm_first", "layer_
 class ModelConfig(BaseModel):
     """What the gang computes: a model of service.parallel.model (docs/models.md), tensor-parallel."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    # `kind` is the builder argument `model` (its alias): `cfg.model.kind`, as a training job's
+    # `model: {kind: ...}`; either name is accepted.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
 
-    model: str = Field(
-        "attention", min_length=1, max_length=300,
+    kind: str = Field(
+        "attention", min_length=1, max_length=300, alias="model",
         description="`attention`: one nn.MultiheadAttention(E, H) layer; `transformer`: "
         "nn.TransformerEncoder of `num_layers` nn.TransformerEncoderLayer(E, H, ffn_dim, dropout=0, activation, "
         "batch_first=True, norm_first, layer_norm_eps); or `pkg.module:factory`, a user's model, called as "
@@ -80,17 +81,17 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check_model_args(self) -> "ModelConfig":
         """Arguments of one model are refused with another (a typo would otherwise be ignored)."""
-        # Compared with the defaults, not `model_fields_set`: deployments validate a full dump again.
-        if self.model != "transformer":
+        # Compared with the defaults, not `model_fields_set`: a copy made with model_copy keeps its values.
+        if self.kind != "transformer":
             fields = type(self).model_fields
             stray = [name for name in TRANSFORMER_ARGS if getattr(self, name) != fields[name].default]
             if stray:
-                raise ValueError(f"{', '.join(stray)} only apply to model=transformer; model is {self.model!r}")
-        if self.model_args and ":" not in self.model:
-            raise ValueError(f"model_args only apply to a user's model (model=pkg.module:factory); model is {self.model!r}")
-        if self.model not in ("attention", "transformer") and ":" not in self.model:
+                raise ValueError(f"{', '.join(stray)} only apply to model=transformer; model is {self.kind!r}")
+        if self.model_args and ":" not in self.kind:
+            raise ValueError(f"model_args only apply to a user's model (model=pkg.module:factory); model is {self.kind!r}")
+        if self.kind not in ("attention", "transformer") and ":" not in self.kind:
             raise ValueError(f"model must be attention, transformer or an import path pkg.module:factory; "
-                             f"got {self.model!r}")
+                             f"got {self.kind!r}")
         return self
 
     @property
@@ -153,22 +154,6 @@ class GangConfig(BaseModel):
         "starting a process and importing torch ([operations.md](operations.md#fast-rebuild-the-warm-spare)). CPU gangs only: a spare "
         "cannot hold a bundle's GPU, so use_gpu gangs always start a new process.",
     )
-    max_batch_size: int = Field(
-        64, ge=1, le=65536,
-        description="Most batch rows one gang step coalesces from concurrent requests (see max_padding_fraction).",
-    )
-    max_padding_fraction: float = Field(
-        0.25, ge=0, lt=1,
-        description="Mixed-length batching: requests of different seq lens share a step, padded to its "
-        "longest with the key padding mask, while at most this share of the step's tokens is such "
-        "padding. 0 = only requests of equal seq len share a step.",
-    )
-    batch_wait_timeout_s: float = Field(
-        0.0, ge=0, le=1.0,
-        description="Extra wait for company before a step when fewer than max_batch_size rows are queued; "
-        "0 = none (batches still form from requests that arrive while a step runs).",
-    )
-
     @model_validator(mode="after")
     def _check_backend(self) -> "GangConfig":
         if self.backend == "nccl" and not self.use_gpu:
@@ -198,14 +183,36 @@ class GangConfig(BaseModel):
         return self.autoscaling_config is None and self.num_replicas == 1
 
     @property
-    def batching(self) -> BatchPolicy:
+    def threads_per_rank(self) -> int:
+        return self.torch_threads_per_rank or max(1, int(self.cpus_per_rank))
+
+
+class BatchingConfig(BaseModel):
+    """How a gang coalesces concurrent requests into steps (service.batching)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int = Field(
+        64, ge=1, le=65536,
+        description="Most batch rows one gang step coalesces from concurrent requests (see max_padding_fraction).",
+    )
+    max_padding_fraction: float = Field(
+        0.25, ge=0, lt=1,
+        description="Mixed-length batching: requests of different seq lens share a step, padded to its "
+        "longest with the key padding mask, while at most this share of the step's tokens is such "
+        "padding. 0 = only requests of equal seq len share a step.",
+    )
+    batch_wait_timeout_s: float = Field(
+        0.0, ge=0, le=1.0,
+        description="Extra wait for company before a step when fewer than max_batch_size rows are queued; "
+        "0 = none (batches still form from requests that arrive while a step runs).",
+    )
+
+    @property
+    def policy(self) -> BatchPolicy:
         """The batcher's policy: max_batch_size, batch_wait_timeout_s and max_padding_fraction."""
         return BatchPolicy(max_batch_size=self.max_batch_size, wait_s=self.batch_wait_timeout_s,
                            max_padding_fraction=self.max_padding_fraction)
-
-    @property
-    def threads_per_rank(self) -> int:
-        return self.torch_threads_per_rank or max(1, int(self.cpus_per_rank))
 
 
 class ServingConfig(BaseModel):
@@ -270,14 +277,6 @@ class ServingConfig(BaseModel):
         "JSON (one object per line, with request_id, route and application on request lines). None: "
         "Serve's default ($RAY_SERVE_LOG_ENCODING, else TEXT) or the config file's logging_config.",
     )
-    shm_transport: bool = Field(
-        True,
-        description="Hand request/reply tensors of tunables.transport.min_shared_bytes "
-        f"({TransportTunables().min_shared_bytes // 1024} KiB by default) or more between the ingress and the "
-        "GangServer through /dev/shm when both run on one node, instead of through Ray's object "
-        "store; falls back to the object store otherwise (or when /dev/shm is missing or full).",
-    )
-
     same_event_loop: bool = Field(
         True,
         description="Run the ingress's and the gang server's code, and the ingress's handle router, on "
@@ -286,14 +285,6 @@ class ServingConfig(BaseModel):
         "between Serve and our code on every request (measured -2 to -3 ms per small request). Our "
         "request path never blocks its loop (heavy work runs in pools and the gang's sequencer).",
     )
-    data_channel: bool = Field(
-        True,
-        description="Send requests from the ingress to rank 0 over a Unix socket instead of a Serve "
-        "handle call when both run on one node and the app has one gang (fixed num_replicas: 1); "
-        "saves the handle call's fixed cost (several ms). Status, weights and every other request "
-        "keep using Serve handles; falls back to them whenever the socket cannot be used.",
-    )
-
     @model_validator(mode="after")
     def _check_json_limit(self) -> "ServingConfig":
         if self.max_json_bytes > self.max_body_bytes:
@@ -301,6 +292,28 @@ class ServingConfig(BaseModel):
                 f"max_json_bytes ({self.max_json_bytes}) must not exceed max_body_bytes ({self.max_body_bytes})"
             )
         return self
+
+
+class TransportConfig(BaseModel):
+    """How request and reply tensors travel between the ingress and rank 0 (service.transport)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shm_transport: bool = Field(
+        True,
+        description="Hand request/reply tensors of tunables.transport.min_shared_bytes "
+        f"({TransportTunables().min_shared_bytes // 1024} KiB by default) or more between the ingress and the "
+        "GangServer through /dev/shm when both run on one node, instead of through Ray's object "
+        "store; falls back to the object store otherwise (or when /dev/shm is missing or full).",
+    )
+
+    data_channel: bool = Field(
+        True,
+        description="Send requests from the ingress to rank 0 over a Unix socket instead of a Serve "
+        "handle call when both run on one node and the app has one gang (fixed num_replicas: 1); "
+        "saves the handle call's fixed cost (several ms). Status, weights and every other request "
+        "keep using Serve handles; falls back to them whenever the socket cannot be used.",
+    )
 
 
 class SessionConfig(BaseModel):
@@ -372,11 +385,42 @@ class TrainingLimits(BaseModel):
     )
 
 
-class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingLimits):
-    """Every `build_app` argument. Unknown keys are rejected."""
+# The sections of AppConfig, in the order of the builder-argument reference: attribute, class, title.
+_SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
+    ("model", ModelConfig, "Model"), ("gang", GangConfig, "Gang"), ("batching", BatchingConfig, "Batching"),
+    ("transport", TransportConfig, "Transport"), ("serving", ServingConfig, "Serving"),
+    ("sessions", SessionConfig, "Sessions"), ("training", TrainingLimits, "Training quotas"),
+)
+
+
+def _builder_names(cls: type[BaseModel]) -> dict[str, str]:
+    """A section's builder-argument names -> its field names (the same, but for an alias)."""
+    return {field.alias or name: name for name, field in cls.model_fields.items()}
+
+
+# Every flat builder argument -> (section, field); `tunables` is its own nested section.
+BUILDER_ARGS: dict[str, tuple[str, str]] = {
+    arg: (section, name) for section, cls, _ in _SECTIONS for arg, name in _builder_names(cls).items()
+}
+
+
+class AppConfig(BaseModel):
+    """Every `build_app` argument, as one tree: a section per concern (`cfg.gang.world_size`).
+
+    The builder arguments stay flat (`world_size=4`, a config's `args: {world_size: 4}`): each
+    flat name belongs to exactly one section (BUILDER_ARGS) and is moved into it before
+    validation. A section may also be given whole (`gang: {world_size: 4}`). Unknown keys are
+    rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    gang: GangConfig = Field(default_factory=GangConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    sessions: SessionConfig = Field(default_factory=SessionConfig)
+    training: TrainingLimits = Field(default_factory=TrainingLimits)
     tunables: Tunables = Field(
         default_factory=Tunables,
         description="The machinery's timing and sizing knobs, by section (gang, fleet, transport, ingress, "
@@ -384,13 +428,44 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingL
         "e.g. `tunables: {state: {s3_request_timeout_s: 120.0}}`; an unknown key is refused.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_builder_args(cls, data: Any) -> Any:
+        """Flat builder arguments -> their sections. A section given whole (a mapping, or the
+        section's object) is merged with its flat arguments; the same argument twice is refused."""
+        if not isinstance(data, dict):
+            return data
+        nested: dict[str, Any] = {}
+        for key, value in data.items():
+            # `model` is both a section and a builder argument (the model's kind): a string is the kind.
+            if key in cls.model_fields and not (key == "model" and isinstance(value, str)):
+                if isinstance(value, BaseModel):
+                    value = value.model_dump(by_alias=True)
+                if key in nested and isinstance(value, dict):
+                    clash = sorted(set(nested[key]) & set(value))
+                    if clash:
+                        raise ValueError(f"{', '.join(clash)} given both flat and in the {key} section")
+                    value = {**nested[key], **value}
+                nested[key] = value
+            elif key in BUILDER_ARGS:
+                section, _ = BUILDER_ARGS[key]
+                part = nested.setdefault(section, {})
+                if not isinstance(part, dict):
+                    raise ValueError(f"{key} given flat beside a {section} section that is not a mapping")
+                if key in part:
+                    raise ValueError(f"{key} given both flat and in the {section} section")
+                part[key] = value
+            else:
+                nested[key] = value  # refused by extra="forbid", under its own name
+        return nested
+
     def relations(self) -> list[tuple[str, str, float, str, float]]:
         """(why, smaller, its value, larger, its value): every ordering the code relies on, between
         tunables and between a tunable and a builder argument."""
         return [
             *self.tunables.orderings(),
             ("a draining ingress replica answers a request with the default deadline before Serve kills it",
-             "request_timeout_s", self.request_timeout_s, "tunables.ingress.drain_timeout_s",
+             "request_timeout_s", self.serving.request_timeout_s, "tunables.ingress.drain_timeout_s",
              self.tunables.ingress.drain_timeout_s),
         ]
 
@@ -404,66 +479,58 @@ class AppConfig(ModelConfig, GangConfig, ServingConfig, SessionConfig, TrainingL
         return self
 
     @model_validator(mode="after")
-    def _check_divisibility(self) -> "AppConfig":
+    def _check_across_sections(self) -> "AppConfig":
         # The built-in models' heads; a user's model checks its own split at deploy time
         # (service.app.check_model: ModelDef.check_world_size).
-        if self.model in ("attention", "transformer"):
+        if self.model.kind in ("attention", "transformer"):
             self._check_heads()
         return self._check_dtype_and_paths()
 
     def _check_heads(self) -> None:
-        if self.embed_dim % self.num_heads:
+        model, world_size = self.model, self.gang.world_size
+        if model.embed_dim % model.num_heads:
             raise ValueError(
-                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
+                f"embed_dim ({model.embed_dim}) must be divisible by num_heads ({model.num_heads})"
             )
-        if self.num_heads % self.world_size:
+        if model.num_heads % world_size:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be divisible by world_size ({self.world_size}): "
+                f"num_heads ({model.num_heads}) must be divisible by world_size ({world_size}): "
                 "each rank computes num_heads / world_size whole heads"
             )
-        if self.model == "transformer" and self.ffn_dim % self.world_size:
+        if model.kind == "transformer" and model.ffn_dim % world_size:
             raise ValueError(
-                f"ffn_dim ({self.ffn_dim}) must be divisible by world_size ({self.world_size}): each rank holds "
+                f"ffn_dim ({model.ffn_dim}) must be divisible by world_size ({world_size}): each rank holds "
                 "ffn_dim / world_size of the MLP's hidden units"
             )
 
     def _check_dtype_and_paths(self) -> "AppConfig":
-        if self.compute_dtype == "float16" and not self.use_gpu:
+        model = self.model
+        if model.compute_dtype == "float16" and not self.gang.use_gpu:
             raise ValueError(
                 "compute_dtype=float16 needs use_gpu=true (float16 matmuls are CUDA-only here); "
                 "on CPU use bfloat16 or float32"
             )
         # The notes' seed weights are 0..E^2-1 scaled, far beyond float16's range at E=512:
         # refused here at deploy time, rather than serving inf/NaN with a 200.
-        if (self.compute_dtype == "float16" and self.checkpoint is None and self.init == "seed"
-                and self.model == "attention" and self.embed_dim ** 2 - 1 > FLOAT16_MAX):
+        if (model.compute_dtype == "float16" and model.checkpoint is None and model.init == "seed"
+                and model.kind == "attention" and model.embed_dim ** 2 - 1 > FLOAT16_MAX):
             raise ValueError(
-                f"compute_dtype=float16 cannot hold init=seed weights at embed_dim={self.embed_dim} (they reach "
-                f"{self.embed_dim ** 2 - 1}; float16's largest finite value is {FLOAT16_MAX:g}): use bfloat16 or "
+                f"compute_dtype=float16 cannot hold init=seed weights at embed_dim={model.embed_dim} (they reach "
+                f"{model.embed_dim ** 2 - 1}; float16's largest finite value is {FLOAT16_MAX:g}): use bfloat16 or "
                 "float32, init=random, or a checkpoint"
             )
-        if self.checkpoint is not None and not os.path.isabs(self.checkpoint):
-            raise ValueError(f"checkpoint must be an absolute path, got {self.checkpoint!r}")
+        if model.checkpoint is not None and not os.path.isabs(model.checkpoint):
+            raise ValueError(f"checkpoint must be an absolute path, got {model.checkpoint!r}")
         return self
 
     @property
     def uses_data_channel(self) -> bool:
         """Requests may reach rank 0 over the data channel (service.transport.channel): asked for, and
         one gang only (with several, Serve's router picks the gang)."""
-        return self.data_channel and self.single_gang
-
-    def part(self, cls: type[_Part]) -> _Part:
-        """The sub-config of one concern, e.g. `cfg.part(GangConfig)`."""
-        return cls.model_validate(self.model_dump(include=set(cls.model_fields)))
+        return self.transport.data_channel and self.gang.single_gang
 
 
 # -- the builder-argument reference (docs/builder-arguments.md is generated from this) ------
-_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
-    ("Model", ModelConfig), ("Gang", GangConfig), ("Serving", ServingConfig), ("Sessions", SessionConfig),
-    ("Training quotas", TrainingLimits),
-)
-
-
 def _default_text(value: Any) -> str:
     if value is None:
         return "none"
@@ -483,19 +550,22 @@ def builder_args_markdown() -> str:
         "",
         "Generated from `service/config.py` (`make docs`; `tests/test_config.py` checks it is current).",
         "`service.app:build_app` validates these with `AppConfig`; unknown keys are rejected with the",
-        "list of valid ones. Set them in a config's `args:` or on the command line:",
+        "list of valid ones. The arguments are flat; each belongs to one section of the configuration",
+        "tree (`world_size` is `cfg.gang.world_size`), which may also be given whole (`gang: {world_size: 4}`).",
+        "Set them in a config's `args:` or on the command line:",
         "",
         "```bash",
         "serve run deployments/local.yaml",
         "serve run service.app:build_app world_size=4 cpus_per_rank=0.25 init=random seed=3",
         "```",
     ]
-    for title, cls in _SECTIONS:
-        lines += ["", f"## {title}", "", (cls.__doc__ or "").strip().splitlines()[0], "",
+    for section, cls, title in _SECTIONS:
+        lines += ["", f"## {title}", "", (cls.__doc__ or "").strip().splitlines()[0] + f" In the code: `cfg.{section}`.", "",
                   "| arg | default | meaning |", "|---|---|---|"]
-        for name, field in cls.model_fields.items():
+        for arg, name in _builder_names(cls).items():
+            field = cls.model_fields[name]
             text = " ".join((field.description or "").split()).replace("|", "\\|")
-            lines.append(f"| `{name}` | {_default_text(field.default)} | {text} |")
+            lines.append(f"| `{arg}` | {_default_text(field.default)} | {text} |")
     text = " ".join((AppConfig.model_fields["tunables"].description or "").split())
     lines += ["", "## Tunables", "", "One optional nested section, validated by `service.tunables.Tunables`.", "",
               "| arg | default | meaning |", "|---|---|---|", f"| `tunables` | the defaults | {text} |"]

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     snapshot = cluster_snapshot()
     for name, cfg in configs.items():
         try:
-            check_feasible(snapshot, gang_request(cfg))
+            check_feasible(snapshot, gang_request(cfg.gang))
         except GangUnschedulable as exc:
             _say(f"application {name!r} can never start: {exc.message}")
             return 3

@@ -20,7 +20,27 @@ def test_unknown_key_is_rejected_with_its_name() -> None:
 
 def test_cli_style_string_args_are_coerced() -> None:
     cfg = parse_args({"world_size": "4", "use_gpu": "false", "init": "random", "seed": "3"})
-    assert (cfg.world_size, cfg.use_gpu, cfg.init, cfg.seed) == (4, False, "random", 3)
+    assert (cfg.gang.world_size, cfg.gang.use_gpu, cfg.model.init, cfg.model.seed) == (4, False, "random", 3)
+
+
+def test_flat_builder_args_land_in_their_sections_and_a_section_may_come_whole() -> None:
+    """Every config writes the builder arguments flat; the tree has one section per concern.
+    Each flat name belongs to one section, a section may be given whole beside other flat
+    arguments, and the same argument twice (flat and in its section) is refused."""
+    cfg = parse_args({"model": "transformer", "num_layers": 3, "world_size": 4, "max_batch_size": 5,
+                      "data_channel": False, "max_sessions": 7, "max_active_jobs": 2, "max_seq_len": 99})
+    assert (cfg.model.kind, cfg.model.num_layers, cfg.gang.world_size) == ("transformer", 3, 4)
+    assert (cfg.batching.max_batch_size, cfg.transport.data_channel, cfg.sessions.max_sessions) == (5, False, 7)
+    assert (cfg.training.max_active_jobs, cfg.serving.max_seq_len) == (2, 99)
+    assert parse_args({"gang": {"world_size": 1}, "model": "transformer"}).gang.world_size == 1
+    with pytest.raises(InvalidAppArgs, match="world_size given both flat and in the gang section"):
+        parse_args({"gang": {"world_size": 1}, "world_size": 2})
+    # Every section's every argument has exactly one flat name.
+    from service.config import BUILDER_ARGS, AppConfig
+
+    sections = {name for name, field in AppConfig.model_fields.items() if name != "tunables"}
+    assert {section for section, _ in BUILDER_ARGS.values()} == sections
+    assert sum(len(type(getattr(cfg, s)).model_fields) for s in sections) == len(BUILDER_ARGS)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +78,7 @@ def test_local_yaml_is_cpu_gloo_world_size_2() -> None:
     args = doc["applications"][0]["args"]
     assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000}
     cfg = parse_args(args)
-    assert (cfg.world_size, cfg.use_gpu, cfg.backend, cfg.init) == (2, False, "gloo", "seed")
+    assert (cfg.gang.world_size, cfg.gang.use_gpu, cfg.gang.backend, cfg.model.init) == (2, False, "gloo", "seed")
 
 
 def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
@@ -67,19 +87,19 @@ def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
     doc = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(doc)
     cfg = parse_args(doc["applications"][0]["args"])
-    assert cfg.use_gpu and cfg.placement_strategy == "STRICT_SPREAD"
+    assert cfg.gang.use_gpu and cfg.gang.placement_strategy == "STRICT_SPREAD"
     workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = workers["replicas"] * int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-    assert gpus >= cfg.world_size, "the manifest's GPU workers cannot hold the gang"
+    assert gpus >= cfg.gang.world_size, "the manifest's GPU workers cannot hold the gang"
 
 
 def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
-    from service.config import ModelConfig, TrainingLimits
+    from service.config import TrainingLimits
 
-    defaults = parse_args({})
-    assert defaults.part(TrainingLimits) == TrainingLimits()
-    assert (defaults.max_active_jobs, defaults.max_training_workers, defaults.max_training_gpus) == (8, 32, 8)
-    assert (defaults.max_runtime_s, defaults.max_datasets, defaults.max_dataset_bytes) == (6 * 3600, 64, 4 * 1024**3)
+    limits = parse_args({}).training
+    assert limits == TrainingLimits()
+    assert (limits.max_active_jobs, limits.max_training_workers, limits.max_training_gpus) == (8, 32, 8)
+    assert (limits.max_runtime_s, limits.max_datasets, limits.max_dataset_bytes) == (6 * 3600, 64, 4 * 1024**3)
     for field in TrainingLimits.model_fields.values():
         assert field.description, "every limit says what it bounds"
     with pytest.raises(InvalidAppArgs, match="max_active_jobs"):
@@ -90,19 +110,19 @@ def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
     ingress = compose_app(cfg)._bound_deployment
     limits, max_seq_len, model, tunables = ingress.init_args[2]._bound_deployment.init_args
     assert tunables == cfg.tunables
-    assert limits == cfg.part(TrainingLimits) and model == cfg.part(ModelConfig)
+    assert limits is cfg.training and model is cfg.model
     assert (limits.max_active_jobs, limits.max_runtime_s, max_seq_len) == (3, 60.0, 128)
 
 
 def test_the_builder_argument_reference_is_generated_and_current() -> None:
-    """docs/builder-arguments.md is `python -m service.config` (make docs): every argument of
-    AppConfig, with its default and description, and nothing else."""
-    from service.config import AppConfig, builder_args_markdown
+    """docs/builder-arguments.md is `python -m service.config` (make docs): every builder
+    argument of AppConfig, with its default and description, and nothing else."""
+    from service.config import BUILDER_ARGS, builder_args_markdown
 
     path = ROOT / "docs" / "builder-arguments.md"
     assert path.read_text() == builder_args_markdown(), "docs/builder-arguments.md is stale: run `make docs`"
     text = path.read_text()
-    for name in AppConfig.model_fields:
+    for name in [*BUILDER_ARGS, "tunables"]:
         assert f"| `{name}` |" in text, name
 
 
@@ -126,8 +146,10 @@ def test_the_tunables_reference_is_generated_and_current() -> None:
 
 def test_a_tunables_override_in_the_builder_args_reaches_the_running_value() -> None:
     """A partial `tunables:` section (as a YAML config's args carry it) overrides what it
-    names and keeps every other default, and survives the dump/validate round trip that
+    names and keeps every other default, and survives the pickling (and the dump/validate round trip) that
     hands the config to each deployment."""
+    import pickle
+
     import yaml
 
     from service.app import parse_args
@@ -138,8 +160,9 @@ def test_a_tunables_override_in_the_builder_args_reaches_the_running_value() -> 
     assert cfg.tunables.gang.probe_interval_s == 0.5
     assert cfg.tunables.state.s3_request_timeout_s == 90.0
     assert cfg.tunables.gang.max_backoff_s == 30.0  # untouched: the default
-    replica = AppConfig.model_validate(cfg.model_dump())  # what a deployment's __init__ does
-    assert replica.tunables == cfg.tunables
+    replica = pickle.loads(pickle.dumps(cfg))  # how Ray hands the object to each deployment
+    assert replica.tunables == cfg.tunables and replica == cfg
+    assert AppConfig.model_validate(cfg.model_dump()) == cfg  # the tree's dump validates back to itself
 
 
 def test_a_tunables_override_reaches_the_owner_that_uses_it(tmp_path: Path) -> None:
@@ -184,7 +207,7 @@ def test_a_broken_relation_is_refused_naming_both_numbers() -> None:
                                              r"tunables.ingress.drain_timeout_s \(125\)"):
         parse_args({"request_timeout_s": 300})
     assert parse_args({"request_timeout_s": 300,
-                       "tunables": {"ingress": {"drain_timeout_s": 310}}}).request_timeout_s == 300
+                       "tunables": {"ingress": {"drain_timeout_s": 310}}}).serving.request_timeout_s == 300
 
 
 def test_a_worker_line_is_cut_once_at_the_tunable() -> None:

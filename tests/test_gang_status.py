@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 from starlette.testclient import TestClient
 
-from service.config import AppConfig, GangConfig, ModelConfig
+from service.config import AppConfig, BatchingConfig, GangConfig, ModelConfig
 from service.gang.gang import Gang
 from service.gang.rank import RankInfo
 from service.gang_status import (
@@ -41,7 +41,7 @@ _CHANNEL = DataChannelStatus(listening=True, requests=3, refused_overloaded=0, d
 
 def _described(tmp_path: Path, **server: Any) -> GangStatus:
     """A real Gang's describe, with its GangServer's fields (`server` replaces them)."""
-    gang = Gang(ModelConfig(), GangConfig(), None, tmp_path)
+    gang = Gang(ModelConfig(), GangConfig(), BatchingConfig().policy, None, tmp_path)
     try:
         gang.rank_infos = [RankInfo(rank=r, node_id=f"n{r}", node_ip="10.0.0.1", pid=100 + r, device="cpu",
                                     has_cuda=False, gpu_ids=[], iface="lo" if r else None) for r in range(2)]

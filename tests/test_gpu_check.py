@@ -113,11 +113,11 @@ def test_tier_c_needs_nothing_beyond_the_image_and_the_wheelhouse_list(tmp_path:
 def test_allow_tf32_is_a_builder_argument_that_sets_cudas_float32_matmuls() -> None:
     import torch
 
-    from service.config import AppConfig, GangConfig
+    from service.config import AppConfig
     from service.gang.backends import set_tf32_matmuls
 
-    assert AppConfig().allow_tf32 is False  # IEEE float32 unless asked
-    assert AppConfig(use_gpu=True, allow_tf32=True).part(GangConfig).allow_tf32 is True  # what the gang hands its ranks
+    assert AppConfig().gang.allow_tf32 is False  # IEEE float32 unless asked
+    assert AppConfig.model_validate({"use_gpu": True, "allow_tf32": True}).gang.allow_tf32 is True  # what the gang hands its ranks
     try:
         assert set_tf32_matmuls(True) == "tf32"
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
@@ -156,5 +156,5 @@ def test_gpu_1_yaml_serves_one_gpu_at_world_size_1() -> None:
     ServeDeploySchema.model_validate(doc)  # what `serve run` checks
     (app,) = doc["applications"]
     cfg = parse_args(app["args"])
-    assert (cfg.world_size, cfg.use_gpu, cfg.backend, doc["http_options"]["port"]) == (1, True, "nccl", 8000)
+    assert (cfg.gang.world_size, cfg.gang.use_gpu, cfg.gang.backend, doc["http_options"]["port"]) == (1, True, "nccl", 8000)
     assert compose_app(cfg) is not None  # builds without a cluster

@@ -220,11 +220,11 @@ def test_builder_arguments_of_another_model_are_refused() -> None:
     from service.config import AppConfig
 
     with pytest.raises(ValidationError, match="num_layers, ffn_dim only apply to model=transformer"):
-        AppConfig(num_layers=4, ffn_dim=64)
+        AppConfig.model_validate({"num_layers": 4, "ffn_dim": 64})
     with pytest.raises(ValidationError, match=r"ffn_dim \(100\) must be divisible by world_size \(8\)"):
-        AppConfig(model="transformer", world_size=8, ffn_dim=100)
+        AppConfig.model_validate({"model": "transformer", "world_size": 8, "ffn_dim": 100})
     with pytest.raises(ValidationError, match="model must be attention, transformer or an import path"):
-        AppConfig(model="gpt")
+        AppConfig.model_validate({"model": "gpt"})
 
 
 @pytest.mark.unit

@@ -207,16 +207,16 @@ def test_a_broken_gang_stops_getting_requests_while_the_other_serves(two_gangs: 
 def test_preflight_counts_every_gangs_bundles() -> None:
     cfg = AppConfig.model_validate({**local_yaml_args(), "num_replicas": 3, "cpus_per_rank": 1.0})
     two_nodes = ClusterSnapshot(totals=[{"CPU": 2.0}, {"CPU": 2.0}])
-    assert gang_request(cfg).gangs == 3 and fits(two_nodes.totals, gang_request(cfg)) is False
+    assert gang_request(cfg.gang).gangs == 3 and fits(two_nodes.totals, gang_request(cfg.gang)) is False
     with pytest.raises(GangUnschedulable, match=r"gang needs 3 gangs of 2 x \{CPU: 1\} \(PACK\); cluster has 4 CPU"):
-        check_feasible(two_nodes, gang_request(cfg))
+        check_feasible(two_nodes, gang_request(cfg.gang))
     spread = AppConfig.model_validate({**local_yaml_args(), "num_replicas": 2, "use_gpu": True,
                                        "placement_strategy": "STRICT_SPREAD"})
     gpus = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 2.0}]
-    assert fits(gpus, gang_request(spread))  # 2 gangs x 2 distinct nodes out of 1 + 1 + 2 GPU slots
-    assert not fits(gpus[:2] + [{"CPU": 4.0}], gang_request(spread))
+    assert fits(gpus, gang_request(spread.gang))  # 2 gangs x 2 distinct nodes out of 1 + 1 + 2 GPU slots
+    assert not fits(gpus[:2] + [{"CPU": 4.0}], gang_request(spread.gang))
     auto = AppConfig.model_validate({**local_yaml_args(), "autoscaling_config": {"min_replicas": 2, "max_replicas": 4}})
-    assert gang_request(auto).gangs == 2
+    assert gang_request(auto.gang).gangs == 2
 
 
 @pytest.mark.ray

@@ -34,7 +34,7 @@ E, H = 512, 8
 DRY_RUN = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
 DEV = torch.device("cpu" if DRY_RUN else "cuda")
 # The models issue's stack (model=transformer): 12 layers at the notes' width.
-STACK = {"model": "transformer", "num_layers": 12, "embed_dim": E, "num_heads": H, "ffn_dim": 4 * E}
+STACK = {"kind": "transformer", "num_layers": 12, "embed_dim": E, "num_heads": H, "ffn_dim": 4 * E}
 MIXED_S = 40  # one mixed-shape run (a fresh process, its CUDA context, 200 shapes): seconds on an H200
 CASES = {"plain": (False, False), "masked": (True, False), "causal": (False, True), "masked+causal": (True, True)}
 
@@ -157,7 +157,7 @@ def _stack(dtype: torch.dtype, init: str = "random", seed: int = 7) -> tuple[obj
     from service.parallel.model import shard_dense
     from service.parallel.registry import resolve
 
-    arch = resolve(PlainModel(**STACK))  # type: ignore[arg-type]  (a skip row while model=transformer is absent)
+    arch = resolve(PlainModel(**STACK))
     model = arch.build(ParallelGroup.single(DEV), dtype)
     model.load_shard(shard_dense(arch, arch.init_weights(init, seed), 0, 1))
     return arch, model.eval()
@@ -168,11 +168,7 @@ def stack() -> None:
     per dtype and mask case, and the step's time."""
     from harness.reference import relative_error
 
-    try:
-        arch, model = _stack(torch.float32)
-    except (TypeError, ValueError) as exc:  # builder args of the models issue not there yet
-        row("12-layer stack", f"skipped: model=transformer not accepted here ({type(exc).__name__}: {exc})")
-        return
+    arch, model = _stack(torch.float32)
     dense = arch.dense_module().double().eval()  # type: ignore[attr-defined]
     dense.load_state_dict({k: v.double() for k, v in arch.init_weights("random", 7).items()}, strict=True)  # type: ignore[attr-defined]
     x = torch.randn(4, 24, E, generator=torch.Generator().manual_seed(1))

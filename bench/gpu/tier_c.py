@@ -202,15 +202,11 @@ def _stack_rows(client: Any, base: str, gang_args: dict[str, Any], post: Any) ->
     from service.config import AppConfig
     from service.parallel.registry import resolve
 
-    try:
-        cfg = AppConfig(**{**gang_args, **STACK})
-    except ValueError as exc:  # the models issue's builder args not accepted (yet)
-        row("12-layer stack", f"skipped: model=transformer not accepted here ({str(exc).splitlines()[0][:200]})")
-        return
+    cfg = AppConfig.model_validate({**gang_args, **STACK})
     serve.delete("gangserve")
     took = deploy(build_app({**gang_args, **STACK}), "gangserve", "/", base)
     row(f"12-layer stack ({STACK['num_layers']} layers, E {E}, ffn {STACK['ffn_dim']}) deployed, s", f"{took:.1f}")
-    arch = resolve(cfg)
+    arch = resolve(cfg.model)
     dense = arch.dense_module().double().eval()
     dense.load_state_dict({k: v.double() for k, v in arch.init_weights("random", 7).items()}, strict=True)
     x = np.random.default_rng(5).standard_normal((4, 24, E)).astype(np.float32)

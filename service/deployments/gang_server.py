@@ -38,7 +38,7 @@ from ray.util import get_current_placement_group
 
 from service.transport import shm
 from service.transport.channel import ChannelServer, sweep_stale_sockets
-from service.config import AppConfig, GangConfig, ModelConfig
+from service.config import AppConfig
 from service.deadlines import local_deadline
 from service.gang import worker as rank_worker
 from service.ingress.handle_errors import bounded_call
@@ -67,7 +67,7 @@ class GangServer:
     async def __init__(self, cfg: AppConfig, controller: DeploymentHandle) -> None:
         """`cfg`: the app's validated configuration (service.app binds the object itself)."""
         route_logs_to_serve()
-        self._model = cfg.part(ModelConfig)
+        self._model = cfg.model
         self._tunables = cfg.tunables
         self._t = cfg.tunables.gang
         self._state = state_dir()
@@ -78,7 +78,7 @@ class GangServer:
         loop = asyncio.get_running_loop()
         self._publishing: asyncio.Task | None = None  # a state report sent beside a rebuild
         self._wake = asyncio.Event()  # set when the gang turns BROKEN: the supervisor acts at once
-        self._gang = Gang(self._model, cfg.part(GangConfig), get_current_placement_group(), self._state,
+        self._gang = Gang(self._model, cfg.gang, cfg.batching.policy, get_current_placement_group(), self._state,
                           on_step=self._metrics.on_step, on_drop=self._metrics.on_drop,
                           on_broken=lambda: loop.call_soon_threadsafe(self._wake.set), tunables=self._t,
                           state_tunables=cfg.tunables.state)
@@ -91,7 +91,7 @@ class GangServer:
         self._actor = ray.get_runtime_context().current_actor  # the Controller pings it
         # Same-node requests from the ingress may skip the handle call (service.transport.channel).
         self._channel = ChannelServer(
-            self.infer, max_in_flight=cfg.max_ongoing_requests + max(0, cfg.max_queued_requests),
+            self.infer, max_in_flight=cfg.serving.max_ongoing_requests + max(0, cfg.serving.max_queued_requests),
             session_append=self.session_append, tunables=cfg.tunables.transport,
         )
         try:

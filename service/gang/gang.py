@@ -61,7 +61,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.config import GangConfig, ModelConfig
 from service.errors import (CollectiveTimeout, Conflict, ErrorCode, GangServeError, GangStartupError, GangUnavailable,
                             gang_state_code)
-from service.batching import DropObserver, StepBatcher, StepObserver
+from service.batching import BatchPolicy, DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang import control
 from service.gang.failures import PeerCallFailed, cause, first_line, is_timeout, is_version_mismatch
@@ -98,7 +98,8 @@ class Gang:
     """Owns the rank actors and the process group of one tensor-parallel model."""
 
     def __init__(
-        self, model: ModelConfig, gang: GangConfig, placement_group: PlacementGroup | None, state_dir: Path,
+        self, model: ModelConfig, gang: GangConfig, batching: BatchPolicy, placement_group: PlacementGroup | None,
+        state_dir: Path,
         on_step: StepObserver | None = None,  # told of every step (the GangServer's metrics)
         on_drop: DropObserver | None = None,  # told of requests dropped uncomputed (deadline, cancelled)
         on_broken: Callable[[], None] | None = None,  # told (from any thread) when the gang turns BROKEN
@@ -139,7 +140,7 @@ class Gang:
         self._header_sent_ns = 0  # when the last step's header went out (monotonic; the timeline's `header`)
         # One thread = one global order of collectives (service.gang.sequencer).
         self._sequencer = Sequencer(on_stuck=self._mark_broken)
-        self._batcher = StepBatcher(self._batched_step, gang.batching, on_step=on_step, on_drop=on_drop)
+        self._batcher = StepBatcher(self._batched_step, batching, on_step=on_step, on_drop=on_drop)
 
     # -- public, async -------------------------------------------------------------------
     @property

@@ -92,7 +92,7 @@ class PlainModel:
 
     embed_dim: int = 512
     num_heads: int = 8
-    model: str = "attention"
+    kind: str = "attention"  # the builder argument `model`
     num_layers: int = 2
     ffn_dim: int = 2048
     activation: str = "relu"
@@ -129,7 +129,7 @@ def check_dtype_fits(model: ModelSpec) -> None:
     """Refuse a model whose weights the compute dtype cannot hold, before anything is built:
     the seed init's W[i, j] = i*E + j + offset reaches E*E - 1 (262143 at E=512), and
     float16's largest finite value is 65504, so every answer would be NaN with a 200."""
-    if model.compute_dtype == "float16" and not model.checkpoint and model.init == "seed" and model.model == "attention":
+    if model.compute_dtype == "float16" and not model.checkpoint and model.init == "seed" and model.kind == "attention":
         peak = model.embed_dim * model.embed_dim - 1
         if peak > 65504:
             raise ValueError(

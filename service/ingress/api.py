@@ -51,7 +51,7 @@ def create_api(config: AppConfig, gang: Gang, jobs: JobsClient | None = None,
     app.state.jobs = jobs or JobsClient(None)
     app.state.api_token, token_source = load_api_token()
     app.state.infer_token = load_infer_token()
-    app.state.decode_pool = DecodePool(config.decode_threads, config.max_pending_decodes)
+    app.state.decode_pool = DecodePool(config.serving.decode_threads, config.serving.max_pending_decodes)
     log.info("/train*, /datasets*, /weights* need 'Authorization: Bearer <token>'; token from %s", token_source)
     if app.state.infer_token:
         log.info("inference routes need the inference token ($GANGSERVE_INFER_TOKEN)")

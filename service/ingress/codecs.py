@@ -53,6 +53,7 @@ from gangserve_client.codecs import (
     dtype_name,
     snip,
 )
+from service.config import AppConfig
 from service.errors import (
     BadRequest,
     GangServeError,
@@ -107,6 +108,12 @@ class Limits:
     max_seq_len: int
     max_tokens: int
     max_json_bytes: int | None = None
+
+    @classmethod
+    def of(cls, config: AppConfig) -> "Limits":
+        """The app's limits: the model's width and the serving section's bounds."""
+        serving = config.serving
+        return cls(config.model.embed_dim, serving.max_seq_len, serving.max_tokens_per_request, serving.max_json_bytes)
 
     def check(self, shape: Sequence[int]) -> bool:
         """`check_shape` with these limits; True when the shape is [seq, E]."""

@@ -29,8 +29,8 @@ class Diagnosis:
 
     def __init__(self, config: AppConfig) -> None:
         t = config.tunables.ingress
-        self._schedule_timeout_s = config.schedule_timeout_s
-        self._request = gang_request(config)
+        self._schedule_timeout_s = config.gang.schedule_timeout_s
+        self._request = gang_request(config.gang)
         # Needed vs free: one bounded read of the GCS at a time, shared.
         self._snapshots = SharedSnapshot(max_age_s=t.snapshot_max_age_s, timeout_s=t.snapshot_timeout_s)
         self._created = time.monotonic()

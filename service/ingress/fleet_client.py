@@ -92,17 +92,17 @@ class FleetClient:
 
     async def _desired(self) -> int:
         """Gangs the app should have: num_replicas, or Serve's current target when autoscaling."""
-        if self._cfg.autoscaling_config is None:
-            return self._cfg.num_replicas
+        if self._cfg.gang.autoscaling_config is None:
+            return self._cfg.gang.num_replicas
         now = time.monotonic()
         if self._desired_cache and now - self._desired_cache[0] < self._t.desired_max_age_s:
             return self._desired_cache[1]
         try:
             status = await asyncio.wait_for(asyncio.to_thread(serve.status), self._t.fleet_timeout_s)
             states = status.applications[self._app].deployments["GangServer"].replica_states
-            desired = max(self._cfg.min_gangs, sum(states.values()))
+            desired = max(self._cfg.gang.min_gangs, sum(states.values()))
         except Exception:  # the controller is busy or restarting: the floor is still right
-            desired = self._cfg.min_gangs
+            desired = self._cfg.gang.min_gangs
         self._desired_cache = (now, desired)
         return desired
 

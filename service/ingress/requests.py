@@ -60,7 +60,7 @@ class GangServerCalls:
 
     def __init__(self, handle: DeploymentHandle, config: AppConfig) -> None:
         self._handle = handle
-        self._request_timeout_s = config.request_timeout_s
+        self._request_timeout_s = config.serving.request_timeout_s
         self.replica_lost_at = 0.0  # time.monotonic() of the last failure that was not the gang's own answer
 
     async def request(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any:
@@ -106,7 +106,7 @@ class RequestPolicy:
         self._fleet = fleet
         self._diagnosis = fleet.diagnosis
         self._cfg = config
-        self._single_gang = config.single_gang
+        self._single_gang = config.gang.single_gang
         self._t = config.tunables.ingress  # status age, describe bound, retry backoff, waits
         self._status: AnyGangStatus | None = None
         self._status_at = 0.0
@@ -126,7 +126,7 @@ class RequestPolicy:
         (None: the served model's default) -> [batch, seq, E] float32, by `deadline`
         (time.monotonic(); None: `request_timeout_s` from now)."""
         if deadline is None:
-            deadline = time.monotonic() + self._cfg.request_timeout_s
+            deadline = time.monotonic() + self._cfg.serving.request_timeout_s
         request_deadline = deadline
 
         async def send() -> np.ndarray:
@@ -312,7 +312,7 @@ class RequestPolicy:
         self._saw_outage()
         why = f"gang is {status.state}: {status.reason}"
         self._check_wait(why, deadline)
-        limit = self._cfg.max_queued_requests
+        limit = self._cfg.serving.max_queued_requests
         if 0 <= limit <= self._waiting:
             raise GangUnavailable(f"{why}; {self._waiting} requests already wait for it "
                                   f"(max_queued_requests={limit})", code=ErrorCode.OVERLOADED, retry_after_s=1.0)
@@ -333,7 +333,7 @@ def connect(handle: DeploymentHandle, config: AppConfig, fleet: FleetClient | No
     there) and the fleet view (default: none, the gang server's own status only)."""
     fleet = fleet or FleetClient(None, config)
     calls = GangServerCalls(handle, config)
-    shm_enabled = config.shm_transport and shm.available()
+    shm_enabled = config.transport.shm_transport and shm.available()
     link = GangLink(node_id=node_id or ray.get_runtime_context().get_node_id(),
                     channel_enabled=config.uses_data_channel, shm_enabled=shm_enabled, calls=calls,
                     tunables=config.tunables.transport)

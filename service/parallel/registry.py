@@ -18,7 +18,7 @@ from service.parallel.transformer import TransformerDef
 class ModelArgs(Protocol):
     """What the registry reads of the builder arguments (service.config.ModelConfig has these)."""
 
-    model: str
+    kind: str  # the builder argument `model`: a built-in kind or pkg.module:factory
     embed_dim: int
     num_heads: int
     num_layers: int
@@ -41,19 +41,19 @@ def resolve(args: ModelArgs) -> ModelDef:
     """The ModelDef the builder arguments name: a registered kind (`attention`,
     `transformer`), or `pkg.module:factory`, which is imported and called with the
     embed dim and `model_args` as keywords (`factory(embed_dim=E, **model_args)`)."""
-    if args.model in _REGISTRY:
-        return _REGISTRY[args.model](args)
-    if ":" not in args.model:
-        raise ValueError(f"model {args.model!r} is neither a built-in kind ({', '.join(sorted(_REGISTRY))}) "
+    if args.kind in _REGISTRY:
+        return _REGISTRY[args.kind](args)
+    if ":" not in args.kind:
+        raise ValueError(f"model {args.kind!r} is neither a built-in kind ({', '.join(sorted(_REGISTRY))}) "
                          "nor an import path 'pkg.module:factory'")
-    factory = import_factory(args.model)
+    factory = import_factory(args.kind)
     made = factory(embed_dim=args.embed_dim, **dict(args.model_args))
     for attr in ("params", "build", "dense_module", "dense_forward", "init_weights", "metadata", "check_world_size"):
         if not callable(getattr(made, attr, None)):
-            raise TypeError(f"model {args.model!r}: the factory returned {type(made).__name__}, which has no "
+            raise TypeError(f"model {args.kind!r}: the factory returned {type(made).__name__}, which has no "
                             f"{attr}() (docs/models.md lists the ModelDef protocol)")
     if made.embed_dim != args.embed_dim:
-        raise ValueError(f"model {args.model!r}: the factory's embed_dim is {made.embed_dim}, the builder "
+        raise ValueError(f"model {args.kind!r}: the factory's embed_dim is {made.embed_dim}, the builder "
                          f"arguments say {args.embed_dim}")
     return made
 

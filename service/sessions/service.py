@@ -49,10 +49,10 @@ def context_bucket(length: int) -> str:
 def limits_of(cfg: AppConfig) -> Limits:
     """The pool's shape from the budget: bytes per token per rank = 2 x cached layers x (E / ws) x
     dtype bytes (service.parallel.model.kv_bytes_per_token); a model without a cache has no sessions."""
-    per_token = kv_bytes_per_token(resolve(cfg), cfg.world_size, DTYPE_BYTES[cfg.compute_dtype])
-    num_blocks = cfg.session_cache_bytes // (per_token * cfg.session_block_tokens) if per_token else 0
-    return Limits(num_blocks=num_blocks, block_size=cfg.session_block_tokens, max_sessions=cfg.max_sessions,
-                  max_session_tokens=cfg.max_session_tokens, idle_timeout_s=cfg.session_idle_timeout_s,
+    per_token = kv_bytes_per_token(resolve(cfg.model), cfg.gang.world_size, DTYPE_BYTES[cfg.model.compute_dtype])
+    num_blocks = cfg.sessions.session_cache_bytes // (per_token * cfg.sessions.session_block_tokens) if per_token else 0
+    return Limits(num_blocks=num_blocks, block_size=cfg.sessions.session_block_tokens, max_sessions=cfg.sessions.max_sessions,
+                  max_session_tokens=cfg.sessions.max_session_tokens, idle_timeout_s=cfg.sessions.session_idle_timeout_s,
                   bytes_per_token=per_token)
 
 
@@ -68,8 +68,8 @@ class SessionService:
         self.limits = limits_of(cfg)
         self.registry = SessionRegistry(self.limits, owner, key)
         self._batcher = AppendBatcher(
-            self._step, max_sessions_per_step=cfg.max_batch_size, max_rows_per_step=cfg.max_tokens_per_request,
-            num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for, wait_s=cfg.batch_wait_timeout_s)
+            self._step, max_sessions_per_step=cfg.batching.max_batch_size, max_rows_per_step=cfg.serving.max_tokens_per_request,
+            num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for, wait_s=cfg.batching.batch_wait_timeout_s)
         self._latency: dict[str, deque[float]] = {}
         self._sweeper: asyncio.Task | None = None
 
@@ -104,8 +104,8 @@ class SessionService:
         """x [n, E] float32 -> (output rows [n, E], the session's info after the append)."""
         self._require_enabled()
         s = self.registry.lookup(session_id)
-        if x.ndim != 2 or x.shape[1] != self._cfg.embed_dim or x.shape[0] < 1:
-            raise InvalidInput(f"an append takes rows [n, {self._cfg.embed_dim}] with n >= 1; got "
+        if x.ndim != 2 or x.shape[1] != self._cfg.model.embed_dim or x.shape[0] < 1:
+            raise InvalidInput(f"an append takes rows [n, {self._cfg.model.embed_dim}] with n >= 1; got "
                                f"{list(x.shape)}")
         if length is not None and length != s.length:
             raise Conflict(f"session {s.id!r} has length {s.length}, the append expected {length}; "
@@ -149,7 +149,7 @@ class SessionService:
         pool = self._gang.kv_pool_bytes()
         per_rank = [SessionCacheRank(rank=r, capacity_bytes=reg["capacity_bytes_per_rank"],
                                      used_bytes=reg["used_bytes_per_rank"], **({"allocated_bytes": pool} if r == 0 else {}))
-                    for r in range(self._cfg.world_size)]
+                    for r in range(self._cfg.gang.world_size)]
         latency = {bucket: round(statistics.median(v) * 1000, 3) for bucket, v in sorted(self._latency.items()) if v}
         return SessionStats(**reg, per_rank=per_rank, batching=self._batcher.stats(),
                             append_latency_ms_p50_by_context=latency)
@@ -157,7 +157,7 @@ class SessionService:
     # -- internals -------------------------------------------------------------------------------
     def _require_enabled(self) -> None:
         if self.limits.num_blocks < 1:
-            raise Conflict(f"sessions are off on this app (session_cache_bytes={self._cfg.session_cache_bytes} "
+            raise Conflict(f"sessions are off on this app (session_cache_bytes={self._cfg.sessions.session_cache_bytes} "
                            f"holds no block of {self.limits.block_size} tokens)", code=ErrorCode.CONFLICT)
 
     async def _step(self, items: list[StepItem], deadline: float | None) -> list[tuple[Any, Any]]:

@@ -114,7 +114,7 @@ def resolve(init: InitFrom, model: ModelSpecT, *, jobs: JobStore, store: artifac
 
     if app_model is not None and (served := served_architecture(app_model)) is not None:
         # Before generating: a transformer app's weights are not small.
-        _check_fits(f"{what} (the app's {app_model.model})", served, None, model)
+        _check_fits(f"{what} (the app's {app_model.kind})", served, None, model)
     fd, name = tempfile.mkstemp(prefix="gangserve-init-", suffix=".safetensors")
     os.close(fd)
     try:

@@ -59,7 +59,7 @@ def describe_config_weights(model: ModelConfig, tunables: StateTunables | None =
         "weights": model.weights_source,
         "sha256": sha,
     }
-    if model.model != "attention":  # the attention layer's fingerprints stay what they were recorded as
+    if model.kind != "attention":  # the attention layer's fingerprints stay what they were recorded as
         declaration["architecture"] = resolve(model).metadata()
     fingerprint = hashlib.sha256(json.dumps(declaration, sort_keys=True).encode()).hexdigest()
     return ConfigWeights(description, sha, model.checkpoint, fingerprint)

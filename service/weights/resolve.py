@@ -98,9 +98,9 @@ class Architecture:
 def served_architecture(model: ModelConfig) -> Architecture | None:
     """The architecture an app's builder arguments serve; None for a user's model
     (`pkg.module:factory`: known only by importing it, which the gang's own checkpoint check does)."""
-    if model.model == "attention":
+    if model.kind == "attention":
         return Architecture.of("attention", embed_dim=model.embed_dim, num_heads=model.num_heads)
-    if model.model == "transformer":
+    if model.kind == "transformer":
         return Architecture.of("transformer", num_layers=model.num_layers, embed_dim=model.embed_dim,
                                num_heads=model.num_heads, ffn_dim=model.ffn_dim, activation=model.activation,
                                norm_first=model.norm_first, layer_norm_eps=model.layer_norm_eps)

@@ -160,21 +160,21 @@ async def _infer(
             f"Content-Type {codecs.snip(media)} is not supported here; use {codecs.JSON} or {BINARY_MEDIA}"
         )
     encoding = content_encoding(request.headers.get("content-encoding"))
-    if header_length is not None and header_length > cfg.max_json_bytes:
-        raise PayloadTooLarge(f"{HEADER_LENGTH} is {header_length}; the limit is max_json_bytes={cfg.max_json_bytes}")
+    if header_length is not None and header_length > cfg.serving.max_json_bytes:
+        raise PayloadTooLarge(f"{HEADER_LENGTH} is {header_length}; the limit is max_json_bytes={cfg.serving.max_json_bytes}")
     # A body that is all JSON is capped at max_json_bytes (after decompression too).
     json_only = header_length is None
-    check_declared_length(request, cfg.max_body_bytes)
+    check_declared_length(request, cfg.serving.max_body_bytes)
     if json_only and encoding == "identity":
-        body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
+        body = await read_body_capped(request, cfg.serving.max_json_bytes, "max_json_bytes")
     else:
-        body = await read_body_capped(request, cfg.max_body_bytes)
-    limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
-    cap = (cfg.max_json_bytes, "max_json_bytes") if json_only else (cfg.max_body_bytes, "max_body_bytes")
+        body = await read_body_capped(request, cfg.serving.max_body_bytes)
+    limits = codecs.Limits.of(cfg)
+    cap = (cfg.serving.max_json_bytes, "max_json_bytes") if json_only else (cfg.serving.max_body_bytes, "max_body_bytes")
     req, x, mask, squeezed, reply_dtype, binary = await pool.decode(
         prepare, body, encoding, cap, header_length, limits, output_dtype,
         inline=encoding == "identity" and len(body) <= cfg.tunables.ingress.inline_decode_bytes)
-    deadline = deadlines.request_deadline(started, cfg.request_timeout_s, header_s,
+    deadline = deadlines.request_deadline(started, cfg.serving.request_timeout_s, header_s,
                                           deadlines.oip_timeout(req.parameters), tunables=cfg.tunables.ingress)
     sequence = sequence_of(req)  # Triton's sequence parameters: a session (service.ingress.oip.sequences)
     parameters = None
@@ -195,7 +195,7 @@ async def _infer(
 # ---------------------------------------------------------------- helpers
 
 def _metadata(cfg: AppConfig) -> ModelMetadata:
-    shape = [-1, -1, cfg.embed_dim]
+    shape = [-1, -1, cfg.model.embed_dim]
     return ModelMetadata(
         name=MODEL_NAME,
         versions=[MODEL_VERSION],

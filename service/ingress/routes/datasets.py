@@ -25,7 +25,7 @@ router = APIRouter(tags=["training"], dependencies=[Depends(require_token)], res
 )
 async def upload(request: Request, cfg: AppConfig = Depends(get_config),
                  jobs: JobsClient = Depends(get_jobs)) -> dict[str, Any]:
-    body = await read_body_capped(request, cfg.max_body_bytes)
+    body = await read_body_capped(request, cfg.serving.max_body_bytes)
     return await jobs.call("upload_dataset", body)
 
 

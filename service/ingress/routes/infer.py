@@ -98,7 +98,7 @@ async def infer(
 ) -> Response:
     started = time.monotonic()  # the deadline counts from here (service.deadlines)
     deadline = deadlines.request_deadline(
-        started, cfg.request_timeout_s, deadlines.header_timeout(request.headers.get(deadlines.HEADER)),
+        started, cfg.serving.request_timeout_s, deadlines.header_timeout(request.headers.get(deadlines.HEADER)),
         tunables=cfg.tunables.ingress)
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
@@ -107,13 +107,13 @@ async def infer(
     marks = timeline.Timeline.starting_now()
     token = timeline.start(marks)
     try:
-        check_declared_length(request, cfg.max_body_bytes)
+        check_declared_length(request, cfg.serving.max_body_bytes)
         if media == codecs.JSON:
-            body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
+            body = await read_body_capped(request, cfg.serving.max_json_bytes, "max_json_bytes")
         else:
-            body = await read_body_capped(request, cfg.max_body_bytes)
+            body = await read_body_capped(request, cfg.serving.max_body_bytes)
         marks.mark("read")
-        limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
+        limits = codecs.Limits.of(cfg)
         x, mask, squeezed, dtype = await pool.decode(_prepare, body, media, limits, output_dtype, reply_media,
                                                      inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
         marks.mark("decode")

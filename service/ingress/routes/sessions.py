@@ -88,7 +88,7 @@ async def delete_session(session_id: str, request: Request, cfg: AppConfig = Dep
 # ---------------------------------------------------------------- helpers
 
 def _deadline(request: Request, cfg: AppConfig) -> float:
-    return deadlines.request_deadline(time.monotonic(), cfg.request_timeout_s,
+    return deadlines.request_deadline(time.monotonic(), cfg.serving.request_timeout_s,
                                       deadlines.header_timeout(request.headers.get(deadlines.HEADER)),
                                       tunables=cfg.tunables.ingress)
 
@@ -99,18 +99,18 @@ async def _rows(request: Request, cfg: AppConfig, pool: DecodePool, output_dtype
     [n, E]: the reply has the request's shape); None for an empty body, or the JSON body `{}`,
     when `optional`."""
     if optional and not request.headers.get("content-type"):
-        if not await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes"):
+        if not await read_body_capped(request, cfg.serving.max_json_bytes, "max_json_bytes"):
             return None  # no body at all: a session without a prefill
     media = codecs.media_type_of(request.headers.get("content-type"))
     reply_media = codecs.negotiate(request.headers.get("accept"), media)
-    check_declared_length(request, cfg.max_body_bytes)
+    check_declared_length(request, cfg.serving.max_body_bytes)
     if media == codecs.JSON:
-        body = await read_body_capped(request, cfg.max_json_bytes, "max_json_bytes")
+        body = await read_body_capped(request, cfg.serving.max_json_bytes, "max_json_bytes")
     else:
-        body = await read_body_capped(request, cfg.max_body_bytes)
+        body = await read_body_capped(request, cfg.serving.max_body_bytes)
     if optional and (not body or (media == codecs.JSON and _empty_object(body))):
         return None  # no body, or `{}`: a session without a prefill
-    limits = codecs.Limits(cfg.embed_dim, cfg.max_seq_len, cfg.max_tokens_per_request, cfg.max_json_bytes)
+    limits = codecs.Limits.of(cfg)
     x, mask, squeezed, dtype = await pool.decode(_prepare_rows, body, media, limits, output_dtype, reply_media,
                                                  inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
     return session_rows(x, mask, squeezed), dtype, reply_media, squeezed
