@@ -4,7 +4,7 @@
 - NaivePeer: one replica running a dense torch module on npy bodies: what you would write
   without us (plain `__call__(request)`, no batching, no sharding). By default the notes'
   attention layer as torch's nn.MultiheadAttention (the rows measured since issue 16); with
-  `model` (builder arguments of service.config.ModelConfig: `model`, its architecture, `init`,
+  `model` (builder arguments of service.config.builder_args.ModelConfig: `model`, its architecture, `init`,
   `seed`) the model's own `dense_module()` with `init_weights(init, seed)` (the weights the
   gang of those arguments holds), run through its `dense_forward` (`?causal=true` honoured).
 """
@@ -40,7 +40,7 @@ class NaivePeer:
             mha = dense_reference(seed_weights(512), 8)
             self._forward = lambda x, causal: mha(x, x, x, need_weights=False)[0]
             return
-        from service.config import ModelConfig
+        from service.config.builder_args import ModelConfig
         from service.parallel.registry import resolve
 
         cfg = ModelConfig(**model)

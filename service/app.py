@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from service.config import BUILDER_ARGS, AppConfig
-from service.errors import describe_validation_errors
+from service.config.builder_args import BUILDER_ARGS, AppConfig
+from service.contract.errors import describe_validation_errors
 from service.cluster.front_door import warn_if_slow_front_door
 from service.cluster.placement import check_feasible, cluster_snapshot, gang_request
 from service.gang.router import ReadyGangRouter
@@ -92,7 +92,7 @@ def event_loop_options(cfg: AppConfig) -> dict[str, Any]:
 def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
     """Ingress -> GangServer, with the gang's bundles reserved all-or-nothing by Serve;
     the Controller owns the fleet view and the weights record, the JobManager the jobs."""
-    t = cfg.tunables  # validated with the builder arguments (service.config)
+    t = cfg.tunables  # validated with the builder arguments (service.config.builder_args)
     request = gang_request(cfg.gang)
     bundle = dict(request.bundle)
     # One gang per replica: a fixed count, or Serve's autoscaling.
@@ -100,7 +100,7 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         {"num_replicas": cfg.gang.num_replicas} if cfg.gang.autoscaling_config is None
         else {"autoscaling_config": dict(cfg.gang.autoscaling_config)}
     )
-    # Structured logs: Serve's logging_config on every deployment (service.logs).
+    # Structured logs: Serve's logging_config on every deployment (service.metrics.logs).
     logs: dict[str, Any] = {"logging_config": {"encoding": cfg.serving.log_encoding}} if cfg.serving.log_encoding else {}
     # One replica, no CPU: the app's shared state has one owner (service.deployments.controller).
     controller = Controller.options(**logs).bind(t)
@@ -118,7 +118,7 @@ def compose_app(cfg: AppConfig, nodes: int | None = None) -> Application:
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), **event_loop_options(cfg)},
         max_ongoing_requests=cfg.serving.max_ongoing_requests,
         max_queued_requests=cfg.serving.max_queued_requests,
-        # Serve's default, explicit: the gang server's own drain must fit inside it (service.config).
+        # Serve's default, explicit: the gang server's own drain must fit inside it (service.config.builder_args).
         graceful_shutdown_timeout_s=t.gang.graceful_shutdown_timeout_s,
         health_check_period_s=t.gang.health_check_period_s,
         health_check_timeout_s=t.gang.health_check_timeout_s,

@@ -1,6 +1,6 @@
 """The environment variables the service reads, in one list (docs/environment.md).
 
-Builder arguments (service.config) and their `tunables:` section say how an app runs; the
+Builder arguments (service.config.builder_args) and their `tunables:` section say how an app runs; the
 environment says where its state lives and what its secrets are, things a process learns
 before any builder argument reaches it (the launcher's checks, a training worker, a rank).
 Each entry names the constant its module reads it through, so a renamed variable changes

@@ -30,7 +30,7 @@ import yaml
 
 from service.app import InvalidAppArgs, parse_args
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request
-from service.errors import ErrorCode
+from service.contract.errors import ErrorCode
 from service.state import artifacts
 from service.state.db import StateUnavailable, connect
 

@@ -32,7 +32,7 @@ def driver_side_policy(base: str, app_name: str = "gangserve", **overrides: obje
     server's socket lives), so the data channel is reachable."""
     from ray import serve
 
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
     from service.ingress.requests import connect
     from harness.local import local_yaml_args
 
@@ -45,7 +45,7 @@ def driver_side_policy(base: str, app_name: str = "gangserve", **overrides: obje
 def transport_used(policy: object) -> dict:
     """How the policy handed tensors to the gang: its describe()'s ingress_transport (what
     GET /gang shows for an ingress replica)."""
-    from service.gang_status import dump
+    from service.contract.gang_status import dump
 
     return dump(asyncio.run(policy.describe()))["ingress_transport"]  # type: ignore[attr-defined]
 
@@ -169,7 +169,7 @@ def gang_client_around_kill(client: object, x: np.ndarray, want: torch.Tensor, v
     """Drive a request policy (service.ingress.requests, the ingress's code) with requests for `seconds`, kill -9 `victim`
     after `kill_after_s`; every answer must equal `want`. Returns each request's outcome:
     "ok" or the GangServeError's code."""
-    from service.errors import GangServeError
+    from service.contract.errors import GangServeError
 
     outcomes: list[str] = []
 

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.scratch import pid_alive  # noqa: F401 - re-exported: tests import it from here
+from service.cluster.scratch import pid_alive  # noqa: F401 - re-exported: tests import it from here
 from tests.conftest import TEST_API_TOKEN
 
 T = TypeVar("T")

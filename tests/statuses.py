@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.gang_status import GangStatus
+from service.contract.gang_status import GangStatus
 
 _BATCHING = {"steps": 0, "requests": 0, "inline_steps": 0, "recent_step_ms_p50": 0.0, "mixed_length_steps": 0,
              "tokens": 0, "padded_tokens": 0, "padded_token_share": 0.0, "recent_padded_token_share_mean": 0.0,

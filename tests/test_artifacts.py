@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from service.errors import GangServeError
+from service.contract.errors import GangServeError
 from service.state.artifacts import (
     ArtifactCorrupt,
     ArtifactStore,

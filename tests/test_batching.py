@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from service.batching import BatchPolicy, StepBatcher
+from service.config.builder_args import BatchPolicy
+from service.gang.batching import StepBatcher
 from tests.helpers import eventually_async
 
 pytestmark = pytest.mark.unit
@@ -193,7 +194,7 @@ def test_padding_stays_within_max_padding_fraction() -> None:
 
 
 def test_pad_group_keeps_the_fast_path_for_equal_lengths() -> None:
-    from service.batching import pad_group
+    from service.gang.batching import pad_group
 
     a, b = _x(2, 4, 0), _x(1, 4, 1)
     x, mask, padded = pad_group([(a, None), (b, None)])
@@ -208,7 +209,7 @@ def test_a_request_whose_deadline_passes_while_queued_is_answered_then_and_never
     """Issue 23: a queued request past its deadline is dropped (504 deadline_exceeded at the
     deadline, not when the step ahead of it ends), and no step ever carries its rows;
     a request already computing gets its error at its deadline too; the others are exact."""
-    from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+    from service.contract.errors import DeadlineExceeded, DeadlineExceededBeforeStep
 
     drops: list[tuple[str, int]] = []
 
@@ -242,7 +243,7 @@ def test_a_request_whose_deadline_passes_while_queued_is_answered_then_and_never
 
 
 def test_a_request_past_its_deadline_on_arrival_never_reaches_a_step() -> None:
-    from service.errors import DeadlineExceededBeforeStep
+    from service.contract.errors import DeadlineExceededBeforeStep
 
     async def scenario() -> RecordingStep:
         step = RecordingStep()
@@ -276,8 +277,8 @@ def test_cancelled_queued_request_is_dropped_and_counted() -> None:
 
 
 def test_deadline_sources_and_bad_values() -> None:
-    from service import deadlines
-    from service.errors import InvalidInput
+    from service.contract import deadlines
+    from service.contract.errors import InvalidInput
 
     assert deadlines.header_timeout(None) is None and deadlines.header_timeout(" 0.5 ") == 0.5
     assert deadlines.oip_timeout({"timeout": 250000}) == 0.25 and deadlines.oip_timeout({}) is None
@@ -306,7 +307,7 @@ def test_session_appends_share_the_core_deadlines_and_one_append_per_session_per
     sessions share a step, a session's second append waits for the next one; a deadline
     that passes while queued drops the append (never run), one that passes while its step
     runs answers 504 at once and the step still completes."""
-    from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+    from service.contract.errors import DeadlineExceeded, DeadlineExceededBeforeStep
     from service.sessions.batcher import AppendBatcher
     from service.sessions.registry import Session, StepItem
 

@@ -1,5 +1,5 @@
 """Epoch checkpoint dirs left on a node by a killed training worker are removed by the next
-writer there (service.training.runner.CheckpointWriter, service.scratch); a live writer's
+writer there (service.training.runner.CheckpointWriter, service.cluster.scratch); a live writer's
 dirs and anything else in the temp dir are left alone."""
 from __future__ import annotations
 

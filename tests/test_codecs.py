@@ -23,7 +23,7 @@ from safetensors.torch import load as st_load_torch
 from safetensors.torch import save as st_save_torch
 
 from service.ingress import codecs
-from service.errors import BadRequest, GangServeError, InvalidInput
+from service.contract.errors import BadRequest, GangServeError, InvalidInput
 
 pytestmark = pytest.mark.unit
 

@@ -36,7 +36,7 @@ def test_flat_builder_args_land_in_their_sections_and_a_section_may_come_whole()
     with pytest.raises(InvalidAppArgs, match="world_size given both flat and in the gang section"):
         parse_args({"gang": {"world_size": 1}, "world_size": 2})
     # Every section's every argument has exactly one flat name.
-    from service.config import BUILDER_ARGS, AppConfig
+    from service.config.builder_args import BUILDER_ARGS, AppConfig
 
     sections = {name for name, field in AppConfig.model_fields.items() if name != "tunables"}
     assert {section for section, _ in BUILDER_ARGS.values()} == sections
@@ -94,7 +94,7 @@ def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
 
 
 def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
-    from service.config import TrainingLimits
+    from service.config.builder_args import TrainingLimits
 
     limits = parse_args({}).training
     assert limits == TrainingLimits()
@@ -115,9 +115,9 @@ def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
 
 
 def test_the_builder_argument_reference_is_generated_and_current() -> None:
-    """docs/builder-arguments.md is `python -m service.config` (make docs): every builder
+    """docs/builder-arguments.md is `python -m service.config.builder_args` (make docs): every builder
     argument of AppConfig, with its default and description, and nothing else."""
-    from service.config import BUILDER_ARGS, builder_args_markdown
+    from service.config.builder_args import BUILDER_ARGS, builder_args_markdown
 
     path = ROOT / "docs" / "builder-arguments.md"
     assert path.read_text() == builder_args_markdown(), "docs/builder-arguments.md is stale: run `make docs`"
@@ -126,14 +126,14 @@ def test_the_builder_argument_reference_is_generated_and_current() -> None:
         assert f"| `{name}` |" in text, name
 
 
-# ---------------------------------------------------------------- tunables (service.tunables)
+# ---------------------------------------------------------------- tunables (service.config.tunables)
 
 def test_the_tunables_reference_is_generated_and_current() -> None:
-    """docs/tunables.md is `python -m service.tunables` (make docs): every tunable, with its
+    """docs/tunables.md is `python -m service.config.tunables` (make docs): every tunable, with its
     value and what it bounds."""
     import dataclasses
 
-    from service.tunables import Tunables, tunables_markdown
+    from service.config.tunables import Tunables, tunables_markdown
 
     path = ROOT / "docs" / "tunables.md"
     assert path.read_text() == tunables_markdown(), "docs/tunables.md is stale: run `make docs`"
@@ -153,7 +153,7 @@ def test_a_tunables_override_in_the_builder_args_reaches_the_running_value() -> 
     import yaml
 
     from service.app import parse_args
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
 
     args = yaml.safe_load("tunables:\n  gang: {probe_interval_s: 0.5}\n  state: {s3_request_timeout_s: 90}\n")
     cfg = parse_args(args)
@@ -215,7 +215,7 @@ def test_a_worker_line_is_cut_once_at_the_tunable() -> None:
     actor logs what the worker kept without cutting it again."""
     from service.training.run import TrainRun
     from service.training.worker_output import OutputCapture
-    from service.tunables import TrainingTunables, Tunables
+    from service.config.tunables import TrainingTunables, Tunables
 
     limit = 100  # a deployed value, not the default: both sides read the one they are given
     tunables = Tunables(training=TrainingTunables(output_line_chars=limit))

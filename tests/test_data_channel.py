@@ -18,12 +18,12 @@ import httpx
 import numpy as np
 import pytest
 
-from service.tunables import TransportTunables
+from service.config.tunables import TransportTunables
 import torch
 
 from service.transport import channel, shm
 from service.transport.channel import ChannelClient, ChannelServer, ChannelUnavailable
-from service.errors import CollectiveTimeout, GangUnavailable, Overloaded
+from service.contract.errors import CollectiveTimeout, GangUnavailable, Overloaded
 from tests.faults import driver_side_policy, transport_used
 from tests.reference import reference, relative_error
 from tests.helpers import eventually_async, rand

@@ -130,7 +130,7 @@ def app() -> Iterator[FastAPI]:
         mp.setenv("GANGSERVE_API_TOKEN", API_TOKEN)
         mp.setenv("GANGSERVE_INFER_TOKEN", INFER_TOKEN)
         from harness.local import local_yaml_args
-        from service.config import AppConfig
+        from service.config.builder_args import AppConfig
         from service.ingress.api import create_api
 
         yield create_api(AppConfig.model_validate(local_yaml_args()), gang=None)  # type: ignore[arg-type]

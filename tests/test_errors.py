@@ -1,4 +1,4 @@
-"""The error-code registry (service.errors.ErrorCode): every code the source writes is in it
+"""The error-code registry (service.contract.errors.ErrorCode): every code the source writes is in it
 with the status it is sent with, the retry rule and the gang-state codes agree with it, the
 client's copies agree with it, docs/api.md's table is the one it generates, and an error
 leaves the HTTP edge with its registered wire string."""
@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.errors import (
+from service.contract.errors import (
     RETRYABLE_CODES,
     TABLE_BEGIN,
     TABLE_END,
@@ -34,7 +34,7 @@ from tests.helpers import code_sites
 pytestmark = pytest.mark.unit
 
 # Every module that defines a GangServeError subclass (imported so that they all exist).
-ERROR_MODULES = ("service.errors", "service.cluster.placement", "service.ingress.jobs_client",
+ERROR_MODULES = ("service.contract.errors", "service.cluster.placement", "service.ingress.jobs_client",
                  "service.state.artifacts", "service.state.db", "service.training.limits",
                  "service.training.status")
 
@@ -90,7 +90,7 @@ def test_every_code_the_source_writes_is_registered_with_the_status_it_is_raised
 
 def test_a_gang_that_is_not_ready_answers_the_code_of_its_state() -> None:
     """Today's wire strings (service.gang.gang writes f"gang_{state}") are the registry's."""
-    from service.gang_status import SYNTHESIZED_STATES, GangState
+    from service.contract.gang_status import SYNTHESIZED_STATES, GangState
 
     for state in GangState:
         if state is not GangState.READY:

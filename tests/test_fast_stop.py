@@ -15,7 +15,7 @@ from ray import serve
 
 from service.app import compose_app, parse_args
 from service.cluster import unplaced
-from service.tunables import Tunables
+from service.config.tunables import Tunables
 from tests.conftest import local_yaml_args
 from tests.helpers import eventually
 

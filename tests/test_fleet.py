@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.gang_status import GangStatus
-from service.tunables import FleetTunables
+from service.contract.gang_status import GangStatus
+from service.config.tunables import FleetTunables
 
 from service.state import fleet as f
 from tests.statuses import gang_report
@@ -131,9 +131,9 @@ def test_the_ingress_follows_the_controllers_pushed_view(app_url: str) -> None:
     import httpx
     from ray import serve
 
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
     from service.ingress.fleet_client import FleetClient
-    from service.gang_status import GangStatus
+    from service.contract.gang_status import GangStatus
     from service.ingress.requests import connect
     from tests.conftest import local_yaml_args
 

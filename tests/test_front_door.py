@@ -106,7 +106,7 @@ def test_tritonclient_through_the_front_door_matches_the_dense_reference(app_url
 @pytest.mark.ray
 def test_a_stated_deadline_gets_our_json_504_not_the_front_doors_answer(app_url: str) -> None:
     """Serve's replica also times the X-Request-Timeout-Seconds header (a plain-text 408):
-    the ingress answers first, in its own format (service.deadlines)."""
+    the ingress answers first, in its own format (service.contract.deadlines)."""
     x = rand(64, 128, 512, seed=13)  # ~0.1-0.5 s of compute on this machine
     with httpx.Client(timeout=60) as client:
         r = client.post(app_url + "/infer", content=npy_bytes(x), headers={

@@ -1,4 +1,4 @@
-"""The gang status contract (service.gang_status): the OpenAPI schemas of /gang, /gangs and
+"""The gang status contract (service.contract.gang_status): the OpenAPI schemas of /gang, /gangs and
 /readyz; that the routes answer with every key a producer set and no other; and that the
 models are closed, so a renamed or misspelled field fails loudly where it is built or read.
 
@@ -21,17 +21,17 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 from starlette.testclient import TestClient
 
-from service.config import AppConfig, BatchingConfig, GangConfig, ModelConfig
+from service.config.builder_args import AppConfig, BatchingConfig, GangConfig, ModelConfig
 from service.gang.gang import Gang
 from service.gang.rank import RankInfo
-from service.gang_status import (
+from service.contract.gang_status import (
     SYNTHESIZED_STATES, AnyGangStatus, DataChannelStatus, GangState, GangStatus, GangsView, SynthesizedStatus, dump,
 )
 from service.ingress.deps import FleetReader
 from service.ingress.diagnosis import Diagnosis
 from service.ingress.routes import health
 from service.state.fleet import Fleet
-from service.tunables import FleetTunables, Tunables
+from service.config.tunables import FleetTunables, Tunables
 from tests.statuses import gang_report
 
 pytestmark = pytest.mark.unit

@@ -30,7 +30,7 @@ SCRIPT = ROOT / "bench" / "gpu_check.sh"
 TOTAL_S = int(re.search(r"^TOTAL_S=(\d+)", SCRIPT.read_text(), re.M).group(1))  # type: ignore[union-attr]
 LIMITS = {name: int(limit) for name, limit in re.findall(r"^tier ([ABC]) (\d+) ", SCRIPT.read_text(), re.M)}
 # The modules tier C's process and its own imports need (bench/gpu/tier_c.py, gpu_check.sh's probe).
-TIER_C_IMPORTS = ("import ray, ray.serve, fastapi, httpx, starlette, service.app, service.config, "
+TIER_C_IMPORTS = ("import ray, ray.serve, fastapi, httpx, starlette, service.app, service.config.builder_args, "
                   "service.parallel.registry, bench.peers, harness.local, harness.reference")
 
 
@@ -113,7 +113,7 @@ def test_tier_c_needs_nothing_beyond_the_image_and_the_wheelhouse_list(tmp_path:
 def test_allow_tf32_is_a_builder_argument_that_sets_cudas_float32_matmuls() -> None:
     import torch
 
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
     from service.gang.backends import set_tf32_matmuls
 
     assert AppConfig().gang.allow_tf32 is False  # IEEE float32 unless asked
@@ -130,7 +130,7 @@ def test_allow_tf32_is_a_builder_argument_that_sets_cudas_float32_matmuls() -> N
 
 def test_cuda_ranks_memory_reaches_gang_and_metrics() -> None:
     """GET /gang's `memory` (each CUDA rank's Rank.memory_stats) becomes one gauge pair per rank."""
-    from service.gang_status import RankMemory, dump
+    from service.contract.gang_status import RankMemory, dump
     from service.metrics.exposition import exposition, merge
     from service.metrics.process import MetricSet
     from service.metrics.recorders import GangServerMetrics

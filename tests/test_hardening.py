@@ -42,7 +42,7 @@ from safetensors.numpy import save as st_save
 
 from service.ingress import codecs
 from service.ingress.auth import load_api_token, redact_paths, required_token
-from service.errors import MAX_MESSAGE_CHARS, GangServeError, Overloaded
+from service.contract.errors import MAX_MESSAGE_CHARS, GangServeError, Overloaded
 from service.ingress.deps import DecodePool
 from service.ingress.oip import codec as oip_codec
 from service.ingress.oip import routes as oip

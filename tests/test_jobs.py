@@ -15,14 +15,14 @@ import pytest
 from safetensors.numpy import save as st_save
 
 from service.cluster.placement import ClusterSnapshot
-from service.errors import GangServeError
+from service.contract.errors import GangServeError
 from service.state.artifacts import ArtifactStore, open_store
 from service.training.jobs import Jobs
 from service.training.lifecycle import ActorDied, Answered, Observation, TimedOut
-from service.config import TrainingLimits
+from service.config.builder_args import TrainingLimits
 from service.training.run_actors import RunActors
 from service.training.store import JobRecord, JobStore
-from service.tunables import TrainingTunables
+from service.config.tunables import TrainingTunables
 from service.weights.record import WeightsRecord
 
 pytestmark = pytest.mark.unit

@@ -5,14 +5,14 @@ The house rules, each a test:
 - the Serve deployments (service.deployments) sit on top: only the app builder imports them;
 - the three subsystems below them do not import each other sideways: the gang (rank
   processes), the ingress (HTTP) and training share code only through modules below all
-  three (service.cluster.placement, service.batching, service.config, service.gang_status, ...).
+  three (service.cluster, service.config, service.contract, service.metrics, ...).
   The exceptions are the training job spec (a plain pydantic model: the ingress describes
   POST /train's body in OpenAPI with it, the JobManager validates) and the jobs' response models
   (service.training.public, over service.training.status);
 - service.parallel (the tensor-parallel math) depends on torch only;
-- service.tunables (every timing and sizing knob) imports nothing from service, so any
+- service.config.tunables (every timing and sizing knob) imports nothing from service, so any
   module may read it;
-- error codes are ErrorCode members (service.errors, the one registry), not string literals;
+- error codes are ErrorCode members (service.contract.errors, the one registry), not string literals;
 - the ingress -> rank 0 hop has one owner (service.transport.link): no other module of the
   ingress or the deployments opens the data channel or hands tensors through /dev/shm;
 - the weights rollout has one home: only service.weights.rollout drives the gang's swap and
@@ -42,9 +42,10 @@ ALLOWED_SIDEWAYS = {
     # (service.training.status), the shape the JobManager's dicts have; no training code runs.
     ("service.ingress.routes.train", "service.training.public"),
 }
-FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state",
-               "service.parallel", "service.batching", "service.config", "service.errors", "service.metrics",
-               "service.deadlines", "service.gang_status", "service.tunables")
+FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state", "service.parallel",
+               "service.config", "service.contract", "service.metrics")
+# The only modules directly under service/: the two entry points and the index of the environment.
+TOP_LEVEL = {"service", "service.app", "service.launch", "service.environment"}
 
 
 def _modules() -> dict[str, Path]:
@@ -94,6 +95,16 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_every_module_lives_in_a_package_but_the_entry_points() -> None:
+    """A reader finds a module by its concern: under service/ sit only `app` (Serve's entry point,
+    named in every config), `launch` (the CLI) and `environment` (the index of every environment
+    variable, which imports from every package)."""
+    flat = sorted(name for name in _modules() if name.count(".") <= 1 and name not in TOP_LEVEL
+                  and not (ROOT / "service" / name.split(".")[-1]).is_dir())
+    assert not flat, f"modules beside the packages: {flat}"
+    assert TOP_LEVEL <= set(_modules()), sorted(TOP_LEVEL - set(_modules()))
+
+
 def test_only_the_app_builder_imports_the_deployments() -> None:
     offenders = sorted(
         f"{src} -> {dst}" for src, dsts in _imports().items() for dst in dsts
@@ -136,7 +147,7 @@ def test_parallel_math_depends_on_nothing_else_in_service() -> None:
 
 
 def test_the_tunables_import_nothing_from_service() -> None:
-    assert not _imports().get("service.tunables"), f"service.tunables imports {sorted(_imports()['service.tunables'])}"
+    assert not _imports().get("service.config.tunables"), f"service.config.tunables imports {sorted(_imports()['service.config.tunables'])}"
 
 
 def test_the_rules_see_the_tree() -> None:
@@ -147,8 +158,8 @@ def test_the_rules_see_the_tree() -> None:
     assert "service.cluster.placement" in edges["service.gang.gang"]
     assert "service.transport.channel" in edges["service.deployments.gang_server"]
     assert "service.weights.record" in edges["service.deployments.controller"]
-    assert "service.gang_status" in edges["service.state.fleet"]  # the status contract, below the state
-    assert "service.tunables" in edges["service.config"]  # the tunables reach the code through AppConfig
+    assert "service.contract.gang_status" in edges["service.state.fleet"]  # the status contract, below the state
+    assert "service.config.tunables" in edges["service.config.builder_args"]  # the tunables reach the code through AppConfig
     assert "service.metrics.recorders" in edges["service.deployments.gang_server"]
 
 
@@ -199,15 +210,15 @@ def test_no_test_module_imports_another() -> None:
 
 
 def test_error_codes_are_written_only_through_the_registry() -> None:
-    """Outside service/errors.py a code is an ErrorCode member (`code=ErrorCode.X`, a
+    """Outside service/contract/errors.py a code is an ErrorCode member (`code=ErrorCode.X`, a
     class's `code = ErrorCode.X`, `"code": ErrorCode.X`), never a string literal or an
     f-string: the registry is the one list of codes, docs/api.md's table is made from it."""
     from tests.helpers import code_sites
 
     written = [s for s in code_sites(ROOT) if s.literal is not None or s.fstring is not None]
     offenders = sorted(f"{s.path}:{s.line} {s.literal or s.fstring}" for s in written
-                       if s.path != "service/errors.py")
-    assert not offenders, "error codes written as strings (use service.errors.ErrorCode):\n" + "\n".join(offenders)
+                       if s.path != "service/contract/errors.py")
+    assert not offenders, "error codes written as strings (use service.contract.errors.ErrorCode):\n" + "\n".join(offenders)
 
 
 def test_the_hop_to_rank_0_has_one_owner() -> None:
@@ -233,7 +244,7 @@ def test_the_code_walk_sees_the_tree(tmp_path: Path) -> None:
 
     sites = code_sites(ROOT)
     assert any(s.path == "service/ingress/auth.py" and s.member == "MISSING_TOKEN" for s in sites)
-    assert any(s.path == "service/errors.py" and s.raised is None and s.member == "MALFORMED" for s in sites)
+    assert any(s.path == "service/contract/errors.py" and s.raised is None and s.member == "MALFORMED" for s in sites)
     (tmp_path / "service").mkdir()
     (tmp_path / "service" / "bad.py").write_text(
         'class Late(Exception):\n    status, code = 429, "quota_exceeded"\n\n\n'
@@ -295,7 +306,7 @@ def test_no_module_binds_a_tunable_at_import() -> None:
         for node in ast.walk(tree):
             if isinstance(node, ast.Name) and node.id == "TUNABLES":
                 offenders.append(f"{name}:{node.lineno}: reads TUNABLES")
-            if isinstance(node, ast.ImportFrom) and node.module == "service.tunables":
+            if isinstance(node, ast.ImportFrom) and node.module == "service.config.tunables":
                 offenders += [f"{name}:{node.lineno}: imports TUNABLES" for a in node.names if a.name == "TUNABLES"]
     assert not offenders, "tunables bound at import: " + "; ".join(offenders)
 

@@ -34,7 +34,7 @@ from service.training.lifecycle import (
 )
 from service.training.spec import JobSpec
 from service.training.store import JobRecord
-from service.tunables import TrainingTunables
+from service.config.tunables import TrainingTunables
 
 pytestmark = pytest.mark.unit
 
@@ -185,4 +185,4 @@ def test_the_rules_are_pure() -> None:
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
         n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported == {"__future__", "dataclasses", "typing", "service.training.spec", "service.training.status",
-                        "service.training.store", "service.tunables"}, imported
+                        "service.training.store", "service.config.tunables"}, imported

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.gang_status import DataChannelStatus, GangStatus, SynthesizedStatus
+from service.contract.gang_status import DataChannelStatus, GangStatus, SynthesizedStatus
 from service.transport import channel, shm
 from service.transport.channel import ChannelServer
 from service.transport.link import GangLink
-from service.tunables import TransportTunables
+from service.config.tunables import TransportTunables
 from tests.helpers import rand
 from tests.statuses import gang_report
 

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.tunables import FleetTunables
+from service.config.tunables import FleetTunables
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, TEST_API_TOKEN, deploy, local_yaml_args, undeploy
@@ -121,7 +121,7 @@ def test_request_labels_are_templates_and_formats(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("GANGSERVE_API_TOKEN", TEST_API_TOKEN)
     from fastapi.testclient import TestClient
 
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
     from service.ingress.api import create_api
 
     client = TestClient(create_api(AppConfig(), None))  # type: ignore[arg-type]

@@ -217,7 +217,7 @@ def test_init_is_reproducible_and_independent_of_world_size() -> None:
 def test_builder_arguments_of_another_model_are_refused() -> None:
     from pydantic import ValidationError
 
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
 
     with pytest.raises(ValidationError, match="num_layers, ffn_dim only apply to model=transformer"):
         AppConfig.model_validate({"num_layers": 4, "ffn_dim": 64})

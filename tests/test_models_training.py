@@ -52,7 +52,7 @@ def torch_forward(module: nn.TransformerEncoder, x: torch.Tensor, pad: torch.Ten
 
 @pytest.mark.unit
 def test_the_transformer_spec_is_closed_bounded_and_defaults_to_the_serving_defaults() -> None:
-    from service.config import ModelConfig
+    from service.config.builder_args import ModelConfig
     from service.training.spec import JobSpec, TransformerModel
 
     spec = JobSpec.model_validate({"model": {"kind": "transformer"}})
@@ -87,7 +87,7 @@ def test_the_transformer_spec_is_closed_bounded_and_defaults_to_the_serving_defa
 def test_the_architecture_and_tensors_are_torchs_and_the_serving_definitions() -> None:
     """What training records of a transformer (its architecture, its checkpoint's tensors) is
     torch's module's state_dict, and the serving definition's metadata, for every option."""
-    from service.config import ModelConfig
+    from service.config.builder_args import ModelConfig
     from service.parallel.transformer import TransformerDef
     from service.training.checkpoints import expected_tensors, spec_architecture
     from service.training.spec import AttentionModel, TransformerModel
@@ -168,8 +168,8 @@ def test_a_job_checkpoint_loads_into_torchs_encoder_strictly_and_computes_the_sa
 
 @pytest.mark.unit
 def test_init_from_a_transformer_apps_generated_weights_needs_its_architecture(tmp_path: Path) -> None:
-    from service.config import ModelConfig
-    from service.errors import InvalidInput
+    from service.config.builder_args import ModelConfig
+    from service.contract.errors import InvalidInput
     from service.parallel.transformer import TransformerDef
     from service.state import artifacts
     from service.training import init_from
@@ -221,8 +221,8 @@ def tempfile_dir() -> str:
 
 @pytest.mark.unit
 def test_post_weights_needs_the_apps_architecture(tmp_path: Path) -> None:
-    from service.config import ModelConfig
-    from service.errors import Conflict
+    from service.config.builder_args import ModelConfig
+    from service.contract.errors import Conflict
     from service.state import artifacts
     from service.training.checkpoints import spec_architecture
     from service.training.spec import AttentionModel, LinearModel, TransformerModel

@@ -28,8 +28,8 @@ from tests.helpers import AUTH, assert_error, post, state_dir, wait_done
 
 @pytest.mark.unit
 def test_limits_name_themselves_and_split_alone_from_next_to_others() -> None:
-    from service.config import TrainingLimits
-    from service.errors import GangServeError
+    from service.config.builder_args import TrainingLimits
+    from service.contract.errors import GangServeError
     from service.training.limits import (
         ActiveUsage,
         OverLimit,
@@ -84,7 +84,7 @@ def _job(i: int, **kw: Any) -> Any:
 def test_admission_is_atomic_across_concurrent_submits(store_url: str) -> None:
     """16 threads (two stores = two writers, like two managers) race for 3 active slots, on
     SQLite and on PostgreSQL."""
-    from service.config import TrainingLimits
+    from service.config.builder_args import TrainingLimits
     from service.training.limits import QuotaExceeded, check_job_fits
     from service.training.store import JobStore
 
@@ -277,7 +277,7 @@ def tight(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from ray import serve
 
     from service.ingress.jobs_client import JobsClient
-    from service.config import TrainingLimits
+    from service.config.builder_args import TrainingLimits
     from service.deployments.job_manager import JobManager
 
     state = tmp_path_factory.mktemp("tight-state")
@@ -297,7 +297,7 @@ def _linear_ds(n: int) -> bytes:
 
 
 async def _refused(call: Any, status: int, code: str, needle: str) -> str:
-    from service.errors import GangServeError
+    from service.contract.errors import GangServeError
 
     with pytest.raises(GangServeError) as info:
         await call

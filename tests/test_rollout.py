@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from service.errors import ErrorCode, GangUnavailable
-from service.gang_status import FleetView, GangStatus
+from service.contract.errors import ErrorCode, GangUnavailable
+from service.contract.gang_status import FleetView, GangStatus
 from service.state.fleet import Fleet
 from service.weights.rollout import wait_for_gangs
 from tests.statuses import gang_report

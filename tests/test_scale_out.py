@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from service.config import AppConfig
+from service.config.builder_args import AppConfig
 from service.cluster.placement import ClusterSnapshot, GangUnschedulable, check_feasible, fits, gang_request
 from tests.conftest import TEST_API_TOKEN, deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop

@@ -19,7 +19,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from gangserve_client import GangServeClient
-from service.gang_status import GangStatus, RankStatus
+from service.contract.gang_status import GangStatus, RankStatus
 from tests.conftest import ROOT, deploy, local_yaml_args, undeploy
 from tests.reference import reference, relative_error
 from tests.helpers import assert_error, eventually, npy_bytes, pid_alive, rand
@@ -92,7 +92,7 @@ def test_gang_shows_world_size_distinct_live_rank_processes(app_url: str) -> Non
     # Each rank holds half of the projection weights (+ the replicated out bias).
     e = 512
     assert info["param_bytes_per_rank"] == [4 * (4 * e * e // 2 + 3 * e // 2 + e)] * 2
-    # The typed contract (service.gang_status) declares every key a live gang answers, and
+    # The typed contract (service.contract.gang_status) declares every key a live gang answers, and
     # the answer has every one of them (a ready gang behind an ingress sets them all).
     # synthesized / fleet-only / CUDA ranks only
     declared = set(GangStatus.model_fields) - {"code", "reported_s_ago", "memory"}
@@ -221,7 +221,7 @@ def test_weights_hot_swap_between_requests(serve_url: str, tmp_path: Path) -> No
     """GangServer.reload_weights swaps every rank's slice; a mismatched checkpoint is refused."""
     from ray import serve
 
-    from service.errors import Conflict
+    from service.contract.errors import Conflict
     from service.parallel.weights import random_weights, save_checkpoint
 
     base = deploy(serve_url, "swap", "/swap", {**local_yaml_args(), "cpus_per_rank": 0.25})

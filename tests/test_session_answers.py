@@ -15,7 +15,7 @@ import secrets
 import httpx
 import pytest
 
-from service.errors import NotFound, SessionGone
+from service.contract.errors import NotFound, SessionGone
 from service.sessions.ids import OIP_PREFIX, SessionIds
 from service.sessions.registry import Limits, SessionRegistry
 from tests.helpers import assert_error

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.gang_status import dump
+from service.contract.gang_status import dump
 from service.transport import shm
 from tests.reference import reference, relative_error
 from tests.helpers import npy_bytes, rand
@@ -133,7 +133,7 @@ def _driver_side_client(app_url: str) -> tuple[Any, str]:
     """
     from ray import serve
 
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
     from service.ingress.requests import connect
     from tests.conftest import local_yaml_args
 

@@ -263,7 +263,7 @@ def test_one_store_used_from_many_threads_at_once(store_url: str) -> None:
     """A Database is thread-safe: SQLite's one held connection (serialized) and PostgreSQL's
     pool (8 threads, 4 connections) both give every thread its own complete statements and
     transactions, and admission under the lock never overshoots."""
-    from service.config import TrainingLimits
+    from service.config.builder_args import TrainingLimits
     from service.training.limits import QuotaExceeded, check_job_fits
     from service.training.store import JobStore
 
@@ -312,8 +312,8 @@ def test_a_lost_postgres_gives_the_typed_error_and_everything_works_when_it_is_b
         tmp_path: Path, postgres_server: Any) -> None:
     from service.weights.record import WeightsRecord
     from service.state.db import StateUnavailable
-    from service.tunables import StateTunables
-    from service.config import TrainingLimits
+    from service.config.tunables import StateTunables
+    from service.config.builder_args import TrainingLimits
     from service.training.limits import check_job_fits
     from service.training.store import JobStore
 
@@ -391,7 +391,7 @@ def test_the_job_managers_must_keep_writes_wait_for_the_database(postgres_server
     its public calls, on a real server; the run actors are a stand-in whose kill takes the
     server away, so the FAIL that follows finds it gone."""
     from service.cluster.placement import ClusterSnapshot
-    from service.config import TrainingLimits
+    from service.config.builder_args import TrainingLimits
     from service.state.artifacts import open_store
     from service.state.db import StateUnavailable
     from service.training.jobs import Jobs

@@ -30,7 +30,7 @@ def test_a_job_manager_on_postgres_answers_503_while_the_database_is_gone(
     from ray import serve
 
     from service.deployments.job_manager import JobManager
-    from service.errors import GangServeError
+    from service.contract.errors import GangServeError
     from service.ingress.jobs_client import JobsClient
     from service.training.store import JobStore
 

@@ -17,7 +17,7 @@ import torch
 
 from service.gang import control
 from service.gang.steps import Forward
-from service.tunables import GangTunables
+from service.config.tunables import GangTunables
 from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.faults import RequestLoop, gang_info, wait_for_new_gang
 from tests.helpers import eventually, pid_alive

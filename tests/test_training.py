@@ -179,8 +179,8 @@ def test_init_from_resolves_versions_and_jobs_and_refuses_other_shapes(tmp_path:
     verified; unknown, unfinished and other-shaped sources are clear errors."""
     from safetensors.torch import load_file
 
-    from service.config import ModelConfig
-    from service.errors import Conflict, InvalidInput
+    from service.config.builder_args import ModelConfig
+    from service.contract.errors import Conflict, InvalidInput
     from service.parallel.weights import random_weights, save_checkpoint
     from service.weights.declared import describe_config_weights
     from service.weights.record import WeightsRecord, store_immutable_copy
@@ -759,7 +759,7 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
     from service.deployments.job_manager import JobManager
     from service.training.run import RUN_NAMESPACE, run_actor_name
     from service.training.store import JobRecord, JobStore
-    from service.tunables import TrainingTunables
+    from service.config.tunables import TrainingTunables
 
     MAX_RESUMES = TrainingTunables().max_resumes  # the budget of a JobManager bound without tunables
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from service.config import ModelConfig
+from service.config.builder_args import ModelConfig
 from service.weights.declared import describe_config_weights
 from service.weights.record import (
     WeightsRecord,
@@ -156,7 +156,7 @@ def test_versions_keep_eval_loss_and_rollbacks_name_what_they_served_again(tmp_p
 ])
 def test_the_eval_gate_refuses_above_the_bound_and_without_an_eval_loss(
         job: dict, bound: float | None, refused: str | None) -> None:
-    from service.errors import Conflict
+    from service.contract.errors import Conflict
     from service.weights.gate import check_eval_gate
 
     if refused is None:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from service.training.worker_output import OutputCapture
-from service.tunables import TrainingTunables
+from service.config.tunables import TrainingTunables
 
 pytestmark = pytest.mark.unit
 

@@ -199,7 +199,7 @@ def _stack_rows(client: Any, base: str, gang_args: dict[str, Any], post: Any) ->
 
     from harness.reference import relative_error
     from service.app import build_app
-    from service.config import AppConfig
+    from service.config.builder_args import AppConfig
     from service.parallel.registry import resolve
 
     cfg = AppConfig.model_validate({**gang_args, **STACK})

@@ -63,14 +63,14 @@ def warn_if_slow_front_door(environ: Mapping[str, str] = os.environ) -> bool:
 def header_timed_by_serve_proxy(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether Serve's Python proxy is this ingress's front door (the front-door variables are
     not set), and so arms its own plain-text 408 timer from X-Request-Timeout-Seconds before
-    the ingress sees the request (service.deadlines answers a margin earlier then)."""
+    the ingress sees the request (service.contract.deadlines answers a margin earlier then)."""
     return bool(missing_front_door_env(environ))
 
 
 def own_header_deadlines() -> bool:
     """Called in every ingress replica: Serve's direct-ingress HTTP server stops timing
     requests by X-Request-Timeout-Seconds itself, so the ingress alone owns a request's
-    deadline and answers it with its JSON 504 `deadline_exceeded` (service.deadlines).
+    deadline and answers it with its JSON 504 `deadline_exceeded` (service.contract.deadlines).
 
     Why: Serve's replica reads the same header (its `Replica._parse_request_timeout`) and,
     when the time is up, cancels our handler and answers a plain-text `408 Request ... timed

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from service.config import GangConfig
-from service.errors import ErrorCode, GangServeError
+from service.config.builder_args import GangConfig
+from service.contract.errors import ErrorCode, GangServeError
 
 log = logging.getLogger("gangserve.placement")
 

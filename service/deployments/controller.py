@@ -38,12 +38,12 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from service.cluster import unplaced
-from service.logs import route_logs_to_serve
-from service.gang_status import FleetView, GangStatus
+from service.metrics.logs import route_logs_to_serve
+from service.contract.gang_status import FleetView, GangStatus
 from service.weights.record import ConfigWeights, ServedWeights, Source, WeightsRecord
 from service.state.fleet import Fleet
 from service.state.paths import state_dir
-from service.tunables import Tunables
+from service.config.tunables import Tunables
 
 log = logging.getLogger("gangserve.controller")
 

@@ -38,14 +38,14 @@ from ray.util import get_current_placement_group
 
 from service.transport import shm
 from service.transport.channel import ChannelServer, sweep_stale_sockets
-from service.config import AppConfig
-from service.deadlines import local_deadline
+from service.config.builder_args import AppConfig
+from service.contract.deadlines import local_deadline
 from service.gang import worker as rank_worker
 from service.ingress.handle_errors import bounded_call
 from service.gang.gang import Gang
-from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory
+from service.contract.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory
 from service.gang.router import routing_stats
-from service.logs import route_logs_to_serve
+from service.metrics.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 from service.metrics.recorders import GangServerMetrics
 from service.sessions import ids as session_ids
@@ -56,7 +56,7 @@ from service.state.paths import state_dir
 
 log = logging.getLogger("gangserve.server")
 
-# The supervisor's timing and bounds (service.tunables says why each value).
+# The supervisor's timing and bounds (service.config.tunables says why each value).
 
 
 # Health-check periods and the graceful shutdown bound come from the tunables (service.app).
@@ -117,7 +117,7 @@ class GangServer:
                     timeout_s: float | None = None) -> np.ndarray:
         """x: [batch, seq, E] float32 (validated by the ingress), key mask [batch, seq] bool
         (None: all tokens), causal (None: the model's default) -> [batch, seq, E] float32.
-        `timeout_s`: the seconds left until the request's deadline (service.deadlines):
+        `timeout_s`: the seconds left until the request's deadline (service.contract.deadlines):
         DeadlineExceeded then, and never computed if its step has not started."""
         with self._metrics.queued():
             return await self._gang.infer(x, mask, causal, local_deadline(timeout_s))
@@ -188,7 +188,7 @@ class GangServer:
         await self._gang.arm_failpoint(rank, name)
 
     async def describe(self) -> GangStatus:
-        """GET /gang: the gang's report (service.gang_status.GangStatus; the model itself
+        """GET /gang: the gang's report (service.contract.gang_status.GangStatus; the model itself
         crosses the handle call)."""
         sessions = getattr(self, "_sessions", None)
         status = self._gang.describe(

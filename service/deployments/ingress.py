@@ -7,12 +7,12 @@ from ray.serve.handle import DeploymentHandle
 
 from service.cluster.front_door import own_header_deadlines
 from service.cluster.heap import keep_freed_buffers
-from service.config import AppConfig
+from service.config.builder_args import AppConfig
 from service.ingress.api import create_api
 from service.ingress.fleet_client import FleetClient
 from service.ingress.jobs_client import JobsClient
 from service.ingress.requests import connect
-from service.logs import route_logs_to_serve
+from service.metrics.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 
 

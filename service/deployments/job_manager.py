@@ -18,8 +18,8 @@ import logging
 import ray
 from ray import serve
 
-from service.config import ModelConfig, TrainingLimits
-from service.logs import route_logs_to_serve
+from service.config.builder_args import ModelConfig, TrainingLimits
+from service.metrics.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 from service.state import artifacts
 from service.state.db import database_url
@@ -27,7 +27,7 @@ from service.state.paths import state_dir
 from service.training.jobs import DEFAULT_MAX_SEQ_LEN, Jobs
 from service.training.run_actors import RunActors
 from service.training.store import JobStore
-from service.tunables import Tunables
+from service.config.tunables import Tunables
 from service.weights.record import WeightsRecord
 
 log = logging.getLogger("gangserve.training")

@@ -58,10 +58,11 @@ from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.config import GangConfig, ModelConfig
-from service.errors import (CollectiveTimeout, Conflict, ErrorCode, GangServeError, GangStartupError, GangUnavailable,
+from service.config.builder_args import GangConfig, ModelConfig
+from service.contract.errors import (CollectiveTimeout, Conflict, ErrorCode, GangServeError, GangStartupError, GangUnavailable,
                             gang_state_code)
-from service.batching import BatchPolicy, DropObserver, StepBatcher, StepObserver
+from service.config.builder_args import BatchPolicy
+from service.gang.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
 from service.gang import control
 from service.gang.failures import PeerCallFailed, cause, first_line, is_timeout, is_version_mismatch
@@ -70,10 +71,10 @@ from service.gang.rank import RankInfo, RankWorker
 from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
 from service.gang.steps import Append, Forward, StepKind
-from service.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory, SessionStats
+from service.contract.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory, SessionStats
 from service.metrics import timeline
 from service.weights.record import ServedWeights
-from service.tunables import GangTunables, StateTunables
+from service.config.tunables import GangTunables, StateTunables
 
 log = logging.getLogger("gangserve.gang")
 T = TypeVar("T")
@@ -169,7 +170,7 @@ class Gang:
         """x [batch, seq, E] float32, key mask [batch, seq] bool (None: all tokens), causal
         (None: the served weights' default) -> attention output [batch, seq, E] float32.
         `deadline` (time.monotonic(), None: none): DeadlineExceeded then; a request whose
-        deadline passes before its step starts is never computed (service.batching)."""
+        deadline passes before its step starts is never computed (service.gang.batching)."""
         self._require_ready()
         return await self._batcher.submit(x, mask, causal, deadline)
 

@@ -14,7 +14,7 @@ import logging
 from service.cluster.heap import keep_freed_buffers
 from service.gang.backends import set_tf32_matmuls
 from service.gang.devices import choose_device
-from service.tunables import GangTunables, StateTunables
+from service.config.tunables import GangTunables, StateTunables
 from service.gang.worker import (  # re-exported: the gang and its tests import them from here
     COMPUTE_DTYPES,
     PlainModel,

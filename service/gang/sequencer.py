@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from service.errors import CollectiveTimeout, DeadlineExceeded, DeadlineExceededBeforeStep
+from service.contract.errors import CollectiveTimeout, DeadlineExceeded, DeadlineExceededBeforeStep
 
 T = TypeVar("T")
 

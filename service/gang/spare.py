@@ -18,11 +18,11 @@ from typing import Any, Callable
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.config import GangConfig
+from service.config.builder_args import GangConfig
 from service.gang.failures import first_line, kill_quietly
 from service.gang.rank import RankInfo
-from service.gang_status import SpareStatus
-from service.tunables import GangTunables, StateTunables
+from service.contract.gang_status import SpareStatus
+from service.config.tunables import GangTunables, StateTunables
 
 log = logging.getLogger("gangserve.gang")
 

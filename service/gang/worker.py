@@ -54,7 +54,7 @@ from service.parallel.model import (
 )
 from service.parallel.registry import ModelArgs, resolve
 from service.parallel.weights import checkpoint_causal
-from service.tunables import GangTunables, StateTunables
+from service.config.tunables import GangTunables, StateTunables
 
 log = logging.getLogger("gangserve.rank")
 
@@ -76,7 +76,7 @@ abandoned: str | None = None
 
 
 class ModelSpec(ModelArgs, Protocol):
-    """What a rank needs to know of the model (service.config.ModelConfig has these fields;
+    """What a rank needs to know of the model (service.config.builder_args.ModelConfig has these fields;
     the architecture's, ModelArgs, are read by service.parallel.registry.resolve)."""
 
     init: str

@@ -1,6 +1,6 @@
 """The FastAPI application: routers, state, auth and error mapping to {"error", "code"}.
 
-Every error reply is `{"error", "code"}`, its message bounded (service.errors.bounded);
+Every error reply is `{"error", "code"}`, its message bounded (service.contract.errors.bounded);
 an unexpected exception is logged with its traceback and answered 500 without its text.
 `AuthMiddleware` (service.ingress.auth) checks tokens before any route reads a body.
 """
@@ -15,8 +15,8 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.ingress.auth import AuthMiddleware, load_api_token, load_infer_token
-from service.config import AppConfig
-from service.errors import ErrorCode, GangServeError, bounded, describe_validation_errors
+from service.config.builder_args import AppConfig
+from service.contract.errors import ErrorCode, GangServeError, bounded, describe_validation_errors
 from service.ingress.deps import DecodePool, Gang
 from service.ingress.fleet_client import FleetClient
 from service.ingress.jobs_client import JobsClient

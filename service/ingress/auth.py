@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gangserve_client import tokens
-from service.errors import ErrorCode, Unauthorized
+from service.contract.errors import ErrorCode, Unauthorized
 from service.state.paths import state_dir
 
 # Where the tokens come from is one rule, shared with the client: gangserve_client.tokens.

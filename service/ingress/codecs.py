@@ -53,8 +53,8 @@ from gangserve_client.codecs import (
     dtype_name,
     snip,
 )
-from service.config import AppConfig
-from service.errors import (
+from service.config.builder_args import AppConfig
+from service.contract.errors import (
     BadRequest,
     GangServeError,
     InvalidInput,

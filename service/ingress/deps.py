@@ -12,12 +12,12 @@ from typing import Any, Callable, Protocol, TypeVar
 import numpy as np
 from fastapi import Request
 
-from service.config import AppConfig
-from service.errors import BadRequest, ErrorCode, GangServeError, GangUnavailable, Overloaded, PayloadTooLarge
-from service.gang_status import AnyGangStatus, GangStatus, GangsView
+from service.config.builder_args import AppConfig
+from service.contract.errors import BadRequest, ErrorCode, GangServeError, GangUnavailable, Overloaded, PayloadTooLarge
+from service.contract.gang_status import AnyGangStatus, GangStatus, GangsView
 from service.ingress.diagnosis import Diagnosis
 from service.ingress.fleet_client import FleetClient
-from service.tunables import Tunables
+from service.config.tunables import Tunables
 
 T = TypeVar("T")
 log = logging.getLogger("gangserve.ingress")

@@ -19,9 +19,9 @@ from service.cluster.placement import (
     gang_request,
     waiting_reason,
 )
-from service.config import AppConfig
-from service.errors import ErrorCode
-from service.gang_status import LostGangStatus, SynthesizedStatus
+from service.config.builder_args import AppConfig
+from service.contract.errors import ErrorCode
+from service.contract.gang_status import LostGangStatus, SynthesizedStatus
 
 
 class Diagnosis:

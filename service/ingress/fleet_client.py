@@ -20,16 +20,16 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from service.config import AppConfig
-from service.errors import ErrorCode, GangServeError, GangUnavailable
-from service.gang_status import FleetView, GangStatus, GangsView
+from service.config.builder_args import AppConfig
+from service.contract.errors import ErrorCode, GangServeError, GangUnavailable
+from service.contract.gang_status import FleetView, GangStatus, GangsView
 from service.ingress.diagnosis import Diagnosis
 from service.ingress.handle_errors import bounded_call
 
 log = logging.getLogger("gangserve.ingress")
 
 # Readiness asks with a short bound and falls back to a gang; status routes (/gangs,
-# rollouts) have no fallback, so they wait longer (service.tunables says why each value).
+# rollouts) have no fallback, so they wait longer (service.config.tunables says why each value).
 # The controller timed out, is gone or pushes back (not an error it raised itself).
 _CONTROLLER_AWAY = (ErrorCode.CONTROLLER_UNREACHABLE, ErrorCode.CONTROLLER_RESTARTING, ErrorCode.OVERLOADED)
 

@@ -21,8 +21,8 @@ from typing import Any, Callable
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
-from service.deadlines import bounded
-from service.errors import ErrorCode, GangServeError, GangUnavailable
+from service.contract.deadlines import bounded
+from service.contract.errors import ErrorCode, GangServeError, GangUnavailable
 
 log = logging.getLogger("gangserve.ingress")
 

@@ -6,9 +6,9 @@ from typing import Any
 from fastapi import Request
 from ray.serve.handle import DeploymentHandle
 
-from service.errors import ErrorCode, GangServeError, GangUnavailable
+from service.contract.errors import ErrorCode, GangServeError, GangUnavailable
 from service.ingress.handle_errors import bounded_call
-from service.tunables import IngressTunables
+from service.config.tunables import IngressTunables
 
 
 

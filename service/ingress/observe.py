@@ -11,7 +11,7 @@ per request: `gangserve_requests_total{route, format, code}`, `gangserve_request
 Request ids: Ray Serve (2.60) itself takes the client's `X-Request-Id` or assigns one, in
 its HTTP server (the proxy, and direct ingress alike), makes it the Serve request id that
 its log lines carry, and echoes it as the `X-Request-ID` response header. The service
-adds no second header; see service.logs for how the service's own log lines get it.
+adds no second header; see service.metrics.logs for how the service's own log lines get it.
 """
 from __future__ import annotations
 

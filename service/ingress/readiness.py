@@ -13,8 +13,8 @@ directly, as the only other source of truth.
 """
 from __future__ import annotations
 
-from service.errors import ErrorCode, GangServeError, GangUnavailable
-from service.gang_status import AnyGangStatus, GangStatus, GangsView, Readiness
+from service.contract.errors import ErrorCode, GangServeError, GangUnavailable
+from service.contract.gang_status import AnyGangStatus, GangStatus, GangsView, Readiness
 from service.ingress.auth import redact_paths
 from service.ingress.deps import FleetReader, Gang
 from service.ingress.requests import unavailable_error

@@ -13,7 +13,7 @@ Who does what on the way from a route to rank 0:
   shared memory, or a handle call by value.
 
 Deadlines and in-service retry (issue 23). Every request carries a deadline
-(service.deadlines) over the hop and into the gang's batcher. A request that fails because
+(service.contract.deadlines) over the hop and into the gang's batcher. A request that fails because
 its gang broke (RETRYABLE_CODES: a rank died, a collective timed out, the gang is rebuilding
 or stopping, its replica is gone or restarting; never bad input, never the deadline) is sent
 again, inferences and session calls alike (a failed step computed and appended nothing): at
@@ -38,12 +38,12 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from service.config import AppConfig
-from service.deadlines import bounded, seconds_left
-from service.errors import (RETRYABLE_CODES, CollectiveTimeout, DeadlineExceeded, DeadlineExceededBeforeStep,
+from service.config.builder_args import AppConfig
+from service.contract.deadlines import bounded, seconds_left
+from service.contract.errors import (RETRYABLE_CODES, CollectiveTimeout, DeadlineExceeded, DeadlineExceededBeforeStep,
                             ErrorCode, GangServeError, GangUnavailable, gang_state_code)
 from service.cluster.placement import GangUnschedulable
-from service.gang_status import AnyGangStatus, GangStatus
+from service.contract.gang_status import AnyGangStatus, GangStatus
 from service.ingress.fleet_client import FleetClient
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.metrics.process import process_metrics

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from service.metrics.specs import SPECS, Spec
-from service.tunables import FleetTunables
+from service.config.tunables import FleetTunables
 
 log = logging.getLogger("gangserve.metrics")
 

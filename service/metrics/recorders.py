@@ -6,7 +6,7 @@ import logging
 from typing import Any, Iterable
 
 from service.metrics.process import MetricSet, process_metrics
-from service.gang_status import GangStatus, SessionStats
+from service.contract.gang_status import GangStatus, SessionStats
 
 log = logging.getLogger("gangserve.metrics")
 
@@ -72,7 +72,7 @@ class GangServerMetrics:
         """StepBatcher's observer: one gang step finished (or failed with `error`), `padded_share`
         of its tokens padding added to batch mixed lengths. Never raises (it runs on the
         batcher's path, before the step's requests get their answers)."""
-        from service.errors import CollectiveTimeout
+        from service.contract.errors import CollectiveTimeout
 
         try:
             if error is None:

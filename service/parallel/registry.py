@@ -16,7 +16,7 @@ from service.parallel.transformer import TransformerDef
 
 
 class ModelArgs(Protocol):
-    """What the registry reads of the builder arguments (service.config.ModelConfig has these)."""
+    """What the registry reads of the builder arguments (service.config.builder_args.ModelConfig has these)."""
 
     kind: str  # the builder argument `model`: a built-in kind or pkg.module:factory
     embed_dim: int

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from service.batching import BatchQueue, DeadlineWords, Queued
+from service.gang.batching import BatchQueue, DeadlineWords, Queued
 from service.sessions.registry import Session, StepItem
 
 # (items of one step, latest deadline or None) -> [(rows or None, info or error)] in item order
@@ -48,7 +48,7 @@ class _Queued(Queued):
 
 class AppendBatcher:
     """Groups queued appends of distinct sessions into steps (see the module docstring),
-    on the batching core (service.batching.BatchQueue: the queue, deadlines, cancellation)."""
+    on the batching core (service.gang.batching.BatchQueue: the queue, deadlines, cancellation)."""
 
     def __init__(self, run_step: RunStep, *, max_sessions_per_step: int, max_rows_per_step: int,
                  num_blocks: int, blocks_for: Callable[[int], int], wait_s: float = 0.0) -> None:

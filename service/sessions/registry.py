@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import Conflict, ErrorCode, InvalidInput, NotFound, SessionCacheFull, SessionGone, TooManySessions
+from service.contract.errors import Conflict, ErrorCode, InvalidInput, NotFound, SessionCacheFull, SessionGone, TooManySessions
 from service.parallel.kv_cache import AppendPlan
 from service.sessions.ids import OIP_PREFIX, SessionIds
 
@@ -42,7 +42,7 @@ ENDED_KEPT = 100_000  # ended ids remembered (expired vs never known)
 
 @dataclass(frozen=True)
 class Limits:
-    """The registry's bounds (service.config.SessionConfig, and the pool's shape)."""
+    """The registry's bounds (service.config.builder_args.SessionConfig, and the pool's shape)."""
 
     num_blocks: int
     block_size: int

@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from service.config import AppConfig
-from service.errors import Conflict, ErrorCode, InvalidInput
-from service.gang_status import SessionCacheRank, SessionStats
+from service.config.builder_args import AppConfig
+from service.contract.errors import Conflict, ErrorCode, InvalidInput
+from service.contract.gang_status import SessionCacheRank, SessionStats
 from service.gang.gang import Gang
 from service.parallel.model import kv_bytes_per_token
 from service.parallel.registry import resolve

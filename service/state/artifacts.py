@@ -47,10 +47,10 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-from service.errors import ErrorCode, GangServeError
+from service.contract.errors import ErrorCode, GangServeError
 from service.state.paths import resolve_inside, state_dir
 from service.state.urls import redact
-from service.tunables import StateTunables
+from service.config.tunables import StateTunables
 
 STORAGE_URL_ENV = "GANGSERVE_STORAGE_URL"
 # The first one set wins: our own name first, so it can differ from the AWS CLI's.

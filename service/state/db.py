@@ -51,10 +51,10 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import QueuePool, StaticPool
 
-from service.errors import ErrorCode, GangServeError
+from service.contract.errors import ErrorCode, GangServeError
 from service.state.paths import state_dir
 from service.state.urls import redact, secrets_of
-from service.tunables import StateTunables
+from service.config.tunables import StateTunables
 
 if TYPE_CHECKING:
     from alembic.script import ScriptDirectory

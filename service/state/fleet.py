@@ -33,12 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.gang_status import FleetView, GangStatus, LostGangStatus, dump
-from service.errors import ErrorCode
+from service.contract.gang_status import FleetView, GangStatus, LostGangStatus, dump
+from service.contract.errors import ErrorCode
 from service.metrics.exposition import merge, to_snapshot
-from service.tunables import FleetTunables
+from service.config.tunables import FleetTunables
 
-# The reporting periods and ages (service.tunables says why each value).
+# The reporting periods and ages (service.config.tunables says why each value).
 
 
 @dataclass

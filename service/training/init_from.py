@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.config import ModelConfig
-from service.errors import Conflict, ErrorCode, InvalidInput
+from service.config.builder_args import ModelConfig
+from service.contract.errors import Conflict, ErrorCode, InvalidInput
 from service.weights.record import WeightsRecord
 from service.weights.resolve import Architecture, find_version, served_architecture, version_file
 from service.state import artifacts

@@ -47,8 +47,8 @@ from typing import Any, Callable, TypeVar
 from pydantic import ValidationError
 
 from service.cluster.placement import ClusterSnapshot, cluster_snapshot
-from service.config import ModelConfig, ServingConfig
-from service.errors import Conflict, ErrorCode, InvalidInput, NotFound, describe_validation_errors
+from service.config.builder_args import ModelConfig, ServingConfig
+from service.contract.errors import Conflict, ErrorCode, InvalidInput, NotFound, describe_validation_errors
 from service.metrics.process import process_metrics
 from service.metrics.recorders import EpochClock, training_snapshot
 from service.state.artifacts import ArtifactStore, StorageUnavailable
@@ -57,7 +57,7 @@ from service.training import init_from, lifecycle, resources
 from service.training.checkpoints import spec_architecture
 from service.training.clock import SYSTEM_CLOCK, Clock
 from service.training.kept_writes import KeptWrites
-from service.config import TrainingLimits
+from service.config.builder_args import TrainingLimits
 from service.training.limits import ActiveUsage, check_job_alone, check_job_fits
 from service.training.run import final_checkpoint_key, read_result, run_prefix
 from service.training.run_actors import RunActors
@@ -65,7 +65,7 @@ from service.training.spec import JobSpec, UploadedDataset
 from service.training.status import JobStatus, can_move
 from service.training.store import JobRecord, JobStore, iso
 from service.training.uploads import Datasets
-from service.tunables import TrainingTunables
+from service.config.tunables import TrainingTunables
 from service.weights import resolve
 from service.weights.record import WeightsRecord
 

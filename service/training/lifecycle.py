@@ -28,7 +28,7 @@ from typing import Any
 from service.training.spec import JobSpec
 from service.training.status import TERMINAL, JobStatus, can_move
 from service.training.store import JobRecord
-from service.tunables import TrainingTunables
+from service.config.tunables import TrainingTunables
 
 # The run snapshot's fields the manager copies into the record when they changed.
 SNAPSHOT_FIELDS = ("status", "error", "started_at", "finished_at", "progress", "workers",
@@ -37,7 +37,7 @@ SNAPSHOT_FIELDS = ("status", "error", "started_at", "finished_at", "progress", "
 
 @dataclass(frozen=True)
 class Rules:
-    """The rules' budgets (service.tunables.TrainingTunables says why each value)."""
+    """The rules' budgets (service.config.tunables.TrainingTunables says why each value)."""
 
     max_missed_polls: int
     max_resumes: int

@@ -1,5 +1,5 @@
 """Quotas of the training side: how much of the cluster and the state dir jobs and datasets
-may hold. Each limit is a builder argument with a default (`service.config.TrainingLimits`);
+may hold. Each limit is a builder argument with a default (`service.config.builder_args.TrainingLimits`);
 hitting one is a 4xx that names it.
 
 Two kinds of refusal:
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.config import TrainingLimits
-from service.errors import ErrorCode, GangServeError, InvalidInput
+from service.config.builder_args import TrainingLimits
+from service.contract.errors import ErrorCode, GangServeError, InvalidInput
 
 
 class QuotaExceeded(GangServeError):

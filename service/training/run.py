@@ -48,7 +48,7 @@ from service.state import artifacts
 from service.training.checkpoints import MODEL_FILE
 from service.training.spec import JobSpec
 from service.training.status import JobStatus, check_transition
-from service.tunables import Tunables
+from service.config.tunables import Tunables
 
 RUN_NAMESPACE = "gangserve"
 RESULT_FILE = "result.json"

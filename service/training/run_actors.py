@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.training.lifecycle import ActorDied, Answered, Observation, TimedOut
 from service.training.run import RUN_NAMESPACE, TrainRun, run_actor_name
-from service.tunables import Tunables
+from service.config.tunables import Tunables
 
 _RemoteTrainRun = ray.remote(TrainRun)
 T = TypeVar("T")

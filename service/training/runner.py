@@ -63,14 +63,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from safetensors.torch import load as st_load_torch
 
-from service.scratch import sweep_dead_owners
+from service.cluster.scratch import sweep_dead_owners
 from service.state import artifacts
 from service.training.checkpoints import MODEL_FILE
 from service.training.datasets import Samples, load_uploaded, split, synthetic
 from service.training.models import build_model, load_model, load_tensors, save_model
 from service.training.spec import JobSpec, ModelSpecT, SyntheticDataset
 from service.training.worker_output import OutputCapture
-from service.tunables import Tunables
+from service.config.tunables import Tunables
 
 TRAIN_STATE_FILE = "train_state.pt"
 
@@ -266,7 +266,7 @@ def evaluate(model: nn.Module, val: Samples | None, rank: int, world: int, batch
 
 # Epoch checkpoint dirs: <temp dir>/gangserve-ckpt-<writer pid>-e<epoch>-<random>. Ray Train
 # deletes one after it uploaded it; one whose worker was killed first stays behind, and the
-# next writer on the node removes it (service.scratch).
+# next writer on the node removes it (service.cluster.scratch).
 CHECKPOINT_DIR_PREFIX = "gangserve-ckpt-"
 _CHECKPOINT_DIR = re.compile(rf"^{re.escape(CHECKPOINT_DIR_PREFIX)}(\d+)-e\d+-")
 

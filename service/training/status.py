@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from service.errors import Conflict, ErrorCode
+from service.contract.errors import Conflict, ErrorCode
 
 
 class JobStatus(StrEnum):

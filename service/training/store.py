@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 from service.state.db import Database, DatabaseStore, Row, Session, sqlite_url
 from service.training.limits import ActiveUsage
 from service.training.status import ACTIVE, JobStatus, parse, sources
-from service.tunables import StateTunables, TrainingTunables
+from service.config.tunables import StateTunables, TrainingTunables
 
 log = logging.getLogger("gangserve.training")
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from safetensors.numpy import save as st_save
 
-from service.errors import BadRequest, Conflict, ErrorCode, InvalidInput, NotFound
+from service.contract.errors import BadRequest, Conflict, ErrorCode, InvalidInput, NotFound
 from service.state.artifacts import ArtifactStore, StorageUnavailable
 from service.training.dataset_files import DatasetError, DatasetInfo, MalformedDataset, check_compatible, parse_upload
-from service.config import TrainingLimits
+from service.config.builder_args import TrainingLimits
 from service.training.limits import check_dataset_alone, check_dataset_fits
 from service.training.spec import JobSpec, UploadedDataset
 from service.training.store import DatasetInUse, JobStore

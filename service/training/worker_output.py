@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any, Iterator, TextIO
 
-from service.tunables import TrainingTunables
+from service.config.tunables import TrainingTunables
 
 # Terminal escapes (colours, cursor moves) mean nothing in a JSON log.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")

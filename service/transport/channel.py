@@ -68,8 +68,8 @@ import orjson
 
 from service.metrics import timeline
 from service.transport import shm
-from service.errors import ErrorCode, GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
-from service.tunables import TransportTunables
+from service.contract.errors import ErrorCode, GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
+from service.config.tunables import TransportTunables
 
 log = logging.getLogger("gangserve.channel")
 

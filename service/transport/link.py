@@ -21,7 +21,7 @@ The counters of each route (GET /gang `ingress_transport`) live here too.
 
 Every wait is bounded by the request's deadline: handle calls through `GangCalls` (which
 carries the deadline to the gang server and maps Ray's errors), the channel's through
-service.deadlines.bounded, the one bounded wait. The link takes no decision about the
+service.contract.deadlines.bounded, the one bounded wait. The link takes no decision about the
 gang (whether to wait for it, retry, or give up when it is seen unable to answer): that is
 the request policy's (service.ingress.requests), which calls the link and reads
 `route_lost_at` to look at the gang's status again after a route failed.
@@ -35,13 +35,13 @@ from typing import Any, Awaitable, Protocol, TypeVar
 
 import numpy as np
 
-from service.deadlines import bounded, seconds_left
-from service.errors import DeadlineExceeded, ErrorCode, GangUnavailable
-from service.gang_status import AnyGangStatus, IngressTransport, SynthesizedStatus
+from service.contract.deadlines import bounded, seconds_left
+from service.contract.errors import DeadlineExceeded, ErrorCode, GangUnavailable
+from service.contract.gang_status import AnyGangStatus, IngressTransport, SynthesizedStatus
 from service.metrics.process import process_metrics
 from service.transport import shm
 from service.transport.channel import ChannelClient, ChannelUnavailable, socket_path
-from service.tunables import TransportTunables
+from service.config.tunables import TransportTunables
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.scratch import sweep_dead_owners
+from service.cluster.scratch import sweep_dead_owners
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "gangserve-"

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from service.config import ModelConfig
-from service.errors import Conflict, ErrorCode
+from service.config.builder_args import ModelConfig
+from service.contract.errors import Conflict, ErrorCode
 from service.parallel.model import ModelDef, check_checkpoint, save_checkpoint
 from service.parallel.registry import resolve
 from service.state import artifacts
-from service.tunables import StateTunables
+from service.config.tunables import StateTunables
 from service.weights.record import ConfigWeights, ServedWeights
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from service.errors import Conflict, ErrorCode
+from service.contract.errors import Conflict, ErrorCode
 
 
 def job_eval_loss(job: dict[str, Any]) -> float | None:

@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from service.config import ModelConfig
+from service.config.builder_args import ModelConfig
 from service.state import artifacts
 from service.state.db import Database, DatabaseStore, Row, Session, database_url
-from service.tunables import StateTunables
+from service.config.tunables import StateTunables
 
 WEIGHTS_SUBDIR = "weights"
 

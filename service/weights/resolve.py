@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.config import ModelConfig
-from service.errors import Conflict, ErrorCode, InvalidInput, NotFound
+from service.config.builder_args import ModelConfig
+from service.contract.errors import Conflict, ErrorCode, InvalidInput, NotFound
 from service.state import artifacts
 from service.weights.record import ServedWeights, WeightsRecord
 

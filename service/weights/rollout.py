@@ -32,11 +32,11 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Protocol
 
-from service.config import ModelConfig
-from service.errors import Conflict, ErrorCode, GangServeError, GangStartupError, NotFound
-from service.gang_status import FleetView, GangState
+from service.config.builder_args import ModelConfig
+from service.contract.errors import Conflict, ErrorCode, GangServeError, GangStartupError, NotFound
+from service.contract.gang_status import FleetView, GangState
 from service.state import artifacts
-from service.tunables import GangTunables
+from service.config.tunables import GangTunables
 from service.weights.record import (
     ConfigWeights,
     ServedWeights,

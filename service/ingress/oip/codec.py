@@ -15,7 +15,7 @@ from fastapi import Response
 from gangserve_client import codecs as wire
 from pydantic import ValidationError
 
-from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType, describe_validation_errors
+from service.contract.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType, describe_validation_errors
 from service.ingress import codecs
 from service.ingress.oip.schemas import (
     BINARY_MEDIA, HEADER_LENGTH, MAX_PARAMETERS, MAX_TENSORS, MODEL_NAME, MODEL_VERSION, InferenceRequest, RequestInput,

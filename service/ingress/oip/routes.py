@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
-from service import deadlines
-from service.config import AppConfig
-from service.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
+from service.contract import deadlines
+from service.config.builder_args import AppConfig
+from service.contract.errors import NotFound, PayloadTooLarge, UnsupportedMediaType
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.ingress.deps import (
@@ -152,7 +152,7 @@ async def _infer(
     request: Request, output_dtype: str | None, header_length: int | None, cfg: AppConfig, gang: Gang,
     pool: DecodePool,
 ) -> Response:
-    started = time.monotonic()  # the deadline counts from here (service.deadlines)
+    started = time.monotonic()  # the deadline counts from here (service.contract.deadlines)
     header_s = deadlines.header_timeout(request.headers.get(deadlines.HEADER))
     media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     if media not in ("", codecs.JSON, BINARY_MEDIA):

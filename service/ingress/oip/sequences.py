@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import InvalidInput
+from service.contract.errors import InvalidInput
 from service.ingress.oip.schemas import MAX_ID_CHARS, InferenceRequest
 from service.sessions.ids import OIP_PREFIX
 

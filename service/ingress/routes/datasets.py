@@ -6,7 +6,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from service.ingress.auth import require_token
-from service.config import AppConfig
+from service.config.builder_args import AppConfig
 from service.ingress.deps import get_config, read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES

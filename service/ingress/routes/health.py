@@ -1,6 +1,6 @@
 """Liveness, readiness and the gang's description.
 
-The bodies are declared (service.gang_status): `response_model` gives /openapi.json their
+The bodies are declared (service.contract.gang_status): `response_model` gives /openapi.json their
 schemas, and `response_model_exclude_unset` keeps a key absent where the producer did not
 set it (a synthesized `scheduling` status has no `ranks`), rather than a null.
 
@@ -13,7 +13,7 @@ from typing import Any, Union
 
 from fastapi import APIRouter, Depends, Request
 
-from service.gang_status import GangsView, GangStatus, Readiness, SynthesizedStatus, dump
+from service.contract.gang_status import GangsView, GangStatus, Readiness, SynthesizedStatus, dump
 from service.ingress.auth import has_api_token, optional_api_auth, redact_paths
 from service.ingress.deps import FleetReader, Gang, get_fleet, get_gang
 from service.ingress.readiness import readiness

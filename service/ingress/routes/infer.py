@@ -15,11 +15,11 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 import numpy as np
 
-from service import deadlines
+from service.contract import deadlines
 from service.metrics import timeline
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
-from service.config import AppConfig
+from service.config.builder_args import AppConfig
 from service.ingress.deps import (
     DecodePool, check_declared_length, get_config, get_decode_pool,
     Gang, get_gang, read_body_capped,
@@ -96,7 +96,7 @@ async def infer(
     gang: Gang = Depends(get_gang),
     pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
-    started = time.monotonic()  # the deadline counts from here (service.deadlines)
+    started = time.monotonic()  # the deadline counts from here (service.contract.deadlines)
     deadline = deadlines.request_deadline(
         started, cfg.serving.request_timeout_s, deadlines.header_timeout(request.headers.get(deadlines.HEADER)),
         tunables=cfg.tunables.ingress)

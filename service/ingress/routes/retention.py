@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from service.ingress.auth import require_token
-from service.errors import ErrorCode, NotFound
+from service.contract.errors import ErrorCode, NotFound
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.routes.train import job_id_param
 

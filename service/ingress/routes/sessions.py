@@ -20,9 +20,9 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from service import deadlines
-from service.config import AppConfig
-from service.errors import InvalidInput
+from service.contract import deadlines
+from service.config.builder_args import AppConfig
+from service.contract.errors import InvalidInput
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
 from service.ingress.deps import (

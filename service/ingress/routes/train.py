@@ -16,8 +16,8 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
 from service.ingress.auth import require_token
-from service.errors import BadRequest, ErrorCode, NotFound
-from service.config import AppConfig
+from service.contract.errors import BadRequest, ErrorCode, NotFound
+from service.config.builder_args import AppConfig
 from service.ingress.deps import get_config, read_body_capped
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, inline_defs

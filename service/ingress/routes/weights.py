@@ -27,8 +27,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.errors import ErrorCode, InvalidInput
-from service.gang_status import dump
+from service.contract.errors import ErrorCode, InvalidInput
+from service.contract.gang_status import dump
 from service.ingress.auth import require_token
 from service.ingress.deps import Gang, check_declared_length, get_fleet, get_gang
 from service.ingress.fleet_client import FleetClient

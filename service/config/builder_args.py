@@ -10,12 +10,12 @@ and a class takes the section it needs, never the whole tree, where it can.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.batching import BatchPolicy
-from service.tunables import Tunables, TransportTunables
+from service.config.tunables import Tunables, TransportTunables
 
 FLOAT16_MAX = 65504.0  # float16's largest finite value
 GIB = 1024**3
@@ -187,8 +187,20 @@ class GangConfig(BaseModel):
         return self.torch_threads_per_rank or max(1, int(self.cpus_per_rank))
 
 
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How the batcher forms steps, in one place: the builder arguments max_batch_size,
+    batch_wait_timeout_s and max_padding_fraction (BatchingConfig.policy builds it from
+    them; service.gang.batching runs it), and the steps in flight at once."""
+
+    max_batch_size: int  # most rows one step coalesces
+    wait_s: float = 0.0  # extra wait for company when fewer rows are queued (0: none)
+    max_padding_fraction: float = 0.0  # most padded share of a step's tokens (0: equal lengths only)
+    max_in_flight: int = 1  # steps at once: 1 in front of the gang's sequencer
+
+
 class BatchingConfig(BaseModel):
-    """How a gang coalesces concurrent requests into steps (service.batching)."""
+    """How a gang coalesces concurrent requests into steps (service.gang.batching)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -548,7 +560,7 @@ def builder_args_markdown() -> str:
     lines = [
         "# Builder arguments",
         "",
-        "Generated from `service/config.py` (`make docs`; `tests/test_config.py` checks it is current).",
+        "Generated from `service/config/builder_args.py` (`make docs`; `tests/test_config.py` checks it is current).",
         "`service.app:build_app` validates these with `AppConfig`; unknown keys are rejected with the",
         "list of valid ones. The arguments are flat; each belongs to one section of the configuration",
         "tree (`world_size` is `cfg.gang.world_size`), which may also be given whole (`gang: {world_size: 4}`).",
@@ -567,7 +579,7 @@ def builder_args_markdown() -> str:
             text = " ".join((field.description or "").split()).replace("|", "\\|")
             lines.append(f"| `{arg}` | {_default_text(field.default)} | {text} |")
     text = " ".join((AppConfig.model_fields["tunables"].description or "").split())
-    lines += ["", "## Tunables", "", "One optional nested section, validated by `service.tunables.Tunables`.", "",
+    lines += ["", "## Tunables", "", "One optional nested section, validated by `service.config.tunables.Tunables`.", "",
               "| arg | default | meaning |", "|---|---|---|", f"| `tunables` | the defaults | {text} |"]
     lines += ["", "## Relations checked", "", "AppConfig's validator refuses arguments that break one, naming both values:", ""]
     lines += [f"- `{a}` < `{b}`: {why}" for why, a, _, b, _ in AppConfig().relations()]
@@ -576,5 +588,5 @@ def builder_args_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # python -m service.config > docs/builder-arguments.md
+if __name__ == "__main__":  # python -m service.config.builder_args > docs/builder-arguments.md
     print(builder_args_markdown(), end="")

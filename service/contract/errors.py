@@ -3,7 +3,7 @@
 `ErrorCode` lists every machine code the service answers with: its wire string (the public
 contract: never renamed), the HTTP statuses it is sent with, whether the ingress retries an
 inference request through it, and a line saying when it happens. docs/api.md's error table
-is generated from it (`python -m service.errors`; `make docs` writes it into docs/api.md).
+is generated from it (`python -m service.contract.errors`; `make docs` writes it into docs/api.md).
 
 The errors below are raised anywhere (ingress, gang server, rank actors) and mapped to
 `{"error": <message>, "code": <code>}` with `status` at the HTTP edge only. They survive
@@ -209,7 +209,7 @@ _BY_WIRE: dict[str, ErrorCode] = {code.value: code for code in ErrorCode}
 # What the ingress retries a request through (service.ingress.requests.RequestPolicy).
 RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(code for code in ErrorCode if code.retryable)
 
-# A gang that is not ready answers with the code of its state (service.gang_status's states).
+# A gang that is not ready answers with the code of its state (service.contract.gang_status's states).
 _GANG_STATE_CODES: dict[str, ErrorCode] = {
     "starting": ErrorCode.GANG_STARTING, "broken": ErrorCode.GANG_BROKEN,
     "rebuilding": ErrorCode.GANG_REBUILDING, "stopped": ErrorCode.GANG_STOPPED,
@@ -236,7 +236,7 @@ def error_table_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-TABLE_BEGIN = "<!-- error table: generated from service/errors.py by `make docs`; do not edit -->"
+TABLE_BEGIN = "<!-- error table: generated from service/contract/errors.py by `make docs`; do not edit -->"
 TABLE_END = "<!-- end of the error table -->"
 
 
@@ -367,7 +367,7 @@ class CollectiveTimeout(GangServeError):
 
 class DeadlineExceeded(GangServeError):
     """The request's own deadline (X-Request-Timeout-Seconds, OIP `parameters.timeout`, or the
-    builder's `request_timeout_s`) passed before its answer was ready (service.deadlines)."""
+    builder's `request_timeout_s`) passed before its answer was ready (service.contract.deadlines)."""
 
     code = ErrorCode.DEADLINE_EXCEEDED
 
@@ -430,9 +430,9 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m service.errors` prints the error table; `--update FILE` writes it into FILE
+    """`python -m service.contract.errors` prints the error table; `--update FILE` writes it into FILE
     between its markers (docs/api.md)."""
-    parser = argparse.ArgumentParser(prog="python -m service.errors", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m service.contract.errors", description=main.__doc__)
     parser.add_argument("--update", type=Path, metavar="FILE", help="rewrite FILE's error table in place")
     args = parser.parse_args(argv)
     if args.update is None:

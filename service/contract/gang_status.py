@@ -104,7 +104,7 @@ class BringUpTimings(_Closed):
 
 
 class BatchingStats(_Closed):
-    """A StepBatcher's counters (service.batching.StepBatcher.stats)."""
+    """A StepBatcher's counters (service.gang.batching.StepBatcher.stats)."""
 
     steps: int
     requests: int

@@ -35,8 +35,8 @@ import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 from service.cluster.front_door import header_timed_by_serve_proxy
-from service.errors import ErrorCode, InvalidInput
-from service.tunables import IngressTunables
+from service.contract.errors import ErrorCode, InvalidInput
+from service.config.tunables import IngressTunables
 
 T = TypeVar("T")
 

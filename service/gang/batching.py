@@ -53,7 +53,8 @@ from typing import Awaitable, Callable, Generic, TypeVar
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+from service.config.builder_args import BatchPolicy
+from service.contract.errors import DeadlineExceeded, DeadlineExceededBeforeStep
 from service.metrics import timeline
 
 # (x [batch, seq, E] float32, key mask [batch, seq] bool or None, causal or None,
@@ -235,18 +236,6 @@ class _Pending(Queued):
     @property
     def seq(self) -> int:
         return int(self.x.shape[1])
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    """How the batcher forms steps, in one place: the builder arguments max_batch_size,
-    batch_wait_timeout_s and max_padding_fraction (service.config.GangConfig.batching builds
-    it from them), and the steps in flight at once."""
-
-    max_batch_size: int  # most rows one step coalesces
-    wait_s: float = 0.0  # extra wait for company when fewer rows are queued (0: none)
-    max_padding_fraction: float = 0.0  # most padded share of a step's tokens (0: equal lengths only)
-    max_in_flight: int = 1  # steps at once: 1 in front of the gang's sequencer
 
 
 class StepBatcher:

@@ -1,13 +1,13 @@
 """The service's tunables: every timing and sizing knob of its own machinery, in one place.
 
-Builder arguments (service.config.AppConfig) are what an app is deployed with; tunables are
+Builder arguments (service.config.builder_args.AppConfig) are what an app is deployed with; tunables are
 the numbers the machinery runs on: how often a gang is probed, how long a rebuild backs off,
 how stale a report may be, how big a shared region gets, how long a store waits for a lock.
 Like torchtitan's config sections, each concern is one frozen, typed dataclass whose every
 field says what it bounds and why that default. They are set at deploy time in the builder
 arguments' optional `tunables:` section (`AppConfig.tunables`, e.g. `tunables: {gang:
 {probe_interval_s: 1.0}}`): pydantic validates a partial override against these classes and
-refuses an unknown key, naming it. `python -m service.tunables` prints the reference
+refuses an unknown key, naming it. `python -m service.config.tunables` prints the reference
 (docs/tunables.md, `make docs`; tests/test_config.py checks it is current).
 
 How code uses them: there is no module-level instance. The app builder validates one
@@ -181,7 +181,7 @@ class TransportTunables:
 @dataclass(frozen=True)
 class IngressTunables:
     """Ingress: its waits on the gang, the Controller and the JobManager, and its request path
-    (service.ingress, service.deadlines, the Ingress deployment)."""
+    (service.ingress, service.contract.deadlines, the Ingress deployment)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # an unknown key is refused, named
 
@@ -383,7 +383,7 @@ def tunables_markdown(tunables: Tunables | None = None) -> str:
     lines = [
         "# Tunables",
         "",
-        "Generated from `service/tunables.py` (`make docs`; `tests/test_config.py` checks it is current).",
+        "Generated from `service/config/tunables.py` (`make docs`; `tests/test_config.py` checks it is current).",
         "They are the timing and sizing knobs of the service's own machinery, one frozen section per",
         "concern, set at deploy time in the `tunables:` section of the builder arguments",
         "([builder-arguments.md](builder-arguments.md)); a partial override keeps the other defaults,",
@@ -411,5 +411,5 @@ def tunables_markdown(tunables: Tunables | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # python -m service.tunables > docs/tunables.md
+if __name__ == "__main__":  # python -m service.config.tunables > docs/tunables.md
     print(tunables_markdown(), end="")
