@@ -11,7 +11,8 @@ Each app carries the settings one test is about, so the union of both modules' n
   keep padding under half (`max_padding_fraction`);
 - ws4: the data channel off (the handle and /dev/shm paths; ws1 and ws2 use the channel).
 
-The sessions module mutates its ws2 app (a weights swap, a killed rank), so the two modules
+The sessions module mutates its ws2 app (a weights swap; tests that kill a rank use their
+own apps, tests/test_gang_faults.py), so the two modules
 run next to each other, masks first, in either file order (tests/conftest.py); the apps are
 deleted when the last test that asks for `world_size_apps` ends, so they never hold the
 cluster's CPUs while other modules run.

@@ -10,28 +10,33 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
+from service.parallel.weights import random_weights
 from tests.conftest import deploy, local_yaml_args, undeploy
 from tests.faults import (RequestLoop, driver_side_policy, gang_client_around_kill, gang_info, transport_used,
                           wait_for_new_gang)
-from tests.helpers import eventually, pid_alive, poll, scrape, total
-from tests.reference import dense_attention, notes_seed_weights, relative_error
+from tests.helpers import eventually, pid_alive, poll, rand, scrape, total
+from tests.reference import dense_attention, relative_error
+from tests.session_client import E, HttpSession
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-WEIGHTS = notes_seed_weights(512)
+SEED = 3
+WEIGHTS = random_weights(512, SEED)  # the softmax far from one-hot (the notes' seed weights are nearly so)
 COLLECTIVE_TIMEOUT_S = 5.0
 ALLOWED = {200, 503, 504}
 
 
 @pytest.fixture(scope="module")
 def fault_url(serve_url: str) -> str:
-    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+    args = {**local_yaml_args(), "init": "random", "seed": SEED, "cpus_per_rank": 0.25,
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
             "warm_spare": True}  # the product's default, which the kill tests are about
     base = deploy(serve_url, "faults", "/faults", args)
     yield base
@@ -100,6 +105,42 @@ def test_kill_nonzero_rank_under_load_rebuilds(fault_url: str) -> None:
     # A new spare is started for the next loss (not waited for: it warms up in the background).
     after = gang_info(fault_url)["spare"]
     assert after["state"] in ("starting", "warm") and after.get("pid") not in (spare, victim), after
+
+
+def test_kill_rank1_under_session_appends_recomputes_every_session(fault_url: str) -> None:
+    """16 sessions appending in a loop while rank 1 is killed with SIGKILL: the gang is
+    rebuilt, every append answers 200 and right (the ingress retries the failed step, which
+    appended nothing), and the lost K/V is recomputed (counted)."""
+    base = fault_url
+    sessions = [HttpSession(base, WEIGHTS, prefill=rand(5, E, seed=400 + i)) for i in range(16)]
+    info = gang_info(base)
+    assert info is not None
+    victim, before = info["ranks"][1]["pid"], info["sessions"]["recomputed_tokens"]
+    stop = time.monotonic() + 1e9
+    counts = [0] * len(sessions)
+
+    def loop(i: int) -> None:
+        s = sessions[i]
+        while time.monotonic() < stop and counts[i] < 400:
+            r = s.append(rand(1, E, seed=i * 1000 + counts[i]))
+            assert r.status_code == 200, r.text
+            counts[i] += 1
+
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        futures = [pool.submit(loop, i) for i in range(len(sessions))]
+        eventually(lambda: sum(counts) >= 16, 60, "appends before the kill")
+        os.kill(victim, signal.SIGKILL)
+        killed_at = sum(counts)
+        eventually(lambda: (g := gang_info(base) or {}).get("state") == "ready" and victim not in
+                   {r["pid"] for r in g["ranks"]}, 120, "the gang rebuilt")
+        eventually(lambda: sum(counts) >= killed_at + 32, 120, "appends after the rebuild")
+        stop = time.monotonic()
+        for f in futures:
+            f.result(timeout=120)
+    after = (gang_info(base) or {})["sessions"]["recomputed_tokens"]
+    assert after > before, (before, after)
+    for s in sessions:  # no session lost, none appended twice
+        assert s.info()["length"] == len(s.seq)
 
 
 def test_stopped_rank_gives_504_at_the_request_deadline_then_rebuild(fault_url: str) -> None:
@@ -286,7 +327,8 @@ def test_redeploy_under_load_drains_and_loses_no_request(fault_url: str) -> None
     from service.app import build_app
 
     before = {r["pid"] for r in gang_info(fault_url)["ranks"]}
-    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+    args = {**local_yaml_args(), "init": "random", "seed": SEED, "cpus_per_rank": 0.25,
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
             "max_queued_requests": 255}  # any change: a new version of both deployments
     def redeployed() -> bool:
         info = gang_info(fault_url)
@@ -317,7 +359,8 @@ def test_failed_rebuild_is_retried_with_backoff_and_reported(serve_url: str, tmp
     weights = random_weights(512, seed=12)
     path = tmp_path / "w.safetensors"
     save_checkpoint(path, weights, num_heads=8)
-    args = {**local_yaml_args(), "cpus_per_rank": 0.25, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+    args = {**local_yaml_args(), "init": "random", "seed": SEED, "cpus_per_rank": 0.25,
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
             "checkpoint": str(path)}
     base = deploy(serve_url, "rebuild", "/rebuild", args)
     try:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import io
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -26,9 +25,9 @@ from service.sessions.registry import Limits, SessionRegistry, StepItem
 from tests.conftest import deploy, undeploy
 from tests.shared_apps import E, SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
 from tests.helpers import assert_error, eventually, npy_bytes, rand
+from tests.session_client import TOL, HttpSession
 from tests.reference import reference, relative_error
 
-TOL = 1e-5
 
 
 # ---------------------------------------------------------------- unit: the rank side's math
@@ -98,46 +97,6 @@ def apps(world_size_apps: WorldSizeApps) -> Callable[[int], str]:
     return world_size_apps.get
 
 
-class Client:
-    """A session driven over HTTP (npy bodies), with the expected outputs tracked."""
-
-    def __init__(self, base: str, prefill: np.ndarray | None = None) -> None:
-        self.base = base
-        self.seq = np.zeros((0, E), np.float32)
-        if prefill is None:
-            r = httpx.post(f"{base}/sessions", timeout=60)
-            assert r.status_code == 201, r.text
-            self.id = r.json()["session_id"]
-        else:
-            r = httpx.post(f"{base}/sessions", content=npy_bytes(prefill),
-                           headers={"content-type": "application/x-npy"}, timeout=60)
-            assert r.status_code == 201, r.text
-            self.id = r.headers["x-session-id"]
-            self.check(prefill, r)
-
-    def append(self, rows: np.ndarray, **params: Any) -> httpx.Response:
-        r = httpx.post(f"{self.base}/sessions/{self.id}/append", content=npy_bytes(rows), params=params,
-                       headers={"content-type": "application/x-npy"}, timeout=60)
-        if r.status_code == 200:
-            self.check(rows, r)
-        return r
-
-    def check(self, rows: np.ndarray, r: httpx.Response) -> None:
-        self.seq = np.concatenate([self.seq, rows])
-        out = np.load(io.BytesIO(r.content))
-        assert out.shape == rows.shape, (out.shape, rows.shape)
-        want = reference(self.seq, causal=True, weights=WEIGHTS)[-len(rows):]
-        err = relative_error(torch.from_numpy(out), want)
-        assert err <= TOL, f"session {self.id} at length {len(self.seq)}: relative error {err:.3e}"
-        assert int(r.headers["x-session-length"]) == len(self.seq)
-        assert r.headers["x-weights-version"].isdigit()
-
-    def info(self) -> dict:
-        r = httpx.get(f"{self.base}/sessions/{self.id}", timeout=30)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
 def gang(base: str) -> dict:
     r = httpx.get(base + "/gang", timeout=30)
     assert r.status_code == 200, r.text
@@ -148,9 +107,9 @@ def gang(base: str) -> dict:
 @pytest.mark.parametrize("ws", [1, 2, 4])
 def test_interleaved_sessions_match_causal_mha(apps: Callable[[int], str], ws: int) -> None:
     base = apps(ws)
-    a = Client(base, prefill=rand(7, E, seed=1))
-    b = Client(base)
-    c = Client(base, prefill=rand(1, 1, E, seed=2)[0])
+    a = HttpSession(base, WEIGHTS, prefill=rand(7, E, seed=1))
+    b = HttpSession(base, WEIGHTS)
+    c = HttpSession(base, WEIGHTS, prefill=rand(1, 1, E, seed=2)[0])
     for i in range(5):
         for s, n in ((a, 1), (b, 3 if i % 2 else 1), (c, 20 if i == 2 else 1)):
             r = s.append(rand(n, E, seed=100 * i + n + len(s.seq)))
@@ -174,7 +133,7 @@ def test_interleaved_sessions_match_causal_mha(apps: Callable[[int], str], ws: i
 @pytest.mark.ray
 def test_bad_input_is_refused_and_changes_nothing(apps: Callable[[int], str]) -> None:
     base = apps(2)
-    s = Client(base, prefill=rand(3, E, seed=4))
+    s = HttpSession(base, WEIGHTS, prefill=rand(3, E, seed=4))
     url = f"{base}/sessions/{s.id}/append"
     npy = {"content-type": "application/x-npy"}
     doc = assert_error(httpx.post(url, content=npy_bytes(rand(2, E - 1)), headers=npy, timeout=30), 422, "invalid_input")
@@ -205,7 +164,7 @@ def test_concurrent_sessions_share_steps(apps: Callable[[int], str]) -> None:
     four or more sessions); the goal of one step per four appends is a bench row
     (`bench/run.py --only sessions`)."""
     base = apps(2)
-    sessions = [Client(base, prefill=rand(2 + i % 5, E, seed=300 + i)) for i in range(32)]
+    sessions = [HttpSession(base, WEIGHTS, prefill=rand(2 + i % 5, E, seed=300 + i)) for i in range(32)]
     before = gang(base)["sessions"]["batching"]
     rounds = 3
     with ThreadPoolExecutor(32) as pool:
@@ -226,7 +185,7 @@ def test_cache_bytes_per_token_and_gang_report(apps: Callable[[int], str]) -> No
     """Bytes per cached token per rank = 2 * (E / ws) * 4 (float32) plus at most 10% layout
     overhead, as /gang and GET /sessions/{id} report; the pool is what the budget says."""
     base = apps(2)
-    s = Client(base, prefill=rand(200, E, seed=11))
+    s = HttpSession(base, WEIGHTS, prefill=rand(200, E, seed=11))
     formula = 2 * (E // 2) * 4
     report = gang(base)["sessions"]
     assert report["bytes_per_token_per_rank"] == formula
@@ -245,9 +204,9 @@ def test_eviction_recomputes_and_stays_right(apps: Callable[[int], str]) -> None
     """The cache holds 1024 tokens: a second 600-token session evicts the first (LRU), whose
     next append is recomputed from its kept inputs (counted) and still exact."""
     base = apps(1)
-    a = Client(base, prefill=rand(600, E, seed=21))
+    a = HttpSession(base, WEIGHTS, prefill=rand(600, E, seed=21))
     before = gang(base)["sessions"]
-    b = Client(base, prefill=rand(600, E, seed=22))
+    b = HttpSession(base, WEIGHTS, prefill=rand(600, E, seed=22))
     mid = gang(base)["sessions"]
     assert mid["evictions"] > before["evictions"]
     assert a.info()["cached_tokens"] == 0
@@ -258,7 +217,7 @@ def test_eviction_recomputes_and_stays_right(apps: Callable[[int], str]) -> None
     assert after["recomputed_tokens"] - mid["recomputed_tokens"] >= 600
     assert b.append(rand(2, E, seed=24)).status_code == 200  # b was evicted in turn: right again
     # a session longer than the whole cache can never be held: 507, nothing appended
-    c = Client(base)
+    c = HttpSession(base, WEIGHTS)
     doc = assert_error(c.append(rand(SMALL_CACHE_TOKENS + 16, E, seed=25)), 507, "session_cache_full")
     assert "blocks" in doc["error"]
     assert c.info()["length"] == 0
@@ -267,7 +226,7 @@ def test_eviction_recomputes_and_stays_right(apps: Callable[[int], str]) -> None
 @pytest.mark.ray
 def test_idle_session_expires_distinct_from_unknown(apps: Callable[[int], str]) -> None:
     base = apps(1)
-    s = Client(base, prefill=rand(2, E, seed=31))
+    s = HttpSession(base, WEIGHTS, prefill=rand(2, E, seed=31))
     doc = eventually(lambda: httpx.get(f"{base}/sessions/{s.id}", timeout=10).json().get("code") == "session_expired"
                      and True, 30, "the idle session to expire")
     assert doc
@@ -279,42 +238,6 @@ def test_idle_session_expires_distinct_from_unknown(apps: Callable[[int], str]) 
 
 
 @pytest.mark.ray
-def test_kill_rank1_under_load_recomputes_every_session(apps: Callable[[int], str]) -> None:
-    """16 sessions appending in a loop while rank 1 is killed with SIGKILL: the gang is
-    rebuilt, every append answers 200 and right (the ingress retries the failed step, which
-    appended nothing), and the lost K/V is recomputed (counted)."""
-    base = apps(2)
-    sessions = [Client(base, prefill=rand(5, E, seed=400 + i)) for i in range(16)]
-    info = gang(base)
-    victim, before = info["ranks"][1]["pid"], info["sessions"]["recomputed_tokens"]
-    stop = time.monotonic() + 1e9
-    counts = [0] * len(sessions)
-
-    def loop(i: int) -> None:
-        s = sessions[i]
-        while time.monotonic() < stop and counts[i] < 400:
-            r = s.append(rand(1, E, seed=i * 1000 + counts[i]))
-            assert r.status_code == 200, r.text
-            counts[i] += 1
-
-    with ThreadPoolExecutor(len(sessions)) as pool:
-        futures = [pool.submit(loop, i) for i in range(len(sessions))]
-        eventually(lambda: sum(counts) >= 16, 60, "appends before the kill")
-        os.kill(victim, signal.SIGKILL)
-        killed_at = sum(counts)
-        eventually(lambda: (g := gang(base)).get("state") == "ready" and victim not in
-                   {r["pid"] for r in g["ranks"]}, 120, "the gang rebuilt")
-        eventually(lambda: sum(counts) >= killed_at + 32, 120, "appends after the rebuild")
-        stop = time.monotonic()
-        for f in futures:
-            f.result(timeout=120)
-    after = gang(base)["sessions"]["recomputed_tokens"]
-    assert after > before, (before, after)
-    for s in sessions:  # no session lost, none appended twice
-        assert s.info()["length"] == len(s.seq)
-
-
-@pytest.mark.ray
 def test_weights_swap_recomputes_under_the_new_version(apps: Callable[[int], str]) -> None:
     """A session computed with version V answers, after a swap to V+1, with V+1 named and the
     rows of the new weights over its whole sequence (recomputed): never a mix."""
@@ -323,7 +246,7 @@ def test_weights_swap_recomputes_under_the_new_version(apps: Callable[[int], str
     from tests.helpers import AUTH
 
     base = apps(2)
-    s = Client(base, prefill=rand(9, E, seed=51))
+    s = HttpSession(base, WEIGHTS, prefill=rand(9, E, seed=51))
     old = int(s.append(rand(1, E, seed=52)).headers["x-weights-version"])
     new_weights = random_weights(512, 77)
     rel = "checkpoints/sessions-swap-77.safetensors"
@@ -422,10 +345,10 @@ def test_several_gangs_affinity_then_rank0_loss_answers_410(two_gangs: str) -> N
     holds it); kill -9 of one gang's rank 0 (its GangServer replica) makes its sessions answer
     410 session_lost, while the other gang's sessions go on."""
     base = two_gangs
-    sessions = [Client(base, prefill=rand(3, E, seed=800 + i)) for i in range(8)]
+    sessions = [HttpSession(base, WEIGHTS, prefill=rand(3, E, seed=800 + i)) for i in range(8)]
     owners = {s.id.rsplit("-", 1)[0] for s in sessions}
     if len(owners) < 2:  # the router's random choice put all 8 on one gang: open more
-        sessions += [Client(base, prefill=rand(3, E, seed=900 + i)) for i in range(16)]
+        sessions += [HttpSession(base, WEIGHTS, prefill=rand(3, E, seed=900 + i)) for i in range(16)]
         owners = {s.id.rsplit("-", 1)[0] for s in sessions}
     assert len(owners) == 2, owners
     for _ in range(3):
