@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -211,6 +212,93 @@ def test_binary_decoding_is_zero_copy() -> None:
         out = codecs.decode(body, media)
         assert not out.flags.owndata and not out.flags.writeable  # a view of the request body
         assert np.array_equal(out, a)
+
+
+# Printable characters but the quotes and the backslash (repr writes those with escapes).
+_PRINTABLE = st.characters(min_codepoint=32, max_codepoint=126, blacklist_characters="\\'\"")
+# Python literals of the npy header's grammar: what numpy writes, and the nesting a structured descr has.
+_literal_leaves = st.one_of(st.integers(-2**70, 2**70), st.booleans(), st.none(),
+                            st.text(_PRINTABLE, max_size=6))
+header_literals = st.recursive(_literal_leaves, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.lists(inner, max_size=4).map(tuple),
+    st.dictionaries(st.one_of(st.text(_PRINTABLE, max_size=6),
+                              st.integers(-9, 9)), inner, max_size=4)), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(header_literals)
+def test_npy_header_literals_read_as_python_reads_them(value: object) -> None:
+    """The npy header's own parser (no `ast`) reads every literal of its grammar as Python's
+    `ast.literal_eval` does (the independent reference), in numpy's spelling and a spaced one."""
+    import ast
+
+    from gangserve_client.codecs import _Literal
+
+    text = repr(value)
+    assert _Literal(text).parse() == ast.literal_eval(text) == value
+    spaced = text.replace(",", " ,  ").replace("(", "( ").replace(":", " : ")
+    assert _Literal(spaced).parse() == ast.literal_eval(spaced)
+
+
+@pytest.mark.parametrize("text", ["(0, 2**70)", "{'a': 1.5}", "'a' 'b'", "{'a': 1,, }", "[1, 2", "(1 2)", "x",
+                                  "{'a': '\\x41'}", "(" * 20 + ")" * 20, "{1: 2}}", "1e3", "()()"])
+def test_npy_header_parser_refuses_what_is_not_a_plain_literal(text: str) -> None:
+    from gangserve_client.codecs import _Literal
+
+    with pytest.raises(ValueError):
+        _Literal(text).parse()
+
+
+def test_npy_headers_decode_while_other_threads_build_asts() -> None:
+    """CPython 3.11's AST builder keeps its recursion depth in one per-interpreter counter, so
+    `ast.literal_eval` racing another thread's `ast.parse` (the traceback module's, placing its
+    carets, in any thread that formats an exception) can fail on a valid header; a garbage
+    collection run inside the builder (a finalizer here) is the thread switch. Seen as a correct
+    request answered 400 `malformed` during the fault tests. The header parser builds no AST."""
+    import ast
+    import gc
+    import threading
+    import time
+
+    class Cycle:  # freed by the collector only; its finalizer runs Python code: a switch point
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            time.sleep(0)
+
+    stop = threading.Event()
+    raced: list[BaseException] = []
+
+    def build_asts() -> None:
+        source = "x = f(a[1], g(2, 3)) + {'k': (1, 2, [3, 4])}\n" * 20
+        while not stop.is_set():
+            try:
+                ast.parse(source)
+            except SystemError as exc:  # the race, hit by this thread instead
+                raced.append(exc)
+            [Cycle() for _ in range(20)]
+
+    body = wire.encode_npy(np.ones((1, 4, 512), np.float32))
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50, 5, 5)
+    threads = [threading.Thread(target=build_asts, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(5_000):
+            assert wire.decode_npy(body).shape == (1, 4, 512)
+            [Cycle() for _ in range(5)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        gc.set_threshold(*thresholds)
+    print(f"the AST race hit the other threads {len(raced)} times")
+    # The race hits a short conversion (a header's) rarely enough that a loop cannot show it
+    # reliably: so the codec must not reach for the AST builder at all.
+    source = Path(wire.__file__).read_text()
+    assert "literal_eval(" not in source and "import ast" not in source
 
 
 def test_npy_never_unpickles() -> None:

@@ -336,16 +336,7 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     assert -200 not in statuses, "a 200 carried a wrong answer"
     assert -1 not in statuses, f"unanswered within {CLIENT_WAIT_S} s: {load.slowest(killed_at)}"
     assert not load.foreign_bodies(), load.foreign_bodies()
-    # Found, not explained (1 run in 8, in the full suite, issue 44's closing note): one
-    # request's npy body reached the ingress corrupted during the node loss, and the ingress
-    # answered our JSON 400 `malformed` ("invalid npy header"), blaming the client. It is ours
-    # and on time, so it is tolerated here once per client thread, and named: never silent.
-    malformed = [body for status, _, t0 in load.results if status == 400
-                 for body in [load.body_at.get(t0, "")] if '"code":"malformed"' in body]
-    if malformed:
-        print(f"node loss: {len(malformed)} request bodies arrived corrupted: {malformed}")
-    assert statuses.get(400, 0) == len(malformed) <= load.threads, (statuses, load.bodies)
-    assert set(statuses) - {400} <= {200, 503, 504}, (statuses, load.bodies)
+    assert set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     # The gang noticed the lost peer itself (its group's error), without Ray's node health
     # check: the ingress replicas' own request times, app-wide, stay within the fault bound.
     answered, slow = infer_times(app, FAULT_BOUND_S)

@@ -23,7 +23,7 @@ Contracts:
   carries: dtype, name, nesting, values; 422) and `UnencodableError` (an array the format
   cannot write; 406).
 
-Nothing here ever unpickles: npy headers are parsed here with `ast.literal_eval` of a
+Nothing here ever unpickles: npy headers are parsed here, as a literal only (`_Literal`), from a
 size-capped header, and only float descrs are accepted; safetensors headers are parsed
 here, with the header length capped and every offset bounds-checked before any slicing.
 Large JSON values are converted and serialized in chunks of `JSON_CHUNK_VALUES`, so a
@@ -31,7 +31,6 @@ thread doing it gives the interpreter lock back between chunks.
 """
 from __future__ import annotations
 
-import ast
 import io
 import re
 import reprlib
@@ -269,12 +268,89 @@ def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] 
 
 # ---------------------------------------------------------------- npy
 
+# The npy header is a Python literal (numpy writes `{'descr': '<f4', 'fortran_order': False,
+# 'shape': (1, 4, 512), }`). It is read by this small parser, never by `ast`: in CPython 3.11 the
+# AST builder keeps its recursion depth in one per-interpreter counter, so an `ast.literal_eval`
+# racing any other thread's `ast.parse` (the traceback module calls it to place its carets, in
+# whichever thread formats an exception) fails with "SystemError: AST constructor recursion depth
+# mismatch" on a valid header: a client's correct request answered 400 (bench/NOTES.md, issue 44).
+_LITERAL_TOKEN = re.compile(r"""\s*(?:(?P<punct>[{}()\[\],:])|'(?P<sq>[^'\\\n]*)'|"(?P<dq>[^"\\\n]*)"|(?P<int>[-+]?[0-9]+)(?![0-9.eEjJ])|(?P<name>True|False|None)\b)""")
+_NAMES: dict[str, Any] = {"True": True, "False": False, "None": None}
+_MAX_LITERAL_DEPTH = 8  # a header nests three deep (dict, descr list, subarray tuple)
+
+
+class _Literal:
+    """A Python literal of strings (no escapes), ints, True/False/None, tuples, lists and dicts:
+    the whole grammar of an npy header. Anything else (an expression, a float, an escape,
+    nesting past _MAX_LITERAL_DEPTH) is a ValueError."""
+
+    def __init__(self, text: str) -> None:
+        self._text, self._at = text, 0
+
+    def parse(self) -> Any:
+        value = self._value(0)
+        if self._text[self._at:].strip():
+            raise ValueError(f"unexpected text at {self._at}")
+        return value
+
+    def _token(self) -> re.Match[str]:
+        match = _LITERAL_TOKEN.match(self._text, self._at)
+        if match is None:
+            raise ValueError(f"not a literal at {self._at}")
+        self._at = match.end()
+        return match
+
+    def _peek(self, punct: str) -> bool:
+        match = _LITERAL_TOKEN.match(self._text, self._at)
+        if match is not None and match.group("punct") == punct:
+            self._at = match.end()
+            return True
+        return False
+
+    def _value(self, depth: int) -> Any:
+        if depth > _MAX_LITERAL_DEPTH:
+            raise ValueError("nested too deep")
+        token = self._token()
+        kind, text = token.lastgroup, token.group(token.lastgroup or 0)
+        if kind in ("sq", "dq"):
+            return text
+        if kind == "int":
+            if len(text) > 40:
+                raise ValueError("integer too long")
+            return int(text)
+        if kind == "name":
+            return _NAMES[text]
+        closing = {"(": ")", "[": "]", "{": "}"}.get(text)
+        if closing is None:
+            raise ValueError(f"unexpected {text!r} at {token.start()}")
+        items: list[Any] = []
+        pairs: dict[Any, Any] = {}
+        comma = False  # the last item was followed by a comma
+        while not self._peek(closing):
+            if closing == "}":
+                key = self._value(depth + 1)
+                if not self._peek(":"):
+                    raise ValueError(f"a dict key without ':' at {self._at}")
+                pairs[key] = self._value(depth + 1)
+            else:
+                items.append(self._value(depth + 1))
+            comma = self._peek(",")
+            if not comma:
+                if not self._peek(closing):
+                    raise ValueError(f"expected ',' or {closing!r} at {self._at}")
+                break
+        if closing == "}":
+            return pairs
+        if closing == ")" and len(items) == 1 and not comma:
+            return items[0]  # `(5)` is 5, `(5,)` a tuple
+        return tuple(items) if closing == ")" else items
+
 def decode_npy(body: bytes | memoryview, check: ShapeCheck | None = None) -> np.ndarray:
     """The array of an npy body (zero-copy). Only float16/32/64 descrs are accepted.
 
     The header (format 1.0, 2.0 or 3.0) is parsed here, never by numpy's loader: its
-    size is capped (MAX_NPY_HEADER), it is read with `ast.literal_eval` (no code, no
-    pickles), and every field is type-checked before it is used.
+    size is capped (MAX_NPY_HEADER), it is read by `_Literal` (a literal only: no code, no
+    pickles, no `ast`), and every field is type-checked before it is used.
     """
     view = memoryview(body)
     if len(view) < 10 or bytes(view[:6]) != NPY_MAGIC:
@@ -295,9 +371,9 @@ def decode_npy(body: bytes | memoryview, check: ShapeCheck | None = None) -> np.
         )
     raw = bytes(view[start:start + header_len])
     try:
-        header = ast.literal_eval(raw.decode("utf-8" if major == 3 else "latin-1"))
-    except Exception:  # SyntaxError, ValueError, RecursionError, MemoryError, ...: all mean "not a header"
-        raise MalformedError(f"invalid npy header: not a Python dict literal; got {snip(raw)}") from None
+        header = _Literal(raw.decode("utf-8" if major == 3 else "latin-1")).parse()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedError(f"invalid npy header: not a Python dict literal ({exc}); got {snip(raw)}") from None
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
         found = sorted(map(str, header))[:5] if isinstance(header, dict) else type(header).__name__
         raise MalformedError(
