@@ -276,6 +276,38 @@ def test_cancelled_queued_request_is_dropped_and_counted() -> None:
     assert all(s[1] != 7 for s in step.shapes) and drops == [("cancelled", 1)]
 
 
+def test_a_bounded_call_given_up_leaves_no_unretrieved_exception() -> None:
+    """A Serve response cancelled at the bound ends its task with its own error
+    (RequestCancelledError), not CancelledError; `bounded` reads it, so the loop never logs
+    "Task exception was never retrieved" (seen in the GangServer's logs under faults)."""
+    import gc
+    import time
+
+    from service.contract.deadlines import bounded
+
+    class Cancelled(Exception):
+        """What a cancelled call raises instead of CancelledError (as Serve's response does)."""
+
+    async def call() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise Cancelled("cancelled") from None
+
+    async def scenario() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        reported: list[dict] = []
+        loop.set_exception_handler(lambda _, context: reported.append(context))
+        with pytest.raises(TimeoutError):
+            await bounded(call(), until=time.monotonic() + 0.05, timed_out=lambda: TimeoutError("bound"))
+        await asyncio.sleep(0.05)  # by design: the cancelled task ends on the next loop turns
+        gc.collect()  # an unretrieved task exception is reported when the task is freed
+        return reported
+
+    reported = asyncio.run(scenario())
+    assert not [c for c in reported if "never retrieved" in c.get("message", "")], reported
+
+
 def test_deadline_sources_and_bad_values() -> None:
     from service.contract import deadlines
     from service.contract.errors import InvalidInput

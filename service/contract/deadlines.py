@@ -145,3 +145,11 @@ async def bounded(call: Awaitable[T], *, until: float, timed_out: Callable[[], B
             task.cancel()
             if on_cancel is not None:
                 on_cancel()
+            # A cancelled Serve response ends its task with RequestCancelledError rather than
+            # CancelledError: nobody awaits it now, so read it (no "exception never retrieved").
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
