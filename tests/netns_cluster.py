@@ -49,6 +49,10 @@ class Node:
     alive: bool = True
 
 
+# Where the last cluster's head left its Serve logs (NetnsCluster.shutdown).
+KEPT_LOGS = Path(tempfile.gettempdir()) / "gangserve-netns-serve-logs"
+
+
 @dataclass
 class NetnsCluster:
     """Build with `start()`, always `shutdown()` (the fixture does)."""
@@ -239,4 +243,13 @@ class NetnsCluster:
             _ip("netns", "del", node.name, check=False)
         if self._bridge_up:
             _ip("link", "del", self.bridge, check=False)
+        self._keep_serve_logs()
         shutil.rmtree(self.work, ignore_errors=True)
+
+    def _keep_serve_logs(self) -> None:
+        """The head's Serve logs (the ingress's request lines, the replicas' warnings) outlive the
+        cluster in KEPT_LOGS, replaced by each run: a fault test's failure can be read after it."""
+        logs = Path(self.nodes[0].temp_dir) / "session_latest" / "logs" / "serve" if self.nodes else None
+        if logs is not None and logs.is_dir():
+            shutil.rmtree(KEPT_LOGS, ignore_errors=True)
+            shutil.copytree(logs, KEPT_LOGS, dirs_exist_ok=True)
