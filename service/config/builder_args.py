@@ -451,24 +451,22 @@ class AppConfig(BaseModel):
         for key, value in data.items():
             # `model` is both a section and a builder argument (the model's kind): a string is the kind.
             if key in cls.model_fields and not (key == "model" and isinstance(value, str)):
-                if isinstance(value, BaseModel):
-                    value = value.model_dump(by_alias=True)
-                if key in nested and isinstance(value, dict):
-                    clash = sorted(set(nested[key]) & set(value))
-                    if clash:
-                        raise ValueError(f"{', '.join(clash)} given both flat and in the {key} section")
-                    value = {**nested[key], **value}
-                nested[key] = value
+                section, given = key, value.model_dump(by_alias=True) if isinstance(value, BaseModel) else value
             elif key in BUILDER_ARGS:
-                section, _ = BUILDER_ARGS[key]
-                part = nested.setdefault(section, {})
-                if not isinstance(part, dict):
-                    raise ValueError(f"{key} given flat beside a {section} section that is not a mapping")
-                if key in part:
-                    raise ValueError(f"{key} given both flat and in the {section} section")
-                part[key] = value
+                section, given = BUILDER_ARGS[key][0], {key: value}
             else:
                 nested[key] = value  # refused by extra="forbid", under its own name
+                continue
+            part = nested.get(section)
+            if isinstance(part, dict) and isinstance(given, dict):
+                clash = sorted(set(part) & set(given))
+                if clash:
+                    raise ValueError(f"{', '.join(clash)} given both flat and in the {section} section")
+                part.update(given)
+            elif part is not None:
+                raise ValueError(f"the {section} section is given twice, once not as a mapping")
+            else:
+                nested[section] = dict(given) if isinstance(given, dict) else given  # never the caller's dict
         return nested
 
     def relations(self) -> list[tuple[str, str, float, str, float]]:
