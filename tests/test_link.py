@@ -45,6 +45,7 @@ class _Rank0:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.keys: list[str | None] = []  # the idempotency keys of its session appends
 
     async def request(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any:
         self.calls.append(method)
@@ -59,6 +60,7 @@ class _Rank0:
             return view.shape
         if method == "session_append":
             x, length = args
+            self.keys.append(kwargs["idempotency_key"])
             return _compute(x), {"session_id": kwargs["session_id"], "length": (length or 0) + len(x)}
         raise AssertionError(f"unexpected call {method}")
 
@@ -77,13 +79,16 @@ def _link(rank0: _Rank0, channel_enabled: bool = True, shm_enabled: bool = True)
                     tunables=TUNABLES)
 
 
-async def _serve_channel(replica_id: str = "replica1") -> ChannelServer:
+async def _serve_channel(replica_id: str = "replica1", keys: list[str | None] | None = None) -> ChannelServer:
+    """A channel server computing y = 2x + 1; its session appends' keys are appended to `keys`."""
     async def infer(x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                     timeout_s: float | None = None) -> np.ndarray:
         return _compute(x)
 
     async def append(x: np.ndarray, length: int | None, timeout_s: float | None = None,
-                     session_id: str = "") -> tuple[np.ndarray, dict[str, Any]]:
+                     session_id: str = "", idempotency_key: str | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        if keys is not None:
+            keys.append(idempotency_key)
         return _compute(x), {"session_id": session_id, "length": (length or 0) + len(x)}
 
     server = ChannelServer(infer, max_in_flight=4, session_append=append, tunables=TUNABLES)
@@ -250,18 +255,22 @@ def test_a_gang_that_cannot_answer_drops_the_channel_and_a_new_replica_gets_its_
 
 
 def test_session_appends_take_the_channel_then_the_handle_when_it_fails() -> None:
+    """Each route carries the append's idempotency key unchanged (what makes the fallback safe)."""
     rows = rand(1, 5, 8, seed=9)[0]  # [5, E]
     rank0 = _Rank0()
+    channel_keys: list[str | None] = []
 
     async def main() -> list[tuple[np.ndarray, dict[str, Any]]]:
-        server = await _serve_channel()
+        server = await _serve_channel(keys=channel_keys)
         link = _link(rank0)
         try:
             link.observe(_status())
             deadline = time.monotonic() + 10
-            first = await link.session_append(rows[:3], 0, session_id="s-1", deadline=deadline)
+            first = await link.session_append(rows[:3], 0, session_id="s-1", idempotency_key="key-1",
+                                              deadline=deadline)
             await server.drain(1.0)
-            second = await link.session_append(rows[3:], 3, session_id="s-1", deadline=deadline)
+            second = await link.session_append(rows[3:], 3, session_id="s-1", idempotency_key="key-2",
+                                               deadline=deadline)
             return [first, second]
         finally:
             link.close()
@@ -271,3 +280,4 @@ def test_session_appends_take_the_channel_then_the_handle_when_it_fails() -> Non
     np.testing.assert_array_equal(out2, expected(rows[3:]))
     assert (info1["length"], info2["length"]) == (3, 5)
     assert rank0.calls == ["session_append"]  # only the second, after the channel failed
+    assert channel_keys == ["key-1"] and rank0.keys == ["key-2"]

@@ -31,6 +31,7 @@ FORMATS = {
 }
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEADLINE_HEADER = "X-Request-Timeout-Seconds"  # the service's (and Ray Serve's proxy's) deadline header
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # a session append's key (the service's service.sessions.keys)
 
 
 def encode_request(x: np.ndarray, fmt: str, attention_mask: np.ndarray | None = None) -> tuple[bytes, str]:
@@ -71,6 +72,14 @@ def _known_api_token(token: str | None) -> str | None:
 
 def _bearer(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def _session_args(args: dict[str, Any], params: dict[str, str] | None, key: str | None) -> dict[str, Any]:
+    """A session call's request arguments: its query parameters, and its idempotency key."""
+    args["params"] = params
+    if key is not None:
+        args["headers"][IDEMPOTENCY_HEADER] = key
+    return args
 
 
 class _Base:
@@ -154,10 +163,12 @@ class GangServeClient(_Base):
         return Session(self, session_info(reply, {}), decode_reply(reply))
 
     def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
-                         params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
-        args = self._infer_args(rows, fmt, None, None, None, None, deadline_s)
-        args["params"] = params
-        return self._request("POST", path, idempotent=idempotent, **args)
+                         params: dict[str, str] | None = None, idempotent: bool = True,
+                         key: str | None = None) -> httpx.Response:
+        """POST `rows` to a session route; `key`: the append's idempotency key, sent on every
+        attempt (so a timed-out attempt is retried too: gangserve_client.retries)."""
+        args = _session_args(self._infer_args(rows, fmt, None, None, None, None, deadline_s), params, key)
+        return self._request("POST", path, idempotent=idempotent, keyed=key is not None, **args)
 
     def gang(self) -> dict[str, Any]:
         """GET /gang (file-system paths in it only with the API token)."""
@@ -174,9 +185,10 @@ class GangServeClient(_Base):
         except httpx.TransportError as exc:
             raise ServiceUnreachableError(f"GET {self._http.base_url}readyz: {type(exc).__name__}: {exc}") from exc
 
-    def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
+    def _request(self, method: str, path: str, *, idempotent: bool = True, keyed: bool = False,
+                 **kwargs: Any) -> httpx.Response:
         """One call with this client's retry policy: the 2xx reply, or the typed error."""
-        return send(self._http, self._policy, method, path, idempotent=idempotent, **kwargs)
+        return send(self._http, self._policy, method, path, idempotent=idempotent, keyed=keyed, **kwargs)
 
 
 class AsyncGangServeClient(_Base):
@@ -214,10 +226,11 @@ class AsyncGangServeClient(_Base):
         return AsyncSession(self, session_info(reply, {}), decode_reply(reply))
 
     async def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
-                               params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
-        args = self._infer_args(rows, fmt, None, None, None, None, deadline_s)
-        args["params"] = params
-        return await self._request("POST", path, idempotent=idempotent, **args)
+                               params: dict[str, str] | None = None, idempotent: bool = True,
+                               key: str | None = None) -> httpx.Response:
+        """As GangServeClient._session_request."""
+        args = _session_args(self._infer_args(rows, fmt, None, None, None, None, deadline_s), params, key)
+        return await self._request("POST", path, idempotent=idempotent, keyed=key is not None, **args)
 
     async def gang(self) -> dict[str, Any]:
         return (await self._request("GET", "/gang", headers=_bearer(self._api_token))).json()
@@ -232,6 +245,7 @@ class AsyncGangServeClient(_Base):
         except httpx.TransportError as exc:
             raise ServiceUnreachableError(f"GET {self._http.base_url}readyz: {type(exc).__name__}: {exc}") from exc
 
-    async def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, *, idempotent: bool = True, keyed: bool = False,
+                       **kwargs: Any) -> httpx.Response:
         """As GangServeClient._request."""
-        return await asend(self._http, self._policy, method, path, idempotent=idempotent, **kwargs)
+        return await asend(self._http, self._policy, method, path, idempotent=idempotent, keyed=keyed, **kwargs)

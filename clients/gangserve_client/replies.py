@@ -29,4 +29,5 @@ def session_info(reply: httpx.Response, previous: dict[str, Any]) -> dict[str, A
             info[key] = int(h[header])
     if h.get("x-session-id"):
         info["session_id"] = h["x-session-id"]
+    info["replayed"] = h.get("idempotent-replayed", "").lower() == "true"  # a retry's remembered answer
     return info

@@ -9,11 +9,15 @@ Retried:
 - a connection that could not be made (`httpx.ConnectError`, `ConnectTimeout`, `PoolTimeout`:
   nothing was sent), for every call;
 - a connection dropped after the request was (maybe) sent (`ReadError`, `WriteError`,
-  `RemoteProtocolError`), only for idempotent calls (GETs and inference, never a job
-  submission, upload, cancel or weights swap).
+  `RemoteProtocolError`), only for idempotent calls (GETs, inference and session appends,
+  never a job submission, upload, cancel or weights swap);
+- a timeout waiting for the reply (`ReadTimeout`, `WriteTimeout`), only for keyed calls: a
+  session append, which carries an `Idempotency-Key` (the same on every attempt), so the
+  service answers a retry of an append it already made with that append's answer and
+  appends nothing.
 
-A timeout waiting for the reply (`ReadTimeout`) is never retried: the service is slow, and
-asking again would only add load. What is left after the last attempt is raised: the typed
+Any other timeout waiting for the reply is never retried: the service is slow, and asking
+again would only add load. What is left after the last attempt is raised: the typed
 `GangServeHTTPError`, or `ServiceUnreachableError` for a connection error.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ from gangserve_client.errors import GangServeHTTPError, ServiceUnreachableError,
 RETRY_STATUSES = (429, 503)
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+_TIMED_OUT = (httpx.ReadTimeout, httpx.WriteTimeout)
 
 
 @dataclass(frozen=True)
@@ -65,15 +70,16 @@ class RetryPolicy:
 class _Backoff:
     """stamina's backoff hook for one call: False (raise it now), or the seconds to wait."""
 
-    def __init__(self, policy: RetryPolicy, idempotent: bool) -> None:
-        self.policy, self.idempotent, self.failures = policy, idempotent, 0
+    def __init__(self, policy: RetryPolicy, idempotent: bool, keyed: bool = False) -> None:
+        self.policy, self.idempotent, self.keyed, self.failures = policy, idempotent, keyed, 0
 
     def __call__(self, exc: Exception) -> bool | float:
         if isinstance(exc, GangServeHTTPError):
             if exc.status not in RETRY_STATUSES or exc.retry_after_s is None:
                 return False
             floor = min(exc.retry_after_s, self.policy.wait_max_s)
-        elif isinstance(exc, _NOT_SENT) or (self.idempotent and isinstance(exc, _DROPPED)):
+        elif (isinstance(exc, _NOT_SENT) or ((self.idempotent or self.keyed) and isinstance(exc, _DROPPED))
+              or (self.keyed and isinstance(exc, _TIMED_OUT))):
             floor = 0.0
         else:
             return False
@@ -92,10 +98,11 @@ def _unreachable(exc: httpx.TransportError, method: str, url: str) -> ServiceUnr
 
 
 def send(http: httpx.Client, policy: RetryPolicy, method: str, path: str, *, idempotent: bool,
-         **kwargs: Any) -> httpx.Response:
-    """One call with `policy`'s retries; the 2xx reply, or the typed error."""
+         keyed: bool = False, **kwargs: Any) -> httpx.Response:
+    """One call with `policy`'s retries; the 2xx reply, or the typed error. `keyed`: the call
+    carries an idempotency key in its (unchanged) headers, so a timed-out attempt is retried."""
     try:
-        for attempt in policy._context(_Backoff(policy, idempotent)):
+        for attempt in policy._context(_Backoff(policy, idempotent, keyed)):
             with attempt:
                 return _checked(http.request(method, path, **kwargs))
     except httpx.TransportError as exc:
@@ -104,10 +111,10 @@ def send(http: httpx.Client, policy: RetryPolicy, method: str, path: str, *, ide
 
 
 async def asend(http: httpx.AsyncClient, policy: RetryPolicy, method: str, path: str, *, idempotent: bool,
-                **kwargs: Any) -> httpx.Response:
+                keyed: bool = False, **kwargs: Any) -> httpx.Response:
     """As `send`, for httpx.AsyncClient."""
     try:
-        async for attempt in policy._context(_Backoff(policy, idempotent)):
+        async for attempt in policy._context(_Backoff(policy, idempotent, keyed)):
             with attempt:
                 return _checked(await http.request(method, path, **kwargs))
     except httpx.TransportError as exc:

@@ -8,13 +8,19 @@
         async with await c.session(prefill=x0) as s:
             y = await s.append(row)
 
-Each `append` sends `?length=` (the session's length before it), so a retried attempt
-whose first try did reach the service is refused (409 `session_length_mismatch`) instead
-of appending twice. `weights_version` is the version the last answer was computed with.
+Each `append` is applied exactly once, however often it is retried: it carries an
+`Idempotency-Key` (a fresh uuid4 per `append`, the same on each of its attempts), and an
+attempt after one that the service did apply (its answer lost, or the client's own timeout
+passed first) gets that answer back instead of appending again. So a lost connection and a
+timeout (`timeout_s`) are retried for appends (gangserve_client.retries). Each `append` also
+sends `?length=` (the session's length before it): should the service have forgotten the key
+(it remembers a session's last 16 by default), a retry is refused (409
+`session_length_mismatch`) rather than applied twice. `weights_version` is the version the last answer was computed with.
 Leaving the `with` block ends the session (DELETE).
 """
 from __future__ import annotations
 
+import uuid
 from typing import Any, Protocol
 
 import httpx
@@ -24,13 +30,19 @@ from gangserve_client.errors import NotFoundError
 from gangserve_client.replies import decode_reply, session_info
 
 
+def new_key() -> str:
+    """A fresh idempotency key for one append (a uuid4; the service takes 1-128 visible ASCII characters)."""
+    return str(uuid.uuid4())
+
+
 class SessionCalls(Protocol):
     """What a Session needs of its client (GangServeClient): one retried call, and a session call."""
 
     def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response: ...
 
     def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
-                         params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response: ...
+                         params: dict[str, str] | None = None, idempotent: bool = True,
+                         key: str | None = None) -> httpx.Response: ...
 
     def _infer_headers(self) -> dict[str, str]: ...
 
@@ -41,7 +53,8 @@ class AsyncSessionCalls(Protocol):
     async def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response: ...
 
     async def _session_request(self, path: str, rows: np.ndarray, fmt: str, deadline_s: float | None,
-                               params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response: ...
+                               params: dict[str, str] | None = None, idempotent: bool = True,
+                               key: str | None = None) -> httpx.Response: ...
 
     def _infer_headers(self) -> dict[str, str]: ...
 
@@ -63,11 +76,18 @@ class Session:
     def weights_version(self) -> int:
         return int(self.info.get("weights_version", 0))
 
+    @property
+    def replayed(self) -> bool:
+        """The last append's answer was remembered by the service for a retried attempt (its
+        first attempt was applied, and its answer lost or late), not computed again."""
+        return bool(self.info.get("replayed", False))
+
     def append(self, rows: np.ndarray, fmt: str = "safetensors", *, deadline_s: float | None = None) -> np.ndarray:
         """rows [n, E] (or [1, n, E]) -> their outputs, same shape; each attends causally to the
-        whole session so far."""
+        whole session so far. Applied once, whatever is retried (see the module docstring);
+        `replayed` then says whether the answer was remembered for a retried attempt."""
         reply = self._client._session_request(f"/sessions/{self.id}/append", rows, fmt, deadline_s,
-                                              params={"length": str(self.length)})
+                                              params={"length": str(self.length)}, key=new_key())
         self.info = session_info(reply, self.info)
         return decode_reply(reply)
 
@@ -102,12 +122,13 @@ class AsyncSession:
 
     length = Session.length
     weights_version = Session.weights_version
+    replayed = Session.replayed
 
     async def append(self, rows: np.ndarray, fmt: str = "safetensors", *,
                      deadline_s: float | None = None) -> np.ndarray:
         """As Session.append."""
         reply = await self._client._session_request(f"/sessions/{self.id}/append", rows, fmt, deadline_s,
-                                                    params={"length": str(self.length)})
+                                                    params={"length": str(self.length)}, key=new_key())
         self.info = session_info(reply, self.info)
         return decode_reply(reply)
 

@@ -98,6 +98,9 @@ class ErrorCode(enum.StrEnum):
     SESSION_LENGTH_MISMATCH = "session_length_mismatch", (409,), False, (
         "an append's `?length=` precondition (the session's length before it) does not hold; nothing "
         "was appended")
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused", (409,), False, (
+        "a session append's `Idempotency-Key` (OIP: `idempotency_key`) was used before on this session "
+        "for other rows (another digest of their bytes, shape and dtype); nothing was appended")
     SESSION_LOST = "session_lost", (410,), False, (
         "the gang that held the session is gone (its GangServer replica was lost or replaced): the "
         "session's registry died with it; open a new session")

@@ -40,6 +40,8 @@ from service.transport import shm
 from service.transport.channel import ChannelServer, sweep_stale_sockets
 from service.config.builder_args import AppConfig
 from service.contract.deadlines import local_deadline
+from service.contract.errors import ErrorCode, GangUnavailable
+from service.gang import failpoints
 from service.gang import worker as rank_worker
 from service.ingress.handle_errors import bounded_call
 from service.gang.gang import Gang
@@ -89,10 +91,13 @@ class GangServer:
         self._timings_task: asyncio.Task | None = None
         self._controller = controller  # the weights record's writer and the fleet view's owner
         self._actor = ray.get_runtime_context().current_actor  # the Controller pings it
+        # Tests only: lose a committed session append's answer (service.gang.failpoints.SESSION_APPEND).
+        self._failpoints = failpoints.Failpoints(failpoints.SESSION_APPEND)
         # Same-node requests from the ingress may skip the handle call (service.transport.channel).
         self._channel = ChannelServer(
             self.infer, max_in_flight=cfg.serving.max_ongoing_requests + max(0, cfg.serving.max_queued_requests),
             session_append=self.session_append, tunables=cfg.tunables.transport,
+            drop_append_reply=lambda: self._failpoints.take("session_append_reply_dropped"),
         )
         try:
             # Datasets, checkpoints and the served-weights copies: fail the start (with the
@@ -146,16 +151,29 @@ class GangServer:
         return await self._sessions.open(x, local_deadline(timeout_s))
 
     async def session_append(self, x: np.ndarray, length: int | None = None, timeout_s: float | None = None,
-                             session_id: str = "") -> tuple[np.ndarray, dict[str, object]]:
-        """x [n, E] float32 appended to the session -> (outputs [n, E], its info)."""
+                             session_id: str = "", idempotency_key: str | None = None
+                             ) -> tuple[np.ndarray, dict[str, object]]:
+        """x [n, E] float32 appended to the session -> (outputs [n, E], its info).
+        `idempotency_key` (service.sessions.keys): a retry with the same key gets the first
+        answer and appends nothing (service.sessions.service)."""
         with self._metrics.queued():
-            return await self._sessions.append(session_id, x, local_deadline(timeout_s), length)
+            answer = await self._sessions.append(session_id, x, local_deadline(timeout_s), length,
+                                                 key=idempotency_key)
+        if self._failpoints.take("session_append_answer_lost"):  # committed, then the answer is lost
+            raise GangUnavailable("failpoint session_append_answer_lost: the append was committed and its "
+                                  "answer dropped", code=ErrorCode.GANG_UNAVAILABLE)
+        if self._failpoints.take("session_append_answer_late"):  # committed, then the answer is late
+            await asyncio.sleep(failpoints.LATE_S)
+        return answer
 
     async def session_oip(self, x: np.ndarray, start: bool, end: bool, timeout_s: float | None = None,
-                          session_id: str = "") -> tuple[np.ndarray, dict[str, object]]:
-        """OIP v2 sequence semantics (Triton's sequence_id/start/end) on `session_id`."""
+                          session_id: str = "", idempotency_key: str | None = None
+                          ) -> tuple[np.ndarray, dict[str, object]]:
+        """OIP v2 sequence semantics (Triton's sequence_id/start/end) on `session_id`;
+        `idempotency_key` as session_append's."""
         with self._metrics.queued():
-            return await self._sessions.oip(session_id, x, start, end, local_deadline(timeout_s))
+            return await self._sessions.oip(session_id, x, start, end, local_deadline(timeout_s),
+                                            key=idempotency_key)
 
     async def session_info(self, timeout_s: float | None = None, session_id: str = "") -> dict[str, object]:
         return self._sessions.info(session_id)
@@ -186,6 +204,11 @@ class GangServer:
         """Tests only (the cluster must run with GANGSERVE_FAILPOINTS=1): make one rank fail
         once at a named point (see service.gang.failpoints)."""
         await self._gang.arm_failpoint(rank, name)
+
+    async def arm_session_failpoint(self, name: str) -> None:
+        """Tests only (GANGSERVE_FAILPOINTS=1): lose the answer of this gang server's next
+        committed session append once, at a named point (service.gang.failpoints.SESSION_APPEND)."""
+        self._failpoints.arm(name)
 
     async def describe(self) -> GangStatus:
         """GET /gang: the gang's report (service.contract.gang_status.GangStatus; the model itself

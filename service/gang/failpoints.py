@@ -18,6 +18,19 @@ FAILPOINTS_ENV = "GANGSERVE_FAILPOINTS"
 #   commit_weights_noop  committing "succeeds" but the rank keeps its old weights
 KNOWN = frozenset({"stage_weights", "commit_weights", "commit_weights_noop"})
 
+# Where rank 0's process (the GangServer replica) can be made to lose a session append's
+# answer after the append was committed (service.deployments.gang_server,
+# service.transport.channel; armed with GangServer.arm_session_failpoint):
+#   session_append_reply_dropped  the data channel closes the connection instead of writing
+#                                 the reply (the ingress sees ChannelUnavailable, falls back)
+#   session_append_answer_lost    the call answers a retryable 503 `gang_unavailable` instead
+#                                 (the ingress's request policy retries it)
+#   session_append_answer_late    the answer is held for LATE_S before it is sent (a client
+#                                 whose own timeout is shorter gives up and retries)
+SESSION_APPEND = frozenset({"session_append_reply_dropped", "session_append_answer_lost",
+                            "session_append_answer_late"})
+LATE_S = 4.0
+
 
 class InjectedFault(RuntimeError):
     """Raised where an armed failpoint fires."""
@@ -34,15 +47,17 @@ def enabled() -> bool:
 class Failpoints:
     """The armed failpoints of one process (thread-safe, one-shot)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: frozenset[str] = KNOWN) -> None:
+        """`known`: the names this process has (a rank's KNOWN, rank 0's server SESSION_APPEND)."""
+        self._known = known
         self._armed: set[str] = set()
         self._lock = threading.Lock()
 
     def arm(self, name: str) -> None:
         if not enabled():
             raise FailpointsDisabled(f"failpoints are off (start the cluster with {FAILPOINTS_ENV}=1)")
-        if name not in KNOWN:
-            raise ValueError(f"unknown failpoint {name!r}; known: {sorted(KNOWN)}")
+        if name not in self._known:
+            raise ValueError(f"unknown failpoint {name!r}; known: {sorted(self._known)}")
         with self._lock:
             self._armed.add(name)
 

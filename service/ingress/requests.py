@@ -16,15 +16,21 @@ Deadlines and in-service retry (issue 23). Every request carries a deadline
 (service.contract.deadlines) over the hop and into the gang's batcher. A request that fails because
 its gang broke (RETRYABLE_CODES: a rank died, a collective timed out, the gang is rebuilding
 or stopping, its replica is gone or restarting; never bad input, never the deadline) is sent
-again, inferences and session calls alike (a failed step computed and appended nothing): at
-once (with several gangs Serve's router picks a ready one), or, with one gang, once it is
+again, inferences and session calls alike: at once (with several gangs Serve's router picks a ready one), or, with one gang, once it is
 ready again. An inference that arrives while no gang can serve waits for one instead of
 getting 503 at once, at most `max_queued_requests` of them at a time. Waiting and retrying
 end at the request's deadline: 504 `deadline_exceeded` then. 503 + Retry-After only when
 the gang is unschedulable, or when the expected wait (the length of the last outage this
 ingress saw, ingress.default_outage_s before any) would end after the deadline: the message
 says both. Inference is idempotent and every step runs on one weights version across ranks
-(service.gang), so a retried answer is as right as a first one.
+(service.gang), so a retried answer is as right as a first one. A session append is not
+idempotent by itself: a retryable failure may come after the gang server committed it (the
+answer lost on the way back). What makes its retry safe is its idempotency key
+(service.sessions.keys): the
+retry carries the same key, and the session answers a committed append's kept answer
+instead of appending again (service.sessions.registry). So a call that appends
+(`KEYED_METHODS`) never leaves here without a key: the client's, else one made here
+(`session_call`) before the first try and its route are chosen, and reused by every try.
 """
 from __future__ import annotations
 
@@ -47,11 +53,14 @@ from service.contract.gang_status import AnyGangStatus, GangStatus
 from service.ingress.fleet_client import FleetClient
 from service.ingress.handle_errors import awaited, map_handle_error
 from service.metrics.process import process_metrics
+from service.sessions.keys import new_key
 from service.transport import shm
 from service.transport.link import GangLink
 
 log = logging.getLogger("gangserve.ingress")
 T = TypeVar("T")
+# Session calls that append rows: retried only with an idempotency key (see the module docstring).
+KEYED_METHODS = frozenset({"session_append", "session_oip"})
 
 
 class GangServerCalls:
@@ -139,16 +148,26 @@ class RequestPolicy:
         return await self._with_retries(send, deadline, wait_for_gang=True)
 
     async def session_call(self, method: str, *args: Any, session_id: str | None, deadline: float,
-                           **kwargs: Any) -> Any:
+                           idempotency_key: str | None = None, **kwargs: Any) -> Any:
         """GangServer.<method>(*args, session_id=..., timeout_s=<left>, **kwargs) by `deadline`
         (service.sessions), routed to the gang holding the session (service.gang.router);
-        an append takes the link's route (the data channel when it is the route)."""
+        an append takes the link's route (the data channel when it is the route).
+        `idempotency_key`: the client's key for a call of KEYED_METHODS (validated by the
+        route, service.sessions.keys); None: one is made here, before the first try. Every
+        try (the link's fallback, the retries below) sends that one key: what makes retrying
+        an append safe."""
         if session_id is not None:
             kwargs["session_id"] = session_id
+        if method in KEYED_METHODS and idempotency_key is None:
+            idempotency_key = new_key()
+        if idempotency_key is not None:
+            kwargs["idempotency_key"] = idempotency_key
 
         async def send() -> Any:
-            if method == "session_append" and session_id is not None:  # the hot path: the link's route
-                return await self._link.session_append(*args, session_id=session_id, deadline=deadline)
+            if method == "session_append" and session_id is not None and idempotency_key is not None:
+                # the hot path: the link's route (the key makes its fallback safe)
+                return await self._link.session_append(*args, session_id=session_id,
+                                                       idempotency_key=idempotency_key, deadline=deadline)
             return await self._calls.request(method, *args, deadline=deadline, **kwargs)
 
         return await self._with_retries(send, deadline, wait_for_gang=False)

@@ -16,7 +16,11 @@ session keeps its own context length: the step's plan carries every one
 Deadlines: an append whose deadline passes while queued is dropped (never computed:
 504 `deadline_exceeded`, nothing appended). One whose deadline passes while its step runs
 answers 504 at once, and the append still completes (GET /sessions/{id} shows the length;
-`?length=` makes a retry safe).
+a retry with the same idempotency key gets its answer, service.sessions.registry).
+
+Idempotency keys: a keyed append's claim (service.sessions.registry.Claim) rides with it
+into its step (StepItem.claim), where the registry settles it; its caller withdraws it once
+done (service.sessions.service), so one never planned is never appended.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from service.gang.batching import BatchQueue, DeadlineWords, Queued
-from service.sessions.registry import Session, StepItem
+from service.sessions.registry import Claim, Session, StepItem
 
 # (items of one step, latest deadline or None) -> [(rows or None, info or error)] in item order
 RunStep = Callable[[list[StepItem], "float | None"], Awaitable[list[tuple[Any, Any]]]]
@@ -44,6 +48,7 @@ class _Queued(Queued):
     session: Session
     x: np.ndarray  # [n, E] float32
     expect_length: int | None = None
+    claim: Claim | None = None
 
 
 class AppendBatcher:
@@ -75,10 +80,11 @@ class AppendBatcher:
         return self._queue.idle
 
     async def submit(self, session: Session, x: np.ndarray, deadline: float | None,
-                     expect_length: int | None = None) -> tuple[np.ndarray, dict]:
-        """x [n, E] float32 appended to `session` -> (its output rows [n, E], the session's info)."""
+                     expect_length: int | None = None, claim: Claim | None = None) -> tuple[np.ndarray, dict]:
+        """x [n, E] float32 appended to `session` -> (its output rows [n, E], the session's info);
+        `claim`: its idempotency key's, settled by the registry when its step plans or ends."""
         item = _Queued(asyncio.get_running_loop().create_future(), deadline, session=session, x=x,
-                       expect_length=expect_length)
+                       expect_length=expect_length, claim=claim)
         session.busy += 1
         try:
             answer = await self._queue.submit(item)
@@ -90,7 +96,8 @@ class AppendBatcher:
     async def _step(self, group: list[_Queued], deadline: float | None) -> None:
         """One append step for `group`; every member gets its rows and info, or its error."""
         try:
-            results = await self._run_step([StepItem(q.session, q.x, q.expect_length) for q in group], deadline)
+            results = await self._run_step([StepItem(q.session, q.x, q.expect_length, claim=q.claim)
+                                             for q in group], deadline)
         except BaseException as exc:  # noqa: BLE001 - every member gets the step's error
             for q in group:
                 if not q.future.done():

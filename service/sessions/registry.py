@@ -17,13 +17,31 @@ need; when too few are free, sessions outside the step are evicted, least recent
 first (idle ones, i.e. with no append queued, before queued ones): their blocks return to
 the free list and they keep their inputs (recomputed on their next append).
 
+Exactly once (issue 52): every append the ingress sends carries an idempotency key
+(service.sessions.keys). A session remembers the answers of its last `answers_kept` keyed
+appends (tunables.gang.session_answers_kept): the key, a digest of the rows (their dtype,
+shape and bytes), the output rows and the session's state after the append, stored in the
+same critical section as the append itself (`_commit`), so no reader ever sees the rows
+appended without the key remembered, or the reverse. `admit` is each keyed append's first
+step: a remembered key with the same digest is a retry (the first answer, `KeptAnswer`,
+nothing appended), with another digest 409 `idempotency_key_reused`; a key whose first
+append is still in flight is that append's `Claim`, which a retry waits on (`settled`,
+bounded by the retry's deadline), then looks again. A claim is settled exactly when it is
+certain whether its rows were appended: committed (its answer kept), or not (refused at
+plan time, the step aborted, or `withdraw`n by its caller before any step planned it:
+planning skips a withdrawn claim, so an append whose caller went away early is never
+appended behind a retry's back). What the kept answers cost: at most the session's own
+rows again (each answer's outputs are rows of the session), plus ~1 KiB each.
+
 Threads: the event loop (open, lookups, close, expiry) and the gang's sequencer (plan and
-commit of a step) both use the registry; one lock guards it. Blocks are only *taken* on
+commit of a step) both use the registry; one lock guards it (claims' states too). Blocks are only *taken* on
 the sequencer, between steps, so blocks freed while a step runs are reused at the earliest
 by the next step, after that one finished with them.
 """
 from __future__ import annotations
 
+import asyncio
+import enum
 import secrets
 import threading
 import time
@@ -33,7 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from service.contract.errors import Conflict, ErrorCode, InvalidInput, NotFound, SessionCacheFull, SessionGone, TooManySessions
+from service.contract.errors import (Conflict, DeadlineExceededBeforeStep, ErrorCode, InvalidInput, NotFound,
+                                     SessionCacheFull, SessionGone, TooManySessions)
 from service.parallel.kv_cache import AppendPlan
 from service.sessions.ids import OIP_PREFIX, SessionIds
 
@@ -50,9 +69,58 @@ class Limits:
     max_session_tokens: int
     idle_timeout_s: float
     bytes_per_token: int  # per rank: 2 * (E / world_size) * dtype bytes
+    answers_kept: int = 16  # keyed answers each session remembers (tunables.gang.session_answers_kept)
+
+    def __post_init__(self) -> None:
+        if self.answers_kept < 1:
+            raise ValueError(f"a session must remember at least its last append's key "
+                             f"(tunables.gang.session_answers_kept >= 1); got {self.answers_kept}")
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class KeptAnswer:
+    """What a session remembers of one keyed append: the digest of its rows
+    (service.sessions.keys.rows_digest), its output rows [n, E] float32 (a private, read-only
+    copy) and the session's state right after it."""
+
+    digest: bytes
+    rows: np.ndarray
+    info: dict[str, Any]
+
+    def replay(self) -> tuple[np.ndarray, dict[str, Any]]:
+        """The answer again, for a retry: a copy of the rows, the state marked `replayed`."""
+        return self.rows.copy(), {**self.info, "replayed": True}
+
+
+class ClaimState(enum.Enum):
+    WAITING = "waiting"  # admitted, not planned into a step yet
+    PLANNED = "planned"  # in a step: its commit or abort settles it
+    SETTLED = "settled"  # certain: appended (its answer kept) or not
+
+
+class Claim:
+    """A keyed append in flight on one session (see the module docstring). Its state changes
+    only under the registry's lock; `settled` wakes whoever waits on it, on their own loop."""
+
+    def __init__(self, session: "Session", key: str, digest: bytes) -> None:
+        self.session, self.key, self.digest = session, key, digest
+        self.state = ClaimState.WAITING
+        self.appended = False  # once SETTLED: whether the rows went in (the answer is kept)
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+
+@dataclass(frozen=True)
+class Admission:
+    """`SessionRegistry.admit`'s verdict on a keyed append: a remembered answer to replay
+    (`kept`), or a claim, which is this append's own (`first`: it runs) or an earlier try's
+    still in flight (wait for it to settle, then ask again)."""
+
+    kept: KeptAnswer | None = None
+    claim: Claim | None = None
+    first: bool = False
 
 
 @dataclass(eq=False)
@@ -68,6 +136,8 @@ class Session:
     generation: int = -1
     version: int = 0  # weights version of the cached K/V and of the last answer
     busy: int = 0  # appends queued or running
+    answers: OrderedDict[str, KeptAnswer] = field(default_factory=OrderedDict)  # key -> answer, oldest first
+    claims: dict[str, Claim] = field(default_factory=dict)  # key -> its keyed append in flight
     appends: int = 0
     recomputed_tokens: int = 0
     evictions: int = 0
@@ -86,6 +156,7 @@ class StepItem:
     session: Session
     x: np.ndarray  # [n, E] float32
     expect_length: int | None = None  # the append's `?length=` precondition, checked when it runs
+    claim: Claim | None = None  # its idempotency key's claim (None: an append without a key)
     recompute: bool = False
     start: int = 0  # its first row in the step's x
     rows: int = 0  # its rows in the step (n, or length + n when recomputed)
@@ -181,6 +252,89 @@ class SessionRegistry:
                 f"tokens; one rank's whole cache holds {self.limits.num_blocks} (session_cache_bytes); nothing "
                 "was appended")
 
+    # -- idempotency keys (see the module docstring) ---------------------------------------------
+    def admit(self, s: Session, key: str, digest: bytes) -> Admission:
+        """A keyed append to `s` arrives: its remembered answer, the claim of its earlier try
+        still in flight, or a new claim of its own (409 `idempotency_key_reused` when the key
+        was used on this session for other rows)."""
+        with self._lock:
+            kept = s.answers.get(key)
+            if kept is not None:
+                self._check_digest(s, key, kept.digest, digest, "was answered")
+                s.last_used, s.last_used_at = time.monotonic(), time.time()
+                return Admission(kept=kept)
+            claim = s.claims.get(key)
+            if claim is not None:
+                self._check_digest(s, key, claim.digest, digest, "is being appended")
+                return Admission(claim=claim)
+            claim = s.claims[key] = Claim(s, key, digest)
+            return Admission(claim=claim, first=True)
+
+    def kept(self, s: Session, key: str, digest: bytes) -> KeptAnswer | None:
+        """`s`'s remembered answer for `key` (409 for other rows), or None."""
+        with self._lock:
+            kept = s.answers.get(key)
+            if kept is not None:
+                self._check_digest(s, key, kept.digest, digest, "was answered")
+            return kept
+
+    def withdraw(self, claim: Claim) -> None:
+        """The claim's caller is done with it (answered, failed or gone): if no step planned it
+        yet none ever will (planning skips it), and it is settled as not appended. Otherwise
+        (planned or settled) nothing changes: its step's commit or abort settles it."""
+        with self._lock:
+            if claim.state is ClaimState.WAITING:
+                self._settle(claim, appended=False)
+
+    async def settled(self, claim: Claim, until: float) -> bool:
+        """Wait until `claim` is settled (True), or until `until` (time.monotonic(): False)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            if claim.state is ClaimState.SETTLED:
+                return True
+            claim._waiters.append((loop, done))
+        try:
+            await asyncio.wait_for(done, timeout=max(0.0, until - time.monotonic()))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            with self._lock:
+                if (loop, done) in claim._waiters:
+                    claim._waiters.remove((loop, done))
+
+    def _check_digest(self, s: Session, key: str, had: bytes, has: bytes, what: str) -> None:
+        if had != has:
+            raise Conflict(
+                f"Idempotency-Key {key!r} {what} on session {s.id!r} for other rows (a different digest of "
+                f"their bytes, shape and dtype); a key names one append: send a new key for new rows. "
+                f"Nothing was appended", code=ErrorCode.IDEMPOTENCY_KEY_REUSED)
+
+    def _settle(self, claim: Claim, appended: bool) -> None:
+        """Under the lock: `claim` is certain now; its key leaves the session's claims and
+        whoever waits on it is woken."""
+        claim.state, claim.appended = ClaimState.SETTLED, appended
+        if claim.session.claims.get(claim.key) is claim:
+            del claim.session.claims[claim.key]
+        for loop, done in claim._waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, done)
+            except RuntimeError:  # that loop is closed: nobody waits there any more
+                pass
+        claim._waiters = []
+
+    def _keep(self, s: Session, claim: Claim, rows: np.ndarray, info: dict[str, Any]) -> None:
+        """Under the lock, with the append itself: remember the claim's answer (the oldest
+        beyond answers_kept forgotten) and settle it as appended."""
+        kept = np.array(rows, dtype=np.float32, copy=True)
+        kept.setflags(write=False)
+        s.answers[claim.key] = KeptAnswer(claim.digest, kept, info)
+        s.answers.move_to_end(claim.key)
+        while len(s.answers) > self.limits.answers_kept:
+            s.answers.popitem(last=False)
+        self._settle(claim, appended=True)
+
     def expire_idle(self, now: float | None = None) -> int:
         """End the sessions idle past idle_timeout_s (none with an append queued or running)."""
         now = time.monotonic() if now is None else now
@@ -196,6 +350,7 @@ class SessionRegistry:
         self._sessions.pop(s.id, None)
         self._free.extend(reversed(s.blocks))
         s.blocks, s.cached, s.inputs = [], 0, []
+        s.answers = OrderedDict()  # in-flight claims settle when their step finds the session gone
         self._ended[s.id] = why
         self._ended.move_to_end(s.id)
         while len(self._ended) > ENDED_KEPT:
@@ -211,39 +366,58 @@ class SessionRegistry:
     def plan(self, items: list[StepItem], generation: int, version: int) -> "RegistryStep":
         """Place `items` (distinct sessions) for one step on the gang as it is now."""
         with self._lock:
-            live = []
-            for item in items:
-                if not self.is_live(item.session):
-                    item.error = NotFound(f"session {item.session.id!r} ended before its append ran; nothing "
-                                          "was appended", code=ErrorCode.SESSION_NOT_FOUND)
-                elif item.expect_length is not None and item.expect_length != item.session.length:
-                    item.error = Conflict(
-                        f"session {item.session.id!r} has length {item.session.length}, the append expected "
-                        f"{item.expect_length}; nothing was appended", code=ErrorCode.SESSION_LENGTH_MISMATCH)
-                else:
-                    live.append(item)
-            pinned = {item.session.id for item in live}
-            xs, new_rows, cached, tables, at = [], [], [], [], 0
-            for item in live:
-                s, n = item.session, int(item.x.shape[0])
-                valid = s.generation == generation and s.version == version and s.cached == s.length
-                item.recompute = not valid and s.length > 0
-                total = s.length + n
-                self._grow(s, self.limits.blocks_for(total), pinned)
-                c = s.length if valid else 0
-                if item.recompute:
-                    xs.append(s.kept())
-                xs.append(item.x)
-                item.start, item.rows = at, total - c
-                at += item.rows
-                new_rows.append(total - c)
-                cached.append(c)
-                tables.append(tuple(s.blocks))
-            plan = AppendPlan(self.limits.num_blocks, self.limits.block_size, tuple(new_rows), tuple(cached),
-                              tuple(tables))
-            plan.check()  # here, before any header goes out: a rank must never refuse a plan mid-step
-            x = np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.zeros((0, 0), np.float32))
-            return RegistryStep(self, live, items, plan, x, generation, version)
+            try:
+                return self._plan(items, generation, version)
+            except BaseException:
+                for item in items:  # no step runs: nothing of it is appended
+                    if item.claim is not None and item.claim.state is not ClaimState.SETTLED:
+                        self._settle(item.claim, appended=False)
+                raise
+
+    def _plan(self, items: list[StepItem], generation: int, version: int) -> "RegistryStep":
+        """`plan`'s body, under the lock: a withdrawn, ended or mismatched item is answered
+        (not appended) and its claim settled; the rest are placed and their claims PLANNED."""
+        live = []
+        for item in items:
+            if item.claim is not None and item.claim.state is ClaimState.SETTLED:
+                item.error = DeadlineExceededBeforeStep(
+                    "the append was withdrawn before its step (its caller had gone); nothing was appended")
+            elif not self.is_live(item.session):
+                item.error = NotFound(f"session {item.session.id!r} ended before its append ran; nothing "
+                                      "was appended", code=ErrorCode.SESSION_NOT_FOUND)
+            elif item.expect_length is not None and item.expect_length != item.session.length:
+                item.error = Conflict(
+                    f"session {item.session.id!r} has length {item.session.length}, the append expected "
+                    f"{item.expect_length}; nothing was appended", code=ErrorCode.SESSION_LENGTH_MISMATCH)
+            else:
+                live.append(item)
+                if item.claim is not None:
+                    item.claim.state = ClaimState.PLANNED
+                continue
+            if item.claim is not None and item.claim.state is not ClaimState.SETTLED:
+                self._settle(item.claim, appended=False)
+        pinned = {item.session.id for item in live}
+        xs, new_rows, cached, tables, at = [], [], [], [], 0
+        for item in live:
+            s, n = item.session, int(item.x.shape[0])
+            valid = s.generation == generation and s.version == version and s.cached == s.length
+            item.recompute = not valid and s.length > 0
+            total = s.length + n
+            self._grow(s, self.limits.blocks_for(total), pinned)
+            c = s.length if valid else 0
+            if item.recompute:
+                xs.append(s.kept())
+            xs.append(item.x)
+            item.start, item.rows = at, total - c
+            at += item.rows
+            new_rows.append(total - c)
+            cached.append(c)
+            tables.append(tuple(s.blocks))
+        plan = AppendPlan(self.limits.num_blocks, self.limits.block_size, tuple(new_rows), tuple(cached),
+                          tuple(tables))
+        plan.check()  # here, before any header goes out: a rank must never refuse a plan mid-step
+        x = np.concatenate(xs) if len(xs) > 1 else (xs[0] if xs else np.zeros((0, 0), np.float32))
+        return RegistryStep(self, live, items, plan, x, generation, version)
 
     def _grow(self, s: Session, need: int, pinned: set[str]) -> None:
         """Give `s` `need` blocks in all, evicting unpinned sessions (LRU, idle first) if needed."""
@@ -276,6 +450,8 @@ class SessionRegistry:
                 if self._sessions.get(s.id) is not s:  # ended while the step ran: nothing to keep
                     item.error = NotFound(f"session {s.id!r} ended while its append ran",
                                           code=ErrorCode.SESSION_NOT_FOUND)
+                    if item.claim is not None:
+                        self._settle(item.claim, appended=False)
                     continue
                 if item.recompute:
                     s.recomputed_tokens += s.length
@@ -287,22 +463,27 @@ class SessionRegistry:
                 s.appends += 1
                 self.appends += 1
                 self._sessions.move_to_end(s.id)
-        results: list[tuple[np.ndarray | None, dict[str, Any] | BaseException]] = []
-        for item in step.items:
-            if item.error is not None:
-                results.append((None, item.error))
-                continue
-            n = int(item.x.shape[0])
-            end = item.start + item.rows
-            results.append((np.ascontiguousarray(out[end - n:end]),
-                            {**self.public(item.session), "recomputed_tokens_this_append":
-                             item.rows - n if item.recompute else 0}))
+            results: list[tuple[np.ndarray | None, dict[str, Any] | BaseException]] = []
+            for item in step.items:
+                if item.error is not None:
+                    results.append((None, item.error))
+                    continue
+                n = int(item.x.shape[0])
+                end = item.start + item.rows
+                rows = np.ascontiguousarray(out[end - n:end])
+                info = {**self.public(item.session), "recomputed_tokens_this_append":
+                        item.rows - n if item.recompute else 0}
+                if item.claim is not None:  # remembered in the same critical section as the append
+                    self._keep(item.session, item.claim, rows, info)
+                results.append((rows, info))
         return results
 
     def _abort(self, step: "RegistryStep") -> None:
         with self._lock:
             for item in step.live:
                 item.session.cached = 0  # the step may have written part of its blocks: recompute next time
+                if item.claim is not None:  # nothing of the step was appended
+                    self._settle(item.claim, appended=False)
 
     # -- reading --------------------------------------------------------------------------------
     def public(self, s: Session) -> dict[str, Any]:
@@ -316,6 +497,7 @@ class SessionRegistry:
             "input_bytes": int(sum(a.nbytes for a in s.inputs)),
             "appends": s.appends, "recomputed_tokens": s.recomputed_tokens, "evictions": s.evictions,
             "idle_timeout_s": self.limits.idle_timeout_s,
+            "answers_kept": len(s.answers), "answer_bytes": int(sum(a.rows.nbytes for a in s.answers.values())),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -354,3 +536,8 @@ class RegistryStep:
 
     def abort(self) -> None:
         self._registry._abort(self)
+
+
+def _resolve(done: asyncio.Future) -> None:
+    if not done.done():
+        done.set_result(None)

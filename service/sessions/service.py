@@ -9,6 +9,15 @@ Loss of rank 0's process (the GangServer replica): the registry, and with it eve
 input, dies with it; the replica that replaces it has another replica id, so the old ids
 answer 410 `session_lost` (the id names the gang that held it, and its tag shows this app
 issued it: service.sessions.ids). docs/design.md says why.
+
+Exactly-once appends (issue 52): an append with an idempotency key (service.sessions.keys;
+the ingress gives every append one) is admitted by the registry first, before its
+`?length=` precondition and its limits: a remembered key answers the first answer again
+(`replayed`: true) and appends nothing; a key whose first append is still in flight waits
+for that one to settle, at most until the retry's own deadline (then 504
+`deadline_exceeded`, nothing appended by the retry), and looks again: the first's answer,
+or, when the first appended nothing, this retry runs as the first. A retry of an append
+whose session has ended since is 404 like any call on it.
 """
 from __future__ import annotations
 
@@ -22,14 +31,15 @@ from typing import Any, Callable
 import numpy as np
 
 from service.config.builder_args import AppConfig
-from service.contract.errors import Conflict, ErrorCode, InvalidInput
+from service.contract.errors import Conflict, DeadlineExceeded, ErrorCode, GangServeError, InvalidInput
 from service.contract.gang_status import SessionCacheRank, SessionStats
 from service.gang.gang import Gang
 from service.parallel.model import kv_bytes_per_token
 from service.parallel.registry import resolve
 from service.sessions.batcher import AppendBatcher
 from service.sessions.ids import OIP_PREFIX
-from service.sessions.registry import Limits, RegistryStep, SessionRegistry, StepItem
+from service.sessions.keys import rows_digest
+from service.sessions.registry import Claim, KeptAnswer, Limits, RegistryStep, Session, SessionRegistry, StepItem
 
 log = logging.getLogger("gangserve.sessions")
 
@@ -53,7 +63,7 @@ def limits_of(cfg: AppConfig) -> Limits:
     num_blocks = cfg.sessions.session_cache_bytes // (per_token * cfg.sessions.session_block_tokens) if per_token else 0
     return Limits(num_blocks=num_blocks, block_size=cfg.sessions.session_block_tokens, max_sessions=cfg.sessions.max_sessions,
                   max_session_tokens=cfg.sessions.max_session_tokens, idle_timeout_s=cfg.sessions.session_idle_timeout_s,
-                  bytes_per_token=per_token)
+                  bytes_per_token=per_token, answers_kept=cfg.tunables.gang.session_answers_kept)
 
 
 class SessionService:
@@ -85,35 +95,64 @@ class SessionService:
         return self._batcher.idle
 
     # -- the API ----------------------------------------------------------------------------
-    async def open(self, x: np.ndarray | None, deadline: float | None,
-                   session_id: str | None = None) -> tuple[np.ndarray | None, dict[str, Any]]:
-        """A new session, with `x` [n, E] as its first rows (their outputs returned) or empty."""
+    async def open(self, x: np.ndarray | None, deadline: float | None, session_id: str | None = None,
+                   key: str | None = None) -> tuple[np.ndarray | None, dict[str, Any]]:
+        """A new session, with `x` [n, E] as its first rows (their outputs returned) or empty;
+        `key`: the first rows' idempotency key (an OIP `sequence_start`'s)."""
         self._require_enabled()
         s = self.registry.open(session_id)
         if x is None or not len(x):
             return None, self.registry.public(s)
         try:
-            return await self.append(s.id, x, deadline)
+            return await self.append(s.id, x, deadline, key=key)
         except BaseException:
             if s.length == 0:  # the prefill failed: no half-open session is left behind
                 self.registry.close(s.id)
             raise
 
-    async def append(self, session_id: str, x: np.ndarray, deadline: float | None,
-                     length: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-        """x [n, E] float32 -> (output rows [n, E], the session's info after the append)."""
+    async def append(self, session_id: str, x: np.ndarray, deadline: float | None, length: int | None = None,
+                     key: str | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        """x [n, E] float32 -> (output rows [n, E], the session's info after the append);
+        `key`: its idempotency key (validated by the ingress, service.sessions.keys): see the
+        module docstring."""
         self._require_enabled()
         s = self.registry.lookup(session_id)
         if x.ndim != 2 or x.shape[1] != self._cfg.model.embed_dim or x.shape[0] < 1:
             raise InvalidInput(f"an append takes rows [n, {self._cfg.model.embed_dim}] with n >= 1; got "
                                f"{list(x.shape)}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if key is None:
+            return await self._append(s, x, deadline, length, None)
+        digest = rows_digest(x)
+        # Every wait here is bounded by the request's deadline (request_timeout_s without one).
+        until = deadline if deadline is not None else time.monotonic() + self._cfg.serving.request_timeout_s
+        while True:
+            s = self.registry.lookup(session_id)  # again after a wait: it may have ended meanwhile
+            admission = self.registry.admit(s, key, digest)
+            if admission.kept is not None:
+                return admission.kept.replay()
+            assert admission.claim is not None
+            if admission.first:
+                break
+            if not await self.registry.settled(admission.claim, until):
+                raise DeadlineExceeded(
+                    f"the request's deadline passed while an earlier try of this append (Idempotency-Key "
+                    f"{key!r}) was still running; this try appended nothing: retry it with the same key")
+        try:
+            return await self._append(s, x, deadline, length, admission.claim)
+        finally:
+            self.registry.withdraw(admission.claim)  # never planned (refused, dropped, gone): never appended
+
+    async def _append(self, s: Session, x: np.ndarray, deadline: float | None, length: int | None,
+                      claim: Claim | None) -> tuple[np.ndarray, dict[str, Any]]:
+        """One append to `s` through the batcher (after its key, if any, was admitted as the first)."""
         if length is not None and length != s.length:
             raise Conflict(f"session {s.id!r} has length {s.length}, the append expected {length}; "
                            "nothing was appended", code=ErrorCode.SESSION_LENGTH_MISMATCH)
         self.registry.check_append(s, int(x.shape[0]))
         context = s.length
         started = time.perf_counter()
-        rows, info = await self._batcher.submit(s, np.ascontiguousarray(x, dtype=np.float32), deadline, length)
+        rows, info = await self._batcher.submit(s, x, deadline, length, claim)
         took, bucket = time.perf_counter() - started, context_bucket(context)
         self._latency.setdefault(bucket, deque(maxlen=512)).append(took)
         if self._on_append is not None:
@@ -128,14 +167,19 @@ class SessionService:
         return {**self.registry.public(s), "ended": True}
 
     async def oip(self, sequence_id: str, x: np.ndarray, start: bool, end: bool,
-                  deadline: float | None) -> tuple[np.ndarray, dict[str, Any]]:
+                  deadline: float | None, key: str | None = None) -> tuple[np.ndarray, dict[str, Any]]:
         """Triton's sequence semantics: `start` opens `sequence_id` (409 if it is live), the
-        rows are appended, `end` ends it after this request."""
+        rows are appended, `end` ends it after this request. `key`: the request's idempotency
+        key; a retried `start` whose first try opened the sequence gets that try's answer (a
+        retried `end` whose first try ended it is 404, as the sequence is gone)."""
         sid = sequence_id if sequence_id.startswith(OIP_PREFIX) else OIP_PREFIX + sequence_id
-        if start:
-            rows, info = await self.open(x, deadline, session_id=sid)
+        kept = self._kept_start(sid, x, key) if start else None
+        if kept is not None:
+            rows, info = kept.replay()
+        elif start:
+            rows, info = await self.open(x, deadline, session_id=sid, key=key)
         else:
-            rows, info = await self.append(sid, x, deadline)
+            rows, info = await self.append(sid, x, deadline, key=key)
         if end:
             self.registry.close(sid)
             info = {**info, "ended": True}
@@ -155,6 +199,16 @@ class SessionService:
                             append_latency_ms_p50_by_context=latency)
 
     # -- internals -------------------------------------------------------------------------------
+    def _kept_start(self, sid: str, x: np.ndarray, key: str | None) -> KeptAnswer | None:
+        """The remembered answer of a `sequence_start` with `key` on the live sequence `sid`."""
+        if key is None:
+            return None
+        try:
+            s = self.registry.lookup(sid)
+        except GangServeError:
+            return None  # not live: the start opens it
+        return self.registry.kept(s, key, rows_digest(np.ascontiguousarray(x, dtype=np.float32)))
+
     def _require_enabled(self) -> None:
         if self.limits.num_blocks < 1:
             raise Conflict(f"sessions are off on this app (session_cache_bytes={self._cfg.sessions.session_cache_bytes} "

@@ -20,6 +20,7 @@ Wire format, both directions, one frame per message:
              then, with "mask": true, the key mask [b, s] as bytes 0/1 (always inline)
     request  {"op": "session_append", "shape": [n, E], "session_id": "<id>",
               "length": null | <the session's length before it, a precondition>,
+              "idempotency_key": null | "<the append's key>" (service.sessions.keys),
               "timeout_s": null | <seconds left>}
              payload: the rows, float32, C order (always inline: appends are a few rows)
     reply    {"ok": true, "shape": [b, s, E]}     payload: float32 output (empty with shm:
@@ -80,7 +81,7 @@ SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and p
 # bool or None, causal or None, timeout_s=seconds left or None) -> the output
 InferFn = Callable[..., Awaitable[np.ndarray]]
 # rank 0's side of a session append: (rows [n, E] float32, length precondition or None,
-# timeout_s=, session_id=) -> (outputs [n, E], the session's state)
+# timeout_s=, session_id=, idempotency_key=) -> (outputs [n, E], the session's state)
 SessionAppendFn = Callable[..., Awaitable[tuple[np.ndarray, dict[str, Any]]]]
 Region = tuple[str, Any]  # a connection's shared region on rank 0's side: (name, mapping)
 Answer = tuple[dict[str, Any], "memoryview | bytes", "Region | None"]  # (reply header, payload, region kept)
@@ -123,10 +124,15 @@ class ChannelServer:
     """Rank 0's listener, inside the GangServer replica's event loop."""
 
     def __init__(self, infer: InferFn, max_in_flight: int, session_append: SessionAppendFn | None = None,
-                 tunables: TransportTunables = TransportTunables()) -> None:
+                 tunables: TransportTunables = TransportTunables(),
+                 drop_append_reply: Callable[[], bool] = lambda: False) -> None:
+        """`drop_append_reply`: a test's failpoint (service.gang.failpoints), asked after each
+        answered session append: True closes the connection instead of writing the reply, as a
+        connection lost after the append was committed would."""
         self._max_header = tunables.channel_max_header_bytes
         self._infer = infer
         self._session_append = session_append
+        self._drop_append_reply = drop_append_reply
         self._max_in_flight = max_in_flight
         self._in_flight = 0
         self._server: asyncio.AbstractServer | None = None
@@ -208,6 +214,10 @@ class ChannelServer:
                 with contextlib.suppress(BaseException):
                     await gone
                 reply, out, region = answer.result()
+                if header.get("op") == "session_append" and reply.get("ok") and self._drop_append_reply():
+                    log.warning("failpoint session_append_reply_dropped: closing the connection instead of "
+                                "replying to a committed session append")
+                    return
                 await write_frame(writer, reply, out)
         except (ConnectionError, ValueError) as exc:
             log.debug("data channel connection dropped: %s", exc)
@@ -289,15 +299,18 @@ class ChannelServer:
         append = self._session_append
         shape = _shape(header.get("shape"), ndim=2)
         session_id, length = header.get("session_id"), header.get("length")
+        key = header.get("idempotency_key")
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r:.50}")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise ValueError(f"idempotency_key must be null or a non-empty string, got {key!r:.50}")
         if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
             raise ValueError(f"length must be null or an integer, got {length!r:.50}")
         timeout_s = _timeout(header)
         x = _tensor(payload, shape)
 
         async def run() -> Answer:
-            out, info = await append(x, length, timeout_s=timeout_s, session_id=session_id)
+            out, info = await append(x, length, timeout_s=timeout_s, session_id=session_id, idempotency_key=key)
             out = np.ascontiguousarray(out, dtype=np.float32)
             return {"ok": True, "shape": list(out.shape), "session": info}, memoryview(out).cast("B"), region
 
@@ -377,12 +390,15 @@ class ChannelClient:
             return out
 
     async def session_append(self, x: np.ndarray, session_id: str, length: int | None = None,
-                             timeout_s: float | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                             timeout_s: float | None = None, idempotency_key: str | None = None
+                             ) -> tuple[np.ndarray, dict[str, Any]]:
         """Rows x [n, E] appended to session `session_id` -> (their outputs [n, E], the
-        session's state). The rows travel inline. Raises as `infer` does."""
+        session's state). The rows travel inline. Raises as `infer` does; note that a
+        ChannelUnavailable raised while reading the reply says nothing about whether the
+        server appended: only the `idempotency_key` makes sending the append again safe."""
         data = np.ascontiguousarray(x, dtype=np.float32)
         header: dict[str, Any] = {"op": "session_append", "shape": [int(d) for d in data.shape],
-                                  "session_id": session_id, "length": length}
+                                  "session_id": session_id, "length": length, "idempotency_key": idempotency_key}
         if timeout_s is not None:
             header["timeout_s"] = float(timeout_s)
         async with self._leased() as conn:

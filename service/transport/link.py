@@ -123,21 +123,29 @@ class GangLink:
         self._counts.object_store += 1
         return await self._calls.request("infer", x, mask, causal, deadline=deadline)
 
-    async def session_append(self, x: np.ndarray, length: int | None, *, session_id: str,
+    async def session_append(self, x: np.ndarray, length: int | None, *, session_id: str, idempotency_key: str,
                              deadline: float) -> tuple[np.ndarray, dict[str, Any]]:
         """Rows x [n, E] float32 appended to session `session_id` (service.sessions) ->
         (their outputs, the session's state): over the data channel when it is the route
         (one gang: the session's), else a handle call the request router sends to the gang
-        the session id names."""
+        the session id names.
+
+        A failed channel says nothing about whether the gang server appended: the connection
+        may close, or the reply arrive malformed, after it committed the append. The handle
+        call that follows is safe because it carries the same `idempotency_key`
+        (service.sessions.keys): a committed append answers its kept answer, one still in
+        flight is waited for, and nothing is appended twice."""
         if self._channel is not None and time.monotonic() >= self._channel_retry_at:
             self._counts.data_channel += 1
             try:
                 return await _by(deadline, self._channel.session_append(
-                    x, session_id, length, timeout_s=seconds_left(deadline)), "a session append (data channel)")
-            except ChannelUnavailable as exc:  # nothing was appended: the server never answered
+                    x, session_id, length, timeout_s=seconds_left(deadline), idempotency_key=idempotency_key),
+                    "a session append (data channel)")
+            except ChannelUnavailable as exc:  # appended or not: the same key makes the handle call safe
                 self._channel_failed(exc)
         self._counts.object_store += 1
-        return await self._calls.request("session_append", x, length, deadline=deadline, session_id=session_id)
+        return await self._calls.request("session_append", x, length, deadline=deadline, session_id=session_id,
+                                         idempotency_key=idempotency_key)
 
     def transport(self) -> IngressTransport:
         """GET /gang `ingress_transport`: how this ingress replica has been sending requests."""

@@ -180,7 +180,8 @@ async def _infer(
     parameters = None
     if sequence is not None:
         rows, info = await gang.session_call("session_oip", rows_of(x), sequence.start, sequence.end,
-                                             session_id=sequence.id, deadline=deadline)
+                                             session_id=sequence.id, deadline=deadline,
+                                             idempotency_key=sequence.idempotency_key)
         out = rows[None]  # [1, n, E]
         parameters = {"sequence_id": (req.parameters or {}).get("sequence_id"), "sequence_length": info["length"],
                       "weights_version": info["weights_version"]}

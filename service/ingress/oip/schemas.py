@@ -72,7 +72,9 @@ class InferenceRequest(BaseModel):
 
     id: str | None = Field(None, max_length=MAX_ID_CHARS)
     parameters: dict[str, Any] | None = Field(
-        None, description="binary_data_output: every output as raw bytes; causal: causal attention (boolean)"
+        None, description="binary_data_output: every output as raw bytes; causal: causal attention (boolean); "
+        "sequence_id, sequence_start, sequence_end: a session (Triton's sequence names); idempotency_key: a "
+        "sequence request's key (1-128 visible ASCII characters), the same on its retries"
     )
     inputs: list[RequestInput]
     outputs: list[RequestOutput] | None = None

@@ -9,6 +9,11 @@ stock `tritonclient.http` `infer(..., sequence_id=, sequence_start=, sequence_en
 drives a session. The id is the client's: it is namespaced (`oip:<id>`) apart from the ids
 POST /sessions hands out, and with several gangs it is routed by rendezvous hashing
 (service.gang.router). An `attention_mask` input or `parameters.causal` is refused (422).
+
+`parameters.idempotency_key` is the request's idempotency key (service.sessions.keys: 1-128
+visible ASCII characters, else 422 `invalid_request`), as HTTP's `Idempotency-Key` is for an
+append: a retry with it gets the first answer and appends nothing (a retried
+`sequence_start` whose first try opened the sequence too); without one the ingress makes one.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from service.contract.errors import InvalidInput
+from service.sessions import keys
 from service.ingress.oip.schemas import MAX_ID_CHARS, InferenceRequest
 from service.sessions.ids import OIP_PREFIX
 
@@ -27,6 +33,7 @@ class Sequence:
     id: str  # the registry's id: OIP_PREFIX + the client's
     start: bool
     end: bool
+    idempotency_key: str | None = None  # the client's (None: the ingress makes one)
 
 
 def sequence_of(req: InferenceRequest) -> Sequence | None:
@@ -52,7 +59,8 @@ def sequence_of(req: InferenceRequest) -> Sequence | None:
                            "the whole sequence")
     if any(i.name == "attention_mask" for i in req.inputs):
         raise InvalidInput("a sequence request takes no attention_mask input: its rows are all tokens")
-    return Sequence(OIP_PREFIX + str(raw), flags["sequence_start"], flags["sequence_end"])
+    key = keys.key_of(params.get(keys.OIP_PARAMETER), f"parameter {keys.OIP_PARAMETER}")
+    return Sequence(OIP_PREFIX + str(raw), flags["sequence_start"], flags["sequence_end"], key)
 
 
 def rows_of(x: np.ndarray) -> np.ndarray:

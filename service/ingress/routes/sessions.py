@@ -9,6 +9,12 @@ answer was computed with, `X-Recomputed-Tokens`); a JSON reply also has `session
 `length` and `weights_version` next to `output`, and the whole state under `session`.
 Bad input changes no state: it is refused here, before the gang server sees it, or there
 before the append is queued (unknown session, past `max_session_tokens`).
+
+Exactly once: an append's `Idempotency-Key` header (service.sessions.keys; 422
+`invalid_request` when it is not 1-128 visible ASCII characters) goes with every try the
+ingress makes; without one the request policy makes one. A retry with the key of an append
+the session remembers answers that append's answer again, with `Idempotent-Replayed: true`,
+and appends nothing; the same key with other rows is 409 `idempotency_key_reused`.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.contract import deadlines
@@ -30,6 +36,7 @@ from service.ingress.deps import (
 )
 
 from service.ingress.routes.infer import _encode
+from service.sessions import keys
 from service.ingress.schemas import INFER_ERROR_RESPONSES, OPTIONAL_INFER_SECURITY
 
 router = APIRouter(tags=["sessions"], dependencies=[Depends(inference_auth)])
@@ -59,13 +66,20 @@ async def open_session(request: Request, output_dtype: _DtypeName | None = _Outp
 async def append(session_id: str, request: Request, output_dtype: _DtypeName | None = _OutputDtype,
                  length: int | None = Query(None, ge=0, description="Precondition: the session's length before "
                                             "this append (409 `session_length_mismatch` otherwise): a safe retry."),
+                 idempotency_key: str | None = Header(
+                     None, alias=keys.HEADER, description="This append's key (1-128 visible ASCII characters, e.g. "
+                     "a uuid4), new for each append and the same on its retries: a retry the session remembers gets "
+                     "the first answer (`Idempotent-Replayed: true`) and appends nothing. Without one the service "
+                     "makes one, which covers its own retries only."),
                  cfg: AppConfig = Depends(get_config), gang: Gang = Depends(get_gang),
                  pool: DecodePool = Depends(get_decode_pool)) -> Response:
     deadline = _deadline(request, cfg)
+    key = keys.key_of(idempotency_key, keys.HEADER)  # checked before the body is read
     decoded = await _rows(request, cfg, pool, output_dtype, optional=False)
     assert decoded is not None
     x, dtype, media, squeezed = decoded
-    out, info = await gang.session_call("session_append", x, length, session_id=session_id, deadline=deadline)
+    out, info = await gang.session_call("session_append", x, length, session_id=session_id, deadline=deadline,
+                                        idempotency_key=key)
     return _reply(out if squeezed else out[None], info, dtype, media, 200)
 
 
@@ -147,9 +161,12 @@ def session_rows(x: np.ndarray, mask: np.ndarray | None, squeezed: bool) -> np.n
 
 
 def _headers(info: dict[str, Any]) -> dict[str, str]:
-    return {"X-Session-Id": str(info.get("session_id", "")), "X-Session-Length": str(info.get("length", "")),
-            "X-Weights-Version": str(info.get("weights_version", "")),
-            "X-Recomputed-Tokens": str(info.get("recomputed_tokens_this_append", 0))}
+    headers = {"X-Session-Id": str(info.get("session_id", "")), "X-Session-Length": str(info.get("length", "")),
+               "X-Weights-Version": str(info.get("weights_version", "")),
+               "X-Recomputed-Tokens": str(info.get("recomputed_tokens_this_append", 0))}
+    if info.get("replayed"):
+        headers[keys.REPLAYED_HEADER] = "true"
+    return headers
 
 
 def _reply(out: np.ndarray, info: dict[str, Any], dtype: np.dtype, media: str, status: int) -> Response:
