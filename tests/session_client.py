@@ -37,9 +37,12 @@ class HttpSession:
             self.id = r.headers["x-session-id"]
             self.check(prefill, r)
 
-    def append(self, rows: np.ndarray, **params: Any) -> httpx.Response:
+    def append(self, rows: np.ndarray, key: str | None = None, **params: Any) -> httpx.Response:
+        """POST the rows (with `key` as its Idempotency-Key, if given); a 200 is checked and its
+        rows join the expected sequence."""
+        headers = {"content-type": "application/x-npy", **({"idempotency-key": key} if key is not None else {})}
         r = httpx.post(f"{self.base}/sessions/{self.id}/append", content=npy_bytes(rows), params=params,
-                       headers={"content-type": "application/x-npy"}, timeout=60)
+                       headers=headers, timeout=60)
         if r.status_code == 200:
             self.check(rows, r)
         return r

@@ -111,7 +111,8 @@ class GangTunables:
         "nothing; an older key is forgotten, and its retry would append again. Cost per session: the "
         "kept answers' output rows (at most the session's own rows: n x E x 4 bytes each, 2 KiB for one "
         "row at E=512) plus about 1 KiB each for the key, digest and state, so at most as much again "
-        "as its kept inputs; 16 one-row appends at E=512 hold about 48 KiB. At least 1."))
+        "as its kept inputs; 16 one-row appends at E=512 hold about 48 KiB. At least 1 (checked when the gang "
+        "server starts)."))
 
     def heartbeat_interval(self, collective_timeout_s: float) -> float:
         """Idle time after which rank 0 sends a heartbeat header to the step loops."""
@@ -371,8 +372,6 @@ class Tunables:
              2 * t.heartbeat_interval_s, "tunables.training.owner_stale_s", t.owner_stale_s),
             ("the run actor takes every line a worker's ring holds", "tunables.training.output_ring_lines",
              t.output_ring_lines, "tunables.training.max_output_lines_per_call", t.max_output_lines_per_call),
-            ("every session remembers at least its last append's key", "0", 0,
-             "tunables.gang.session_answers_kept", g.session_answers_kept),
         ]
 
 

@@ -81,7 +81,8 @@ SOCKET_DIR = shm.SHM_DIR  # per node, shared by every process of the node (and p
 # bool or None, causal or None, timeout_s=seconds left or None) -> the output
 InferFn = Callable[..., Awaitable[np.ndarray]]
 # rank 0's side of a session append: (rows [n, E] float32, length precondition or None,
-# timeout_s=, session_id=, idempotency_key=) -> (outputs [n, E], the session's state)
+# timeout_s=, session_id=, and idempotency_key= when the frame has one) -> (outputs [n, E], the
+# session's state)
 SessionAppendFn = Callable[..., Awaitable[tuple[np.ndarray, dict[str, Any]]]]
 Region = tuple[str, Any]  # a connection's shared region on rank 0's side: (name, mapping)
 Answer = tuple[dict[str, Any], "memoryview | bytes", "Region | None"]  # (reply header, payload, region kept)
@@ -310,7 +311,8 @@ class ChannelServer:
         x = _tensor(payload, shape)
 
         async def run() -> Answer:
-            out, info = await append(x, length, timeout_s=timeout_s, session_id=session_id, idempotency_key=key)
+            keyed = {} if key is None else {"idempotency_key": key}  # a frame without one: the call without one
+            out, info = await append(x, length, timeout_s=timeout_s, session_id=session_id, **keyed)
             out = np.ascontiguousarray(out, dtype=np.float32)
             return {"ok": True, "shape": list(out.shape), "session": info}, memoryview(out).cast("B"), region
 
