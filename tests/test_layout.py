@@ -9,7 +9,8 @@ The house rules, each a test:
   The exceptions are the training job spec (a plain pydantic model: the ingress describes
   POST /train's body in OpenAPI with it, the JobManager validates) and the jobs' response models
   (service.training.public, over service.training.status);
-- service.parallel (the tensor-parallel math) depends on torch only;
+- service.parallel (the tensor-parallel math) depends on torch and service.models only;
+- service.models (each model kind's torch-free description) imports nothing else from service;
 - service.config.tunables (every timing and sizing knob) imports nothing from service, so any
   module may read it;
 - error codes are ErrorCode members (service.contract.errors, the one registry), not string literals;
@@ -43,7 +44,7 @@ ALLOWED_SIDEWAYS = {
     ("service.ingress.routes.train", "service.training.public"),
 }
 FOUNDATIONS = ("service.cluster", "service.transport", "service.weights", "service.state", "service.parallel",
-               "service.config", "service.contract", "service.metrics")
+               "service.models", "service.config", "service.contract", "service.metrics")
 # The only modules directly under service/: the two entry points and the index of the environment.
 TOP_LEVEL = {"service", "service.app", "service.launch", "service.environment"}
 
@@ -139,11 +140,22 @@ def test_shared_packages_import_no_subsystem() -> None:
 
 
 def test_parallel_math_depends_on_nothing_else_in_service() -> None:
+    """The torch half of the models reads only their torch-free half (service.models)."""
     offenders = sorted(
         f"{src} -> {dst}" for src, dsts in _imports().items() if _inside(src, "service.parallel")
-        for dst in dsts if not _inside(dst, "service.parallel")
+        for dst in dsts if not (_inside(dst, "service.parallel") or _inside(dst, "service.models"))
     )
     assert not offenders, f"service.parallel must stay torch-only: {offenders}"
+
+
+def test_the_model_descriptions_import_nothing_else_from_service() -> None:
+    """service.models is read by processes that load no torch: it imports only itself."""
+    offenders = sorted(
+        f"{src} -> {dst}" for src, dsts in _imports().items() if _inside(src, "service.models")
+        for dst in dsts if not _inside(dst, "service.models")
+    )
+    assert not offenders, f"service.models must stay torch-free and self-contained: {offenders}"
+    assert "service.models.llama" in _imports()["service.parallel.llama"]
 
 
 def test_the_tunables_import_nothing_from_service() -> None:

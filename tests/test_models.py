@@ -223,7 +223,7 @@ def test_builder_arguments_of_another_model_are_refused() -> None:
         AppConfig.model_validate({"num_layers": 4, "ffn_dim": 64})
     with pytest.raises(ValidationError, match=r"ffn_dim \(100\) must be divisible by world_size \(8\)"):
         AppConfig.model_validate({"model": "transformer", "world_size": 8, "ffn_dim": 100})
-    with pytest.raises(ValidationError, match="model must be attention, transformer or an import path"):
+    with pytest.raises(ValidationError, match="model must be one of attention, transformer, llama or an import path"):
         AppConfig.model_validate({"model": "gpt"})
 
 

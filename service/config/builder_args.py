@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.config.tunables import Tunables, TransportTunables
+from service.models.llama import llama_architecture
 
 FLOAT16_MAX = 65504.0  # float16's largest finite value
 GIB = 1024**3
@@ -23,6 +24,9 @@ GIB = 1024**3
 
 # The builder arguments only `model=transformer` reads (refused with another model).
 TRANSFORMER_ARGS = ("num_layers", "ffn_dim", "activation", "norm_first", "layer_norm_eps")
+
+
+BUILT_IN_KINDS = ("attention", "transformer", "llama")
 
 
 class ModelConfig(BaseModel):
@@ -61,7 +65,8 @@ class ModelConfig(BaseModel):
     checkpoint: str | None = Field(
         None,
         description="Absolute path of a dense safetensors checkpoint (the model's format, docs/api.md: for "
-        "transformer its torch module's own state_dict); overrides `init`. Each rank reads only its slice, so on multi-node clusters it must "
+        "transformer its torch module's own state_dict; for llama a Hugging Face save_pretrained directory, "
+        "its architecture read from its config.json); overrides `init`. Each rank reads only its slice, so on multi-node clusters it must "
         "be on storage every node sees.",
     )
 
@@ -78,6 +83,21 @@ class ModelConfig(BaseModel):
         "tolerance per dtype: [api.md](api.md#compute-dtype).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _read_llama_architecture(cls, data: Any) -> Any:
+        """model=llama: the width E and heads H are its architecture's `hidden_size` and
+        `num_attention_heads`, read from the checkpoint directory's config.json (or, without
+        one, from `model_args`: a LlamaConfig's fields); given as well, they must agree."""
+        if not isinstance(data, dict) or data.get("model", data.get("kind")) != "llama":
+            return data
+        arch = llama_architecture(data.get("checkpoint"), data.get("model_args") or {})
+        for name, value in (("embed_dim", arch.hidden_size), ("num_heads", arch.num_heads)):
+            if data.get(name) not in (None, value):
+                raise ValueError(f"model=llama: {name}={data[name]}, but its architecture says {value} "
+                                 "(leave it out: it is read from the architecture)")
+        return {**data, "embed_dim": arch.hidden_size, "num_heads": arch.num_heads}
+
     @model_validator(mode="after")
     def _check_model_args(self) -> "ModelConfig":
         """Arguments of one model are refused with another (a typo would otherwise be ignored)."""
@@ -87,11 +107,12 @@ class ModelConfig(BaseModel):
             stray = [name for name in TRANSFORMER_ARGS if getattr(self, name) != fields[name].default]
             if stray:
                 raise ValueError(f"{', '.join(stray)} only apply to model=transformer; model is {self.kind!r}")
-        if self.model_args and ":" not in self.kind:
-            raise ValueError(f"model_args only apply to a user's model (model=pkg.module:factory); model is {self.kind!r}")
-        if self.kind not in ("attention", "transformer") and ":" not in self.kind:
-            raise ValueError(f"model must be attention, transformer or an import path pkg.module:factory; "
-                             f"got {self.kind!r}")
+        if self.model_args and ":" not in self.kind and self.kind != "llama":
+            raise ValueError(f"model_args only apply to a user's model (model=pkg.module:factory) or to model=llama "
+                             f"without a checkpoint directory; model is {self.kind!r}")
+        if self.kind not in BUILT_IN_KINDS and ":" not in self.kind:
+            raise ValueError(f"model must be one of {', '.join(BUILT_IN_KINDS)} or an import path "
+                             f"pkg.module:factory; got {self.kind!r}")
         return self
 
     @property

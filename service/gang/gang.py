@@ -60,7 +60,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.config.builder_args import GangConfig, ModelConfig
 from service.contract.errors import (CollectiveTimeout, Conflict, ErrorCode, GangServeError, GangStartupError, GangUnavailable,
-                            gang_state_code)
+                                     InvalidInput, gang_state_code)
 from service.config.builder_args import BatchPolicy
 from service.gang.batching import DropObserver, StepBatcher, StepObserver
 from service.cluster.placement import GangUnschedulable, check_feasible, cluster_snapshot, gang_request, waiting_reason
@@ -172,6 +172,9 @@ class Gang:
         `deadline` (time.monotonic(), None: none): DeadlineExceeded then; a request whose
         deadline passes before its step starts is never computed (service.gang.batching)."""
         self._require_ready()
+        if causal is False and self._root is not None and self._root.causal_only:
+            raise InvalidInput(f"model {self.declared_model.kind} is causal by declaration (a decoder: each row "
+                               "attends only the rows before it); leave causal out or set it true")
         return await self._batcher.submit(x, mask, causal, deadline)
 
     @property

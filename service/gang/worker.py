@@ -48,7 +48,9 @@ from service.parallel.model import (
     ModelDef,
     RankModel,
     check_checkpoint,
+    is_causal_only,
     load_checkpoint_shard,
+    unused_tensors,
     new_kv_pool,
     shard_dense,
 )
@@ -140,15 +142,17 @@ def check_dtype_fits(model: ModelSpec) -> None:
 
 
 def load_rank_shard(model: ModelSpec, rank: int, world_size: int, local: Path | None = None,
-                    arch: ModelDef | None = None) -> dict[str, torch.Tensor]:
+                    arch: ModelDef | None = None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """This rank's slice of the configured weights (checkpoint, seed or random init).
 
-    `local`: the checkpoint as a verified local file (see `materialize`); the rank maps
-    only its own slice of it. `arch`: the model's architecture when the caller resolved it
-    already (a user's factory is then not imported and called again)."""
+    `local`: the checkpoint as a verified local file or directory (see `materialize`); the
+    rank maps only its own slice of it, read straight into `dtype` (the compute dtype).
+    `arch`: the model's architecture when the caller resolved it already (a user's factory
+    is then not imported and called again)."""
     arch = arch or resolve(model)
     if model.checkpoint:
-        return load_checkpoint_shard(arch, local or materialize(model.checkpoint, StateTunables()), rank, world_size)
+        return load_checkpoint_shard(arch, local or materialize(model.checkpoint, StateTunables()), rank, world_size,
+                                     dtype)
     return shard_dense(arch, arch.init_weights(model.init, model.seed), rank, world_size)
 
 
@@ -341,6 +345,11 @@ class Rank:
         self.default_causal = self._staged_causal
         self.weights_version = version
 
+    @property
+    def causal_only(self) -> bool:
+        """The served model declares itself causal: a request for bidirectional attention is refused."""
+        return self.model_def is not None and is_causal_only(self.model_def)
+
     def discard_staged(self) -> None:
         self._staged = None
 
@@ -365,12 +374,15 @@ class Rank:
         local = materialize(model_cfg.checkpoint, self.state_tunables) if model_cfg.checkpoint else None
         if local is not None:
             check_checkpoint(arch, local)  # every missing or wrong tensor named, before any is read
-        model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local, arch))
+            if self.rank == 0 and (unused := unused_tensors(arch, local)):
+                log.info("checkpoint %s: model %s does not use %s; not loaded", local, arch.kind, ", ".join(unused))
+        model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local, arch, dtype))
         recorded = checkpoint_causal(local) if local is not None else None
         model.eval()
         if self.device.type == "cuda":
             self._warm_kernels(model, arch.embed_dim)
-        self._staged_causal = model_cfg.causal if recorded is None else recorded
+        # A model that declares itself causal (a decoder) serves causal requests only.
+        self._staged_causal = True if is_causal_only(arch) else model_cfg.causal if recorded is None else recorded
         self.dtype = dtype  # one dtype per gang (the config's): a swap keeps it
         self._staged, self._staged_def = model, arch
         return model.parameter_bytes()

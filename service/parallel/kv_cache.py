@@ -70,6 +70,13 @@ class AppendPlan:
     def rows(self) -> int:
         return sum(self.new_rows)
 
+    def positions(self) -> np.ndarray:
+        """[T] int64: each new row's absolute position in its session (c_i + j), in step order
+        (what rotary embeddings need: an appended row continues from its session's length)."""
+        if not self.new_rows:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(c, c + n, dtype=np.int64) for n, c in zip(self.new_rows, self.cached)])
+
     def check(self) -> None:
         """ValueError naming the first session whose table cannot hold its positions."""
         for i, (n, c, table) in enumerate(zip(self.new_rows, self.cached, self.tables)):
@@ -139,8 +146,10 @@ def _write_slots(plan: AppendPlan) -> np.ndarray:
 
 def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     plan: AppendPlan, scale: float) -> torch.Tensor:
-    """One cached layer of an append step, on this rank's heads: q, k, v [T, h_l, d] of the plan's
-    new rows (their projections) -> ctx [T, h_l, d].
+    """One cached layer of an append step, on this rank's heads: q [T, h_l, d], k, v [T, kv_l, d]
+    of the plan's new rows (their projections) -> ctx [T, h_l, d]. With grouped-query attention
+    (kv_l < h_l, h_l a multiple of kv_l) query head i reads K/V head i // (h_l / kv_l); the pool
+    holds kv_l heads.
 
     Writes k/v into `pool` layer `layer` at the plan's positions, then attends each new row over
     its session's cached positions and the earlier new rows (module docstring). Sessions of one
@@ -148,11 +157,13 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
     longest; sessions of several rows (a prefill, a recompute) get one causal attention each.
     """
     rows, h, d = q.shape
+    kv = k.shape[1]
     bs, device = plan.block_size, q.device
-    pool_k, pool_v = pool.k[layer], pool.v[layer]  # [num_blocks, B, h_l, d]
+    pool_k, pool_v = pool.k[layer], pool.v[layer]  # [num_blocks, B, kv_l, d]
     slots = torch.from_numpy(_write_slots(plan)).to(device)
-    pool_k.view(-1, h, d).index_copy_(0, slots, k)  # flat pool [num_blocks * B, h_l, d]
-    pool_v.view(-1, h, d).index_copy_(0, slots, v)
+    pool_k.view(-1, kv, d).index_copy_(0, slots, k)  # flat pool [num_blocks * B, kv_l, d]
+    pool_v.view(-1, kv, d).index_copy_(0, slots, v)
+    gqa = kv != h  # SDPA broadcasts each K/V head over its h_l / kv_l query heads
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=device)  # [T, h_l, d]
     starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
     single = [i for i, n in enumerate(plan.new_rows) if n == 1]
@@ -162,13 +173,13 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
                               dtype=torch.int64, device=device)  # [S1, nb_max]
         lengths = torch.tensor([plan.cached[i] + 1 for i in single], dtype=torch.int64, device=device)
         s1 = len(single)
-        keys = pool_k[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
-        vals = pool_v[tables].view(s1, widest * bs, h, d).transpose(1, 2)  # [S1, h_l, L_max, d]
+        keys = pool_k[tables].view(s1, widest * bs, kv, d).transpose(1, 2)  # [S1, kv_l, L_max, d]
+        vals = pool_v[tables].view(s1, widest * bs, kv, d).transpose(1, 2)  # [S1, kv_l, L_max, d]
         allowed = torch.arange(widest * bs, device=device)[None, :] < lengths[:, None]  # [S1, L_max]
         at = torch.from_numpy(starts[single]).to(device)
         qs = q[at][:, :, None, :]  # [S1, h_l, 1, d]
         out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=allowed[:, None, None, :],
-                                             scale=scale)  # [S1, h_l, 1, d]
+                                             scale=scale, enable_gqa=gqa)  # [S1, h_l, 1, d]
         ctx[at] = out[:, :, 0, :]
     for i, n in enumerate(plan.new_rows):
         if n == 1:
@@ -176,17 +187,19 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
         c, table, start = plan.cached[i], plan.tables[i], int(starts[i])
         length = c + n
         ids = torch.tensor(table, dtype=torch.int64, device=device)
-        keys = pool_k[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
-        vals = pool_v[ids].view(len(table) * bs, h, d)[:length].transpose(0, 1)  # [h_l, L, d]
+        keys = pool_k[ids].view(len(table) * bs, kv, d)[:length].transpose(0, 1)  # [kv_l, L, d]
+        vals = pool_v[ids].view(len(table) * bs, kv, d)[:length].transpose(0, 1)  # [kv_l, L, d]
         # 4-D [1, h_l, ., d]: on CPU, SDPA takes its fused kernel only for 4-D inputs (3-D falls
         # back to the math kernel, ~6x slower on a 2048-row prefill: bench/NOTES.md).
         qi = q[start:start + n].transpose(0, 1)[None]  # [1, h_l, n, d]
-        keys, vals = keys[None], vals[None]  # [1, h_l, L, d]
+        keys, vals = keys[None], vals[None]  # [1, kv_l, L, d]
         if c == 0:  # a prefill or a recompute: plain causal attention, no mask tensor (SDPA's own)
-            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale)  # [1, h_l, n, d]
+            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)  # [1, h_l, n, d]
         else:
             # new row j sits at position c + j and attends positions 0 .. c + j
             allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
-            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=scale)  # [1, h_l, n, d]
+            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=scale,
+                                                 enable_gqa=gqa)  # [1, h_l, n, d]
         ctx[start:start + n] = out[0].transpose(0, 1)
     return ctx

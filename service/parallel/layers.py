@@ -149,15 +149,19 @@ def sdpa_mask(key_mask: torch.Tensor, causal: bool, dtype: torch.dtype) -> torch
 
 def head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, causal: bool,
                    scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + M) v over one rank's heads: q, k, v [batch, h_l, seq, d] ->
-    [batch, seq, h_l * d], M from `key_mask` [batch, seq] (True = token) and `causal` (`sdpa_mask`)."""
+    """softmax(q k^T * scale + M) v over one rank's heads: q [batch, h_l, seq, d], k, v
+    [batch, kv_l, seq, d] -> [batch, seq, h_l * d], M from `key_mask` [batch, seq] (True = token)
+    and `causal` (`sdpa_mask`). Grouped-query attention (kv_l < h_l, a divisor): query head i
+    reads K/V head i // (h_l / kv_l)."""
     batch, heads, seq, d = q.shape
+    gqa = k.shape[1] != heads
     if key_mask is None:
         # The unmasked fast path: no mask tensor at all (causal uses SDPA's own).
-        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)  # [b, h_l, s, d]
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                             enable_gqa=gqa)  # [b, h_l, s, d]
     else:
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(key_mask, causal, q.dtype),
-                                             scale=scale)  # [b, h_l, s, d]
+                                             scale=scale, enable_gqa=gqa)  # [b, h_l, s, d]
     return ctx.transpose(1, 2).reshape(batch, seq, heads * d)
 
 

@@ -22,7 +22,11 @@ Sharding (`Shard`), for rank r of p, of a dense tensor in torch's Linear convent
                 this rank's slice of the output features (ColumnParallelLinear). With
                 `parts` = k, dim 0 is k equal blocks stacked (torch's fused in_proj
                 [3E, E] = [W_q; W_k; W_v]) and the rank takes its slice of each block, in
-                block order: one fused GEMM [k*out/p, in] per rank.
+                block order: one fused GEMM [k*out/p, in] per rank. With `groups` = g
+                (attention heads), dim 0 is g equal units split by whole units: g >= p,
+                rank r takes units r*g/p : (r+1)*g/p; g < p (fewer K/V heads than ranks,
+                grouped-query attention), each unit is held by p/g ranks and rank r takes
+                unit r*g // p (vLLM's `num_kv_head_replicas`).
     ROW         columns r*in/p : (r+1)*in/p of the weight: partial products summed by one
                 all_reduce (RowParallelLinear).
     REPLICATED  the whole tensor on every rank (norms, the bias of a ROW layer: added once,
@@ -33,6 +37,7 @@ Everything here is pure torch (and safetensors for files): no Ray, no pydantic.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol, runtime_checkable
@@ -59,15 +64,24 @@ class Shard(enum.Enum):
 @dataclass(frozen=True)
 class ParamSpec:
     """One dense parameter: its name in the reference module's `state_dict()` (and in the
-    checkpoint), its dense shape, and how it is sharded (`parts`: fused blocks on dim 0)."""
+    checkpoint), its dense shape, and how it is sharded (`parts`: fused blocks on dim 0;
+    `groups`: whole units on dim 0, replicated when fewer than ranks; module docstring)."""
 
     name: str
     shape: tuple[int, ...]
     shard: Shard
     parts: int = 1
+    groups: int = 0
 
     def check_divides(self, world_size: int) -> str | None:
         """Why this parameter cannot be split `world_size` ways, or None."""
+        if self.shard is Shard.COLUMN and self.groups:
+            g = self.groups
+            if self.shape[0] % g or (g % world_size and world_size % g):
+                return (f"{self.name}: {g} heads cannot be split over world_size {world_size}: the heads must be "
+                        f"a multiple of the world size, or the world size a multiple of the heads (each head then "
+                        f"held by world_size / heads ranks)")
+            return None
         if self.shard is Shard.COLUMN and self.shape[0] % (self.parts * world_size):
             return (f"{self.name}: dim 0 ({self.shape[0]} = {self.parts} block(s)) is not divisible into "
                     f"{world_size} rank slices per block")
@@ -83,6 +97,11 @@ class ParamSpec:
         if self.shard is Shard.ROW:
             per = self.shape[1] // world_size
             return tensor[:, rank * per:(rank + 1) * per]
+        if self.groups:
+            unit = self.shape[0] // self.groups
+            units = max(self.groups // world_size, 1)
+            first = rank * self.groups // world_size  # units >= 1 per rank, or one unit per world_size/groups ranks
+            return tensor[first * unit:(first + units) * unit]
         block = self.shape[0] // self.parts
         per = block // world_size
         pieces = [tensor[b * block + rank * per:b * block + (rank + 1) * per] for b in range(self.parts)]
@@ -211,20 +230,40 @@ def check_world_size(model: ModelDef, world_size: int) -> None:
         raise ValueError(f"model {model.kind} cannot be split over world_size {world_size}: " + "; ".join(problems))
 
 
+def kv_heads_per_rank(model: ModelDef, world_size: int) -> int:
+    """The K/V heads one rank caches: kv_heads / p, or 1 when there are fewer K/V heads than
+    ranks (grouped-query attention: each K/V head is then held by p / kv_heads ranks)."""
+    return max(model.kv_heads // world_size, 1)
+
+
 def kv_bytes_per_token(model: ModelDef, world_size: int, dtype_bytes: int) -> int:
-    """Session cache bytes per token per rank: 2 (K and V) x kv_layers x (heads x head_dim / p) x dtype."""
-    return 2 * model.kv_layers * (model.kv_heads // world_size) * model.head_dim * dtype_bytes
+    """Session cache bytes per token per rank: 2 (K and V) x kv_layers x kv_heads_per_rank x head_dim x dtype."""
+    return 2 * model.kv_layers * kv_heads_per_rank(model, world_size) * model.head_dim * dtype_bytes
 
 
 def new_kv_pool(model: ModelDef, world_size: int, plan: AppendPlan, dtype: torch.dtype,
                 device: torch.device) -> PagedKVPool:
     """This rank's session pool for `model` in the plan's shape (one layer per cached layer)."""
-    return PagedKVPool(plan.num_blocks, plan.block_size, model.kv_heads // world_size, model.head_dim, dtype,
+    return PagedKVPool(plan.num_blocks, plan.block_size, kv_heads_per_rank(model, world_size), model.head_dim, dtype,
                        device, layers=model.kv_layers)
 
 
+def is_causal_only(model: ModelDef) -> bool:
+    """A model that declares itself causal (a decoder: `causal_only = True`): its requests are
+    causal by default and a request for bidirectional attention is refused. A model that does
+    not declare it (a user's, written before the attribute existed) is not."""
+    return bool(getattr(model, "causal_only", False))
+
+
+def ignored_weights(model: ModelDef) -> tuple[str, ...]:
+    """Name prefixes of checkpoint tensors the model does not use and never loads (a decoder
+    stack's `embed_tokens.`, `lm_head.`); any other unexpected tensor is an error."""
+    return tuple(getattr(model, "ignored_weights", ()))
+
+
 def validate_shapes(model: ModelDef, shapes: Mapping[str, tuple[int, ...]], what: str = "dense weights") -> None:
-    """ValueError listing every missing, unexpected or wrong-shaped tensor of `shapes` (name -> shape)."""
+    """ValueError listing every missing, unexpected or wrong-shaped tensor of `shapes` (name -> shape).
+    Tensors under the model's `ignored_weights` prefixes are not unexpected."""
     problems = []
     declared = {spec.name: spec for spec in model.params()}
     for name, spec in declared.items():
@@ -232,7 +271,8 @@ def validate_shapes(model: ModelDef, shapes: Mapping[str, tuple[int, ...]], what
             problems.append(f"missing {name!r} {list(spec.shape)}")
         elif tuple(shapes[name]) != spec.shape:
             problems.append(f"{name} has shape {list(shapes[name])}, the model needs {list(spec.shape)}")
-    unexpected = sorted(set(shapes) - set(declared))
+    skipped = ignored_weights(model)
+    unexpected = sorted(n for n in set(shapes) - set(declared) if not n.startswith(skipped))
     if unexpected:
         problems.append(f"unexpected {', '.join(repr(n) for n in unexpected[:10])}"
                         + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
@@ -251,22 +291,87 @@ def shard_dense(model: ModelDef, weights: DenseWeights, rank: int, world_size: i
     return {spec.name: spec.take(weights[spec.name], rank, world_size).contiguous() for spec in model.params()}
 
 
-def read_checkpoint_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
-    """(metadata, tensor shapes) of a safetensors file, without reading tensor data.
+# A Hugging Face `save_pretrained` directory: one file, or shards listed by an index.
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+HF_PREFIX = "model."  # a *ForCausalLM's decoder stack, under its `model` attribute
 
-    ValueError for a file safetensors cannot open (bad header, truncated data)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except SafetensorError as exc:
-        raise ValueError(f"checkpoint {path} is not a readable safetensors file: {exc}") from None
-    return meta, shapes
+
+@dataclass(frozen=True)
+class CheckpointTensors:
+    """Where each tensor of a checkpoint lives, read from headers only (no tensor data).
+
+    A checkpoint is one safetensors file (names as they are), or a Hugging Face
+    `save_pretrained` directory: `model.safetensors`, or the shards its
+    `model.safetensors.index.json` lists, names without their `model.` prefix (a
+    `LlamaForCausalLM`'s stack is its `model`; a `LlamaModel` has none)."""
+
+    path: Path
+    metadata: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    places: dict[str, tuple[Path, str]]  # name -> (file, the tensor's key in that file)
+
+    def by_file(self, names: list[str]) -> dict[Path, list[str]]:
+        """`names` grouped by the file that holds each (every file opened once)."""
+        groups: dict[Path, list[str]] = {}
+        for name in names:
+            groups.setdefault(self.places[name][0], []).append(name)
+        return groups
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return [path]
+    index = path / HF_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"checkpoint {index} is not a safetensors index (a 'weight_map' of names to "
+                             f"files): {exc}") from None
+        files = sorted({str(f) for f in weight_map.values()})
+        if any(Path(f).is_absolute() or ".." in Path(f).parts for f in files):
+            raise ValueError(f"checkpoint {index} names files outside its directory: {files}")
+        return [path / f for f in files]
+    if (path / HF_WEIGHTS).is_file():
+        return [path / HF_WEIGHTS]
+    raise ValueError(f"checkpoint directory {path} has neither {HF_WEIGHTS} nor {HF_INDEX} "
+                     "(a Hugging Face save_pretrained directory with safetensors weights)")
+
+
+def open_checkpoint(path: str | Path) -> CheckpointTensors:
+    """The tensors of a checkpoint file or directory (`CheckpointTensors`); ValueError naming
+    the file safetensors cannot open (bad header, truncated data) or a name held twice."""
+    root = Path(path)
+    metadata: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    places: dict[str, tuple[Path, str]] = {}
+    for file in _checkpoint_files(root):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                metadata.update(f.metadata() or {})
+                for key in f.keys():
+                    name = key[len(HF_PREFIX):] if root.is_dir() and key.startswith(HF_PREFIX) else key
+                    if name in places:
+                        raise ValueError(f"checkpoint {root}: tensor {name!r} is held twice ({places[name][1]!r} "
+                                         f"in {places[name][0].name}, {key!r} in {file.name})")
+                    shapes[name] = tuple(f.get_slice(key).get_shape())
+                    places[name] = (file, key)
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"checkpoint {file} is not a readable safetensors file: {exc}") from None
+    return CheckpointTensors(root, metadata, shapes, places)
+
+
+def read_checkpoint_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """(metadata, tensor shapes) of a checkpoint (`open_checkpoint`), without reading tensor data."""
+    tensors = open_checkpoint(path)
+    return tensors.metadata, tensors.shapes
 
 
 def check_checkpoint(model: ModelDef, path: str | Path) -> None:
-    """ValueError unless `path` holds exactly `model`'s dense tensors (names and shapes) and
-    records no other architecture in its metadata; the message lists every difference."""
+    """ValueError unless `path` holds exactly `model`'s dense tensors (names and shapes; tensors
+    the model ignores aside) and records no other architecture in its metadata; the message
+    lists every difference."""
     meta, shapes = read_checkpoint_header(path)
     problems = [f"metadata {key}={meta[key]}, the model needs {want}"
                 for key, want in model.metadata().items() if key in meta and str(meta[key]) != want]
@@ -278,12 +383,26 @@ def check_checkpoint(model: ModelDef, path: str | Path) -> None:
         raise ValueError(f"checkpoint {path} does not fit model {describe(model)}: " + "; ".join(problems))
 
 
-def load_checkpoint_shard(model: ModelDef, path: str | Path, rank: int, world_size: int) -> DenseWeights:
-    """Read only rank's slice of each tensor of a dense safetensors checkpoint: `get_slice`
-    memory-maps the file and copies just the requested rows/columns."""
-    with safe_open(str(path), framework="pt") as f:
-        return {spec.name: spec.take(f.get_slice(spec.name), rank, world_size).to(torch.float32).contiguous()
-                for spec in model.params()}
+def unused_tensors(model: ModelDef, path: str | Path) -> list[str]:
+    """The checkpoint's tensors the model ignores (its `ignored_weights`), never read."""
+    declared = {spec.name for spec in model.params()}
+    return sorted(set(open_checkpoint(path).shapes) - declared)
+
+
+def load_checkpoint_shard(model: ModelDef, path: str | Path, rank: int, world_size: int,
+                          dtype: torch.dtype = torch.float32) -> DenseWeights:
+    """Read only rank's slice of each of the model's tensors of a checkpoint, straight into
+    `dtype` (the rank's compute dtype: a bf16 checkpoint served in bf16 is never widened):
+    `get_slice` memory-maps each file and copies just the requested rows/columns."""
+    tensors = open_checkpoint(path)
+    specs = {spec.name: spec for spec in model.params()}
+    shard: DenseWeights = {}
+    for file, names in tensors.by_file(list(specs)).items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                piece = specs[name].take(f.get_slice(tensors.places[name][1]), rank, world_size)
+                shard[name] = piece.to(dtype).contiguous()
+    return {name: shard[name] for name in specs}  # params() order
 
 
 def save_checkpoint(model: ModelDef, path: str | Path, weights: Mapping[str, torch.Tensor],

@@ -1,7 +1,8 @@
 """Which model the builder arguments name: a built-in kind, or a user's factory by import path.
 
-`model=attention` (service.parallel.attention) and `model=transformer`
-(service.parallel.transformer) are the built-in kinds; `model=pkg.module:factory` imports a
+`model=attention` (service.parallel.attention), `model=transformer`
+(service.parallel.transformer) and `model=llama` (service.parallel.llama: its architecture from
+the checkpoint directory's config.json, or from `model_args`) are the built-in kinds; `model=pkg.module:factory` imports a
 user's factory and calls it as `factory(embed_dim=E, **model_args)`; it returns an
 implementation of service.parallel.model.ModelDef (docs/models.md).
 """
@@ -11,6 +12,8 @@ import importlib
 from typing import Any, Callable, Mapping, Protocol
 
 from service.parallel.attention import AttentionDef
+from service.parallel.llama import LlamaDef
+from service.models.llama import llama_architecture
 from service.parallel.model import ModelDef
 from service.parallel.transformer import TransformerDef
 
@@ -27,6 +30,7 @@ class ModelArgs(Protocol):
     norm_first: bool
     layer_norm_eps: float
     model_args: Mapping[str, Any]
+    checkpoint: str | None
 
 
 Factory = Callable[[ModelArgs], ModelDef]
@@ -34,7 +38,9 @@ _REGISTRY: dict[str, Factory] = {
     "attention": lambda a: AttentionDef(a.embed_dim, a.num_heads),
     "transformer": lambda a: TransformerDef(a.num_layers, a.embed_dim, a.num_heads, a.ffn_dim, a.activation,
                                             a.norm_first, a.layer_norm_eps),
+    "llama": lambda a: LlamaDef(llama_architecture(a.checkpoint, a.model_args)),
 }
+
 
 
 def resolve(args: ModelArgs) -> ModelDef:

@@ -105,7 +105,16 @@ def sha_of_key(key: str) -> str | None:
 
 
 def file_sha256(path: str | os.PathLike[str], chunk_bytes: int) -> str:
-    """The file's sha256, read `chunk_bytes` at a time (the state tunable copy_chunk_bytes)."""
+    """The file's sha256, read `chunk_bytes` at a time (the state tunable copy_chunk_bytes).
+
+    A directory (a Hugging Face `save_pretrained` checkpoint: config.json and safetensors
+    files) hashes as the sha256 of its regular files' `<relative name> <sha256>` lines, sorted
+    by name: any changed, added or removed file changes it."""
+    if os.path.isdir(path):
+        root = Path(path)
+        lines = sorted(f"{f.relative_to(root).as_posix()} {file_sha256(f, chunk_bytes)}\n"
+                       for f in root.rglob("*") if f.is_file() and not f.name.startswith("."))
+        return hashlib.sha256("".join(lines).encode()).hexdigest()
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
@@ -321,7 +330,8 @@ class ArtifactStore:
         sha = sha256 or (None if os.path.isabs(ref) else sha_of_key(ref))
         if os.path.isabs(ref) or self.local:
             path = Path(ref) if os.path.isabs(ref) else Path(self.path(ref))
-            if not path.is_file():
+            # An absolute directory is a Hugging Face checkpoint (file_sha256 hashes it whole).
+            if not (path.is_file() or (os.path.isabs(ref) and path.is_dir())):
                 if os.path.isabs(ref):  # the OS's own wording, as opening it would say
                     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), ref)
                 raise FileNotFoundError(f"no artifact {ref!r} in {self.url}")

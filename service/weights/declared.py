@@ -39,7 +39,7 @@ def check_declared_model(model: ModelConfig, world_size: int) -> None:
     `world_size` ways, or a local checkpoint whose tensors do not fit it (each difference named)."""
     arch = resolve(model)
     arch.check_world_size(world_size)
-    if model.checkpoint and Path(model.checkpoint).is_file():
+    if model.checkpoint and Path(model.checkpoint).exists():  # a file, or a Hugging Face directory
         check_checkpoint(arch, model.checkpoint)
 
 

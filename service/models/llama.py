@@ -1,0 +1,138 @@
+"""`model=llama`'s architecture, torch-free: what a Hugging Face Llama-family `config.json` says.
+
+Read by the builder arguments (the request width is `hidden_size`) in processes that load no
+torch, and by the torch half (service.parallel.llama), which computes it. Both config.json
+spellings of the rotary settings are read: transformers 5's `rope_parameters`
+(`{"rope_type", "rope_theta", ...}`) and 4's `rope_theta` + `rope_scaling`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+CONFIG_FILE = "config.json"
+ROPE_TYPES = ("default", "llama3")
+ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """The `llama3` rope scaling (Llama 3.1): low frequencies divided by `factor`, high ones
+    kept, the band between interpolated (transformers' `_compute_llama3_parameters`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LlamaArchitecture:
+    """A Llama-family decoder stack (LlamaModel without `embed_tokens`): `num_layers` blocks of
+    RMSNorm, rotary self-attention with `num_kv_heads` K/V heads (grouped-query when fewer than
+    `num_heads`), RMSNorm and the SwiGLU MLP, then the final RMSNorm."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_llama3: Llama3Rope | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], where: str = "config") -> "LlamaArchitecture":
+        """From a `LlamaConfig`'s dict (config.json); ValueError naming what is missing or unsupported."""
+        def need(key: str) -> Any:
+            if key not in config:
+                raise ValueError(f"{where} has no {key!r}: a Llama-family config.json names it")
+            return config[key]
+        act = config.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{where}: hidden_act {act!r} is not supported (model=llama computes {ACTIVATIONS})")
+        rope = dict(config.get("rope_parameters") or {})
+        scaling = dict(config.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{where}: rope type {rope_type!r} is not supported (model=llama computes {ROPE_TYPES})")
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        llama3 = None
+        if rope_type == "llama3":
+            p = {**scaling, **rope}
+            try:
+                llama3 = Llama3Rope(float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"]),
+                                    int(p.get("original_max_position_embeddings") or need("max_position_embeddings")))
+            except KeyError as exc:
+                raise ValueError(f"{where}: rope type llama3 needs {exc.args[0]!r}") from None
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        return cls(hidden_size=hidden, num_layers=int(need("num_hidden_layers")), num_heads=heads,
+                   num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                   intermediate_size=int(need("intermediate_size")),
+                   head_dim=int(config.get("head_dim") or hidden // heads),
+                   rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_llama3=llama3,
+                   attention_bias=bool(config.get("attention_bias", False)),
+                   mlp_bias=bool(config.get("mlp_bias", False)))
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "LlamaArchitecture":
+        """From `directory/config.json` (a `save_pretrained` directory); ValueError when unreadable."""
+        path = Path(directory) / CONFIG_FILE
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model=llama reads its architecture from {path}: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path} is not a JSON object")
+        return cls.from_hf_config(config, where=str(path))
+
+    def problems(self, world_size: int) -> list[str]:
+        """Why this stack cannot be split `world_size` ways (empty: it can), each naming the numbers."""
+        p, out = world_size, []
+        if self.num_heads % self.num_kv_heads:
+            out.append(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                       f"({self.num_kv_heads})")
+        if self.num_heads % p:
+            out.append(f"num_attention_heads ({self.num_heads}) must be divisible by world_size ({p}): each rank "
+                       "computes num_attention_heads / world_size whole heads")
+        if self.num_kv_heads % p and p % self.num_kv_heads:
+            out.append(f"num_key_value_heads ({self.num_kv_heads}) and world_size ({p}): one must divide the other "
+                       "(each rank holds num_key_value_heads / world_size K/V heads, or each K/V head is held by "
+                       "world_size / num_key_value_heads ranks)")
+        if self.intermediate_size % p:
+            out.append(f"intermediate_size ({self.intermediate_size}) must be divisible by world_size ({p})")
+        if self.head_dim % 2:
+            out.append(f"head_dim ({self.head_dim}) must be even (rotary embeddings rotate pairs)")
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        """What a checkpoint of this stack records (safetensors metadata), checked on load."""
+        meta = {"model": "llama", "hidden_size": str(self.hidden_size), "num_hidden_layers": str(self.num_layers),
+                "num_attention_heads": str(self.num_heads), "num_key_value_heads": str(self.num_kv_heads),
+                "intermediate_size": str(self.intermediate_size), "head_dim": str(self.head_dim),
+                "rms_norm_eps": repr(self.rms_norm_eps), "rope_theta": repr(self.rope_theta),
+                "rope_type": "llama3" if self.rope_llama3 else "default"}
+        return meta
+
+
+def llama_architecture(checkpoint: str | None, model_args: Mapping[str, Any]) -> LlamaArchitecture:
+    """model=llama's architecture: `checkpoint`'s config.json when it is a directory (a Hugging
+    Face save_pretrained directory), else `model_args` (a LlamaConfig's fields); ValueError
+    naming what is missing."""
+    if checkpoint is not None and os.path.isdir(checkpoint):
+        if model_args:
+            raise ValueError("model=llama with a checkpoint directory reads its architecture from its config.json; "
+                             f"model_args ({', '.join(sorted(model_args))}) would be ignored: leave them out")
+        return LlamaArchitecture.read(checkpoint)
+    if not model_args:
+        raise ValueError("model=llama needs its architecture: checkpoint=DIR (a Hugging Face save_pretrained "
+                         "directory with config.json), or model_args with a LlamaConfig's fields (hidden_size, "
+                         "num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, ...)")
+    return LlamaArchitecture.from_hf_config(model_args, where="model_args")
