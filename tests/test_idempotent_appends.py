@@ -302,14 +302,42 @@ def test_the_client_retries_its_own_timeout_with_the_same_key(app_url: str) -> N
             assert time.monotonic() - started >= failpoints.LATE_S / 2  # the first attempt did time out
             assert s.replayed and s.length == 5
             seq = np.concatenate([seq, row])
-            assert relative_error(torch.from_numpy(np.asarray(out)), reference(seq, causal=True)[-1:]) <= TOL
+            assert relative_error(torch.from_numpy(np.array(out)), reference(seq, causal=True)[-1:]) <= TOL
             for i in range(2):
                 rows = rand(2, E, seed=303 + i)
                 out = s.append(rows)
                 seq = np.concatenate([seq, rows])
                 assert not s.replayed
-                assert relative_error(torch.from_numpy(np.asarray(out)), reference(seq, causal=True)[-2:]) <= TOL
+                assert relative_error(torch.from_numpy(np.array(out)), reference(seq, causal=True)[-2:]) <= TOL
             assert s.refresh()["length"] == len(seq) == 9
+
+
+@pytest.mark.ray
+def test_concurrent_tries_with_one_key_append_once(app_url: str) -> None:
+    """Eight tries of one append (one key, one body) sent at once: whichever arrives first
+    appends, the others wait for it while it is in flight or find its answer after; all eight
+    answer the same rows, exactly one of them computed, and the session grew once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = HttpSession(app_url, None, prefill=rand(3, E, seed=451))
+    rows, key = rand(2, E, seed=452), str(uuid.uuid4())
+    body = npy_bytes(rows)
+
+    def send(_: int) -> httpx.Response:
+        return httpx.post(f"{s.base}/sessions/{s.id}/append", content=body, headers={**NPY, keys.HEADER: key},
+                          timeout=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(send, range(8)))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+    computed = [r for r in replies if keys.REPLAYED_HEADER.lower() not in r.headers]
+    assert len(computed) == 1, [dict(r.headers) for r in replies]
+    s.check(rows, computed[0])  # the reference's rows at length 5
+    for r in replies:
+        np.testing.assert_array_equal(output(r), output(computed[0]))
+        assert r.headers["x-session-length"] == "5"
+    assert s.info()["length"] == 5
+    assert s.append(rand(1, E, seed=453), key=str(uuid.uuid4())).status_code == 200  # and still right after
 
 
 @pytest.mark.ray

@@ -109,10 +109,10 @@ class GangTunables:
         "Idempotency keys each session remembers with their answers (the last this many appends; "
         "service.sessions.registry): an append retried with one of them gets the first answer and appends "
         "nothing; an older key is forgotten, and its retry would append again. Cost per session: the "
-        "kept answers' output rows (at most the session's own rows: n x E x 4 bytes each, 2 KiB for one "
-        "row at E=512) plus about 1 KiB each for the key, digest and state, so at most as much again "
-        "as its kept inputs; 16 one-row appends at E=512 hold about 48 KiB. At least 1 (checked when the gang "
-        "server starts)."))
+        "kept answers' output rows (n x E x 4 bytes each, 2 KiB for one row at E=512; in all at most the "
+        "session's own rows, so at most its kept inputs' bytes again) plus about 2 KiB each for the key, "
+        "digest and state: 16 one-row appends at E=512 hold about 64 KiB. At least 1 (checked when the "
+        "gang server starts)."))
 
     def heartbeat_interval(self, collective_timeout_s: float) -> float:
         """Idle time after which rank 0 sends a heartbeat header to the step loops."""

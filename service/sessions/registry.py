@@ -31,7 +31,8 @@ certain whether its rows were appended: committed (its answer kept), or not (ref
 plan time, the step aborted, or `withdraw`n by its caller before any step planned it:
 planning skips a withdrawn claim, so an append whose caller went away early is never
 appended behind a retry's back). What the kept answers cost: at most the session's own
-rows again (each answer's outputs are rows of the session), plus ~1 KiB each.
+rows again (each answer's outputs are rows of the session), plus ~2 KiB each (the key, the
+digest and the state).
 
 Threads: the event loop (open, lookups, close, expiry) and the gang's sequencer (plan and
 commit of a step) both use the registry; one lock guards it (claims' states too). Blocks are only *taken* on
