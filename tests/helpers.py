@@ -247,3 +247,22 @@ def dockerfile() -> list[tuple[str, str]]:
         pending = ""
     assert not pending, "the Dockerfile ends inside a continued line"
     return steps
+
+
+@contextlib.contextmanager
+def spawned_gloo_group(rank: int, world_size: int, work: Path) -> Iterator[Any]:
+    """In a spawned rank process: one thread, a real gloo process group over a FileStore in
+    `work`, as a service.parallel ParallelGroup on the CPU; destroyed on exit."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from service.parallel.group import ParallelGroup
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), world_size), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        yield ParallelGroup(rank, world_size, "gloo", torch.device("cpu"), dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import json
 import pickle
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LlamaModel
 
-from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan
 from service.parallel.llama import LlamaDef
 from service.models.llama import LlamaArchitecture
@@ -35,6 +32,7 @@ from service.parallel.model import (
     new_kv_pool,
     unused_tensors,
 )
+from tests.helpers import spawned_gloo_group
 from tests.reference import relative_error
 
 pytestmark = pytest.mark.unit
@@ -115,12 +113,8 @@ SESSION_STEPS = [(6, 0, (3, 0)), (1, 6, (3, 0)), (3, 7, (3, 0, 5))]  # (new rows
 def run_rank(rank: int, world_size: int, workdir: str) -> None:
     """One rank of a spawned gloo gang: every stack's forwards (float32 and bfloat16), the
     left/right-padded pair, and a session of three appends, through the seam's objects."""
-    torch.set_num_threads(1)
     work = Path(workdir)
-    dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), world_size), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        group = ParallelGroup(rank, world_size, "gloo", torch.device("cpu"), dist.group.WORLD)
+    with spawned_gloo_group(rank, world_size, work) as group:
         inputs = pickle.loads((work / "inputs.pkl").read_bytes())
         out: dict[str, Any] = {}
         for name in STACKS:
@@ -148,8 +142,6 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
                         out[f"{name}-pool-bytes"] = pool.nbytes
                         out[f"{name}-param-bytes"] = model.parameter_bytes()
         torch.save(out, work / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,18 +18,16 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch import nn
 
 from examples.gated_mlp import GatedMLPDef
-from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan
 from service.parallel.model import check_checkpoint, kv_bytes_per_token, load_checkpoint_shard, new_kv_pool, shard_dense
 from service.parallel.transformer import TransformerDef
 from tests.conftest import deploy, undeploy
-from tests.helpers import assert_error
+from tests.helpers import assert_error, spawned_gloo_group
 from tests.reference import relative_error
 
 TOL = 1e-5  # float32 against float64 (the issue's parity goal)
@@ -90,12 +87,8 @@ def _session_steps() -> list[tuple[int, int, tuple[int, ...]]]:
 def run_rank(rank: int, world_size: int, workdir: str) -> None:
     """One rank of a spawned gloo gang: every case's forward, then a session of three appends
     on the first stack, through the seam's own objects (build, load_checkpoint_shard, append)."""
-    torch.set_num_threads(1)
     work = Path(workdir)
-    dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), world_size), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        group = ParallelGroup(rank, world_size, "gloo", torch.device("cpu"), dist.group.WORLD)
+    with spawned_gloo_group(rank, world_size, work) as group:
         cases = pickle.loads((work / "cases.pkl").read_bytes())
         out: dict[str, torch.Tensor] = {}
         for name, case in cases.items():
@@ -119,8 +112,6 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
         out["session"] = torch.cat(appended)
         out["pool_bytes"] = torch.tensor(pool.nbytes)
         torch.save(out, work / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
