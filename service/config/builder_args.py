@@ -86,9 +86,10 @@ class ModelConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _read_llama_architecture(cls, data: Any) -> Any:
-        """model=llama: the width E and heads H are its architecture's `hidden_size` and
-        `num_attention_heads`, read from the checkpoint directory's config.json (or, without
-        one, from `model_args`: a LlamaConfig's fields); given as well, they must agree."""
+        """model=llama: its architecture (service.models.llama.llama_architecture: the checkpoint
+        directory's config.json, a llama checkpoint file's metadata, or `model_args`, a
+        LlamaConfig's fields) becomes `model_args`; the width E and heads H are its `hidden_size`
+        and `num_attention_heads` (given as well, they must agree)."""
         if not isinstance(data, dict) or data.get("model", data.get("kind")) != "llama":
             return data
         arch = llama_architecture(data.get("checkpoint"), data.get("model_args") or {})
@@ -96,7 +97,9 @@ class ModelConfig(BaseModel):
             if data.get(name) not in (None, value):
                 raise ValueError(f"model=llama: {name}={data[name]}, but its architecture says {value} "
                                  "(leave it out: it is read from the architecture)")
-        return {**data, "embed_dim": arch.hidden_size, "num_heads": arch.num_heads}
+        # The architecture travels as model_args from here on: a swap to a training job's file
+        # (an artifact key) or a rollback keeps it without reading the directory again.
+        return {**data, "embed_dim": arch.hidden_size, "num_heads": arch.num_heads, "model_args": arch.hf_config()}
 
     @model_validator(mode="after")
     def _check_model_args(self) -> "ModelConfig":

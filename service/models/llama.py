@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from service.models.safetensors_header import read_header
+
 CONFIG_FILE = "config.json"
 ROPE_TYPES = ("default", "llama3")
 ACTIVATIONS = ("silu",)
@@ -93,6 +95,47 @@ class LlamaArchitecture:
             raise ValueError(f"{path} is not a JSON object")
         return cls.from_hf_config(config, where=str(path))
 
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, str], where: str = "checkpoint metadata") -> "LlamaArchitecture":
+        """Inverse of `metadata()`: the architecture a llama checkpoint file records (training writes it)."""
+        try:
+            rope = None
+            if meta.get("rope_type", "default") == "llama3":
+                rope = Llama3Rope(float(meta["rope_factor"]), float(meta["rope_low_freq_factor"]),
+                                  float(meta["rope_high_freq_factor"]),
+                                  int(meta["rope_original_max_position_embeddings"]))
+            return cls(hidden_size=int(meta["hidden_size"]), num_layers=int(meta["num_hidden_layers"]),
+                       num_heads=int(meta["num_attention_heads"]), num_kv_heads=int(meta["num_key_value_heads"]),
+                       intermediate_size=int(meta["intermediate_size"]), head_dim=int(meta["head_dim"]),
+                       rms_norm_eps=float(meta["rms_norm_eps"]), rope_theta=float(meta["rope_theta"]),
+                       rope_llama3=rope, attention_bias=meta.get("attention_bias") == "true",
+                       mlp_bias=meta.get("mlp_bias") == "true")
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{where} does not record a llama architecture ({type(exc).__name__}: {exc}); "
+                             "a llama checkpoint file records what metadata() writes") from None
+
+    def parameter_count(self) -> int:
+        """Its parameters: per block q, k, v, o, gate, up, down and two norms, then the final norm."""
+        e, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        attn = e * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        biases = d * (self.num_heads + 2 * self.num_kv_heads) + e if self.attention_bias else 0
+        mlp = 3 * e * i + (2 * i + e if self.mlp_bias else 0)
+        return self.num_layers * (attn + biases + mlp + 2 * e) + e
+
+    def hf_config(self) -> dict[str, Any]:
+        """The LlamaConfig fields that define it (`from_hf_config` reads them back to an equal
+        architecture): what the builder arguments keep as model=llama's `model_args`."""
+        rope: dict[str, Any] = {"rope_type": "llama3" if self.rope_llama3 else "default", "rope_theta": self.rope_theta}
+        if self.rope_llama3 is not None:
+            r = self.rope_llama3
+            rope.update(factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                        original_max_position_embeddings=r.original_max_position_embeddings)
+        return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "intermediate_size": self.intermediate_size, "head_dim": self.head_dim,
+                "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope, "hidden_act": "silu",
+                "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias}
+
     def problems(self, world_size: int) -> list[str]:
         """Why this stack cannot be split `world_size` ways (empty: it can), each naming the numbers."""
         p, out = world_size, []
@@ -118,21 +161,34 @@ class LlamaArchitecture:
                 "num_attention_heads": str(self.num_heads), "num_key_value_heads": str(self.num_kv_heads),
                 "intermediate_size": str(self.intermediate_size), "head_dim": str(self.head_dim),
                 "rms_norm_eps": repr(self.rms_norm_eps), "rope_theta": repr(self.rope_theta),
-                "rope_type": "llama3" if self.rope_llama3 else "default"}
+                "rope_type": "llama3" if self.rope_llama3 else "default",
+                "attention_bias": str(self.attention_bias).lower(), "mlp_bias": str(self.mlp_bias).lower()}
+        if self.rope_llama3 is not None:
+            r = self.rope_llama3
+            meta.update({"rope_factor": repr(r.factor), "rope_low_freq_factor": repr(r.low_freq_factor),
+                         "rope_high_freq_factor": repr(r.high_freq_factor),
+                         "rope_original_max_position_embeddings": str(r.original_max_position_embeddings)})
         return meta
 
 
 def llama_architecture(checkpoint: str | None, model_args: Mapping[str, Any]) -> LlamaArchitecture:
-    """model=llama's architecture: `checkpoint`'s config.json when it is a directory (a Hugging
-    Face save_pretrained directory), else `model_args` (a LlamaConfig's fields); ValueError
-    naming what is missing."""
-    if checkpoint is not None and os.path.isdir(checkpoint):
-        if model_args:
-            raise ValueError("model=llama with a checkpoint directory reads its architecture from its config.json; "
-                             f"model_args ({', '.join(sorted(model_args))}) would be ignored: leave them out")
-        return LlamaArchitecture.read(checkpoint)
-    if not model_args:
-        raise ValueError("model=llama needs its architecture: checkpoint=DIR (a Hugging Face save_pretrained "
-                         "directory with config.json), or model_args with a LlamaConfig's fields (hidden_size, "
-                         "num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, ...)")
-    return LlamaArchitecture.from_hf_config(model_args, where="model_args")
+    """model=llama's architecture: `model_args` (a LlamaConfig's fields) when given; else the
+    checkpoint's: a directory's config.json (a Hugging Face save_pretrained directory), or the
+    metadata of a file that records one (a training job's checkpoint). With both a directory
+    and `model_args`, they must agree. ValueError naming what is missing or differs."""
+    is_dir = checkpoint is not None and os.path.isdir(checkpoint)
+    if model_args:
+        arch = LlamaArchitecture.from_hf_config(model_args, where="model_args")
+        if is_dir and (read := LlamaArchitecture.read(checkpoint)) != arch:  # type: ignore[arg-type]
+            raise ValueError(f"model=llama: model_args describe {arch}, but {checkpoint}/{CONFIG_FILE} describes "
+                             f"{read}; leave model_args out (they are read from the directory)")
+        return arch
+    if is_dir:
+        return LlamaArchitecture.read(checkpoint)  # type: ignore[arg-type]
+    if checkpoint is not None and os.path.isfile(checkpoint):
+        meta, _ = read_header(checkpoint)
+        return LlamaArchitecture.from_metadata(meta, where=f"checkpoint {checkpoint}")
+    raise ValueError("model=llama needs its architecture: checkpoint=DIR (a Hugging Face save_pretrained "
+                     "directory with config.json), a llama checkpoint file, or model_args with a LlamaConfig's "
+                     "fields (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
+                     "intermediate_size, ...)")

@@ -38,7 +38,7 @@ _REGISTRY: dict[str, Factory] = {
     "attention": lambda a: AttentionDef(a.embed_dim, a.num_heads),
     "transformer": lambda a: TransformerDef(a.num_layers, a.embed_dim, a.num_heads, a.ffn_dim, a.activation,
                                             a.norm_first, a.layer_norm_eps),
-    "llama": lambda a: LlamaDef(llama_architecture(a.checkpoint, a.model_args)),
+    "llama": lambda a: LlamaDef(llama_architecture(a.checkpoint, a.model_args)),  # model_args once validated
 }
 
 

@@ -16,39 +16,15 @@ module's `state_dict()` names and shapes, the same list as service.parallel's Mo
 """
 from __future__ import annotations
 
-import json
 import re
-import struct
 from pathlib import Path
 
+from service.models.safetensors_header import Shapes, read_header
 from service.training.spec import AttentionModel, LinearModel, ModelSpecT, TransformerModel
 from service.weights.resolve import Architecture
 
 MODEL_FILE = "model.safetensors"  # the checkpoint file's name inside a Ray Train checkpoint
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _LAYER = re.compile(r"^layers\.(\d+)\.self_attn\.in_proj_weight$")
-
-Shapes = dict[str, tuple[int, ...]]
-
-
-def read_header(path: Path) -> tuple[dict[str, str], Shapes]:
-    """(metadata, tensor shapes) of a local safetensors file, from its header only; both
-    empty when the file is not safetensors."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        if not 2 <= n <= MAX_HEADER_BYTES:
-            return {}, {}
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            return {}, {}
-    if not isinstance(header, dict):
-        return {}, {}
-    meta = header.pop("__metadata__", None)
-    meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-    shapes = {k: tuple(int(d) for d in v.get("shape", ())) for k, v in header.items() if isinstance(v, dict)}
-    return meta, shapes
 
 
 def checkpoint_architecture(metadata: dict[str, str] | None, tensors: Shapes) -> Architecture:
