@@ -49,18 +49,27 @@ def resolve(args: ModelArgs) -> ModelDef:
     embed dim and `model_args` as keywords (`factory(embed_dim=E, **model_args)`)."""
     if args.kind in _REGISTRY:
         return _REGISTRY[args.kind](args)
-    if ":" not in args.kind:
-        raise ValueError(f"model {args.kind!r} is neither a built-in kind ({', '.join(sorted(_REGISTRY))}) "
+    return resolve_kind(args.kind, args.embed_dim, args.model_args)
+
+
+def resolve_kind(kind: str, embed_dim: int, model_args: Mapping[str, Any]) -> ModelDef:
+    """A kind named with its own arguments (a training job's model): `llama` (model_args a
+    LlamaConfig's fields), or `pkg.module:factory`, imported and called as
+    `factory(embed_dim=E, **model_args)` and checked to return the ModelDef protocol."""
+    if kind == "llama":
+        return LlamaDef(llama_architecture(None, model_args))
+    if ":" not in kind:
+        raise ValueError(f"model {kind!r} is neither a built-in kind ({', '.join(sorted(_REGISTRY))}) "
                          "nor an import path 'pkg.module:factory'")
-    factory = import_factory(args.kind)
-    made = factory(embed_dim=args.embed_dim, **dict(args.model_args))
+    factory = import_factory(kind)
+    made = factory(embed_dim=embed_dim, **dict(model_args))
     for attr in ("params", "build", "dense_module", "dense_forward", "init_weights", "metadata", "check_world_size"):
         if not callable(getattr(made, attr, None)):
-            raise TypeError(f"model {args.kind!r}: the factory returned {type(made).__name__}, which has no "
+            raise TypeError(f"model {kind!r}: the factory returned {type(made).__name__}, which has no "
                             f"{attr}() (docs/models.md lists the ModelDef protocol)")
-    if made.embed_dim != args.embed_dim:
-        raise ValueError(f"model {args.kind!r}: the factory's embed_dim is {made.embed_dim}, the builder "
-                         f"arguments say {args.embed_dim}")
+    if made.embed_dim != embed_dim:
+        raise ValueError(f"model {kind!r}: the factory's embed_dim is {made.embed_dim}, the builder "
+                         f"arguments say {embed_dim}")
     return made
 
 

@@ -19,18 +19,26 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from typing import Any, Mapping
+
+from service.models.llama import LlamaArchitecture
 from service.models.safetensors_header import Shapes, read_header
-from service.training.spec import AttentionModel, LinearModel, ModelSpecT, TransformerModel
+from service.training.spec import AttentionModel, LinearModel, ModelSpecT, RegisteredModel, TransformerModel
 from service.weights.resolve import Architecture
 
 MODEL_FILE = "model.safetensors"  # the checkpoint file's name inside a Ray Train checkpoint
 _LAYER = re.compile(r"^layers\.(\d+)\.self_attn\.in_proj_weight$")
+# Metadata a checkpoint records beside its architecture: the served default and safetensors' own.
+_NOT_ARCHITECTURE = ("model", "causal", "format")
 
 
 def checkpoint_architecture(metadata: dict[str, str] | None, tensors: Shapes) -> Architecture:
     """The model a checkpoint holds, from its safetensors header (metadata and tensor shapes):
     widths from the tensors, what tensors cannot say (heads, activation, ...) from the metadata."""
     meta = metadata or {}
+    kind = meta.get("model", "")
+    if kind == "llama" or ":" in kind:  # a registered kind records its architecture whole (ModelDef.metadata)
+        return Architecture.of(kind, **{k: v for k, v in meta.items() if k not in _NOT_ARCHITECTURE})
     if meta.get("model") == "transformer" or any(_LAYER.match(k) for k in tensors):
         layers = sorted(int(m.group(1)) for k in tensors if (m := _LAYER.match(k)))
         out_proj = tensors.get("layers.0.self_attn.out_proj.weight", ())
@@ -68,12 +76,27 @@ def spec_architecture(spec: ModelSpecT) -> Architecture:
         return Architecture.of("transformer", num_layers=spec.num_layers, embed_dim=spec.embed_dim,
                                num_heads=spec.num_heads, ffn_dim=spec.ffn_dim, activation=spec.activation,
                                norm_first=spec.norm_first, layer_norm_eps=spec.layer_norm_eps)
+    if isinstance(spec, RegisteredModel):
+        return registered_architecture(spec.kind, spec.width, spec.model_args)
     assert isinstance(spec, LinearModel)
     return Architecture.of("linear", in_features=spec.in_features, out_features=spec.out_features)
 
 
-def expected_tensors(spec: ModelSpecT) -> Shapes:
-    """The tensors (names and shapes, in checkpoint order) a checkpoint of `spec` holds."""
+def registered_architecture(kind: str, width: int, model_args: Mapping[str, Any]) -> Architecture:
+    """A registered kind's architecture in its checkpoint metadata's terms, torch-free: llama's
+    from its LlamaConfig fields; a user's factory's as E and its arguments (the names its
+    ModelDef.metadata() should record; a value it records under another name is not compared)."""
+    if kind == "llama":
+        meta = LlamaArchitecture.from_hf_config(model_args).metadata()
+        return Architecture.of(kind, **{k: v for k, v in meta.items() if k not in _NOT_ARCHITECTURE})
+    return Architecture.of(kind, embed_dim=width, **{k: v for k, v in model_args.items() if k != "embed_dim"})
+
+
+def expected_tensors(spec: ModelSpecT) -> Shapes | None:
+    """The tensors (names and shapes, in checkpoint order) a checkpoint of `spec` holds; None
+    for a registered kind (its ModelDef's params() need torch: the run's strict load checks them)."""
+    if isinstance(spec, RegisteredModel):
+        return None
     if isinstance(spec, AttentionModel):
         e = spec.embed_dim
         return {f"{p}.{k}": ((e, e) if k == "weight" else (e,))
@@ -99,6 +122,8 @@ def expected_tensors(spec: ModelSpecT) -> Shapes:
 def tensor_problems(spec: ModelSpecT, tensors: Shapes) -> list[str]:
     """Every tensor missing, unexpected or of another shape than `spec`'s checkpoint needs."""
     want = expected_tensors(spec)
+    if want is None:
+        return []
     problems = [f"missing {name!r} {list(shape)}" for name, shape in want.items() if name not in tensors]
     problems += [f"{name} has shape {list(tensors[name])}, the model needs {list(shape)}"
                  for name, shape in want.items() if name in tensors and tuple(tensors[name]) != shape]

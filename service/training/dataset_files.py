@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 
-from service.training.spec import AttentionModel, LinearModel, ModelSpecT, TransformerModel
+from service.training.spec import AttentionModel, LinearModel, ModelSpecT, RegisteredModel, TransformerModel
 
 DATASET_KEYS = ("inputs", "targets")
 MASK_KEY = "attention_mask"
@@ -130,11 +130,12 @@ def _check_mask(mask: np.ndarray, inputs_shape: tuple[int, ...], name: str = MAS
 
 def check_compatible(model: ModelSpecT, info: DatasetInfo) -> None:
     """DatasetError unless the dataset's shapes fit the model."""
-    if isinstance(model, (AttentionModel, TransformerModel)):
-        if info.kind != "attention" or info.inputs_shape[2] != model.embed_dim:
+    if isinstance(model, (AttentionModel, TransformerModel, RegisteredModel)):
+        width = model.width if isinstance(model, RegisteredModel) else model.embed_dim
+        if info.kind != "attention" or info.inputs_shape[2] != width:
             raise DatasetError(
-                f"{'an' if model.kind == 'attention' else 'a'} {model.kind} model with embed_dim {model.embed_dim} needs inputs/targets "
-                f"[N, seq, {model.embed_dim}]; the dataset has inputs {info.inputs_shape}, targets {info.targets_shape}"
+                f"{'an' if model.kind == 'attention' else 'a'} {model.kind} model with embed_dim {width} needs inputs/targets "
+                f"[N, seq, {width}]; the dataset has inputs {info.inputs_shape}, targets {info.targets_shape}"
             )
         return
     assert isinstance(model, LinearModel)

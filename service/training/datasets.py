@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from service.state import artifacts
 from service.training.dataset_files import DATASET_KEYS, MASK_KEY, VAL_KEYS, VAL_MASK_KEY
 from service.training.models import teacher_model
-from service.training.spec import AttentionModel, ModelSpecT, SyntheticDataset, TransformerModel
+from service.training.spec import AttentionModel, ModelSpecT, RegisteredModel, SyntheticDataset, TransformerModel
 
 # Decorrelates the teacher's weights from the inputs drawn with the same dataset seed.
 _TEACHER_SEED_OFFSET = 7919
@@ -31,12 +31,16 @@ def synthetic(model: ModelSpecT, ds: SyntheticDataset) -> tuple[torch.Tensor, to
     gen = torch.Generator().manual_seed(ds.seed)
     if isinstance(model, (AttentionModel, TransformerModel)):
         x = torch.randn(ds.samples, ds.seq_len, model.embed_dim, generator=gen)
+    elif isinstance(model, RegisteredModel):
+        x = torch.randn(ds.samples, ds.seq_len, model.width, generator=gen)
     else:
         x = torch.randn(ds.samples, model.in_features, generator=gen)
     teacher = teacher_model(model, ds.seed + _TEACHER_SEED_OFFSET)
     with torch.inference_mode():
-        if isinstance(model, TransformerModel):
-            chunk = max(1, _TEACHER_CHUNK_ELEMENTS // (ds.seq_len * max(model.embed_dim, model.ffn_dim)))
+        if isinstance(model, (TransformerModel, RegisteredModel)):
+            # a registered kind's hidden width is its own: assume 4 E, as a transformer's MLP
+            width = max(model.embed_dim, model.ffn_dim) if isinstance(model, TransformerModel) else 4 * model.width
+            chunk = max(1, _TEACHER_CHUNK_ELEMENTS // (ds.seq_len * width))
             y = torch.cat([teacher(x[i:i + chunk]) for i in range(0, ds.samples, chunk)])
         else:
             y = teacher(x)

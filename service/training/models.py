@@ -10,6 +10,8 @@ checkpoint is that inner module's own `state_dict()` (no wrapper prefix), writte
 service.parallel.model.save_checkpoint with the architecture's metadata, so it loads into
 torch's module with `load_state_dict(strict=True)`.
 linear: nn.Linear(in, out); checkpoint keys `weight` [out, in], `bias` [out].
+any other registered kind (llama, a user's factory): `Registered` wraps its ModelDef's dense
+module, the same way as the transformer (its `state_dict()`, the kind's metadata).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import service.parallel.model as seam
 from service.parallel.layers import attention_bias_mask
 from service.parallel.transformer import TransformerDef
 from service.parallel.weights import DenseWeights, random_weights, save_checkpoint
-from service.training.spec import AttentionModel, ModelSpecT, TransformerModel
+from service.parallel.registry import resolve_kind
+from service.training.spec import AttentionModel, ModelSpecT, RegisteredModel, TransformerModel
 
 
 class SelfAttention(nn.Module):
@@ -95,6 +98,31 @@ class Encoder(nn.Module):
         return seam.dense_state(self.arch, self.encoder)
 
 
+class Registered(nn.Module):
+    """Any registered kind's dense module (its ModelDef's `dense_module()`, what a gang of that
+    architecture computes), under the serving contract (`dense_forward`: padded rows 0, causal
+    as the spec says or as the model declares). `module` is the kind's own module: the
+    checkpoint is its `state_dict()` (no wrapper prefix) with the kind's metadata."""
+
+    def __init__(self, spec: RegisteredModel) -> None:
+        super().__init__()
+        self.arch = resolve_kind(spec.kind, spec.width, spec.model_args)
+        self.module = self.arch.dense_module()
+        self.causal = spec.causal or seam.is_causal_only(self.arch)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        return self.arch.dense_forward(self.module, x, mask, self.causal)
+
+    def load_dense(self, weights: DenseWeights) -> None:
+        """Every tensor named and shaped as the kind's params() (ValueError listing each difference), strict."""
+        seam.validate_dense(self.arch, weights, what="the checkpoint's tensors")
+        self.module.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=True)
+
+    def dense(self) -> DenseWeights:
+        return seam.dense_state(self.arch, self.module)
+
+
 def build_model(spec: ModelSpecT, seed: int) -> nn.Module:
     """A freshly initialised student: torch's default init under `seed`; a transformer
     TransformerDef.init_weights("random", seed) (torch's TransformerEncoder deep-copies one
@@ -107,6 +135,10 @@ def build_model(spec: ModelSpecT, seed: int) -> nn.Module:
             model = Encoder(spec)
             model.load_dense(model.arch.init_weights("random", seed))
             return model
+        if isinstance(spec, RegisteredModel):
+            registered = Registered(spec)
+            registered.load_dense(registered.arch.init_weights("random", seed))
+            return registered
         return nn.Linear(spec.in_features, spec.out_features)
 
 
@@ -122,7 +154,7 @@ def teacher_model(spec: ModelSpecT, seed: int) -> nn.Module:
         model = SelfAttention(spec.embed_dim, spec.num_heads, spec.causal)
         load_dense_into(model, random_weights(spec.embed_dim, seed))
         return model.eval()
-    if isinstance(spec, TransformerModel):
+    if isinstance(spec, (TransformerModel, RegisteredModel)):
         return build_model(spec, seed).eval()
     model = nn.Linear(spec.in_features, spec.out_features)
     with torch.no_grad():
@@ -162,9 +194,9 @@ def save_model(model: nn.Module, spec: ModelSpecT, path: str | Path) -> None:
         assert isinstance(model, SelfAttention)
         save_checkpoint(path, dense_weights(model), spec.num_heads, causal=spec.causal)
         return
-    if isinstance(spec, TransformerModel):
-        assert isinstance(model, Encoder)
-        seam.save_checkpoint(model.arch, path, model.dense(), {"causal": "true" if spec.causal else "false"})
+    if isinstance(spec, (TransformerModel, RegisteredModel)):
+        assert isinstance(model, (Encoder, Registered))
+        seam.save_checkpoint(model.arch, path, model.dense(), {"causal": "true" if model.causal else "false"})
         return
     assert isinstance(model, nn.Linear)
     save_file(
@@ -187,8 +219,8 @@ def load_tensors(model: nn.Module, spec: ModelSpecT, tensors: dict[str, torch.Te
     if isinstance(spec, AttentionModel):
         assert isinstance(model, SelfAttention)
         load_dense_into(model, tensors)
-    elif isinstance(spec, TransformerModel):
-        assert isinstance(model, Encoder)
+    elif isinstance(spec, (TransformerModel, RegisteredModel)):
+        assert isinstance(model, (Encoder, Registered))
         model.load_dense(tensors)
     else:
         model.load_state_dict(tensors)

@@ -2,9 +2,11 @@
 bounded, defaults for everything so `{}` is a valid small job)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from service.models.llama import LlamaArchitecture
 
 # Upper bound on the elements of one synthetic tensor (inputs or targets): 64 Mi float32
 # = 256 MiB, generated in every worker.
@@ -97,12 +99,63 @@ class LinearModel(_Closed):
     out_features: int = Field(1, ge=1, le=65536)
 
 
+# A registered kind other than the closed ones above: `llama`, or a user's factory by import path.
+REGISTERED_KIND = r"^(llama|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+
+
+class RegisteredModel(_Closed):
+    """Any model the gang serves by kind (service.parallel.registry): `llama` (its `model_args`
+    a LlamaConfig's fields: hidden_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads, intermediate_size, ...), or a user's factory `pkg.module:factory`,
+    called as `factory(embed_dim=E, **model_args)` in the run's workers (docs/models.md).
+
+    A job trains that kind's dense module (ModelDef.dense_module, under its dense_forward) with
+    DDP; its checkpoint is the module's own `state_dict()` with the kind's metadata, which a
+    gang of the same architecture loads (`POST /weights {"job_id"}`). A user's factory is
+    imported by the run, not at submit: one that does not import or build fails the job,
+    naming why."""
+
+    kind: str = Field(..., pattern=REGISTERED_KIND, max_length=300)
+    embed_dim: int | None = Field(None, ge=1, le=8192,
+                                  description="Model width E (a user's factory; llama reads hidden_size).")
+    model_args: dict[str, Any] = Field(default_factory=dict, description="The kind's own arguments.")
+    causal: bool = Field(False, description="Causal attention (a model that declares itself causal always is).")
+
+    @model_validator(mode="after")
+    def _architecture(self) -> "RegisteredModel":
+        if self.kind == "llama":
+            arch = LlamaArchitecture.from_hf_config(self.model_args, where="model.model_args")
+            if self.embed_dim not in (None, arch.hidden_size):
+                raise ValueError(f"model llama: embed_dim={self.embed_dim}, but model_args' hidden_size is "
+                                 f"{arch.hidden_size} (leave embed_dim out)")
+            if arch.parameter_count() > MAX_MODEL_PARAMETERS:
+                raise ValueError(f"llama too large: {arch.parameter_count()} parameters, the limit is "
+                                 f"{MAX_MODEL_PARAMETERS} (the widest attention model's)")
+        elif self.embed_dim is None:
+            raise ValueError(f"model {self.kind}: embed_dim is required (the factory is called with it)")
+        return self
+
+    @property
+    def width(self) -> int:
+        """E: the width of every input and output row."""
+        if self.kind == "llama":
+            return LlamaArchitecture.from_hf_config(self.model_args).hidden_size
+        assert self.embed_dim is not None
+        return self.embed_dim
+
+
+def _model_tag(value: object) -> str | None:
+    kind = _kind(value, "attention")
+    return "registered" if kind is not None and (kind == "llama" or ":" in kind) else kind
+
+
 ModelSpec = Annotated[
     Union[Annotated[AttentionModel, Tag("attention")], Annotated[TransformerModel, Tag("transformer")],
-          Annotated[LinearModel, Tag("linear")]],
-    Discriminator(lambda v: _kind(v, "attention")),
+          Annotated[LinearModel, Tag("linear")], Annotated[RegisteredModel, Tag("registered")]],
+    Discriminator(_model_tag),
 ]
-ModelSpecT = AttentionModel | TransformerModel | LinearModel  # a validated model spec (ModelSpec parses it)
+# a validated model spec (ModelSpec parses it)
+ModelSpecT = AttentionModel | TransformerModel | LinearModel | RegisteredModel
 
 
 class SyntheticDataset(_Closed):
@@ -198,6 +251,8 @@ class JobSpec(_Closed):
         if isinstance(ds, SyntheticDataset):
             if isinstance(self.model, (AttentionModel, TransformerModel)):
                 elements = ds.samples * ds.seq_len * self.model.embed_dim
+            elif isinstance(self.model, RegisteredModel):
+                elements = ds.samples * ds.seq_len * self.model.width
             else:
                 elements = ds.samples * max(self.model.in_features, self.model.out_features)
             if elements > MAX_SYNTHETIC_ELEMENTS:

@@ -27,13 +27,14 @@ from typing import Any
 
 from service.config.builder_args import ModelConfig
 from service.contract.errors import Conflict, ErrorCode, InvalidInput, NotFound
+from service.models.llama import LlamaArchitecture
 from service.state import artifacts
 from service.weights.record import ServedWeights, WeightsRecord
 
 
 # ---- architectures ------------------------------------------------------------------------------
 
-SERVABLE_KINDS = ("attention", "transformer")  # the built-in models a gang serves
+SERVABLE_KINDS = ("attention", "transformer", "llama")  # the built-in models a gang serves (and users' factories)
 # The fields that define a built-in model, in its checkpoint metadata's order (service.parallel's
 # ModelDef.metadata(): AttentionDef's, TransformerDef's without "model"; tests/test_models_training.py
 # checks they agree), and a linear job's.
@@ -75,7 +76,8 @@ class Architecture:
 
     @property
     def servable(self) -> bool:
-        return self.kind in SERVABLE_KINDS
+        """A gang can serve it: a built-in kind, or a user's factory (`pkg.module:factory`)."""
+        return self.kind in SERVABLE_KINDS or ":" in self.kind
 
     def describe(self) -> str:
         """`attention embed_dim 64, num_heads 4`, `transformer num_layers 2, ...`, `linear 10 -> 1`."""
@@ -98,6 +100,9 @@ class Architecture:
 def served_architecture(model: ModelConfig) -> Architecture | None:
     """The architecture an app's builder arguments serve; None for a user's model
     (`pkg.module:factory`: known only by importing it, which the gang's own checkpoint check does)."""
+    if model.kind == "llama":  # model_args: its LlamaConfig fields (ModelConfig reads them once)
+        meta = LlamaArchitecture.from_hf_config(model.model_args).metadata()
+        return Architecture.of("llama", **{k: v for k, v in meta.items() if k != "model"})
     if model.kind == "attention":
         return Architecture.of("attention", embed_dim=model.embed_dim, num_heads=model.num_heads)
     if model.kind == "transformer":
