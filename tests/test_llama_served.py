@@ -16,14 +16,20 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LlamaModel
 
+from safetensors.torch import load as st_load_torch
+
 from tests.conftest import deploy, undeploy
-from tests.helpers import assert_error
+from tests.helpers import AUTH, SMALL, assert_error, post, wait_done
 from tests.reference import relative_error
 
 pytestmark = pytest.mark.ray
 
 TOL = 1e-5
 WIDTH = 64
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}
+ARCH = {"hidden_size": WIDTH, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_parameters": ROPE}
 
 
 def _npy(a: np.ndarray) -> bytes:
@@ -35,11 +41,7 @@ def _npy(a: np.ndarray) -> bytes:
 @pytest.fixture(scope="module")
 def llama_app(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, LlamaModel]]:
     torch.manual_seed(11)
-    config = LlamaConfig(hidden_size=WIDTH, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-                         num_hidden_layers=2, vocab_size=32, max_position_embeddings=64, rms_norm_eps=1e-5,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 16})
+    config = LlamaConfig(**ARCH, vocab_size=32, max_position_embeddings=64)
     full = LlamaForCausalLM(config)
     directory: Path = tmp_path_factory.mktemp("llama") / "checkpoint"
     full.save_pretrained(directory)
@@ -111,3 +113,34 @@ def test_bidirectional_attention_is_refused_for_a_causal_model(llama_app: tuple[
     doc = assert_error(r, 422, "invalid_input")
     assert "causal by declaration" in doc["error"]
     assert httpx.get(f"{base}/readyz", timeout=10).status_code == 200  # the service stays healthy
+
+
+def test_a_llama_job_is_served_by_post_weights_and_loads_into_hugging_face(llama_app: tuple[str, LlamaModel]) -> None:
+    """A job of the app's architecture (its config.json's fields as model_args) trains; its
+    checkpoint loads into LlamaModel with strict=True under Hugging Face's names; POST /weights
+    swaps it in (the architecture survives the swap to a file) and the gang answers as that
+    LlamaModel; another width is refused with 409 naming both."""
+    base, _ = llama_app
+    reply = post(base, "/train", {**SMALL, "model": {"kind": "llama", "model_args": ARCH}, "world_size": 1,
+                                  "epochs": 1, "batch_size": 8, "dataset": {"samples": 16, "seq_len": 4}})
+    assert reply.status_code == 202, reply.text
+    job = wait_done(base, reply.json()["id"])
+    assert job["status"] == "SUCCEEDED", job
+    blob = httpx.get(f"{base}/train/{job['id']}/checkpoint", headers=AUTH, timeout=60)
+    assert blob.status_code == 200, blob.text
+    trained = LlamaModel(LlamaConfig(**ARCH, vocab_size=8)).double().eval()
+    trained.embed_tokens = None  # type: ignore[assignment]  # hidden states in: no token lookup
+    trained.load_state_dict({k: v.double() for k, v in st_load_torch(blob.content).items()}, strict=True)
+
+    swapped = post(base, "/weights", {"job_id": job["id"]}, timeout=330)
+    assert swapped.status_code == 200, swapped.text
+    try:
+        x = np.random.default_rng(5).standard_normal((2, 6, WIDTH)).astype(np.float32)
+        r = httpx.post(f"{base}/infer", content=_npy(x), headers={"content-type": "application/x-npy"}, timeout=60)
+        assert r.status_code == 200, r.text
+        with torch.no_grad():
+            want = trained(inputs_embeds=torch.from_numpy(x).double()).last_hidden_state
+        assert relative_error(torch.from_numpy(np.load(io.BytesIO(r.content))), want) <= TOL
+    finally:
+        back = post(base, "/weights", {"version": 1}, timeout=330)  # the directory's weights again
+        assert back.status_code == 200, back.text
