@@ -54,9 +54,10 @@ COPY deployments ./deployments
 COPY examples ./examples
 
 USER 1000:1000
-# Only Serve's HTTP port. Ray's dashboard/Jobs API (8265), GCS (6379) and client server
-# (10001) are for the Ray pods themselves, never to be published.
-EXPOSE 8000
+# Only Serve's front door: HTTP (8000) and gRPC (9000, the Open Inference Protocol). Ray's
+# dashboard/Jobs API (8265), GCS (6379) and client server (10001) are for the Ray pods
+# themselves, never to be published.
+EXPOSE 8000 9000
 # Ray 2.60's `serve run` shuts Serve down gracefully (every replica drains its accepted
 # requests) on SIGINT only; on SIGTERM it just exits. `docker stop` therefore sends SIGINT.
 STOPSIGNAL SIGINT

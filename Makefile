@@ -73,12 +73,14 @@ bench: $(STAMP)
 	$(PY) bench/run.py --only models
 
 # The builder-argument, tunables and environment references are generated from their declarations,
-# docs/api.md's error table from the error-code registry (service/contract/errors.py).
+# docs/api.md's error table from the error-code registry (service/contract/errors.py), and its gRPC
+# status table from the same registry (service/ingress/oip_grpc/status.py).
 docs: $(STAMP)
 	$(PY) -m service.config.builder_args > docs/builder-arguments.md
 	$(PY) -m service.config.tunables > docs/tunables.md
 	$(PY) -m service.environment > docs/environment.md
 	$(PY) -m service.contract.errors --update docs/api.md
+	$(PY) -m service.ingress.oip_grpc.status --update docs/api.md
 
 clean:
 	rm -rf $(VENV) .gangserve .pytest_cache

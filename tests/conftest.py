@@ -201,8 +201,17 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def serve_url(ray_cluster: Any) -> str:
+def serve_grpc_port() -> int:
+    """The session's Serve instance's gRPC port: HAProxy's gRPC frontend to the ingress replicas
+    (service.cluster.front_door.grpc_options; 9000 in the product, a free port here)."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster: Any, serve_grpc_port: int) -> str:
     from ray import serve
+
+    from service.cluster.front_door import grpc_options
 
     port = free_port()
     # One proxy, on the head. With the default (a proxy on every node) the worker raylet's
@@ -210,7 +219,8 @@ def serve_url(ray_cluster: Any) -> str:
     # between the two, and whenever the controller restarts the worker's proxy (it did, under
     # the suite's CPU load) the connections it held were reset: the rare "Connection reset
     # by peer" / "closed without a response" that polling tests used to see.
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port},
+                grpc_options=grpc_options(serve_grpc_port))
     return f"http://127.0.0.1:{port}"
 
 

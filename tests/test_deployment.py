@@ -170,7 +170,7 @@ def test_the_image_runs_as_a_numeric_non_root_user_and_publishes_only_serve() ->
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) != 0 and (not gid or gid.isdigit()), user  # runAsNonRoot can check it
     exposed = {int(p.split("/")[0]) for ins, args in steps if ins == "EXPOSE" for p in args.split()}
-    assert exposed == {8000}, exposed
+    assert exposed == {8000, 9000}, exposed  # Serve's front door: HTTP and gRPC
 
 
 # ---- kuberay.yaml ---------------------------------------------------------------------------

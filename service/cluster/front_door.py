@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 
 log = logging.getLogger("gangserve.front_door")
@@ -94,4 +95,91 @@ def own_header_deadlines() -> bool:
         return None if options is None else options.request_timeout_s
 
     Replica._parse_request_timeout = _serve_default_only  # type: ignore[method-assign]
+    return True
+
+
+# ---------------------------------------------------------------- gRPC (the Open Inference Protocol)
+#
+# Serve's HAProxy carries gRPC too (Ray 2.60, ray/serve/_private/haproxy_templates.py): when the
+# Serve instance has `grpc_options` (a port and at least one servicer function), HAProxy binds
+# a `grpc_frontend` on that port (`proto h2`) and sends each call straight to an ingress replica's
+# own gRPC server (direct ingress: every Ingress replica starts one beside its HTTP server), by
+# the `application` metadata when the instance holds several applications, else to the one
+# there is. The replica calls the Ingress method named like the RPC (`ModelInfer`, ...). So
+# gRPC takes the same path as HTTP: client -> HAProxy -> Ingress replica -> rank 0.
+
+DEFAULT_GRPC_PORT = 9000  # Serve's default, and Triton's / KServe's usual gRPC port
+GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
+    "service.ingress.oip_grpc.servicer.add_GRPCInferenceServiceServicer_to_server",
+)
+
+
+def grpc_options(port: int = DEFAULT_GRPC_PORT) -> dict[str, object]:
+    """Serve's `grpc_options` for the Open Inference Protocol over gRPC on `port` (the Serve
+    configs' `grpc_options:` section says the same; tests/test_grpc.py checks they agree)."""
+    return {"port": port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)}
+
+
+_DEADLINE_ATTR = "_gangserve_deadline"
+
+
+def carry_grpc_deadlines() -> bool:
+    """Called in every ingress replica: a gRPC call's own deadline reaches the Ingress method.
+
+    Serve hands the method a `RayServegRPCContext` (a copy of the call's metadata, code and
+    details) that lacks the call's deadline (`time_remaining()`), and gRPC does not put
+    `grpc-timeout` in the metadata. This records it when Serve builds that context, in the
+    process that received the call, as a `time.monotonic()` instant with this process's id
+    (read by `grpc_deadline`). Ray-private API (pinned Ray 2.60): when it is missing we say so,
+    and a call is bounded by its `timeout` parameter and request_timeout_s only (gRPC still
+    cancels it at its deadline)."""
+    try:
+        from ray.serve.grpc_util import RayServegRPCContext
+    except ImportError:  # pragma: no cover - Ray layout changed
+        log.warning("Serve has no RayServegRPCContext (Ray changed): gRPC deadlines are not seen by the ingress")
+        return False
+    original = RayServegRPCContext.__init__
+    if getattr(original, "_gangserve", False):
+        return True
+
+    def __init__(self, grpc_context):  # type: ignore[no-untyped-def]
+        original(self, grpc_context)
+        try:
+            remaining = grpc_context.time_remaining()
+        except Exception:  # noqa: BLE001 - a context without a deadline API: no deadline
+            remaining = None
+        setattr(self, _DEADLINE_ATTR, None if remaining is None else (os.getpid(), time.monotonic() + remaining))
+
+    __init__._gangserve = True  # type: ignore[attr-defined]
+    RayServegRPCContext.__init__ = __init__  # type: ignore[method-assign]
+    return True
+
+
+def grpc_deadline(context: object) -> float | None:
+    """The call's deadline as a `time.monotonic()` instant in this process (None: the client set
+    none, or the context was made in another process, e.g. Serve's Python proxy)."""
+    recorded = getattr(context, _DEADLINE_ATTR, None)
+    if recorded is None or recorded[0] != os.getpid():
+        return None
+    return recorded[1]
+
+
+def cap_grpc_messages(max_bytes: int) -> bool:
+    """Called in every ingress replica before Serve starts its gRPC server: gRPC refuses a
+    message over `max_bytes` (the app's max_body_bytes) from its length prefix, before reading
+    it (RESOURCE_EXHAUSTED), instead of Serve's 2 GiB. Serve builds the server with its
+    `DEFAULT_GRPC_SERVER_OPTIONS` list (Ray-private, pinned Ray 2.60); we set the receive limit
+    in it. When it is missing we say so, and the ingress still refuses such a message (413
+    `body_too_large`) once it has it."""
+    try:
+        from ray.serve._private import constants
+    except ImportError:  # pragma: no cover
+        constants = None  # type: ignore[assignment]
+    options = getattr(constants, "DEFAULT_GRPC_SERVER_OPTIONS", None)
+    if not isinstance(options, list):
+        log.warning("Serve has no DEFAULT_GRPC_SERVER_OPTIONS list (Ray changed): gRPC messages up to Serve's own "
+                    "limit are read before the ingress refuses those over max_body_bytes")
+        return False
+    key = "grpc.max_receive_message_length"
+    options[:] = [(k, v) for k, v in options if k != key] + [(key, int(max_bytes))]
     return True

@@ -206,9 +206,18 @@ class AuthMiddleware:
         needed = required_token(path)
         if needed == "api":
             return check_bearer(header, (self.api_token,), _API_TOKEN_WHAT)
-        if needed == "infer" and self.infer_token is not None:
-            return check_bearer(header, (self.infer_token, self.api_token), _INFER_TOKEN_WHAT)
+        if needed == "infer":
+            return check_inference(header, self.infer_token, self.api_token)
         return None
+
+
+def check_inference(header: str | None, infer_token: str | None, api_token: str) -> Unauthorized | None:
+    """The inference calls' rule, HTTP's routes and gRPC's ModelInfer / ModelStreamInfer alike:
+    None when no inference token is set, or when `header` (`Bearer <token>`) carries it or the
+    API token; else the 401 to answer."""
+    if infer_token is None:
+        return None
+    return check_bearer(header, (infer_token, api_token), _INFER_TOKEN_WHAT)
 
 
 # ---------------------------------------------------------------- redaction

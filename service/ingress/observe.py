@@ -2,8 +2,9 @@
 `GET /metrics` gathers the whole service's figures at scrape time.
 
 `RequestMetrics` (outermost layer of the app, so 401s, 404s and 413s count too) records
-per request: `gangserve_requests_total{route, format, code}`, `gangserve_request_seconds
-{route}` and `gangserve_request_bytes{route}`. `route` is the matched route's template
+per request: `gangserve_requests_total{route, format, code, protocol}`, `gangserve_request_seconds
+{route, protocol}` and `gangserve_request_bytes{route, protocol}` (`record_request`; the gRPC
+calls are counted the same way by service.ingress.oip_grpc.service, `protocol="grpc"`). `route` is the matched route's template
 (`/train/{job_id}`), never the raw path (bounded cardinality, no ids or paths in labels);
 `unmatched` for anything no route took. `format` comes from the request's Content-Type
 (json, npy, safetensors, binary, form, other; none without a body type).
@@ -87,10 +88,16 @@ class RequestMetrics:
                 if key == b"content-type":
                     content_type = value.decode("latin-1")
                     break
-            m = self.metrics
-            m.inc("gangserve_requests", (route, body_format(content_type), str(status)))
-            m.observe("gangserve_request_seconds", time.perf_counter() - started, (route,))
-            m.observe("gangserve_request_bytes", read, (route,))
+            record_request(self.metrics, "http", route, body_format(content_type), status,
+                           time.perf_counter() - started, read)
+
+
+def record_request(metrics: MetricSet, protocol: str, route: str, body: str, status: int, seconds: float,
+                   read: int) -> None:
+    """One answered request into `metrics`, HTTP's and gRPC's alike (`protocol`: http, grpc)."""
+    metrics.inc("gangserve_requests", (route, body, str(status), protocol))
+    metrics.observe("gangserve_request_seconds", seconds, (route, protocol))
+    metrics.observe("gangserve_request_bytes", read, (route, protocol))
 
 
 def route_template(scope: Scope) -> str:

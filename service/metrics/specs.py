@@ -33,11 +33,13 @@ class Spec:
 
 
 SPECS: dict[str, Spec] = {s.name: s for s in (
-    Spec("gangserve_requests", "counter", "HTTP requests answered by the ingress, by route template, "
-         "body format and status code", ("route", "format", "code")),
+    Spec("gangserve_requests", "counter", "Requests answered by the ingress, by route template (gRPC: the "
+         "method's path), body format, status code (gRPC: the same error's HTTP status) and protocol (http, "
+         "grpc)", ("route", "format", "code", "protocol")),
     Spec("gangserve_request_seconds", "histogram", "Time from a request's arrival at the ingress to the "
-         "end of its reply", ("route",), LATENCY_BUCKETS),
-    Spec("gangserve_request_bytes", "histogram", "Request body bytes the ingress read", ("route",), BYTES_BUCKETS),
+         "end of its reply", ("route", "protocol"), LATENCY_BUCKETS),
+    Spec("gangserve_request_bytes", "histogram", "Request body bytes the ingress read (gRPC: the message's)",
+         ("route", "protocol"), BYTES_BUCKETS),
     Spec("gangserve_gang_step_seconds", "histogram", "Duration of one successful gang step (broadcast, "
          "tensor-parallel attention, all_reduce) in the gang server", (), LATENCY_BUCKETS),
     Spec("gangserve_batch_size", "histogram", "Batch rows per gang step (concurrent requests coalesced)",

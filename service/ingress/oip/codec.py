@@ -7,7 +7,8 @@ the DecodePool otherwise (service.ingress.oip.routes).
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 import orjson
@@ -22,13 +23,22 @@ from service.ingress.oip.schemas import (
 )
 
 
+@dataclass(frozen=True)
+class CheckedInputs:
+    """A request's input tensors, decoded and checked: what both protocols hand the gang."""
+
+    x: np.ndarray  # [batch, seq, E] float32
+    mask: np.ndarray | None  # [batch, seq] bool, True = token (None: no attention_mask input)
+    squeezed: bool  # the input was [seq, E]: the reply is too
+    reply_dtype: np.dtype  # the output's dtype (the input's, unless output_dtype says)
+
+
 def prepare(
     body: bytes, encoding: str, cap: tuple[int, str], header_length: int | None, limits: codecs.Limits,
     output_dtype: str | None,
 ) -> tuple[InferenceRequest, np.ndarray, np.ndarray | None, bool, np.dtype, bool]:
-    """Inflate (capped), parse and check the request, and decode its input tensors:
-    (request, x [batch, seq, E] float32, key mask [batch, seq] bool or None, squeezed,
-    reply dtype, binary output)."""
+    """Inflate (capped), parse and check an HTTP request, and decode its input tensors:
+    (request, then CheckedInputs' x, mask, squeezed and reply dtype, then binary output)."""
     body = _decompress(body, encoding, *cap)
     if not body:
         raise BadRequest("request body is empty; it needs a JSON inference request")
@@ -38,15 +48,28 @@ def prepare(
     elif header_length > len(view):
         raise BadRequest(f"{HEADER_LENGTH} is {header_length}; the body has only {len(view)} bytes")
     req = _parse_request(view[:header_length], limits)
-    array, raw_mask, squeezed = _decode_input(req, view[header_length:], limits)
+    inputs = check_inputs(req, _binary_slices(req, view[header_length:]), limits, output_dtype)
+    return req, inputs.x, inputs.mask, inputs.squeezed, inputs.reply_dtype, binary_outputs(req)
+
+
+def check_inputs(req: InferenceRequest, raws: Sequence[memoryview | bytes | None], limits: codecs.Limits,
+                 output_dtype: str | None) -> CheckedInputs:
+    """The request's inputs decoded (`raws[i]`: input i's binary bytes, None: its `data`) and
+    checked: shapes against `limits` before any value is converted, the mask against the input."""
+    array, raw_mask, squeezed = _decode_input(req, raws, limits)
     reply_dtype = codecs.reply_dtype(array.dtype, output_dtype)
     x = codecs.to_model_input(array)
     mask = codecs.validate_attention_mask(raw_mask, x.shape, squeezed)
-    return req, x, mask, squeezed, reply_dtype, _binary_outputs(req)
+    return CheckedInputs(x, mask, squeezed, reply_dtype)
 
 
 def _parse_request(header: memoryview, limits: codecs.Limits) -> InferenceRequest:
-    doc = codecs.loads_json(header, limits, what="inference request")
+    return request_of(codecs.loads_json(header, limits, what="inference request"))
+
+
+def request_of(doc: Any) -> InferenceRequest:
+    """A parsed request document (JSON's, or one built from a protobuf message) as the
+    protocol's model: its lists and maps bounded first, then validated (400 when it is not one)."""
     _check_sizes(doc)
     try:
         return InferenceRequest.model_validate(doc)
@@ -76,12 +99,32 @@ def _check_sizes(doc: Any) -> None:
             raise InvalidInput(f"a parameters object has {len(params)} entries; at most {MAX_PARAMETERS}")
 
 
+def _binary_slices(req: InferenceRequest, binary: memoryview) -> list[memoryview | None]:
+    """Each input's binary bytes (the binary tensor data extension: they follow the JSON
+    header in input order, `binary_data_size` each), None for an input without any."""
+    sizes = [_binary_size(spec) for spec in req.inputs]
+    declared = sum(s for s in sizes if s is not None)
+    if declared != len(binary):
+        if declared == 0:
+            raise BadRequest(f"{len(binary)} bytes follow the JSON header but no input has a binary_data_size")
+        raise BadRequest(f"the inputs declare binary_data_size {declared} in all; {len(binary)} bytes follow the header")
+    raws: list[memoryview | None] = []
+    offset = 0
+    for size in sizes:
+        if size is None:
+            raws.append(None)
+        else:
+            raws.append(binary[offset:offset + size])
+            offset += size
+    return raws
+
+
 def _decode_input(
-    req: InferenceRequest, binary: memoryview, limits: codecs.Limits
+    req: InferenceRequest, raws: Sequence[memoryview | bytes | None], limits: codecs.Limits
 ) -> tuple[np.ndarray, np.ndarray | None, bool]:
     """The input tensor (shape-checked against the limits before its data is decoded) and the
-    optional `attention_mask` input, raw: (hidden_states, mask or None, squeezed). Binary
-    data follows the header in input order."""
+    optional `attention_mask` input, raw: (hidden_states, mask or None, squeezed). `raws[i]`
+    is input i's binary bytes (None: its JSON / typed `data`)."""
     names = [i.name for i in req.inputs]
     if wire.INPUT_NAME not in names or len(set(names)) != len(names) or not set(names) <= {
         wire.INPUT_NAME, wire.MASK_NAME
@@ -91,18 +134,11 @@ def _decode_input(
             f"got {wire.snip(names)}"
         )
     squeezed = False
-    offset = 0
     decoded: dict[str, np.ndarray] = {}
-    sizes = [_binary_size(spec) for spec in req.inputs]
-    if sum(s for s in sizes if s is not None) != len(binary):
-        declared = sum(s for s in sizes if s is not None)
-        if declared == 0:
-            raise BadRequest(f"{len(binary)} bytes follow the JSON header but no input has a binary_data_size")
-        raise BadRequest(f"the inputs declare binary_data_size {declared} in all; {len(binary)} bytes follow the header")
-    for spec, size in zip(req.inputs, sizes):
+    for spec, raw in zip(req.inputs, raws):
         params = spec.parameters or {}
         if "shared_memory_region" in params:
-            raise BadRequest("shared-memory inputs are not supported over HTTP here; send JSON data or binary data")
+            raise BadRequest("shared-memory inputs are not supported here; send the tensor's data")
         if any(d < 0 for d in spec.shape):
             raise InvalidInput(f"input {spec.name!r} shape must be concrete (no -1); got {wire.snip(spec.shape)}")
         is_mask = spec.name == wire.MASK_NAME
@@ -113,14 +149,10 @@ def _decode_input(
                     f"got {wire.snip(spec.datatype)}"
                 )
             squeezed = limits.check(spec.shape)
-        raw = None
-        if size is None:
-            if spec.data is None:
-                raise BadRequest(f"input {spec.name!r} has neither JSON 'data' nor a binary_data_size parameter")
-        else:
-            if spec.data is not None:
-                raise BadRequest(f"input {spec.name!r} has both JSON 'data' and binary_data_size; send one")
-            raw, offset = binary[offset:offset + size], offset + size
+        if raw is None and spec.data is None:
+            raise BadRequest(f"input {spec.name!r} has neither JSON 'data' nor a binary_data_size parameter")
+        if raw is not None and spec.data is not None:
+            raise BadRequest(f"input {spec.name!r} has both JSON 'data' and binary_data_size; send one")
         decode = codecs.decode_oip_mask if is_mask else codecs.decode_oip_tensor
         decoded[spec.name] = decode(spec.datatype, spec.shape, data=None if raw is not None else spec.data,
                                     raw=raw, name=spec.name)
@@ -144,7 +176,7 @@ def causal(req: InferenceRequest) -> bool | None:
     return value
 
 
-def _binary_outputs(req: InferenceRequest) -> bool:
+def binary_outputs(req: InferenceRequest) -> bool:
     """Whether `output` goes back as raw bytes (per-output binary_data, else binary_data_output)."""
     default = (req.parameters or {}).get("binary_data_output", False)
     if not isinstance(default, bool):

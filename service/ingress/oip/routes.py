@@ -17,8 +17,8 @@ from service.ingress.deps import (
     FleetReader, Gang, get_fleet, get_gang, read_body_capped,
 )
 
-from service.ingress.oip.codec import causal, content_encoding, prepare, reply
-from service.ingress.oip.sequences import rows_of, sequence_of
+from service.ingress.oip.codec import CheckedInputs, content_encoding, prepare, reply
+from service.ingress.oip.inference import answer, deadline_of
 from service.ingress.oip.schemas import (
     BINARY_MEDIA, HEADER_LENGTH, MODEL_NAME, MODEL_VERSION, SERVER_NAME, SERVER_VERSION, InferenceRequest,
     InferenceResponse, Liveness, ModelMetadata, Readiness, ServerMetadata, TensorMetadata,
@@ -84,14 +84,14 @@ async def server_ready(gang: Gang = Depends(get_gang), fleet: FleetReader = Depe
 
 @router.get(f"/models/{MODEL_NAME}", summary="Model metadata", response_model=ModelMetadata)
 async def model_metadata(cfg: AppConfig = Depends(get_config)) -> ModelMetadata:
-    return _metadata(cfg)
+    return metadata_of(cfg)
 
 
 @router.get(f"/models/{MODEL_NAME}/versions/{{version}}", summary="Model metadata (versioned)",
             response_model=ModelMetadata, responses=_VERSION_404)
 async def model_metadata_version(version: str, cfg: AppConfig = Depends(get_config)) -> ModelMetadata:
-    _check_version(version)
-    return _metadata(cfg)
+    check_version(version)
+    return metadata_of(cfg)
 
 
 @router.get(f"/models/{MODEL_NAME}/ready", summary="200 when the model can serve, else 503",
@@ -105,7 +105,7 @@ async def model_ready(gang: Gang = Depends(get_gang), fleet: FleetReader = Depen
             response_model=Readiness, responses={**_NOT_READY, **_VERSION_404})
 async def model_ready_version(version: str, gang: Gang = Depends(get_gang),
                               fleet: FleetReader = Depends(get_fleet)) -> Readiness:
-    _check_version(version)
+    check_version(version)
     await _require_ready(gang, fleet)
     return Readiness(ready=True)
 
@@ -144,7 +144,7 @@ async def infer_version(
     gang: Gang = Depends(get_gang),
     pool: DecodePool = Depends(get_decode_pool),
 ) -> Response:
-    _check_version(version)
+    check_version(version)
     return await _infer(request, output_dtype, header_length, cfg, gang, pool)
 
 
@@ -174,28 +174,17 @@ async def _infer(
     req, x, mask, squeezed, reply_dtype, binary = await pool.decode(
         prepare, body, encoding, cap, header_length, limits, output_dtype,
         inline=encoding == "identity" and len(body) <= cfg.tunables.ingress.inline_decode_bytes)
-    deadline = deadlines.request_deadline(started, cfg.serving.request_timeout_s, header_s,
-                                          deadlines.oip_timeout(req.parameters), tunables=cfg.tunables.ingress)
-    sequence = sequence_of(req)  # Triton's sequence parameters: a session (service.ingress.oip.sequences)
-    parameters = None
-    if sequence is not None:
-        rows, info = await gang.session_call("session_oip", rows_of(x), sequence.start, sequence.end,
-                                             session_id=sequence.id, deadline=deadline,
-                                             idempotency_key=sequence.idempotency_key)
-        out = rows[None]  # [1, n, E]
-        parameters = {"sequence_id": (req.parameters or {}).get("sequence_id"), "sequence_length": info["length"],
-                      "weights_version": info["weights_version"]}
-    else:
-        out = await gang.infer(x, mask, causal(req), deadline)  # [batch, seq, E] float32
-    out = codecs.cast_reply(out[0] if squeezed else out, reply_dtype)
-    if out.size > cfg.tunables.ingress.inline_encode_values:
-        return await pool.run_unbounded(reply, req, out, binary, parameters)
-    return reply(req, out, binary, parameters)
+    inputs = CheckedInputs(x, mask, squeezed, reply_dtype)
+    result = await answer(req, inputs, gang, deadline_of(req, started, cfg, header_s))
+    if result.output.size > cfg.tunables.ingress.inline_encode_values:
+        return await pool.run_unbounded(reply, req, result.output, binary, result.parameters)
+    return reply(req, result.output, binary, result.parameters)
 
 
 # ---------------------------------------------------------------- helpers
 
-def _metadata(cfg: AppConfig) -> ModelMetadata:
+def metadata_of(cfg: AppConfig) -> ModelMetadata:
+    """The served model's OIP metadata (HTTP and gRPC answer the same)."""
     shape = [-1, -1, cfg.model.embed_dim]
     return ModelMetadata(
         name=MODEL_NAME,
@@ -207,7 +196,8 @@ def _metadata(cfg: AppConfig) -> ModelMetadata:
     )
 
 
-def _check_version(version: str) -> None:
+def check_version(version: str) -> None:
+    """404 `not_found` unless `version` is the served model's (HTTP and gRPC alike)."""
     if version != MODEL_VERSION:
         raise NotFound(f"model {MODEL_NAME!r} has version {MODEL_VERSION!r} only; got {version!r:.50}")
 
