@@ -33,7 +33,7 @@ from service.cluster.front_door import DEFAULT_GRPC_PORT, grpc_options
 from service.contract.errors import ErrorCode
 from service.ingress.oip_grpc import gangserve_inference_pb2 as ours
 from service.ingress.oip_grpc.status import CODE_METADATA, GRPC_BY_HTTP, grpc_status, with_status_table
-from tests.helpers import rand
+from tests.helpers import eventually, rand, scrape, total
 from tests.reference import reference, relative_error
 
 APP = {"application": "gangserve"}  # the app_url fixture's application name
@@ -268,17 +268,38 @@ def test_a_stream_answers_in_order_with_errors_in_error_message(client: tgrpc.In
     assert relative_error(_rows(got[5][0]), reference(x)) < 1e-5
 
 
+def _grpc_requests(app_url: str, code: str) -> float:
+    return total(scrape(app_url), "gangserve_requests_total", protocol="grpc", route=INFER, format="protobuf",
+                 code=code)
+
+
 @pytest.mark.ray
-def test_deadlines_are_deadline_exceeded(client: tgrpc.InferenceServerClient) -> None:
+def test_deadlines_are_deadline_exceeded(app_url: str, client: tgrpc.InferenceServerClient) -> None:
+    before = _grpc_requests(app_url, "504")
     x = rand(64, 128, 512, seed=36)  # ~0.1-0.5 s of compute on this machine
     with pytest.raises(InferenceServerException) as info:  # the `timeout` parameter: microseconds
         client.infer("attention", [_input(x, "FP32")], timeout=20_000, headers=APP)
     assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     assert info.value.message().startswith("[deadline_exceeded]"), info.value.message()
-    with pytest.raises(InferenceServerException) as info:  # the call's own gRPC deadline
-        client.infer("attention", [_input(x, "FP32")], client_timeout=0.05, headers=APP)
+    # The call's own gRPC deadline, shorter than the margin the ingress keeps before it: the
+    # ingress answers at once (the client's own timer may still win the race to the client).
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("attention", [_input(rand(1, 8, 512), "FP32")], client_timeout=0.04, headers=APP)
     assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    eventually(lambda: _grpc_requests(app_url, "504") >= before + 2, 30,
+               "both calls answered 504 deadline_exceeded by the ingress (it saw the gRPC deadline)")
     assert client.is_server_ready(headers=APP)
+
+
+@pytest.mark.ray
+def test_grpc_calls_are_counted_like_http_ones(app_url: str, client: tgrpc.InferenceServerClient,
+                                               channel: grpc.Channel) -> None:
+    ok, bad = _grpc_requests(app_url, "200"), _grpc_requests(app_url, "400")
+    for _ in range(2):
+        _assert_serves(client)
+    with pytest.raises(grpc.RpcError):
+        channel.unary_unary(INFER)(b"\xff\xff", metadata=tuple(APP.items()), timeout=60)
+    assert _grpc_requests(app_url, "200") == ok + 2 and _grpc_requests(app_url, "400") == bad + 1
 
 
 def _tensor_request(shape: list[int], datatype: str = "FP32", raw: bytes | None = None, **fields: Any) -> bytes:
