@@ -84,11 +84,11 @@ def test_the_transformer_spec_is_closed_bounded_and_defaults_to_the_serving_defa
 
 
 @pytest.mark.unit
-def test_the_architecture_and_tensors_are_torchs_and_the_serving_definitions() -> None:
-    """What training records of a transformer (its architecture, its checkpoint's tensors) is
-    torch's module's state_dict, and the serving definition's metadata, for every option."""
+def test_the_tensors_a_checkpoint_holds_are_torchs_module_s() -> None:
+    """The tensors training expects of a transformer's and an attention layer's checkpoint (the
+    one declaration in service.models) are torch's own modules' state_dict, for every option;
+    the app's architecture and the job's are the same description."""
     from service.config.builder_args import ModelConfig
-    from service.parallel.transformer import TransformerDef
     from service.training.checkpoints import expected_tensors, spec_architecture
     from service.training.spec import AttentionModel, TransformerModel
     from service.weights.resolve import served_architecture
@@ -98,9 +98,6 @@ def test_the_architecture_and_tensors_are_torchs_and_the_serving_definitions() -
         spec = TransformerModel(**arch)
         module = torch_encoder(**arch)
         assert expected_tensors(spec) == {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        metadata = TransformerDef(**arch).metadata()
-        assert metadata.pop("model") == "transformer"
-        assert dict(spec_architecture(spec).fields) == metadata
         assert served_architecture(ModelConfig(model="transformer", **arch)) == spec_architecture(spec)
     mha = nn.MultiheadAttention(64, 4, bias=True, batch_first=True)
     attention = AttentionModel(embed_dim=64, num_heads=4)
@@ -163,7 +160,7 @@ def test_a_job_checkpoint_loads_into_torchs_encoder_strictly_and_computes_the_sa
 
     resumed = build_model(spec, seed=2)
     load_model(resumed, spec, path)
-    assert all(torch.equal(a, saved[k]) for k, a in resumed.encoder.state_dict().items())
+    assert all(torch.equal(a, saved[k]) for k, a in resumed.module.state_dict().items())
 
 
 @pytest.mark.unit

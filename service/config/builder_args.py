@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.config.tunables import Tunables, TransportTunables
 from service.models.llama import llama_architecture
+from service.models.registry import KINDS, describe, is_built_in
 
 FLOAT16_MAX = 65504.0  # float16's largest finite value
 GIB = 1024**3
@@ -26,7 +27,6 @@ GIB = 1024**3
 TRANSFORMER_ARGS = ("num_layers", "ffn_dim", "activation", "norm_first", "layer_norm_eps")
 
 
-BUILT_IN_KINDS = ("attention", "transformer", "llama")
 
 
 class ModelConfig(BaseModel):
@@ -113,8 +113,8 @@ class ModelConfig(BaseModel):
         if self.model_args and ":" not in self.kind and self.kind != "llama":
             raise ValueError(f"model_args only apply to a user's model (model=pkg.module:factory) or to model=llama "
                              f"without a checkpoint directory; model is {self.kind!r}")
-        if self.kind not in BUILT_IN_KINDS and ":" not in self.kind:
-            raise ValueError(f"model must be one of {', '.join(BUILT_IN_KINDS)} or an import path "
+        if not is_built_in(self.kind) and ":" not in self.kind:
+            raise ValueError(f"model must be one of {', '.join(KINDS)} or an import path "
                              f"pkg.module:factory; got {self.kind!r}")
         return self
 
@@ -514,28 +514,13 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_across_sections(self) -> "AppConfig":
-        # The built-in models' heads; a user's model checks its own split at deploy time
-        # (service.app.check_model: ModelDef.check_world_size).
-        if self.model.kind in ("attention", "transformer"):
-            self._check_heads()
+        # A built-in kind's split (service.models.registry); a user's model checks its own at
+        # deploy time (service.app.check_model: ModelDef.check_world_size).
+        if is_built_in(self.model.kind):
+            problems = describe(self.model).problems(self.gang.world_size)
+            if problems:
+                raise ValueError("; ".join(problems))
         return self._check_dtype_and_paths()
-
-    def _check_heads(self) -> None:
-        model, world_size = self.model, self.gang.world_size
-        if model.embed_dim % model.num_heads:
-            raise ValueError(
-                f"embed_dim ({model.embed_dim}) must be divisible by num_heads ({model.num_heads})"
-            )
-        if model.num_heads % world_size:
-            raise ValueError(
-                f"num_heads ({model.num_heads}) must be divisible by world_size ({world_size}): "
-                "each rank computes num_heads / world_size whole heads"
-            )
-        if model.kind == "transformer" and model.ffn_dim % world_size:
-            raise ValueError(
-                f"ffn_dim ({model.ffn_dim}) must be divisible by world_size ({world_size}): each rank holds "
-                "ffn_dim / world_size of the MLP's hidden units"
-            )
 
     def _check_dtype_and_paths(self) -> "AppConfig":
         model = self.model

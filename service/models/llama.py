@@ -11,8 +11,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
+from service.models.params import ParamSpec, Shard
 from service.models.safetensors_header import read_header
 
 CONFIG_FILE = "config.json"
@@ -48,6 +49,12 @@ class LlamaArchitecture:
     rope_llama3: Llama3Rope | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
+    kind: ClassVar[str] = "llama"
+
+    @property
+    def embed_dim(self) -> int:
+        """E, the width of every request and reply row."""
+        return self.hidden_size
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], where: str = "config") -> "LlamaArchitecture":
@@ -121,6 +128,32 @@ class LlamaArchitecture:
         biases = d * (self.num_heads + 2 * self.num_kv_heads) + e if self.attention_bias else 0
         mlp = 3 * e * i + (2 * i + e if self.mlp_bias else 0)
         return self.num_layers * (attn + biases + mlp + 2 * e) + e
+
+    def params(self) -> tuple[ParamSpec, ...]:
+        """Every tensor of LlamaModel's state_dict but embed_tokens, in its order, and its sharding:
+        q/k/v COLUMN by head (K/V replicated when fewer heads than ranks), o_proj and down_proj
+        ROW, gate/up COLUMN, norms replicated."""
+        a, P = self, ParamSpec
+        col, row, rep = Shard.COLUMN, Shard.ROW, Shard.REPLICATED
+        e, d, i = a.hidden_size, a.head_dim, a.intermediate_size
+        specs: list[ParamSpec] = []
+        for n in range(a.num_layers):
+            at = f"layers.{n}."
+            for proj, heads in (("q_proj", a.num_heads), ("k_proj", a.num_kv_heads), ("v_proj", a.num_kv_heads)):
+                specs.append(P(f"{at}self_attn.{proj}.weight", (heads * d, e), col, groups=heads))
+                if a.attention_bias:
+                    specs.append(P(f"{at}self_attn.{proj}.bias", (heads * d,), col, groups=heads))
+            specs.append(P(f"{at}self_attn.o_proj.weight", (e, a.num_heads * d), row))
+            if a.attention_bias:
+                specs.append(P(f"{at}self_attn.o_proj.bias", (e,), rep))
+            for proj, shape, shard in (("gate_proj", (i, e), col), ("up_proj", (i, e), col),
+                                       ("down_proj", (e, i), row)):
+                specs.append(P(f"{at}mlp.{proj}.weight", shape, shard))
+                if a.mlp_bias:
+                    specs.append(P(f"{at}mlp.{proj}.bias", (shape[0],), col if shard is col else rep))
+            specs += [P(f"{at}input_layernorm.weight", (e,), rep), P(f"{at}post_attention_layernorm.weight", (e,), rep)]
+        specs.append(P("norm.weight", (e,), rep))
+        return tuple(specs)
 
     def hf_config(self) -> dict[str, Any]:
         """The LlamaConfig fields that define it (`from_hf_config` reads them back to an equal

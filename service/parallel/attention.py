@@ -3,16 +3,17 @@
 format (`{q,k,v,out}_proj.{weight,bias}`, service.parallel.weights)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import service.parallel.model as seam
+from service.models.attention import AttentionArch
 from service.parallel.group import ParallelGroup
 from service.parallel.layers import TensorParallelAttention, sdpa_mask
-from service.parallel.weights import attention_params, random_weights, seed_weights
+from service.parallel.weights import random_weights, seed_weights
 
 
 class DenseAttention(nn.Module):
@@ -48,24 +49,19 @@ class DenseAttention(nn.Module):
 
 
 @dataclass(frozen=True)
-class AttentionDef(seam.AttentionHeads):
-    """One attention layer of width E with H heads (service.parallel.model.ModelDef)."""
+class AttentionDef(AttentionArch):
+    """One attention layer (service.models.attention) and its torch half
+    (service.parallel.model.ModelDef)."""
 
-    embed_dim: int = 512
-    num_heads: int = 8
-    kind: str = "attention"
-
-    def params(self) -> tuple[seam.ParamSpec, ...]:
-        return attention_params(self.embed_dim)
+    @classmethod
+    def of(cls, arch: AttentionArch) -> "AttentionDef":
+        """The torch half of `arch` (service.models.registry)."""
+        return cls(**{f.name: getattr(arch, f.name) for f in fields(arch)})
 
     def check_world_size(self, world_size: int) -> None:
-        problems = self.head_problems(world_size)
+        problems = self.problems(world_size)
         if problems:
             raise ValueError("; ".join(problems))
-
-    @property
-    def kv_layers(self) -> int:
-        return 1
 
     def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
         return seed_weights(self.embed_dim) if init == "seed" else random_weights(self.embed_dim, seed)
@@ -80,8 +76,3 @@ class AttentionDef(seam.AttentionHeads):
     def build(self, group: ParallelGroup, dtype: torch.dtype) -> TensorParallelAttention:
         self.check_world_size(group.world_size)
         return TensorParallelAttention(self.embed_dim, self.num_heads, group, dtype=dtype)
-
-    def metadata(self) -> dict[str, str]:
-        # The contract's format (service.parallel.weights.save_checkpoint) records no `model`.
-        return {"embed_dim": str(self.embed_dim), "num_heads": str(self.num_heads)}
-

@@ -41,11 +41,16 @@ over its own heads. `paged_attention` is the attention part; the models
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from service.parallel.paged_kernel import InPlaceAttention, NotWarmed
+
+log = logging.getLogger("gangserve.rank")
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,9 @@ class PagedKVPool:
         self.layers, self.num_blocks, self.block_size = layers, num_blocks, block_size
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # The compiled in-place attention over this pool (service.parallel.paged_kernel), set by
+        # the rank at warm-up; None: `paged_attention` gathers the blocks (the fallback path).
+        self.attention: InPlaceAttention | None = None
 
     @property
     def nbytes(self) -> int:
@@ -152,17 +160,64 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
     holds kv_l heads.
 
     Writes k/v into `pool` layer `layer` at the plan's positions, then attends each new row over
-    its session's cached positions and the earlier new rows (module docstring). Sessions of one
-    new row (decode steps) share one batched attention over their block tables padded to the
-    longest; sessions of several rows (a prefill, a recompute) get one causal attention each.
+    its session's cached positions and the earlier new rows (module docstring). Where the pool
+    has a compiled in-place kernel (`pool.attention`, service.parallel.paged_kernel: set by the
+    rank at warm-up) the attention reads the pool's blocks where they lie; otherwise, and for a
+    call the kernel was not compiled for, it gathers them (`gather_attention`, the same math).
     """
     rows, h, d = q.shape
     kv = k.shape[1]
-    bs, device = plan.block_size, q.device
     pool_k, pool_v = pool.k[layer], pool.v[layer]  # [num_blocks, B, kv_l, d]
-    slots = torch.from_numpy(_write_slots(plan)).to(device)
+    slots = torch.from_numpy(_write_slots(plan)).to(q.device)
     pool_k.view(-1, kv, d).index_copy_(0, slots, k)  # flat pool [num_blocks * B, kv_l, d]
     pool_v.view(-1, kv, d).index_copy_(0, slots, v)
+    kernel = pool.attention
+    if kernel is None or not kernel.matches(h, kv, d, q.dtype):
+        return gather_attention(pool_k, pool_v, q, plan, scale)
+    ctx = torch.empty(rows, h, d, dtype=q.dtype, device=q.device)  # [T, h_l, d]
+    starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
+    single = [i for i, n in enumerate(plan.new_rows) if n == 1]
+    try:
+        if single:
+            at = torch.from_numpy(starts[single]).to(q.device)
+            ctx[at] = kernel.decode(pool_k, pool_v, q[at], [plan.tables[i] for i in single],
+                                    [plan.cached[i] + 1 for i in single], scale)
+        for i, n in enumerate(plan.new_rows):
+            if n == 1:
+                continue
+            start = int(starts[i])
+            if kernel.rows_in_place:
+                ctx[start:start + n] = kernel.rows(pool_k, pool_v, q[start:start + n], plan.tables[i],
+                                                   plan.cached[i], scale)
+            else:
+                ctx[start:start + n] = _gather_rows(pool_k, pool_v, q[start:start + n], plan.tables[i],
+                                                    plan.cached[i], scale)
+    except NotWarmed as exc:
+        _note_fallback(exc)
+        return gather_attention(pool_k, pool_v, q, plan, scale)
+    return ctx
+
+
+_fallbacks_logged: set[str] = set()
+
+
+def _note_fallback(exc: NotWarmed) -> None:
+    """One log line per distinct shape that had to take the gather path after warm-up."""
+    why = str(exc)
+    if why not in _fallbacks_logged:
+        _fallbacks_logged.add(why)
+        log.warning("%s; this call used the gather path", why)
+
+
+def gather_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, plan: AppendPlan,
+                     scale: float) -> torch.Tensor:
+    """The gather path (the pool's K/V already hold the step's rows): sessions of one new row
+    (decode steps) share one batched attention over their block tables gathered and padded to
+    the longest; sessions of several rows (a prefill, a recompute) get one causal attention each
+    over their gathered positions. q [T, h_l, d], pool_k/v [num_blocks, B, kv_l, d] -> [T, h_l, d]."""
+    rows, h, d = q.shape
+    kv = pool_k.shape[2]
+    bs, device = plan.block_size, q.device
     gqa = kv != h  # SDPA broadcasts each K/V head over its h_l / kv_l query heads
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=device)  # [T, h_l, d]
     starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
@@ -184,22 +239,32 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
     for i, n in enumerate(plan.new_rows):
         if n == 1:
             continue
-        c, table, start = plan.cached[i], plan.tables[i], int(starts[i])
-        length = c + n
-        ids = torch.tensor(table, dtype=torch.int64, device=device)
-        keys = pool_k[ids].view(len(table) * bs, kv, d)[:length].transpose(0, 1)  # [kv_l, L, d]
-        vals = pool_v[ids].view(len(table) * bs, kv, d)[:length].transpose(0, 1)  # [kv_l, L, d]
-        # 4-D [1, h_l, ., d]: on CPU, SDPA takes its fused kernel only for 4-D inputs (3-D falls
-        # back to the math kernel, ~6x slower on a 2048-row prefill: bench/NOTES.md).
-        qi = q[start:start + n].transpose(0, 1)[None]  # [1, h_l, n, d]
-        keys, vals = keys[None], vals[None]  # [1, kv_l, L, d]
-        if c == 0:  # a prefill or a recompute: plain causal attention, no mask tensor (SDPA's own)
-            out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale,
-                                                 enable_gqa=gqa)  # [1, h_l, n, d]
-        else:
-            # new row j sits at position c + j and attends positions 0 .. c + j
-            allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
-            out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=scale,
-                                                 enable_gqa=gqa)  # [1, h_l, n, d]
-        ctx[start:start + n] = out[0].transpose(0, 1)
+        start = int(starts[i])
+        ctx[start:start + n] = _gather_rows(pool_k, pool_v, q[start:start + n], plan.tables[i], plan.cached[i], scale)
     return ctx
+
+
+def _gather_rows(pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, table: tuple[int, ...], c: int,
+                 scale: float) -> torch.Tensor:
+    """One session's n rows at positions c .. c + n - 1 over its gathered K/V: q [n, h_l, d] -> [n, h_l, d]."""
+    n, h, d = q.shape
+    _, bs, kv, _ = pool_k.shape
+    device = q.device
+    length = c + n
+    ids = torch.tensor(table, dtype=torch.int64, device=device)
+    keys = pool_k[ids].view(len(table) * bs, kv, d)[:length].transpose(0, 1)  # [kv_l, L, d]
+    vals = pool_v[ids].view(len(table) * bs, kv, d)[:length].transpose(0, 1)  # [kv_l, L, d]
+    # 4-D [1, h_l, ., d]: on CPU, SDPA takes its fused kernel only for 4-D inputs (3-D falls
+    # back to the math kernel, ~6x slower on a 2048-row prefill: bench/NOTES.md).
+    qi = q.transpose(0, 1)[None]  # [1, h_l, n, d]
+    keys, vals = keys[None], vals[None]  # [1, kv_l, L, d]
+    gqa = kv != h
+    if c == 0:  # a prefill or a recompute: plain causal attention, no mask tensor (SDPA's own)
+        out = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)  # [1, h_l, n, d]
+    else:
+        # new row j sits at position c + j and attends positions 0 .. c + j
+        allowed = torch.arange(length, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
+        out = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=allowed, scale=scale,
+                                             enable_gqa=gqa)  # [1, h_l, n, d]
+    return out[0].transpose(0, 1)

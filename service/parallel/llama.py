@@ -301,6 +301,11 @@ class LlamaDef:
     ignored_weights: tuple[str, ...] = ("embed_tokens.", "lm_head.")
 
     @classmethod
+    def of(cls, arch: LlamaArchitecture) -> "LlamaDef":
+        """The torch half of `arch` (service.models.registry)."""
+        return cls(arch)
+
+    @classmethod
     def from_directory(cls, directory: str | Path) -> "LlamaDef":
         return cls(LlamaArchitecture.read(directory))
 
@@ -321,27 +326,7 @@ class LlamaDef:
         return self.arch.head_dim
 
     def params(self) -> tuple[seam.ParamSpec, ...]:
-        a, P = self.arch, seam.ParamSpec
-        col, row, rep = seam.Shard.COLUMN, seam.Shard.ROW, seam.Shard.REPLICATED
-        e, d, i = a.hidden_size, a.head_dim, a.intermediate_size
-        specs: list[seam.ParamSpec] = []
-        for n in range(a.num_layers):
-            at = f"layers.{n}."
-            for proj, heads in (("q_proj", a.num_heads), ("k_proj", a.num_kv_heads), ("v_proj", a.num_kv_heads)):
-                specs.append(P(f"{at}self_attn.{proj}.weight", (heads * d, e), col, groups=heads))
-                if a.attention_bias:
-                    specs.append(P(f"{at}self_attn.{proj}.bias", (heads * d,), col, groups=heads))
-            specs.append(P(f"{at}self_attn.o_proj.weight", (e, a.num_heads * d), row))
-            if a.attention_bias:
-                specs.append(P(f"{at}self_attn.o_proj.bias", (e,), rep))
-            for proj, shape, shard in (("gate_proj", (i, e), col), ("up_proj", (i, e), col),
-                                       ("down_proj", (e, i), row)):
-                specs.append(P(f"{at}mlp.{proj}.weight", shape, shard))
-                if a.mlp_bias:
-                    specs.append(P(f"{at}mlp.{proj}.bias", (shape[0],), col if shard is col else rep))
-            specs += [P(f"{at}input_layernorm.weight", (e,), rep), P(f"{at}post_attention_layernorm.weight", (e,), rep)]
-        specs.append(P("norm.weight", (e,), rep))
-        return tuple(specs)
+        return self.arch.params()
 
     def check_world_size(self, world_size: int) -> None:
         problems = self.arch.problems(world_size)

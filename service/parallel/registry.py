@@ -1,65 +1,45 @@
-"""Which model the builder arguments name: a built-in kind, or a user's factory by import path.
-
-`model=attention` (service.parallel.attention), `model=transformer`
-(service.parallel.transformer) and `model=llama` (service.parallel.llama: its architecture from
-the checkpoint directory's config.json, or from `model_args`) are the built-in kinds; `model=pkg.module:factory` imports a
-user's factory and calls it as `factory(embed_dim=E, **model_args)`; it returns an
-implementation of service.parallel.model.ModelDef (docs/models.md).
+"""Which model the builder arguments name, as its torch half: a built-in kind
+(service.models.registry.KINDS names each once, with its torch half's class), or a user's
+factory by import path (`model=pkg.module:factory`, called as `factory(embed_dim=E,
+**model_args)`, returning an implementation of service.parallel.model.ModelDef; docs/models.md).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any, Callable, Mapping, Protocol
 
-from service.parallel.attention import AttentionDef
-from service.parallel.llama import LlamaDef
-from service.models.llama import llama_architecture
+from service.models.registry import KINDS, describe
 from service.parallel.model import ModelDef
-from service.parallel.transformer import TransformerDef
 
 
 class ModelArgs(Protocol):
-    """What the registry reads of the builder arguments (service.config.builder_args.ModelConfig has these)."""
+    """What the registry reads of the builder arguments (service.config.builder_args.ModelConfig has
+    these; a built-in kind reads its own: service.models.registry)."""
 
     kind: str  # the builder argument `model`: a built-in kind or pkg.module:factory
     embed_dim: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
-    activation: str
-    norm_first: bool
-    layer_norm_eps: float
     model_args: Mapping[str, Any]
-    checkpoint: str | None
-
-
-Factory = Callable[[ModelArgs], ModelDef]
-_REGISTRY: dict[str, Factory] = {
-    "attention": lambda a: AttentionDef(a.embed_dim, a.num_heads),
-    "transformer": lambda a: TransformerDef(a.num_layers, a.embed_dim, a.num_heads, a.ffn_dim, a.activation,
-                                            a.norm_first, a.layer_norm_eps),
-    "llama": lambda a: LlamaDef(llama_architecture(a.checkpoint, a.model_args)),  # model_args once validated
-}
-
 
 
 def resolve(args: ModelArgs) -> ModelDef:
-    """The ModelDef the builder arguments name: a registered kind (`attention`,
-    `transformer`), or `pkg.module:factory`, which is imported and called with the
-    embed dim and `model_args` as keywords (`factory(embed_dim=E, **model_args)`)."""
-    if args.kind in _REGISTRY:
-        return _REGISTRY[args.kind](args)
+    """The ModelDef the builder arguments name: a built-in kind (service.models.registry), or
+    `pkg.module:factory`, which is imported and called with the embed dim and `model_args` as
+    keywords (`factory(embed_dim=E, **model_args)`)."""
+    if args.kind in KINDS:
+        return torch_half(args.kind).of(describe(args))
     return resolve_kind(args.kind, args.embed_dim, args.model_args)
 
 
+def torch_half(kind: str) -> Any:
+    """The ModelDef class of built-in `kind` (KINDS' `torch_half`), imported on first use."""
+    return import_factory(KINDS[kind].torch_half)
+
+
 def resolve_kind(kind: str, embed_dim: int, model_args: Mapping[str, Any]) -> ModelDef:
-    """A kind named with its own arguments (a training job's model): `llama` (model_args a
-    LlamaConfig's fields), or `pkg.module:factory`, imported and called as
-    `factory(embed_dim=E, **model_args)` and checked to return the ModelDef protocol."""
-    if kind == "llama":
-        return LlamaDef(llama_architecture(None, model_args))
+    """A user's model: `pkg.module:factory`, imported and called as `factory(embed_dim=E,
+    **model_args)` and checked to return the ModelDef protocol."""
     if ":" not in kind:
-        raise ValueError(f"model {kind!r} is neither a built-in kind ({', '.join(sorted(_REGISTRY))}) "
+        raise ValueError(f"model {kind!r} is neither a built-in kind ({', '.join(KINDS)}) "
                          "nor an import path 'pkg.module:factory'")
     factory = import_factory(kind)
     made = factory(embed_dim=embed_dim, **dict(model_args))

@@ -24,7 +24,7 @@ appended row runs every layer over its session's cached positions (service.paral
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 
 import torch
@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import service.parallel.model as seam
+from service.models.transformer import TransformerArch
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.layers import ColumnParallelLinear, RowParallelLinear, attention_bias_mask, head_attention
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}  # ARCH's names
 
 
 class _ParallelSelfAttention(nn.Module):
@@ -139,53 +140,19 @@ class ParallelEncoder(nn.Module):
 
 
 @dataclass(frozen=True)
-class TransformerDef(seam.AttentionHeads):
-    """The stack's architecture (service.parallel.model.ModelDef)."""
+class TransformerDef(TransformerArch):
+    """The stack's architecture (service.models.transformer) and its torch half
+    (service.parallel.model.ModelDef)."""
 
-    num_layers: int = 2
-    embed_dim: int = 512
-    num_heads: int = 8
-    ffn_dim: int = 2048
-    activation: str = "relu"
-    norm_first: bool = False
-    layer_norm_eps: float = 1e-5
-    kind: str = "transformer"
-
-    def params(self) -> tuple[seam.ParamSpec, ...]:
-        e, f, col, row, rep = self.embed_dim, self.ffn_dim, seam.Shard.COLUMN, seam.Shard.ROW, seam.Shard.REPLICATED
-        P = seam.ParamSpec
-        specs: list[seam.ParamSpec] = []
-        for i in range(self.num_layers):
-            at = f"layers.{i}."
-            specs += [
-                P(at + "self_attn.in_proj_weight", (3 * e, e), col, parts=3),
-                P(at + "self_attn.in_proj_bias", (3 * e,), col, parts=3),
-                P(at + "self_attn.out_proj.weight", (e, e), row),
-                P(at + "self_attn.out_proj.bias", (e,), rep),
-                P(at + "linear1.weight", (f, e), col),
-                P(at + "linear1.bias", (f,), col),
-                P(at + "linear2.weight", (e, f), row),
-                P(at + "linear2.bias", (e,), rep),
-                P(at + "norm1.weight", (e,), rep),
-                P(at + "norm1.bias", (e,), rep),
-                P(at + "norm2.weight", (e,), rep),
-                P(at + "norm2.bias", (e,), rep),
-            ]
-        return tuple(specs)
+    @classmethod
+    def of(cls, arch: TransformerArch) -> "TransformerDef":
+        """The torch half of `arch` (service.models.registry)."""
+        return cls(**{f.name: getattr(arch, f.name) for f in fields(arch)})
 
     def check_world_size(self, world_size: int) -> None:
-        problems = self.head_problems(world_size)
-        if self.ffn_dim % world_size:
-            problems.append(f"ffn_dim ({self.ffn_dim}) must be divisible by world_size ({world_size}): each rank "
-                            "holds ffn_dim / world_size of the MLP's hidden units")
-        if self.activation not in ACTIVATIONS:
-            problems.append(f"activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}")
+        problems = self.problems(world_size)
         if problems:
             raise ValueError("; ".join(problems))
-
-    @property
-    def kv_layers(self) -> int:
-        return self.num_layers
 
     def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
         """Reproducible from `seed` alone (`init` seed and random alike: the notes' weights are
@@ -218,11 +185,6 @@ class TransformerDef(seam.AttentionHeads):
     def build(self, group: ParallelGroup, dtype: torch.dtype) -> ParallelEncoder:
         self.check_world_size(group.world_size)
         return ParallelEncoder(self, group, dtype)
-
-    def metadata(self) -> dict[str, str]:
-        return {"model": "transformer", "num_layers": str(self.num_layers), "embed_dim": str(self.embed_dim),
-                "num_heads": str(self.num_heads), "ffn_dim": str(self.ffn_dim), "activation": self.activation,
-                "norm_first": str(self.norm_first).lower(), "layer_norm_eps": repr(float(self.layer_norm_eps))}
 
 
 def encoder_forward(module: nn.TransformerEncoder, num_heads: int, x: torch.Tensor,

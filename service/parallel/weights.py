@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from service.parallel.model import ParamSpec, Shard, read_checkpoint_header
+from service.models.attention import PROJECTIONS, AttentionArch
+from service.parallel.model import read_checkpoint_header
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
-DENSE_KEYS = tuple(f"{p}.{kind}" for p in PROJECTIONS for kind in ("weight", "bias"))  # checkpoint order
 
 # The original notes' offsets for their deterministic init (docs/design.md#the-original-notes-seed-weights).
 SEED_OFFSETS = {"q_proj": 0.1, "k_proj": -0.2, "v_proj": 0.3, "out_proj": -0.4}
@@ -57,22 +55,12 @@ def random_weights(embed_dim: int, seed: int) -> DenseWeights:
     return weights
 
 
-def attention_params(embed_dim: int) -> tuple[ParamSpec, ...]:
-    """The attention layer's dense parameters and their sharding (module docstring)."""
-    specs = []
-    for name in PROJECTIONS:
-        column = name in COLUMN_PARALLEL
-        specs.append(ParamSpec(f"{name}.weight", (embed_dim, embed_dim), Shard.COLUMN if column else Shard.ROW))
-        specs.append(ParamSpec(f"{name}.bias", (embed_dim,), Shard.COLUMN if column else Shard.REPLICATED))
-    return tuple(specs)
-
-
 def shard_dense(weights: DenseWeights, rank: int, world_size: int) -> DenseWeights:
     """Rank's slice of dense attention weights (see module docstring for the layout)."""
     embed_dim = weights["q_proj.weight"].shape[0]
     if embed_dim % world_size:
         raise ValueError(f"embed_dim {embed_dim} is not divisible by world_size {world_size}")
-    specs = attention_params(embed_dim)
+    specs = AttentionArch(embed_dim).params()
     missing = [spec.name for spec in specs if spec.name not in weights]
     if missing:
         raise ValueError(f"dense attention weights invalid: missing {missing}")
@@ -85,7 +73,7 @@ def save_checkpoint(path: str | Path, weights: DenseWeights, num_heads: int, cau
     embed_dim = weights["q_proj.weight"].shape[0]
     if embed_dim % num_heads:
         raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
-    specs = attention_params(embed_dim)
+    specs = AttentionArch(embed_dim).params()
     tensors = {spec.name: weights[spec.name] for spec in specs if spec.name in weights}
     problems = [f"missing {spec.name!r}" if spec.name not in weights else
                 f"{spec.name} has shape {tuple(weights[spec.name].shape)}, expected {spec.shape}"

@@ -8,11 +8,11 @@ as its checkpoint metadata records them): attention {embed_dim, num_heads}, tran
 linear {in_features, out_features}; kind "unknown" when the file is none of them. Values a
 file does not record (a checkpoint written without metadata) are None and fit any.
 
-The tensors each kind's checkpoint holds (`expected_tensors`) are its reference torch
-module's `state_dict()` names and shapes, the same list as service.parallel's ModelDef
-`params()` (tests/test_models_training.py checks they agree): attention the contract's
-`{q,k,v,out}_proj.{weight,bias}`, transformer torch's nn.TransformerEncoder
-(`layers.{i}.self_attn.in_proj_weight`, ...), linear `weight`, `bias`.
+A built-in kind's architecture and the tensors its checkpoint holds (`expected_tensors`) are
+its torch-free description's (service.models.registry: the same `params()` the ranks load by;
+tests/test_models_training.py compares them with torch's own modules); a linear job's are
+`weight`, `bias`; a user's model's tensors are known only to its factory (the run's strict
+load checks them).
 """
 from __future__ import annotations
 
@@ -21,15 +21,13 @@ from pathlib import Path
 
 from typing import Any, Mapping
 
-from service.models.llama import LlamaArchitecture
+from service.models.registry import describe, expected_tensors as kind_tensors, is_built_in
 from service.models.safetensors_header import Shapes, read_header
 from service.training.spec import AttentionModel, LinearModel, ModelSpecT, RegisteredModel, TransformerModel
 from service.weights.resolve import Architecture
 
 MODEL_FILE = "model.safetensors"  # the checkpoint file's name inside a Ray Train checkpoint
 _LAYER = re.compile(r"^layers\.(\d+)\.self_attn\.in_proj_weight$")
-# Metadata a checkpoint records beside its architecture: the served default and safetensors' own.
-_NOT_ARCHITECTURE = ("model", "causal", "format")
 
 
 def checkpoint_architecture(metadata: dict[str, str] | None, tensors: Shapes) -> Architecture:
@@ -38,7 +36,7 @@ def checkpoint_architecture(metadata: dict[str, str] | None, tensors: Shapes) ->
     meta = metadata or {}
     kind = meta.get("model", "")
     if kind == "llama" or ":" in kind:  # a registered kind records its architecture whole (ModelDef.metadata)
-        return Architecture.of(kind, **{k: v for k, v in meta.items() if k not in _NOT_ARCHITECTURE})
+        return Architecture.of_metadata(kind, meta)
     if meta.get("model") == "transformer" or any(_LAYER.match(k) for k in tensors):
         layers = sorted(int(m.group(1)) for k in tensors if (m := _LAYER.match(k)))
         out_proj = tensors.get("layers.0.self_attn.out_proj.weight", ())
@@ -70,53 +68,25 @@ def read_architecture(path: Path) -> tuple[Architecture, Shapes]:
 def spec_architecture(spec: ModelSpecT) -> Architecture:
     """A job's model in checkpoint_architecture's terms (`causal` is no part of it: it is the
     served default, not the weights' shape)."""
-    if isinstance(spec, AttentionModel):
-        return Architecture.of("attention", embed_dim=spec.embed_dim, num_heads=spec.num_heads)
-    if isinstance(spec, TransformerModel):
-        return Architecture.of("transformer", num_layers=spec.num_layers, embed_dim=spec.embed_dim,
-                               num_heads=spec.num_heads, ffn_dim=spec.ffn_dim, activation=spec.activation,
-                               norm_first=spec.norm_first, layer_norm_eps=spec.layer_norm_eps)
-    if isinstance(spec, RegisteredModel):
-        return registered_architecture(spec.kind, spec.width, spec.model_args)
-    assert isinstance(spec, LinearModel)
-    return Architecture.of("linear", in_features=spec.in_features, out_features=spec.out_features)
-
-
-def registered_architecture(kind: str, width: int, model_args: Mapping[str, Any]) -> Architecture:
-    """A registered kind's architecture in its checkpoint metadata's terms, torch-free: llama's
-    from its LlamaConfig fields; a user's factory's as E and its arguments (the names its
-    ModelDef.metadata() should record; a value it records under another name is not compared)."""
-    if kind == "llama":
-        meta = LlamaArchitecture.from_hf_config(model_args).metadata()
-        return Architecture.of(kind, **{k: v for k, v in meta.items() if k not in _NOT_ARCHITECTURE})
-    return Architecture.of(kind, embed_dim=width, **{k: v for k, v in model_args.items() if k != "embed_dim"})
+    if isinstance(spec, LinearModel):
+        return Architecture.of("linear", in_features=spec.in_features, out_features=spec.out_features)
+    if is_built_in(spec.kind):
+        return Architecture.of_metadata(spec.kind, describe(spec).metadata())
+    assert isinstance(spec, RegisteredModel)
+    # A user's factory: E and its arguments, the names its ModelDef.metadata() should record
+    # (a value it records under another name is not compared).
+    return Architecture.of(spec.kind, embed_dim=spec.width,
+                           **{k: v for k, v in spec.model_args.items() if k != "embed_dim"})
 
 
 def expected_tensors(spec: ModelSpecT) -> Shapes | None:
     """The tensors (names and shapes, in checkpoint order) a checkpoint of `spec` holds; None
-    for a registered kind (its ModelDef's params() need torch: the run's strict load checks them)."""
-    if isinstance(spec, RegisteredModel):
-        return None
-    if isinstance(spec, AttentionModel):
-        e = spec.embed_dim
-        return {f"{p}.{k}": ((e, e) if k == "weight" else (e,))
-                for p in ("q_proj", "k_proj", "v_proj", "out_proj") for k in ("weight", "bias")}
-    if isinstance(spec, TransformerModel):
-        e, f = spec.embed_dim, spec.ffn_dim
-        shapes: Shapes = {}
-        for i in range(spec.num_layers):
-            at = f"layers.{i}."
-            shapes.update({
-                at + "self_attn.in_proj_weight": (3 * e, e), at + "self_attn.in_proj_bias": (3 * e,),
-                at + "self_attn.out_proj.weight": (e, e), at + "self_attn.out_proj.bias": (e,),
-                at + "linear1.weight": (f, e), at + "linear1.bias": (f,),
-                at + "linear2.weight": (e, f), at + "linear2.bias": (e,),
-                at + "norm1.weight": (e,), at + "norm1.bias": (e,),
-                at + "norm2.weight": (e,), at + "norm2.bias": (e,),
-            })
-        return shapes
-    assert isinstance(spec, LinearModel)
-    return {"weight": (spec.out_features, spec.in_features), "bias": (spec.out_features,)}
+    for a user's model (its ModelDef's params() need its factory: the run's strict load checks them)."""
+    if isinstance(spec, LinearModel):
+        return {"weight": (spec.out_features, spec.in_features), "bias": (spec.out_features,)}
+    if is_built_in(spec.kind):
+        return kind_tensors(describe(spec))
+    return None
 
 
 def tensor_problems(spec: ModelSpecT, tensors: Shapes) -> list[str]:

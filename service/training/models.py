@@ -4,14 +4,12 @@ attention: `SelfAttention` wraps nn.MultiheadAttention(E, H, bias=True, batch_fi
 its in_proj is cat(q, k, v), so the dense contract keys map onto it exactly:
     q_proj.weight = in_proj_weight[0:E],  k_proj = [E:2E],  v_proj = [2E:3E]   (same for bias)
     out_proj.{weight,bias} = out_proj.{weight,bias}
-transformer: `Encoder` wraps torch's nn.TransformerEncoder (service.parallel.transformer's
-TransformerDef.dense_module(), the module a gang of the same architecture computes); its
-checkpoint is that inner module's own `state_dict()` (no wrapper prefix), written by
-service.parallel.model.save_checkpoint with the architecture's metadata, so it loads into
-torch's module with `load_state_dict(strict=True)`.
+transformer, llama, a user's factory: `DenseModel` wraps the kind's dense module (its
+ModelDef's `dense_module()`: torch's nn.TransformerEncoder for a transformer, the module a gang
+of the same architecture computes); its checkpoint is that inner module's own `state_dict()`
+(no wrapper prefix), written by service.parallel.model.save_checkpoint with the architecture's
+metadata, so it loads into torch's (or Hugging Face's) module with `load_state_dict(strict=True)`.
 linear: nn.Linear(in, out); checkpoint keys `weight` [out, in], `bias` [out].
-any other registered kind (llama, a user's factory): `Registered` wraps its ModelDef's dense
-module, the same way as the transformer (its `state_dict()`, the kind's metadata).
 """
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ from torch import nn
 
 import service.parallel.model as seam
 from service.parallel.layers import attention_bias_mask
-from service.parallel.transformer import TransformerDef
 from service.parallel.weights import DenseWeights, random_weights, save_checkpoint
-from service.parallel.registry import resolve_kind
+from service.parallel.registry import resolve
 from service.training.spec import AttentionModel, ModelSpecT, RegisteredModel, TransformerModel
 
 
@@ -64,49 +61,17 @@ class SelfAttention(nn.Module):
         return out.masked_fill(~tokens[..., None], 0.0)  # [batch, seq, E]
 
 
-def transformer_def(spec: TransformerModel) -> TransformerDef:
-    """The serving stack's definition of the job's architecture (its module, forward, checkpoint)."""
-    return TransformerDef(spec.num_layers, spec.embed_dim, spec.num_heads, spec.ffn_dim, spec.activation,
-                          spec.norm_first, spec.layer_norm_eps)
+class DenseModel(nn.Module):
+    """A served kind's dense module (its ModelDef's `dense_module()`, what a gang of that
+    architecture computes: torch's nn.TransformerEncoder for a transformer, the stack for a
+    llama, a user's module), under the serving contract (`dense_forward`: padded keys ignored,
+    rows at padded positions 0, a padded row never left without keys, so no NaN reaches the
+    backward; causal as the spec says or as the model declares). `module` is the kind's own
+    module: the checkpoint is its `state_dict()` (no wrapper prefix) with the kind's metadata."""
 
-
-class Encoder(nn.Module):
-    """x [batch, seq, E] (+ attention_mask [batch, seq], 1 = token) -> the encoder stack's output
-    [batch, seq, E] under the serving contract (TransformerDef.dense_forward: padded keys
-    ignored, causal if the spec says so, output 0 at padded query positions, and a mask that
-    never leaves a padded row without keys, so no NaN reaches the backward).
-
-    `encoder` is torch's nn.TransformerEncoder itself: the checkpoint is its state_dict()."""
-
-    def __init__(self, spec: TransformerModel) -> None:
+    def __init__(self, spec: TransformerModel | RegisteredModel) -> None:
         super().__init__()
-        self.arch = transformer_def(spec)
-        self.encoder = self.arch.dense_module()
-        self.causal = spec.causal
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        mask = None if attention_mask is None else attention_mask.to(torch.bool)
-        return self.arch.dense_forward(self.encoder, x, mask, self.causal)
-
-    def load_dense(self, weights: DenseWeights) -> None:
-        """Load dense weights (its params() names): every tensor named and shaped as the
-        module's state_dict (ValueError listing each difference), strict."""
-        seam.validate_dense(self.arch, weights, what="the checkpoint's tensors")
-        self.encoder.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=True)
-
-    def dense(self) -> DenseWeights:
-        return seam.dense_state(self.arch, self.encoder)
-
-
-class Registered(nn.Module):
-    """Any registered kind's dense module (its ModelDef's `dense_module()`, what a gang of that
-    architecture computes), under the serving contract (`dense_forward`: padded rows 0, causal
-    as the spec says or as the model declares). `module` is the kind's own module: the
-    checkpoint is its `state_dict()` (no wrapper prefix) with the kind's metadata."""
-
-    def __init__(self, spec: RegisteredModel) -> None:
-        super().__init__()
-        self.arch = resolve_kind(spec.kind, spec.width, spec.model_args)
+        self.arch = resolve(spec)  # its kind's torch half (service.parallel.registry)
         self.module = self.arch.dense_module()
         self.causal = spec.causal or seam.is_causal_only(self.arch)
 
@@ -131,14 +96,10 @@ def build_model(spec: ModelSpecT, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         if isinstance(spec, AttentionModel):
             return SelfAttention(spec.embed_dim, spec.num_heads, spec.causal)
-        if isinstance(spec, TransformerModel):
-            model = Encoder(spec)
+        if isinstance(spec, (TransformerModel, RegisteredModel)):
+            model = DenseModel(spec)
             model.load_dense(model.arch.init_weights("random", seed))
             return model
-        if isinstance(spec, RegisteredModel):
-            registered = Registered(spec)
-            registered.load_dense(registered.arch.init_weights("random", seed))
-            return registered
         return nn.Linear(spec.in_features, spec.out_features)
 
 
@@ -195,7 +156,7 @@ def save_model(model: nn.Module, spec: ModelSpecT, path: str | Path) -> None:
         save_checkpoint(path, dense_weights(model), spec.num_heads, causal=spec.causal)
         return
     if isinstance(spec, (TransformerModel, RegisteredModel)):
-        assert isinstance(model, (Encoder, Registered))
+        assert isinstance(model, DenseModel)
         seam.save_checkpoint(model.arch, path, model.dense(), {"causal": "true" if model.causal else "false"})
         return
     assert isinstance(model, nn.Linear)
@@ -220,7 +181,7 @@ def load_tensors(model: nn.Module, spec: ModelSpecT, tensors: dict[str, torch.Te
         assert isinstance(model, SelfAttention)
         load_dense_into(model, tensors)
     elif isinstance(spec, (TransformerModel, RegisteredModel)):
-        assert isinstance(model, (Encoder, Registered))
+        assert isinstance(model, DenseModel)
         model.load_dense(tensors)
     else:
         model.load_state_dict(tensors)

@@ -27,22 +27,15 @@ from typing import Any
 
 from service.config.builder_args import ModelConfig
 from service.contract.errors import Conflict, ErrorCode, InvalidInput, NotFound
-from service.models.llama import LlamaArchitecture
+from service.models.registry import KINDS, describe, is_built_in
 from service.state import artifacts
 from service.weights.record import ServedWeights, WeightsRecord
 
 
 # ---- architectures ------------------------------------------------------------------------------
 
-SERVABLE_KINDS = ("attention", "transformer", "llama")  # the built-in models a gang serves (and users' factories)
-# The fields that define a built-in model, in its checkpoint metadata's order (service.parallel's
-# ModelDef.metadata(): AttentionDef's, TransformerDef's without "model"; tests/test_models_training.py
-# checks they agree), and a linear job's.
-ARCHITECTURE_FIELDS: dict[str, tuple[str, ...]] = {
-    "attention": ("embed_dim", "num_heads"),
-    "transformer": ("num_layers", "embed_dim", "num_heads", "ffn_dim", "activation", "norm_first", "layer_norm_eps"),
-    "linear": ("in_features", "out_features"),
-}
+# What a checkpoint records beside its architecture: the served default and safetensors' own.
+NOT_ARCHITECTURE = ("model", "causal", "format")
 
 
 @dataclass(frozen=True)
@@ -57,15 +50,19 @@ class Architecture:
 
     @classmethod
     def of(cls, kind: str, **values: object) -> "Architecture":
-        """From a kind's values (ARCHITECTURE_FIELDS order; bools lower-case, floats as repr)."""
+        """From a kind's values, in their order (bools lower-case, floats as repr)."""
         def text(v: object) -> str | None:
             if v is None or isinstance(v, str):
                 return v
             if isinstance(v, bool):
                 return "true" if v else "false"
             return repr(float(v)) if isinstance(v, float) else str(v)
-        order = ARCHITECTURE_FIELDS.get(kind, tuple(values))
-        return cls(kind, tuple((name, text(values.get(name))) for name in order))
+        return cls(kind, tuple((name, text(value)) for name, value in values.items()))
+
+    @classmethod
+    def of_metadata(cls, kind: str, metadata: dict[str, str]) -> "Architecture":
+        """From what a checkpoint records (a kind's `metadata()`), the non-architecture keys left out."""
+        return cls.of(kind, **{k: v for k, v in metadata.items() if k not in NOT_ARCHITECTURE})
 
     def get(self, name: str) -> str | None:
         return dict(self.fields).get(name)
@@ -77,7 +74,7 @@ class Architecture:
     @property
     def servable(self) -> bool:
         """A gang can serve it: a built-in kind, or a user's factory (`pkg.module:factory`)."""
-        return self.kind in SERVABLE_KINDS or ":" in self.kind
+        return is_built_in(self.kind) or ":" in self.kind
 
     def describe(self) -> str:
         """`attention embed_dim 64, num_heads 4`, `transformer num_layers 2, ...`, `linear 10 -> 1`."""
@@ -98,18 +95,12 @@ class Architecture:
 
 
 def served_architecture(model: ModelConfig) -> Architecture | None:
-    """The architecture an app's builder arguments serve; None for a user's model
-    (`pkg.module:factory`: known only by importing it, which the gang's own checkpoint check does)."""
-    if model.kind == "llama":  # model_args: its LlamaConfig fields (ModelConfig reads them once)
-        meta = LlamaArchitecture.from_hf_config(model.model_args).metadata()
-        return Architecture.of("llama", **{k: v for k, v in meta.items() if k != "model"})
-    if model.kind == "attention":
-        return Architecture.of("attention", embed_dim=model.embed_dim, num_heads=model.num_heads)
-    if model.kind == "transformer":
-        return Architecture.of("transformer", num_layers=model.num_layers, embed_dim=model.embed_dim,
-                               num_heads=model.num_heads, ffn_dim=model.ffn_dim, activation=model.activation,
-                               norm_first=model.norm_first, layer_norm_eps=model.layer_norm_eps)
-    return None
+    """The architecture an app's builder arguments serve (a built-in kind's, service.models.registry);
+    None for a user's model (`pkg.module:factory`: known only by importing it, which the gang's
+    own checkpoint check does)."""
+    if not is_built_in(model.kind):
+        return None
+    return Architecture.of_metadata(model.kind, describe(model).metadata())
 
 
 # ---- recorded versions (a job's init_from) -----------------------------------------------------
@@ -188,7 +179,7 @@ def job_target(store: artifacts.ArtifactStore, job: JobCheckpoint,
     serves = f"; this app serves {served.describe()}" if served is not None else ""
     if not arch.servable:
         raise Conflict(f"job {job.job_id} trained a {arch.kind} model ({arch.describe()}); a gang serves "
-                       f"{' or '.join(SERVABLE_KINDS)} models{serves}", code=ErrorCode.CHECKPOINT_MISMATCH)
+                       f"{', '.join(KINDS)} or a user's models{serves}", code=ErrorCode.CHECKPOINT_MISMATCH)
     if served is not None and (differences := arch.differences(served)):
         raise Conflict(f"job {job.job_id} trained {arch.describe()}{serves}: {'; '.join(differences)}",
                        code=ErrorCode.CHECKPOINT_MISMATCH)
