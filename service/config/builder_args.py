@@ -53,7 +53,9 @@ class ModelConfig(BaseModel):
     layer_norm_eps: float = Field(1e-5, gt=0, le=1.0, description="model=transformer: the LayerNorms' epsilon.")
     model_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="A user's model (`model=pkg.module:factory`): keyword arguments for its factory.",
+        description="The model kind's own arguments: a user's model (`model=pkg.module:factory`): keyword "
+        "arguments for its factory; `model=llama`: a LlamaConfig's fields (read from the checkpoint directory's "
+        "config.json when not given); `model=transformer`: its fields, as an alternative to the flat arguments.",
     )
     init: Literal["seed", "random"] = Field(
         "seed",
@@ -85,12 +87,24 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _read_llama_architecture(cls, data: Any) -> Any:
-        """model=llama: its architecture (service.models.llama.llama_architecture: the checkpoint
-        directory's config.json, a llama checkpoint file's metadata, or `model_args`, a
-        LlamaConfig's fields) becomes `model_args`; the width E and heads H are its `hidden_size`
-        and `num_attention_heads` (given as well, they must agree)."""
-        if not isinstance(data, dict) or data.get("model", data.get("kind")) != "llama":
+    def _kind_arguments(cls, data: Any) -> Any:
+        """A built-in kind's own arguments. model=transformer: `model_args` may hold its fields
+        (`num_layers`, `embed_dim`, `num_heads`, `ffn_dim`, ...), the same as the flat builder
+        arguments (one given both ways is refused). model=llama: its architecture
+        (service.models.llama.llama_architecture: the checkpoint directory's config.json, a
+        llama checkpoint file's metadata, or `model_args`, a LlamaConfig's fields) becomes
+        `model_args`; the width E and heads H are its `hidden_size` and `num_attention_heads`
+        (given as well, they must agree)."""
+        kind = data.get("model", data.get("kind")) if isinstance(data, dict) else None
+        if kind == "transformer" and data.get("model_args"):
+            own = ("embed_dim", "num_heads", *TRANSFORMER_ARGS)
+            unknown = sorted(set(data["model_args"]) - set(own))
+            twice = sorted(set(data["model_args"]) & {k for k in own if k in data})
+            if unknown or twice:
+                raise ValueError(f"model=transformer model_args: {', '.join(unknown)} not its arguments ({', '.join(own)})"
+                                 if unknown else f"model=transformer: {', '.join(twice)} given twice (flat and in model_args)")
+            return {**{k: v for k, v in data.items() if k != "model_args"}, **data["model_args"]}
+        if kind != "llama":
             return data
         arch = llama_architecture(data.get("checkpoint"), data.get("model_args") or {})
         for name, value in (("embed_dim", arch.hidden_size), ("num_heads", arch.num_heads)):
