@@ -216,6 +216,15 @@ def test_builder_arguments_of_another_model_are_refused() -> None:
         AppConfig.model_validate({"model": "transformer", "world_size": 8, "ffn_dim": 100})
     with pytest.raises(ValidationError, match="model must be one of attention, transformer, llama or an import path"):
         AppConfig.model_validate({"model": "gpt"})
+    # A kind's own arguments may come as model_args: the same model as the flat arguments.
+    flat = AppConfig.model_validate({"model": "transformer", "num_layers": 3, "embed_dim": 64, "num_heads": 4})
+    mapped = AppConfig.model_validate({"model": "transformer",
+                                       "model_args": {"num_layers": 3, "embed_dim": 64, "num_heads": 4}})
+    assert mapped.model == flat.model
+    with pytest.raises(ValidationError, match="num_layers given twice"):
+        AppConfig.model_validate({"model": "transformer", "num_layers": 2, "model_args": {"num_layers": 3}})
+    with pytest.raises(ValidationError, match="model_args: hidden not its arguments"):
+        AppConfig.model_validate({"model": "transformer", "model_args": {"hidden": 3}})
 
 
 @pytest.mark.unit
