@@ -266,3 +266,20 @@ def spawned_gloo_group(rank: int, world_size: int, work: Path) -> Iterator[Any]:
         yield ParallelGroup(rank, world_size, "gloo", torch.device("cpu"), dist.group.WORLD)
     finally:
         dist.destroy_process_group()
+
+
+def train_and_save(model: Any, spec: Any, x: Any, y: Any, tokens: Any, path: Path, steps: int = 2) -> None:
+    """`steps` SGD steps of a job's model on the training loss (masked rows out), so a
+    checkpoint holds trained weights, not the init; then the job's checkpoint at `path`."""
+    import torch
+
+    from service.training.models import save_model
+    from service.training.runner import vector_sq_error
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        loss = vector_sq_error(model(x, tokens), y, tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_model(model, spec, path)

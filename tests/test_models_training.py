@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tests.conftest import deploy, local_yaml_args, undeploy
-from tests.helpers import AUTH, SMALL, assert_error, post, wait_done
+from tests.helpers import AUTH, SMALL, assert_error, post, train_and_save, wait_done
 from tests.reference import relative_error
 
 ARCH = {"num_layers": 2, "embed_dim": 64, "num_heads": 4, "ffn_dim": 128}
@@ -116,8 +116,7 @@ def test_a_job_checkpoint_loads_into_torchs_encoder_strictly_and_computes_the_sa
     equal tensors; the training forward (masks and causal the serving contract's) equals
     torch's module on every token row; resuming loads it back exactly."""
     from service.training.checkpoints import fit_problems, read_architecture
-    from service.training.models import build_model, load_model, save_model
-    from service.training.runner import vector_sq_error
+    from service.training.models import build_model, load_model
     from service.training.spec import TransformerModel
 
     arch = {"num_layers": 2, "embed_dim": 16, "num_heads": 4, "ffn_dim": 24, "activation": "gelu"}
@@ -127,14 +126,8 @@ def test_a_job_checkpoint_loads_into_torchs_encoder_strictly_and_computes_the_sa
     tokens = torch.ones(4, 6, dtype=torch.bool)
     tokens[1, 4:] = False  # right padding: torch's own causal forward stays finite on every row
     tokens[2, 2:] = False
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(2):  # trained weights, not the init
-        loss = vector_sq_error(model(x, tokens), y, tokens)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
     path = tmp_path / "model.safetensors"
-    save_model(model, spec, path)
+    train_and_save(model, spec, x, y, tokens, path)
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()

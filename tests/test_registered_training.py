@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from examples.gated_mlp import GatedMLPDef
 from tests.conftest import deploy, local_yaml_args, undeploy
-from tests.helpers import AUTH, SMALL, assert_error, post, wait_done
+from tests.helpers import AUTH, SMALL, assert_error, post, train_and_save, wait_done
 from tests.reference import relative_error
 
 LLAMA_ARGS: dict[str, Any] = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -44,8 +44,7 @@ def hf_llama(tensors: dict[str, torch.Tensor]) -> LlamaModel:
 def test_a_llama_job_checkpoint_loads_into_hugging_faces_model_strictly_and_computes_the_same(
         tmp_path: Path) -> None:
     from service.training.checkpoints import fit_problems, read_architecture
-    from service.training.models import build_model, load_model, save_model
-    from service.training.runner import vector_sq_error
+    from service.training.models import build_model, load_model
     from service.training.spec import JobSpec, RegisteredModel
 
     spec = JobSpec.model_validate({"model": {"kind": "llama", "model_args": LLAMA_ARGS}}).model
@@ -54,14 +53,8 @@ def test_a_llama_job_checkpoint_loads_into_hugging_faces_model_strictly_and_comp
     x, y = torch.randn(3, 5, 32), torch.randn(3, 5, 32)
     tokens = torch.ones(3, 5, dtype=torch.bool)
     tokens[1, :2] = False  # left padding
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(2):  # trained weights, not the init
-        loss = vector_sq_error(model(x, tokens), y, tokens)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
     path = tmp_path / "model.safetensors"
-    save_model(model, spec, path)
+    train_and_save(model, spec, x, y, tokens, path)
 
     saved = load_file(str(path))
     reference = hf_llama(saved)
