@@ -71,6 +71,7 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/run.py --only sessions
 	$(PY) bench/run.py --only models
+	$(PY) bench/run.py --only grpc
 
 # The builder-argument, tunables and environment references are generated from their declarations,
 # docs/api.md's error table from the error-code registry (service/contract/errors.py), and its gRPC

@@ -589,6 +589,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
     from bench.peers import EchoPeer, NaivePeer
     from service.app import build_app
     from harness.local import free_port, front_door_env, local_yaml_args
+    from service.cluster.front_door import grpc_options
 
     cores = os.cpu_count() or 1
     # Training jobs need a token and a state dir; set before Ray starts so workers inherit them.
@@ -601,8 +602,10 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
     # Logical CPUs (threads are set per deployment): room for the equal-compute section's
     # apps side by side. address="local": never attach to another Ray cluster on the machine.
     ray.init(address="local", num_cpus=max(8, cores), include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, grpc_port = free_port(), free_port()
+    # The Open Inference Protocol over gRPC through the same front door (HAProxy's gRPC
+    # frontend), as every config in deployments/ serves it; only the grpc section sends to it.
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port))
     base = f"http://127.0.0.1:{port}"
     results: dict[str, dict] = {"latency": {}, "small": {}, "memory": {}}
     try:
@@ -631,6 +634,11 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             return results
         if only == "models":
             results["models"] = bench_models(base)
+            return results
+        if only == "grpc":
+            from bench.grpc_oip import bench_grpc
+
+            results["grpc"] = bench_grpc(base, f"127.0.0.1:{grpc_port}", n, load_s)
             return results
         if only == "steploop":
             from bench.peers import NaivePeer as _Naive
@@ -991,6 +999,12 @@ def bench_codecs(x: np.ndarray, n: int = 50) -> dict[str, dict[str, float]]:
     return rows
 
 
+def _print_grpc(rows: dict[str, Any], load_s: float) -> dict[str, float]:
+    from bench.grpc_oip import print_grpc
+
+    return print_grpc(rows, load_s)
+
+
 def _print_sessions(rows: dict[str, Any]) -> dict[str, float]:
     from bench.sessions import print_sessions
 
@@ -1002,7 +1016,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="timed requests per latency row")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="duration of each 16-client load run")
     parser.add_argument("--only", choices=["gangs", "equal", "mixed", "steploop", "front", "train", "rebuild",
-                                           "sessions", "models"],
+                                           "sessions", "models", "grpc"],
                         default=None,
                         help="run one section alone (gangs: 1 vs 2 gangs; equal: ws1 vs the naive peer "
                         "at equal compute; mixed: mixed-length batching vs equal lengths only, and the "
@@ -1013,7 +1027,9 @@ def main() -> None:
                         "and without the warm spare; sessions: appends at context 16 vs 2048, vs the stateless "
                         "causal resend, and 32 concurrent sessions; models: the transformer stacks (4 layers E=512, "
                         "12 layers E=768) at world sizes 1 and 2 beside the naive peer running the same dense "
-                        "module, and session appends vs the causal resend on the 12-layer stack) and print its table")
+                        "module, and session appends vs the causal resend on the 12-layer stack; grpc: the Open Inference "
+                        "Protocol over gRPC vs HTTP with binary payloads, p50 per shape and 16 clients of small "
+                        "requests) and print its table")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -1030,6 +1046,7 @@ def main() -> None:
         "rebuild": ("rebuild", print_rebuild, False),
         "sessions": ("sessions", _print_sessions, True),
         "models": ("models", print_models, True),
+        "grpc": ("grpc", lambda rows: _print_grpc(rows, load_s), True),
     }
     if args.only is not None:
         key, show, goals_again = sections[args.only]
