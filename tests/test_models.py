@@ -24,7 +24,9 @@ from torch import nn
 
 from examples.gated_mlp import GatedMLPDef
 from service.parallel.kv_cache import AppendPlan
-from service.parallel.model import check_checkpoint, kv_bytes_per_token, load_checkpoint_shard, new_kv_pool, shard_dense
+from service.parallel.model import (check_checkpoint, kv_bytes_per_token, kv_heads_per_rank, load_checkpoint_shard,
+                                    new_kv_pool, shard_dense)
+from service.parallel.paged_kernel import InPlaceAttention
 from service.parallel.transformer import TransformerDef
 from tests.conftest import deploy, undeploy
 from tests.helpers import assert_error, spawned_gloo_group
@@ -111,6 +113,16 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
                 at += plan.rows
         out["session"] = torch.cat(appended)
         out["pool_bytes"] = torch.tensor(pool.nbytes)
+        # The same appends with the attention read from the pool in place (compiled flex_attention).
+        pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
+        kv = kv_heads_per_rank(arch, world_size)
+        pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32)
+        with torch.inference_mode():
+            appended, at = [], 0
+            for plan in plans:
+                appended.append(model.append(rows[at:at + plan.rows], plan, pool))
+                at += plan.rows
+        out["session-in-place"] = torch.cat(appended)
         torch.save(out, work / f"rank{rank}.pt")
 
 
@@ -162,6 +174,8 @@ def test_session_appends_equal_the_causal_stack_over_the_whole_sequence(gang_out
     want = torch_reference(torch_encoder(arch, arch.init_weights("random", 5)), rows[None], None, True)[0]
     for out in gang_outputs(world_size):
         assert relative_error(out["session"], want) <= TOL
+        assert relative_error(out["session-in-place"], want) <= TOL  # the pool read in place
+        assert relative_error(out["session-in-place"], out["session"]) <= 1e-6  # = the gather path
         # the pool: 2 (K, V) x 3 layers x E/p x 4 bytes a token, 8 blocks of 4 tokens
         assert int(out["pool_bytes"]) == 8 * 4 * kv_bytes_per_token(arch, world_size, 4) == 8 * 4 * 2 * 3 * 64 // world_size * 4
 

@@ -20,6 +20,7 @@ import torch
 
 from service.parallel import ParallelGroup, TensorParallelAttention
 from service.parallel.kv_cache import AppendPlan, PagedKVPool
+from service.parallel.paged_kernel import InPlaceAttention
 from service.parallel.weights import random_weights, shard_dense
 from service.sessions.registry import Limits, SessionRegistry, StepItem
 from tests.conftest import deploy, undeploy
@@ -33,13 +34,17 @@ from tests.reference import reference, relative_error
 # ---------------------------------------------------------------- unit: the rank side's math
 
 @pytest.mark.unit
-def test_attention_append_matches_causal_mha_over_the_whole_sequence() -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["gather", "in-place"])
+def test_attention_append_matches_causal_mha_over_the_whole_sequence(in_place: bool) -> None:
     """Two sessions of different lengths interleaved in one pool, prefill then decode and
-    multi-row appends, each step's rows equal to causal MHA's rows over the session so far."""
+    multi-row appends, each step's rows equal to causal MHA's rows over the session so far;
+    with the pool gathered (the fallback) and read in place (compiled flex_attention)."""
     w = random_weights(64, 3)
     model = TensorParallelAttention(64, 4, ParallelGroup.single())
     model.load_shard(shard_dense(w, 0, 1))
     pool = PagedKVPool(16, 4, 4, 16, torch.float32, torch.device("cpu"))
+    if in_place:
+        pool.attention = InPlaceAttention(16, 4, 4, 4, 16, torch.float32)
     rng = np.random.default_rng(0)
     seqs = [np.zeros((0, 64), np.float32), np.zeros((0, 64), np.float32)]
     tables: list[list[int]] = [[], []]
@@ -197,6 +202,12 @@ def test_cache_bytes_per_token_and_gang_report(apps: Callable[[int], str]) -> No
     assert report["used_bytes_per_rank"] >= info["kv_bytes_per_rank"]
     text = httpx.get(base + "/metrics", timeout=30).text
     assert "gangserve_sessions_active" in text and "gangserve_session_cache_bytes" in text
+    # The attention reads the pool in place, compiled at bring-up (its own stage, before ready),
+    # and long appends are chunked (issue 52).
+    attention = report["attention"]
+    assert attention["path"] == "in_place", attention
+    assert attention["compiled_shapes"] >= 1 and attention["prefill_chunk_tokens"] == 256, attention
+    assert "compile" in gang(base)["last_bring_up"]["ms"]
 
 
 @pytest.mark.ray

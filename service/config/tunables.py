@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -113,6 +113,25 @@ class GangTunables:
         "session's own rows, so at most its kept inputs' bytes again) plus about 2 KiB each for the key, "
         "digest and state: 16 one-row appends at E=512 hold about 64 KiB. At least 1 (checked when the "
         "gang server starts)."))
+    session_attention: Literal["auto", "gather"] = knob("auto", (
+        "How a session step's attention reads the KV pool (service.parallel.paged_kernel): `auto` compiles "
+        "torch's flex_attention over the pool's blocks in place at bring-up (the `compile` stage of "
+        "last_bring_up, before the gang is ready) where a C++ compiler is found (CPU ranks), else the "
+        "gather path, said in one log line; `gather` always copies each session's blocks first (the path "
+        "before issue 52, ~3x the K/V bytes of a one-row append). GET /gang `sessions.attention` says which "
+        "path runs and why."))
+    session_compile_budget_s: float = knob(60.0, (
+        "Most seconds one rank spends compiling the in-place attention's shapes at bring-up (measured: "
+        "~4-15 s a shape on 2 busy CPU cores with an empty inductor cache, ~1 s with a warm one; 5 shapes). "
+        "Shapes left over are never compiled later: their calls take the gather path, so a user's append "
+        "never waits for a compiler. Must stay well inside gang.stage_timeout_s, which bounds the stage."))
+    session_prefill_chunk_tokens: int = knob(256, (
+        "Chunked prefill (service.sessions.batcher): an append (or a recompute) of more rows than this is "
+        "computed this many rows per step, each step shared with other sessions' appends, so their one-row "
+        "appends do not wait behind a long prefill; its answer comes when its last chunk is done, and it is "
+        "applied only then (a failure between chunks appends nothing). Measured on the 12-layer E768 stack "
+        "(bench/NOTES.md, issue 52): 256 rows cost ~2x a one-row step, and a 2048-row prefill takes 8 steps. "
+        "0: no chunking."))
 
     def heartbeat_interval(self, collective_timeout_s: float) -> float:
         """Idle time after which rank 0 sends a heartbeat header to the step loops."""

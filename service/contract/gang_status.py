@@ -153,6 +153,20 @@ class SessionCacheRank(_Closed):
     allocated_bytes: int | None = Field(default=None, description="Rank 0 only: the pool's bytes as allocated.")
 
 
+class SessionAttention(_Closed):
+    """How a session step's attention reads the KV pool (service.parallel.paged_kernel), and the
+    chunked prefill's size (service.sessions.batcher)."""
+
+    path: Literal["in_place", "gather", "mixed"] = Field(
+        description="`in_place`: compiled flex_attention reads the pool's blocks where they lie; `gather`: each "
+        "session's blocks are copied first (no C++ compiler, a non-CPU device, or tunables.gang.session_attention"
+        "=gather); `mixed`: ranks differ (each is still exact).")
+    reason: str = Field(description="Why this path, in words.")
+    compile_s: float = Field(description="Seconds the slowest rank spent compiling at bring-up (0: none).")
+    compiled_shapes: int = Field(description="Shapes compiled on every rank (calls of other shapes gather).")
+    prefill_chunk_tokens: int = Field(description="Rows per step of a long append (0: not chunked).")
+
+
 class SessionStats(_Closed):
     """Stateful sessions (service.sessions.service.SessionService.stats)."""
 
@@ -178,6 +192,7 @@ class SessionStats(_Closed):
     per_rank: list[SessionCacheRank]
     batching: dict[str, float] = Field(description="The session batcher's counters.")
     append_latency_ms_p50_by_context: dict[str, float]
+    attention: SessionAttention
 
 
 class GangStatus(_Closed):

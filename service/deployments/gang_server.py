@@ -51,7 +51,7 @@ from service.metrics.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
 from service.metrics.recorders import GangServerMetrics
 from service.sessions import ids as session_ids
-from service.sessions.service import SessionService
+from service.sessions.service import SessionService, pool_of
 from service.weights.rollout import Rollout
 from service.state import artifacts
 from service.state.paths import state_dir
@@ -83,7 +83,7 @@ class GangServer:
         self._gang = Gang(self._model, cfg.gang, cfg.batching.policy, get_current_placement_group(), self._state,
                           on_step=self._metrics.on_step, on_drop=self._metrics.on_drop,
                           on_broken=lambda: loop.call_soon_threadsafe(self._wake.set), tunables=self._t,
-                          state_tunables=cfg.tunables.state)
+                          state_tunables=cfg.tunables.state, sessions=pool_of(cfg))
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
         self._step_timings: dict[str, object] = {}

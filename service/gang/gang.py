@@ -48,6 +48,7 @@ import logging
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
@@ -71,6 +72,7 @@ from service.gang.rank import RankInfo, RankWorker
 from service.gang.sequencer import Sequencer
 from service.gang.spare import WarmSpare
 from service.gang.steps import Append, Forward, StepKind
+from service.parallel.paged_kernel import KernelStatus
 from service.contract.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory, SessionStats
 from service.metrics import timeline
 from service.weights.record import ServedWeights
@@ -81,6 +83,14 @@ T = TypeVar("T")
 
 
 RankActor = ray.remote(max_restarts=0, max_task_retries=0)(RankWorker)
+
+
+@dataclass(frozen=True)
+class SessionPool:
+    """The sessions' KV pool every rank holds (service.sessions.service.pool_of): its pages."""
+
+    num_blocks: int
+    block_size: int
 
 
 class SessionStepPlan(Protocol):
@@ -106,10 +116,15 @@ class Gang:
         on_broken: Callable[[], None] | None = None,  # told (from any thread) when the gang turns BROKEN
         tunables: GangTunables = GangTunables(),  # the gang section (rank actors get it too)
         state_tunables: StateTunables = StateTunables(),  # the ranks' artifact store (checkpoints)
+        sessions: SessionPool | None = None,  # the sessions' pool: allocated and compiled for at bring-up
     ) -> None:
         self._t = tunables
         self._state_t = state_tunables
         self._on_broken = on_broken
+        self._session_pool = sessions if sessions is not None and sessions.num_blocks > 0 else None
+        # Which attention the session steps use, and why (the bring-up's `compile` stage; GET /gang).
+        self.session_attention = KernelStatus("gather", "sessions are off (no KV pool)" if self._session_pool is None
+                                              else "not brought up yet")
         self._broken_at: float | None = None  # when the gang last turned BROKEN (rebuild timings)
         self.declared_model = model  # the builder's model args; each version's checkpoint overrides theirs
         self.cfg = gang
@@ -425,6 +440,12 @@ class Gang:
             self.weights = weights
             stages.done("load")
 
+            # Stage 3b: compile (sessions). Each rank alone, no collective: allocate its KV pool
+            # and compile the in-place attention over it, so no user's append ever compiles.
+            if self._session_pool is not None:
+                self._warm_sessions(self._session_pool)
+                stages.done("compile")
+
             # Stage 4: the peers' step loops (from here on a peer's wait is bounded by the
             # control group's timeout, so heartbeats start with them).
             if ws > 1:
@@ -450,6 +471,26 @@ class Gang:
             "(%s, %s); pids %s", self.generation, ws, self.backend, time.monotonic() - started,
             self.last_bring_up, weights.version, weights.source, weights.description, [i.pid for i in self.rank_infos],
         )
+
+    def _warm_sessions(self, pool: SessionPool) -> None:
+        """Every rank's `warm_sessions` at once (bounded by stage_timeout_s; each rank's compiling
+        by tunables.gang.session_compile_budget_s), and one log line saying which path runs."""
+        assert self._root is not None
+        budget = min(self._t.session_compile_budget_s, self.cfg.stage_timeout_s / 2)
+        args = (pool.num_blocks, pool.block_size, self._t.session_attention, budget)
+        calls = self._peers.submit("warm_sessions", *args)
+        ranks = [self._root.warm_sessions(*args), *self._peers.collect(calls, stage="compile")]
+        paths = {r.path for r in ranks}
+        path = paths.pop() if len(paths) == 1 else "mixed"
+        first = next((r for r in ranks if r.path != "in_place"), ranks[0])
+        self.session_attention = KernelStatus(path, first.reason, max(r.compile_s for r in ranks),
+                                              min(r.shapes for r in ranks))
+        if path == "in_place":
+            log.info("session attention: in place over the KV pool's blocks on every rank (%d shapes compiled, "
+                     "%.1f s at most per rank)", self.session_attention.shapes, self.session_attention.compile_s)
+        else:
+            log.warning("session attention: the gather path (%s) on ranks %s: %s", path,
+                        [i for i, r in enumerate(ranks) if r.path != "in_place"], first.reason)
 
     def _rebuild(self, weights: ServedWeights) -> None:
         stages = _StageClock()

@@ -49,11 +49,13 @@ from service.parallel.model import (
     RankModel,
     check_checkpoint,
     is_causal_only,
+    kv_heads_per_rank,
     load_checkpoint_shard,
     unused_tensors,
     new_kv_pool,
     shard_dense,
 )
+from service.parallel.paged_kernel import InPlaceAttention, KernelStatus, compiler_problem
 from service.parallel.registry import ModelArgs, resolve
 from service.parallel.weights import checkpoint_causal
 from service.config.tunables import GangTunables, StateTunables
@@ -165,6 +167,16 @@ def materialize(checkpoint: str, tunables: StateTunables) -> Path:
     return artifacts.store(tunables).materialize(checkpoint)
 
 
+def query_heads_per_rank(model: ModelDef, world_size: int) -> int:
+    """The query heads one rank computes per cached layer: the architecture's `num_heads`
+    (the built-in attention and transformer; a Llama's `arch.num_heads`) / p; a model that names
+    neither is taken to have as many query heads as K/V heads. Only the in-place kernel's
+    warm-up needs it (its compiled shapes): a wrong guess costs the gather path, never a
+    wrong answer (service.parallel.paged_kernel: `matches`)."""
+    heads = getattr(model, "num_heads", None) or getattr(getattr(model, "arch", None), "num_heads", None)
+    return int(heads) // world_size if heads else kv_heads_per_rank(model, world_size)
+
+
 class Rank:
     """A rank's state. Stages: __init__ (create) -> rendezvous -> load_weights -> serve steps.
 
@@ -222,6 +234,10 @@ class Rank:
         # Sessions' K/V for this rank's heads (service.parallel.kv_cache), allocated on the
         # first append step with the shape rank 0's plan names; gone with this object.
         self.kv_pool: PagedKVPool | None = None
+        # The compiled in-place attention over that pool (service.parallel.paged_kernel), made by
+        # `warm_sessions` at bring-up, and which path session steps use and why (GET /gang).
+        self._kernel: InPlaceAttention | None = None
+        self.session_attention = KernelStatus("gather", "not warmed up (no session pool at bring-up)")
 
     def _prepare_cuda(self) -> None:
         """Ask for expandable segments, then select this rank's device. The order matters:
@@ -438,16 +454,50 @@ class Rank:
         dist.broadcast(values, src=0, group=self._control)
 
     def kv_pool_for(self, plan: AppendPlan) -> PagedKVPool:
-        """This rank's KV pool, (re)allocated when `plan` needs another shape than it has."""
+        """This rank's KV pool, (re)allocated when `plan` needs another shape than it has; a new
+        pool of the warmed-up shape gets the compiled in-place attention (`warm_sessions`)."""
         arch = self.model_def
         if arch is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
-        heads_local = arch.kv_heads // self.world_size
+        # The K/V heads this rank holds: kv / p, or one when fewer K/V heads than ranks (the
+        # pool's own count: kv // p would be 0 there, and the pool rebuilt, empty, every step).
+        heads_local = kv_heads_per_rank(arch, self.world_size)
         if self.kv_pool is None or not self.kv_pool.fits(plan, arch.kv_layers, heads_local, arch.head_dim, self.dtype):
             self.kv_pool = new_kv_pool(arch, self.world_size, plan, self.dtype, self.device)
-            log.info("rank %d: KV pool of %d layers x %d blocks x %d tokens (%d bytes)", self.rank, arch.kv_layers,
-                     plan.num_blocks, plan.block_size, self.kv_pool.nbytes)
+            kernel = self._kernel
+            if kernel is not None and (kernel.num_blocks, kernel.block_size) == (plan.num_blocks, plan.block_size):
+                self.kv_pool.attention = kernel
+            log.info("rank %d: KV pool of %d layers x %d blocks x %d tokens (%d bytes), attention %s", self.rank,
+                     arch.kv_layers, plan.num_blocks, plan.block_size, self.kv_pool.nbytes,
+                     "in place" if self.kv_pool.attention is not None else "by gather")
         return self.kv_pool
+
+    def warm_sessions(self, num_blocks: int, block_size: int, mode: str, budget_s: float) -> KernelStatus:
+        """Bring-up, before the first session step (no collective: each rank alone): allocate
+        this rank's KV pool in the sessions' shape and compile the in-place attention over it
+        (service.parallel.paged_kernel), at most `budget_s` of compiling (shapes left over take
+        the gather path). `mode`: tunables.gang.session_attention ("auto" | "gather"). Returns
+        which path session steps use and why; without a C++ compiler that is the gather path."""
+        arch = self.model_def
+        if arch is None:
+            raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
+        pool = self.kv_pool_for(AppendPlan(num_blocks, block_size, (), (), ()))
+        problem = "tunables.gang.session_attention is 'gather'" if mode == "gather" else compiler_problem(self.device)
+        if problem is not None:
+            self.session_attention = KernelStatus("gather", problem)
+            return self.session_attention
+        kv = kv_heads_per_rank(arch, self.world_size)
+        kernel = InPlaceAttention(num_blocks, block_size, query_heads_per_rank(arch, self.world_size), kv,
+                                  arch.head_dim, self.dtype)
+        try:
+            status = kernel.warm(pool.k[0], pool.v[0], arch.head_dim ** -0.5, budget_s)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not build leaves today's path
+            self.session_attention = KernelStatus(
+                "gather", f"compiling the in-place attention failed ({type(exc).__name__}: {first_line(exc)[:200]})")
+            return self.session_attention
+        self._kernel = pool.attention = kernel
+        self.session_attention = status
+        return status
 
     @property
     def last_bcast_ns(self) -> int:
@@ -578,6 +628,7 @@ class Rank:
         self.model = self._staged = None
         self.model_def = self._staged_def = None
         self.kv_pool = None
+        self._kernel = None
         group, self.group, self._control, self._store = self.group, None, None, None
         if group is None or group.world_size == 1 or not dist.is_initialized():
             return

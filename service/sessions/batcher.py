@@ -18,6 +18,15 @@ Deadlines: an append whose deadline passes while queued is dropped (never comput
 answers 504 at once, and the append still completes (GET /sessions/{id} shows the length;
 a retry with the same idempotency key gets its answer, service.sessions.registry).
 
+Chunked prefill (issue 52, as vLLM's): an append whose work (its rows, and the session's kept
+rows when they must be recomputed) is longer than `chunk_rows` runs as several queue items,
+one chunk of `chunk_rows` rows each: after each chunk's step the append is queued again, at
+the back, so the appends of other sessions queued meanwhile share the next step with its next
+chunk, instead of waiting for the whole prefill. Its answer (every own row's output) comes with
+its last chunk, whose commit alone applies it (service.sessions.registry.Chunking); the
+session's other appends wait until then (a session's appends stay in order). A caller that gives
+up between chunks abandons it: nothing is appended.
+
 Idempotency keys: a keyed append's claim (service.sessions.registry.Claim) rides with it
 into its step (StepItem.claim), where the registry settles it; its caller withdraws it once
 done (service.sessions.service), so one never planned is never appended.
@@ -31,7 +40,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from service.gang.batching import BatchQueue, DeadlineWords, Queued
-from service.sessions.registry import Claim, Session, StepItem
+from service.sessions.registry import Chunking, Claim, Session, StepItem
 
 # (items of one step, latest deadline or None) -> [(rows or None, info or error)] in item order
 RunStep = Callable[[list[StepItem], "float | None"], Awaitable[list[tuple[Any, Any]]]]
@@ -49,6 +58,7 @@ class _Queued(Queued):
     x: np.ndarray  # [n, E] float32
     expect_length: int | None = None
     claim: Claim | None = None
+    chunking: Chunking | None = None
 
 
 class AppendBatcher:
@@ -56,8 +66,14 @@ class AppendBatcher:
     on the batching core (service.gang.batching.BatchQueue: the queue, deadlines, cancellation)."""
 
     def __init__(self, run_step: RunStep, *, max_sessions_per_step: int, max_rows_per_step: int,
-                 num_blocks: int, blocks_for: Callable[[int], int], wait_s: float = 0.0) -> None:
+                 num_blocks: int, blocks_for: Callable[[int], int], wait_s: float = 0.0, chunk_rows: int = 0,
+                 abandon: Callable[[Session, Chunking, Claim | None], None] | None = None) -> None:
+        """`chunk_rows`: chunked prefill's rows per step (0: none); `abandon`: the registry's,
+        told when a chunked append's caller gives up after a chunk was computed."""
         self._run_step = run_step
+        self._chunk = chunk_rows
+        self._abandon = abandon
+        self._chunked: dict[str, Chunking] = {}  # session id -> its append in progress between chunks
         self._max_sessions = max_sessions_per_step
         self._max_rows = max_rows_per_step
         self._num_blocks = num_blocks
@@ -69,9 +85,11 @@ class AppendBatcher:
         self.steps = 0
         self.appends = 0
         self.max_step_sessions = 0
+        self.chunk_steps = 0  # chunks computed before an append's last (its step answered nothing yet)
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "appends": self.appends, "max_sessions_in_a_step": self.max_step_sessions,
+                "prefill_chunks": self.chunk_steps,
                 "queued": len(self._queue.pending), "expired_queued": self._queue.expired_queued,
                 "appends_per_step": round(self.appends / self.steps, 3) if self.steps else 0.0}
 
@@ -82,22 +100,34 @@ class AppendBatcher:
     async def submit(self, session: Session, x: np.ndarray, deadline: float | None,
                      expect_length: int | None = None, claim: Claim | None = None) -> tuple[np.ndarray, dict]:
         """x [n, E] float32 appended to `session` -> (its output rows [n, E], the session's info);
-        `claim`: its idempotency key's, settled by the registry when its step plans or ends."""
-        item = _Queued(asyncio.get_running_loop().create_future(), deadline, session=session, x=x,
-                       expect_length=expect_length, claim=claim)
+        `claim`: its idempotency key's, settled by the registry when its step plans or ends.
+        A long append runs chunk by chunk (module docstring): each chunk is one queue item."""
+        chunking = Chunking(self._chunk) if self._chunk > 0 else None
         session.busy += 1
         try:
-            answer = await self._queue.submit(item)
+            while True:
+                item = _Queued(asyncio.get_running_loop().create_future(), deadline, session=session, x=x,
+                               expect_length=expect_length, claim=claim, chunking=chunking)
+                answer = await self._queue.submit(item)
+                if isinstance(answer, tuple):
+                    return answer
+                assert isinstance(answer, Chunking)  # a chunk before the last: queue the next one
+                self._chunked[session.id] = answer
+                self.chunk_steps += 1
+        except BaseException:
+            if chunking is not None and (chunking.done or chunking.in_step) and self._abandon is not None:
+                self._abandon(session, chunking, claim)
+            raise
         finally:
+            if chunking is not None and self._chunked.get(session.id) is chunking:
+                del self._chunked[session.id]
             session.busy -= 1
-        assert isinstance(answer, tuple)
-        return answer
 
     async def _step(self, group: list[_Queued], deadline: float | None) -> None:
         """One append step for `group`; every member gets its rows and info, or its error."""
         try:
-            results = await self._run_step([StepItem(q.session, q.x, q.expect_length, claim=q.claim)
-                                             for q in group], deadline)
+            results = await self._run_step([StepItem(q.session, q.x, q.expect_length, claim=q.claim,
+                                                      chunking=q.chunking) for q in group], deadline)
         except BaseException as exc:  # noqa: BLE001 - every member gets the step's error
             for q in group:
                 if not q.future.done():
@@ -106,12 +136,14 @@ class AppendBatcher:
                 raise
             return
         self.steps += 1
-        self.appends += len(group)
+        self.appends += sum(1 for _, info in results if not isinstance(info, Chunking))
         self.max_step_sessions = max(self.max_step_sessions, len(group))
         for q, (rows, info) in zip(group, results):
             if q.future.done():
                 continue
-            if isinstance(info, BaseException):
+            if isinstance(info, Chunking):  # its next chunk is queued by its submit
+                q.future.set_result(info)
+            elif isinstance(info, BaseException):
                 q.future.set_exception(info)
             else:
                 q.future.set_result((rows, info))
@@ -123,10 +155,15 @@ class AppendBatcher:
         for q in pending:
             if q.session.id in seen:
                 continue
+            active = self._chunked.get(q.session.id)
+            if active is not None and q.chunking is not active:
+                continue  # the session's chunked append goes on first; its own item is further back
             seen.add(q.session.id)  # a session's later appends wait behind its first queued one
             n = int(q.x.shape[0])
-            # rows it brings: n, or its whole length again if it will be recomputed
+            # rows it brings: n, or its whole length again if it will be recomputed; a chunk at most
             mine = n if q.session.cached == q.session.length else q.session.length + n
+            if q.chunking is not None:
+                mine = min(q.chunking.chunk, max(1, mine - q.chunking.done))
             need = self._blocks_for(q.session.length + n)
             if group and (len(group) >= self._max_sessions or rows + mine > self._max_rows
                           or blocks + need > self._num_blocks):

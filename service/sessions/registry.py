@@ -150,6 +150,28 @@ class Session:
         return self.inputs[0]
 
 
+@dataclass(eq=False)
+class Chunking:
+    """One append's progress through chunked prefill (service.sessions.batcher): its *work* is
+    the session's kept rows when their K/V must be recomputed, then its own n rows; each step
+    computes the next `chunk` rows of it at positions base + done .. (base: 0 when recomputing,
+    else the session's length). Only the last chunk's commit applies the append; the others
+    record progress here. A rebuild, a weights swap or an eviction of the session between two
+    chunks starts the work again (its K/V would no longer be valid)."""
+
+    chunk: int  # rows per step (> 0)
+    done: int = 0  # rows of the work computed so far
+    recompute: bool = False
+    base: int = 0
+    generation: int = -1  # what the chunks so far were computed under
+    version: int = -1
+    evictions: int = -1
+    outputs: list[np.ndarray] = field(default_factory=list)  # the append's own rows' outputs so far
+    steps: int = 0  # chunk steps committed
+    in_step: bool = False  # a chunk of it is planned and its step not yet committed or aborted
+    abandoned: bool = False  # its caller gave up (service.sessions.batcher): settle, plan no more
+
+
 @dataclass
 class StepItem:
     """One session's part of a step: its new rows, and what the step made of it."""
@@ -158,9 +180,13 @@ class StepItem:
     x: np.ndarray  # [n, E] float32
     expect_length: int | None = None  # the append's `?length=` precondition, checked when it runs
     claim: Claim | None = None  # its idempotency key's claim (None: an append without a key)
+    chunking: Chunking | None = None  # chunked prefill's progress (None: the whole append in one step)
     recompute: bool = False
     start: int = 0  # its first row in the step's x
-    rows: int = 0  # its rows in the step (n, or length + n when recomputed)
+    rows: int = 0  # its rows in the step (n, or length + n when recomputed; a chunk's when chunked)
+    first: int = 0  # the work row its rows start at (chunked: rows before it were computed earlier)
+    prefix: int = 0  # kept rows recomputed before the append's own (the session's length, or 0)
+    final: bool = True  # its last rows: the commit applies the append (else it records progress)
     error: BaseException | None = None
 
 
@@ -380,7 +406,10 @@ class SessionRegistry:
         (not appended) and its claim settled; the rest are placed and their claims PLANNED."""
         live = []
         for item in items:
-            if item.claim is not None and item.claim.state is ClaimState.SETTLED:
+            if item.chunking is not None and item.chunking.abandoned:
+                item.error = DeadlineExceededBeforeStep(
+                    "the append was abandoned between its chunks (its caller had gone); nothing was appended")
+            elif item.claim is not None and item.claim.state is ClaimState.SETTLED:
                 item.error = DeadlineExceededBeforeStep(
                     "the append was withdrawn before its step (its caller had gone); nothing was appended")
             elif not self.is_live(item.session):
@@ -401,19 +430,35 @@ class SessionRegistry:
         xs, new_rows, cached, tables, at = [], [], [], [], 0
         for item in live:
             s, n = item.session, int(item.x.shape[0])
-            valid = s.generation == generation and s.version == version and s.cached == s.length
-            item.recompute = not valid and s.length > 0
-            total = s.length + n
-            self._grow(s, self.limits.blocks_for(total), pinned)
-            c = s.length if valid else 0
-            if item.recompute:
-                xs.append(s.kept())
-            xs.append(item.x)
-            item.start, item.rows = at, total - c
-            at += item.rows
-            new_rows.append(total - c)
-            cached.append(c)
-            tables.append(tuple(s.blocks))
+            ch = item.chunking
+            if ch is not None and ch.done and not (ch.generation, ch.version, ch.evictions) == (
+                    generation, version, s.evictions):
+                ch.done, ch.outputs = 0, []  # its chunks' K/V are gone or stale: start the work again
+            if ch is None or not ch.done:  # the append's first step (or its restart)
+                valid = s.generation == generation and s.version == version and s.cached == s.length
+                recompute, base = not valid and s.length > 0, s.length if valid else 0
+                if ch is not None:
+                    ch.recompute, ch.base, ch.generation, ch.version = recompute, base, generation, version
+            else:
+                recompute, base = ch.recompute, ch.base
+            item.recompute = recompute
+            prefix = item.prefix = s.length if recompute else 0  # kept rows recomputed before its own
+            work = prefix + n
+            first = ch.done if ch is not None else 0
+            rows = work - first if ch is None else min(ch.chunk, work - first)
+            self._grow(s, self.limits.blocks_for(s.length + n), pinned)  # the whole append's, at once
+            if ch is not None:
+                ch.evictions, ch.in_step = s.evictions, True
+            # the step's rows: work rows first .. first + rows (kept rows, then the append's own)
+            if first < prefix:
+                xs.append(s.kept()[first:min(prefix, first + rows)])
+            if first + rows > prefix:
+                xs.append(item.x[max(0, first - prefix):first + rows - prefix])
+            item.start, item.rows, item.first, item.final = at, rows, first, first + rows == work
+            at += rows
+            new_rows.append(rows)
+            cached.append(base + first)
+            tables.append(tuple(s.blocks[:self.limits.blocks_for(base + first + rows)]))
         plan = AppendPlan(self.limits.num_blocks, self.limits.block_size, tuple(new_rows), tuple(cached),
                           tuple(tables))
         plan.check()  # here, before any header goes out: a rank must never refuse a plan mid-step
@@ -442,49 +487,89 @@ class SessionRegistry:
         for _ in range(short):
             s.blocks.append(self._free.pop())
 
-    def _commit(self, step: "RegistryStep", out: np.ndarray) -> list[tuple[np.ndarray | None, dict[str, Any] | BaseException]]:
+    def _commit(self, step: "RegistryStep", out: np.ndarray) -> list[tuple[np.ndarray | None, dict[str, Any] | BaseException | Chunking]]:
+        """After the step: each final item's append applied (its answer kept with it), each
+        chunk before the last recorded (its answer: its `Chunking`, to be queued again)."""
         now, wall = time.monotonic(), time.time()
         with self._lock:
             self.steps += 1
+            answers: dict[int, np.ndarray] = {}
             for item in step.live:
                 s, n = item.session, int(item.x.shape[0])
+                ch = item.chunking
+                if ch is not None:
+                    ch.in_step = False
                 if self._sessions.get(s.id) is not s:  # ended while the step ran: nothing to keep
                     item.error = NotFound(f"session {s.id!r} ended while its append ran",
                                           code=ErrorCode.SESSION_NOT_FOUND)
                     if item.claim is not None:
                         self._settle(item.claim, appended=False)
                     continue
+                own = self._own_rows(item, out)
+                s.last_used, s.last_used_at = now, wall
+                if not item.final:
+                    assert ch is not None
+                    ch.outputs.append(own)
+                    ch.done += item.rows
+                    ch.steps += 1
+                    if item.recompute:
+                        s.cached = 0  # its blocks hold part of a recompute: not valid for its length
+                    if ch.abandoned and item.claim is not None:  # its caller is gone: nothing appended
+                        self._settle(item.claim, appended=False)
+                    continue
+                answers[id(item)] = np.concatenate([*ch.outputs, own]) if ch is not None and ch.outputs else own
                 if item.recompute:
                     s.recomputed_tokens += s.length
                     self.recomputed_tokens += s.length
                 s.inputs.append(np.array(item.x, dtype=np.float32, copy=True))
                 s.length += n
                 s.cached, s.generation, s.version = s.length, step.generation, step.version
-                s.last_used, s.last_used_at = now, wall
                 s.appends += 1
                 self.appends += 1
                 self._sessions.move_to_end(s.id)
-            results: list[tuple[np.ndarray | None, dict[str, Any] | BaseException]] = []
+            results: list[tuple[np.ndarray | None, dict[str, Any] | BaseException | Chunking]] = []
             for item in step.items:
                 if item.error is not None:
                     results.append((None, item.error))
                     continue
-                n = int(item.x.shape[0])
-                end = item.start + item.rows
-                rows = np.ascontiguousarray(out[end - n:end])
-                info = {**self.public(item.session), "recomputed_tokens_this_append":
-                        item.rows - n if item.recompute else 0}
+                if not item.final:
+                    assert item.chunking is not None
+                    results.append((None, item.chunking))
+                    continue
+                rows = np.ascontiguousarray(answers[id(item)])
+                info = {**self.public(item.session), "recomputed_tokens_this_append": item.prefix}
                 if item.claim is not None:  # remembered in the same critical section as the append
                     self._keep(item.session, item.claim, rows, info)
                 results.append((rows, info))
         return results
 
+    @staticmethod
+    def _own_rows(item: StepItem, out: np.ndarray) -> np.ndarray:
+        """The outputs of `item`'s rows in this step that are the append's own (not recomputed
+        kept rows): work rows max(first, prefix) .. first + rows of the step's out."""
+        skip = max(0, item.prefix - item.first)
+        return np.array(out[item.start + skip:item.start + item.rows], dtype=np.float32, copy=True)
+
     def _abort(self, step: "RegistryStep") -> None:
         with self._lock:
             for item in step.live:
                 item.session.cached = 0  # the step may have written part of its blocks: recompute next time
+                if item.chunking is not None:
+                    item.chunking.in_step = False
+                    item.chunking.done, item.chunking.outputs = 0, []
                 if item.claim is not None:  # nothing of the step was appended
                     self._settle(item.claim, appended=False)
+
+    def abandon(self, s: Session, chunking: Chunking, claim: Claim | None) -> None:
+        """A chunked append's caller gave up between (or during) its chunks: plan no more of it,
+        and settle its claim as not appended, now, or, while one of its chunks is in a step, at
+        that step's end (a last chunk's step then applies the append, as any append whose
+        caller went away while its step ran). Its blocks stay the session's; a recompute's
+        partial K/V was already marked invalid (cached = 0)."""
+        with self._lock:
+            chunking.abandoned = True
+            if not chunking.in_step and claim is not None and claim.state is not ClaimState.SETTLED:
+                self._settle(claim, appended=False)
 
     # -- reading --------------------------------------------------------------------------------
     def public(self, s: Session) -> dict[str, Any]:

@@ -32,8 +32,8 @@ import numpy as np
 
 from service.config.builder_args import AppConfig
 from service.contract.errors import Conflict, DeadlineExceeded, ErrorCode, GangServeError, InvalidInput
-from service.contract.gang_status import SessionCacheRank, SessionStats
-from service.gang.gang import Gang
+from service.contract.gang_status import SessionAttention, SessionCacheRank, SessionStats
+from service.gang.gang import Gang, SessionPool
 from service.parallel.model import kv_bytes_per_token
 from service.parallel.registry import resolve
 from service.sessions.batcher import AppendBatcher
@@ -66,6 +66,12 @@ def limits_of(cfg: AppConfig) -> Limits:
                   bytes_per_token=per_token, answers_kept=cfg.tunables.gang.session_answers_kept)
 
 
+def pool_of(cfg: AppConfig) -> SessionPool | None:
+    """The KV pool the gang allocates and compiles for at bring-up (None: sessions are off)."""
+    limits = limits_of(cfg)
+    return SessionPool(limits.num_blocks, limits.block_size) if limits.num_blocks > 0 else None
+
+
 class SessionService:
     """Sessions of one gang."""
 
@@ -79,7 +85,8 @@ class SessionService:
         self.registry = SessionRegistry(self.limits, owner, key)
         self._batcher = AppendBatcher(
             self._step, max_sessions_per_step=cfg.batching.max_batch_size, max_rows_per_step=cfg.serving.max_tokens_per_request,
-            num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for, wait_s=cfg.batching.batch_wait_timeout_s)
+            num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for, wait_s=cfg.batching.batch_wait_timeout_s,
+            chunk_rows=max(0, cfg.tunables.gang.session_prefill_chunk_tokens), abandon=self.registry.abandon)
         self._latency: dict[str, deque[float]] = {}
         self._sweeper: asyncio.Task | None = None
 
@@ -195,8 +202,12 @@ class SessionService:
                                      used_bytes=reg["used_bytes_per_rank"], **({"allocated_bytes": pool} if r == 0 else {}))
                     for r in range(self._cfg.gang.world_size)]
         latency = {bucket: round(statistics.median(v) * 1000, 3) for bucket, v in sorted(self._latency.items()) if v}
+        kernel = self._gang.session_attention
+        attention = SessionAttention(path=kernel.path, reason=kernel.reason, compile_s=kernel.compile_s,
+                                     compiled_shapes=kernel.shapes,
+                                     prefill_chunk_tokens=max(0, self._cfg.tunables.gang.session_prefill_chunk_tokens))
         return SessionStats(**reg, per_rank=per_rank, batching=self._batcher.stats(),
-                            append_latency_ms_p50_by_context=latency)
+                            append_latency_ms_p50_by_context=latency, attention=attention)
 
     # -- internals -------------------------------------------------------------------------------
     def _kept_start(self, sid: str, x: np.ndarray, key: str | None) -> KeptAnswer | None:

@@ -1,0 +1,275 @@
+"""Attention over a rank's paged KV pool in place: torch's `flex_attention`, compiled, with a
+paged block mask (issue 52, item 2).
+
+Why: the gather path (service.parallel.kv_cache.gather_attention) copies every session's
+blocks, `pool[tables]` padded to the widest table, before attention: per one-row append it
+reads the pool, writes the copy and reads the copy again (about 3x the session's K/V bytes).
+Here the kernel reads each session's blocks where they lie: K and V are the pool's own layer
+viewed as [1, kv_l, num_blocks * B, d] (no copy: the view's last dim is contiguous, which is
+all the CPU kernel needs), and a `BlockMask` whose KV block is the page size B lists, for
+every query row (or block of query rows), the physical blocks it reads in logical order.
+
+Math (exactly the gather path's): query row j of session i sits at position c_i + j and
+attends positions 0 .. c_i + j of its session, softmax(q K^T * scale) V, query head h reading
+K/V head h // (h_l / kv_l) (grouped-query attention: `enable_gqa`). A block whose positions
+are all allowed for every row of a query block is a *full* block (no mask evaluated); the
+block holding the boundary is *partial*, and its mask is evaluated per element:
+
+    decode (one row per session, q [S, h_l, 1, d], one query block per session):
+        full    = table[0 : nb - 1] (and the last one when the length fills it)
+        partial = table[nb - 1] when length % B != 0; allowed iff kv % B < length - (nb - 1) * B
+    rows (one session's n rows, q [1, h_l, n, d], query blocks of Q_BLOCK rows):
+        block lb (logical) is full for query block qb iff (lb + 1) * B - 1 <= c + qb * Q_BLOCK,
+        partial iff it is not full and lb * B <= c + last row of qb; allowed iff
+        logical(kv) <= c + q_idx, logical(kv) = p2l[kv // B] * B + kv % B
+
+Shapes are static (compiled once each, at warm-up): the kernel's dynamic-shape path in torch
+2.13 miscompiles (its C++ template renames the symbols `ks1`, `ks10` ... by plain string
+replacement, so `ks1` inside `ks10` is corrupted: a compile error or a division by zero at
+run time). So decode groups are padded to DECODE_BUCKETS sessions (a padding session has
+no block: the kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are
+discarded); more sessions or rows than the largest bucket are split, which changes nothing
+in the math (every row attends the pool, where this step's K/V are already written).
+
+After warm-up every call runs under `torch.compiler.set_stance("fail_on_recompile")`: a
+shape that was not compiled raises (`NotWarmed`) instead of compiling on a user's request,
+and the caller uses the gather path for that call.
+
+Reduced precision: the CPU kernel packs the *whole* K (every pool position) for bf16/fp16
+when a call has 64 or more query rows, which would copy the pool on every prefill; so rows
+of a reduced-precision pool keep the gather path (decode, one query row, never packs). CUDA:
+not used (the device path is untested here: no GPU); `available` says so.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+log = logging.getLogger("gangserve.rank")
+
+DECODE_BUCKETS = (4, 32)  # sessions per decode call (padded up: a padding session costs nothing, it has no block)
+ROW_BUCKETS = (16, 64, 256)  # query rows per rows call (padded up)
+Q_BLOCK = 64  # query rows per BlockMask row block in rows calls (the causal boundary's granularity)
+# Distinct compiled shapes a process may hold (every pool shape x the buckets x dtypes a test
+# process builds); dynamo's default of 8 would silently fall back to eager flex_attention.
+_RECOMPILE_LIMIT = 256
+
+
+class NotWarmed(RuntimeError):
+    """A call of a shape that was not compiled at warm-up (the caller falls back)."""
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which attention a rank's session steps use, and why (GET /gang `sessions.attention`)."""
+
+    path: str  # "in_place" (compiled flex_attention over the pool) | "gather" (today's copy)
+    reason: str  # why this path, in words
+    compile_s: float = 0.0  # seconds the warm-up's compilation took (0: none)
+    shapes: int = 0  # compiled shapes
+
+
+def compiler_problem(device: torch.device) -> str | None:
+    """Why the in-place kernel cannot run on `device` (None: it can)."""
+    if device.type != "cpu":
+        return (f"the in-place kernel is built and tested for CPU only; {device.type} keeps the gather path "
+                "(flex_attention on CUDA is untested here)")
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - any failure to find one means: no compiler
+        return f"no C++ compiler for torch.compile on CPU ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    return None
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
+_compiled: Callable[..., torch.Tensor] | None = None
+
+
+def _flex() -> Callable[..., torch.Tensor]:
+    """The one compiled flex_attention of this process (static shapes: see the module docstring)."""
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _RECOMPILE_LIMIT)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * _RECOMPILE_LIMIT)
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+class InPlaceAttention:
+    """The compiled in-place attention for one pool: its pages (num_blocks x block_size), its
+    K/V heads, head width and dtype, and the query heads of the model reading it."""
+
+    def __init__(self, num_blocks: int, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        if q_heads % kv_heads:
+            raise ValueError(f"query heads ({q_heads}) must be a multiple of the pool's K/V heads ({kv_heads})")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.q_heads, self.kv_heads, self.head_dim, self.dtype = q_heads, kv_heads, head_dim, dtype
+        self.warmed = False
+        self.rows_in_place = dtype == torch.float32  # see the module docstring (reduced precision)
+
+    def matches(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        return (q_heads, kv_heads, head_dim, dtype) == (self.q_heads, self.kv_heads, self.head_dim, self.dtype)
+
+    # -- the pool as the kernel reads it -----------------------------------------------------
+    def _kv(self, pool_layer: torch.Tensor) -> torch.Tensor:
+        """[num_blocks, B, kv_l, d] -> [1, kv_l, num_blocks * B, d], a view (no copy)."""
+        n, b, kv, d = pool_layer.shape
+        return pool_layer.view(1, n * b, kv, d).transpose(1, 2)
+
+    def _call(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: object,
+              scale: float) -> torch.Tensor:
+        flex = _flex()
+        gqa = self.q_heads != self.kv_heads
+        if not self.warmed:
+            return flex(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return flex(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        except Exception as exc:  # noqa: BLE001 - a shape not compiled at warm-up: never compile here
+            raise NotWarmed(f"in-place attention of shape {tuple(q.shape)} was not compiled at warm-up: "
+                            f"{type(exc).__name__}") from exc
+
+    # -- decode: one row per session ------------------------------------------------------------
+    def decode(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, tables: Sequence[Sequence[int]],
+               lengths: Sequence[int], scale: float) -> torch.Tensor:
+        """q [S, h_l, d] (session i's one new row, at position lengths[i] - 1) -> ctx [S, h_l, d]."""
+        out = torch.empty_like(q)
+        top = DECODE_BUCKETS[-1]
+        keys, values = self._kv(pool_k), self._kv(pool_v)
+        for at in range(0, q.shape[0], top):
+            part = slice(at, min(at + top, q.shape[0]))
+            out[part] = self._decode_group(keys, values, q[part], tables[part], lengths[part], scale)
+        return out
+
+    def _decode_group(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
+                      tables: Sequence[Sequence[int]], lengths: Sequence[int], scale: float) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        s, bs, n = q.shape[0], self.block_size, self.num_blocks
+        width = _bucket(s, DECODE_BUCKETS)
+        partial_num = torch.zeros(width, 1, 1, dtype=torch.int32)
+        partial_idx = torch.zeros(width, 1, 1, n, dtype=torch.int32)
+        full_num = torch.zeros(width, 1, 1, dtype=torch.int32)
+        full_idx = torch.zeros(width, 1, 1, n, dtype=torch.int32)
+        tail = torch.zeros(width, dtype=torch.int32)  # allowed offsets in the partial block: kv % B < tail
+        for i, (table, length) in enumerate(zip(tables, lengths)):
+            nb = -(-length // bs)
+            rest = length - (nb - 1) * bs
+            full = nb if rest == bs else nb - 1
+            full_num[i, 0, 0] = full
+            full_idx[i, 0, 0, :full] = torch.tensor(table[:full], dtype=torch.int32)
+            if full < nb:
+                partial_num[i, 0, 0] = 1
+                partial_idx[i, 0, 0, 0] = table[nb - 1]
+                tail[i] = rest
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return kv_idx % bs < tail[b]
+
+        mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(1, bs),
+                                        mask_mod=mask_mod, seq_lengths=(1, n * bs))
+        qs = torch.zeros(width, self.q_heads, 1, self.head_dim, dtype=q.dtype, device=q.device)
+        qs[:s, :, 0] = q
+        return self._call(qs, keys, values, mask, scale)[:s, :, 0]
+
+    # -- rows: one session's several new rows (a prefill chunk, a recompute, a multi-row append) --
+    def rows(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, table: Sequence[int], cached: int,
+             scale: float) -> torch.Tensor:
+        """q [n, h_l, d]: rows at positions cached .. cached + n - 1 of one session whose table
+        covers them -> ctx [n, h_l, d], causal over the session's whole sequence."""
+        out = torch.empty_like(q)
+        top = ROW_BUCKETS[-1]
+        keys, values = self._kv(pool_k), self._kv(pool_v)
+        p2l = torch.full((1, self.num_blocks), -1, dtype=torch.int32)
+        p2l[0, torch.tensor(list(table), dtype=torch.int64)] = torch.arange(len(table), dtype=torch.int32)
+        for at in range(0, q.shape[0], top):
+            end = min(at + top, q.shape[0])
+            out[at:end] = self._rows_part(keys, values, q[at:end], table, cached + at, p2l, scale)
+        return out
+
+    def _rows_part(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, table: Sequence[int],
+                   first: int, p2l: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [m, h_l, d] at positions first .. first + m - 1."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        m, bs, n = q.shape[0], self.block_size, self.num_blocks
+        width = _bucket(m, ROW_BUCKETS)
+        qb_size = min(Q_BLOCK, width)
+        blocks_q = max(2, width // qb_size)  # >= 2: a dimension of 1 is specialised apart
+        partial_num = torch.zeros(1, 1, blocks_q, dtype=torch.int32)
+        partial_idx = torch.zeros(1, 1, blocks_q, n, dtype=torch.int32)
+        full_num = torch.zeros(1, 1, blocks_q, dtype=torch.int32)
+        full_idx = torch.zeros(1, 1, blocks_q, n, dtype=torch.int32)
+        ids = torch.tensor(list(table), dtype=torch.int32)
+        for qb in range(-(-m // qb_size)):
+            lo = first + qb * qb_size  # the query block's first and last real rows' positions
+            hi = first + min(m, (qb + 1) * qb_size) - 1
+            full = (lo + 1) // bs  # logical blocks 0 .. full - 1 end at or before lo
+            last = hi // bs  # the last block any row of this query block reads
+            full_num[0, 0, qb] = full
+            full_idx[0, 0, qb, :full] = ids[:full]
+            partial_num[0, 0, qb] = last + 1 - full
+            partial_idx[0, 0, qb, :last + 1 - full] = ids[full:last + 1]
+        base = torch.tensor([first], dtype=torch.int32)
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            logical = p2l[b, kv_idx // bs] * bs + kv_idx % bs
+            return logical <= base[b] + q_idx
+
+        mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(qb_size, bs),
+                                        mask_mod=mask_mod, seq_lengths=(width, n * bs))
+        qs = torch.zeros(1, self.q_heads, width, self.head_dim, dtype=q.dtype, device=q.device)
+        qs[0, :, :m] = q.transpose(0, 1)
+        return self._call(qs, keys, values, mask, scale)[0, :, :m].transpose(0, 1)
+
+    # -- warm-up ------------------------------------------------------------------------------
+    def warm(self, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float, budget_s: float) -> KernelStatus:
+        """Compile every bucket's shape by running it once over the pool (read only), most used
+        first (decode groups, then rows), until `budget_s` is spent; then `warmed`: a shape left
+        over, or any other, raises NotWarmed instead of compiling (its calls take the gather path)."""
+        started = time.monotonic()
+        gen = torch.Generator().manual_seed(0)
+        capacity = self.num_blocks * self.block_size
+        length = min(capacity, 3 * self.block_size + 1)
+        table = list(range(-(-length // self.block_size)))
+        shapes: list[Callable[[], object]] = []
+        for width in DECODE_BUCKETS:
+            q = torch.randn(width, self.q_heads, self.head_dim, generator=gen).to(self.dtype)
+            shapes.append(lambda q=q, width=width: self.decode(pool_k, pool_v, q, [table] * width, [length] * width,
+                                                                scale))
+        if self.rows_in_place:
+            for width in ROW_BUCKETS:
+                rows = min(width, capacity)
+                q = torch.randn(rows, self.q_heads, self.head_dim, generator=gen).to(self.dtype)
+                shapes.append(lambda q=q, rows=rows: self.rows(pool_k, pool_v, q,
+                                                               list(range(-(-rows // self.block_size))), 0, scale))
+        done = 0
+        with torch.inference_mode():  # as the steps run (the compiled graph is guarded on it)
+            for shape in shapes:
+                if done and time.monotonic() - started > budget_s:
+                    break
+                shape()
+                done += 1
+        self.warmed = True
+        took = round(time.monotonic() - started, 3)
+        left = len(shapes) - done
+        why = "compiled flex_attention over the pool's blocks" + (
+            f"; {left} of {len(shapes)} shapes not compiled within {budget_s:g}s (their calls gather)" if left else "")
+        return KernelStatus("in_place", why, took, done)

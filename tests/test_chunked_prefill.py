@@ -1,0 +1,190 @@
+"""Chunked prefill (issue 52, item 3): the session batcher and registry over a real rank model and
+KV pool (one rank, no Ray): a long append is computed a chunk per step, its answer is unchanged
+by the chunking (against the dense causal reference, torch's own nn.MultiheadAttention), and
+other sessions' one-row appends complete while it is still in progress. Ordering and progress
+are asserted through the steps' composition and the tasks' states, never wall-clock time.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from service.parallel import ParallelGroup, TensorParallelAttention
+from service.parallel.kv_cache import PagedKVPool
+from service.parallel.weights import random_weights, shard_dense
+from service.sessions.batcher import AppendBatcher
+from service.sessions.registry import Limits, Session, SessionRegistry, StepItem
+from tests.reference import reference, relative_error
+
+pytestmark = pytest.mark.unit
+
+E, HEADS, BLOCK = 64, 4, 4
+TOL = 1e-5
+
+
+class LocalGang:
+    """A one-rank gang's session step, as Gang.session_step runs it: plan on the registry, the
+    model's append over the pool, commit. Records which sessions (and how many rows) each step held."""
+
+    def __init__(self, registry: SessionRegistry, weights: dict[str, torch.Tensor]) -> None:
+        self.registry = registry
+        self.model = TensorParallelAttention(E, HEADS, ParallelGroup.single())
+        self.model.load_shard(shard_dense(weights, 0, 1))
+        lim = registry.limits
+        self.pool = PagedKVPool(lim.num_blocks, lim.block_size, HEADS, E // HEADS, torch.float32, torch.device("cpu"))
+        self.steps: list[dict[str, int]] = []  # per step: session id -> rows it computed
+        self.generation = 1
+
+    async def run_step(self, items: list[StepItem], deadline: float | None) -> list[tuple[Any, Any]]:
+        await asyncio.sleep(0)  # a real step leaves the loop: appends submitted meanwhile queue up
+        step = self.registry.plan(items, generation=self.generation, version=1)
+        if not step.plan.sessions:
+            return step.commit(np.zeros((0, E), np.float32))
+        with torch.inference_mode():
+            out = self.model.append(torch.from_numpy(np.ascontiguousarray(step.x)), step.plan, self.pool).numpy()
+        self.steps.append({item.session.id: item.rows for item in step.live})
+        return step.commit(out)
+
+
+def setup(chunk: int, num_blocks: int = 64) -> tuple[SessionRegistry, LocalGang, AppendBatcher]:
+    registry = SessionRegistry(Limits(num_blocks=num_blocks, block_size=BLOCK, max_sessions=16, max_session_tokens=512,
+                                      idle_timeout_s=600, bytes_per_token=8), owner="gangA")
+    gang = LocalGang(registry, random_weights(E, 3))
+    batcher = AppendBatcher(gang.run_step, max_sessions_per_step=8, max_rows_per_step=4096,
+                            num_blocks=num_blocks, blocks_for=registry.limits.blocks_for, chunk_rows=chunk,
+                            abandon=registry.abandon)
+    return registry, gang, batcher
+
+
+def rows(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, E), dtype=np.float32)
+
+
+def want(seq: np.ndarray) -> torch.Tensor:
+    return reference(seq, causal=True, weights=random_weights(E, 3), num_heads=HEADS)
+
+
+def test_a_chunked_prefill_and_later_appends_equal_the_dense_causal_reference() -> None:
+    """A 23-row prefill in chunks of 5 (5 steps), then 1 row, then 12 rows (3 chunks): every
+    answer equals causal MHA over the whole sequence; the same with chunking off."""
+    for chunk in (5, 0):
+        registry, gang, batcher = setup(chunk)
+
+        async def run() -> None:
+            s = registry.open()
+            seq = np.zeros((0, E), np.float32)
+            for n, seed in ((23, 1), (1, 2), (12, 3)):
+                x = rows(n, seed)
+                out, info = await batcher.submit(s, x, None)
+                seq = np.concatenate([seq, x])
+                assert out.shape == (n, E) and info["length"] == len(seq)
+                assert relative_error(torch.from_numpy(out), want(seq)[-n:]) <= TOL, (chunk, n)
+
+        asyncio.run(run())
+        chunks = [step[next(iter(step))] for step in gang.steps]
+        assert chunks == ([5, 5, 5, 5, 3, 1, 5, 5, 2] if chunk else [23, 1, 12]), chunks
+        assert batcher.stats()["prefill_chunks"] == (6 if chunk else 0)
+
+
+def test_a_recompute_is_chunked_too_and_stays_exact() -> None:
+    """A session evicted (its K/V gone) recomputes its 30 kept rows plus its new 2 in chunks
+    of 8: its answer is still the reference's, and the recompute is counted once."""
+    registry, gang, batcher = setup(8, num_blocks=12)  # 48 tokens: two 30-token sessions do not fit
+
+    async def run() -> None:
+        a, b = registry.open(), registry.open()
+        xa, xb = rows(30, 11), rows(30, 12)
+        await batcher.submit(a, xa, None)
+        await batcher.submit(b, xb, None)  # evicts a
+        assert a.cached == 0 and registry.evictions >= 1
+        x = rows(2, 13)
+        out, info = await batcher.submit(a, x, None)
+        assert info["recomputed_tokens_this_append"] == 30 and registry.recomputed_tokens >= 30
+        assert relative_error(torch.from_numpy(out), want(np.concatenate([xa, x]))[-2:]) <= TOL
+
+    asyncio.run(run())
+    assert [list(step.values())[0] for step in gang.steps[-4:]] == [8, 8, 8, 8]  # 32 rows: 30 kept + 2
+
+
+def test_one_row_appends_of_another_session_complete_while_a_long_prefill_is_in_progress() -> None:
+    """Session A prefills 64 rows in chunks of 8; session B appends one row at a time meanwhile.
+    Each of B's appends shares a step with one of A's chunks and is answered before A is; A's
+    answer is still the reference's, and B's too."""
+    registry, gang, batcher = setup(8)
+
+    async def run() -> str:
+        a, b = registry.open(), registry.open()
+        xa = rows(64, 21)
+        prefill = asyncio.create_task(batcher.submit(a, xa, None))
+        seq_b = rows(2, 22)
+        await batcher.submit(b, seq_b, None)
+        answered_while_prefilling = 0
+        for i in range(4):
+            x = rows(1, 30 + i)
+            out, _ = await batcher.submit(b, x, None)
+            seq_b = np.concatenate([seq_b, x])
+            assert relative_error(torch.from_numpy(out), want(seq_b)[-1:]) <= TOL
+            answered_while_prefilling += not prefill.done()
+        assert answered_while_prefilling == 4  # every one-row append answered before the prefill
+        out, info = await prefill
+        assert info["length"] == 64
+        assert relative_error(torch.from_numpy(out), want(xa)) <= TOL
+        return a.id
+
+    a_id = asyncio.run(run())
+    shared = [step for step in gang.steps if len(step) == 2]
+    assert len(shared) >= 5, gang.steps  # B's five appends each rode with one of A's chunks
+    assert all(max(step.values()) <= 8 for step in gang.steps)  # no step computed more than a chunk
+    assert [step[a_id] for step in gang.steps if a_id in step] == [8] * 8
+
+
+def test_a_session_s_next_append_waits_for_its_chunked_one() -> None:
+    """Two appends of one session queued together: the second is planned only after the first's
+    last chunk (a session's appends stay in order), and both answers are right."""
+    registry, gang, batcher = setup(4)
+
+    async def run() -> None:
+        s = registry.open()
+        x1, x2 = rows(10, 41), rows(1, 42)
+        first = asyncio.create_task(batcher.submit(s, x1, None))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(batcher.submit(s, x2, None))
+        (o1, _), (o2, info) = await first, await second
+        assert info["length"] == 11
+        ref = want(np.concatenate([x1, x2]))
+        assert relative_error(torch.from_numpy(o1), ref[:10]) <= TOL
+        assert relative_error(torch.from_numpy(o2), ref[10:]) <= TOL
+
+    asyncio.run(run())
+    assert [list(step.values())[0] for step in gang.steps] == [4, 4, 2, 1]
+
+
+def test_an_append_abandoned_between_chunks_appends_nothing() -> None:
+    """The caller of a chunked append goes away after its first chunk: the session's length
+    stays, its claim is settled as not appended, and the next append is right."""
+    registry, gang, batcher = setup(4)
+
+    async def run() -> None:
+        s: Session = registry.open()
+        x0 = rows(3, 50)
+        await batcher.submit(s, x0, None)
+        admission = registry.admit(s, "k1", b"digest")
+        task = asyncio.create_task(batcher.submit(s, rows(12, 51), None, claim=admission.claim))
+        while not gang.steps or s.id not in gang.steps[-1] or len(gang.steps) < 2:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        assert s.length == 3 and admission.claim is not None and admission.claim.state.value == "settled"
+        assert not admission.claim.appended
+        x = rows(1, 52)
+        out, info = await batcher.submit(s, x, None)
+        assert info["length"] == 4
+        assert relative_error(torch.from_numpy(out), want(np.concatenate([x0, x]))[-1:]) <= TOL
+
+    asyncio.run(run())
