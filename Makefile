@@ -67,11 +67,13 @@ test: $(TEST_STAMP) chromium postgresql
 test-unit: $(TEST_STAMP)
 	$(PY) -m pytest tests -m unit -q
 
-bench: $(STAMP)
+# bench/llama.py compares model=llama with transformers' own LlamaModel: the test extra has it.
+bench: $(TEST_STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/run.py --only sessions
 	$(PY) bench/run.py --only models
 	$(PY) bench/run.py --only grpc
+	$(PY) bench/llama.py
 
 # The builder-argument, tunables and environment references are generated from their declarations,
 # docs/api.md's error table from the error-code registry (service/contract/errors.py), and its gRPC
