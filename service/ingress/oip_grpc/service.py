@@ -27,8 +27,11 @@ keeps HTTP's rules by calling the code HTTP calls, never a copy:
   trailing metadata `gangserve-code` (service.ingress.oip_grpc.status); on a stream, a
   request's error is its response's `error_message` (`[<code>] <message>`, Triton's way) and
   the stream goes on; an unexpected error is logged and answered INTERNAL `[internal]`;
-- **metrics**: every call (every request of a stream) is counted as an HTTP request is, with
-  `protocol="grpc"` (service.ingress.observe.record_request).
+- **metrics and logs**: every call (every request of a stream) is counted as an HTTP request
+  is, with `protocol="grpc"` (service.ingress.observe.record_request); Serve logs an access line
+  per call (`CALL <app> OK <ms>`, with its request id; OK even for our errors, whose status is
+  set on the context rather than raised so that the trailing metadata goes out), and a failed
+  call or stream request logs its status and message here.
 
 A stream answers its requests one at a time, in the order they came: a sequence's appends
 stay in order, and one response follows each request.
@@ -191,6 +194,7 @@ class OipGrpc:
             except GangServeError as exc:
                 failure = Failure.of(exc)
                 call.status = failure.http_status
+                _log_failure(method, failure)
                 response = pb.ModelStreamInferResponse(error_message=failure.details,
                                                        infer_response=messages.failed_response(
                                                            messages.request_id_of(raw)))
@@ -252,10 +256,18 @@ class OipGrpc:
         context.set_details(failure.details)
         context.set_trailing_metadata(list(failure.trailing_metadata))
         call.status = failure.http_status
+        _log_failure(call.method, failure)
 
     def _record(self, call: _Call) -> None:
         record_request(self._metrics, "grpc", f"/{SERVICE}/{call.method}", BODY_FORMAT, call.status,
                        time.perf_counter() - call.started, call.read)
+
+
+def _log_failure(method: str, failure: Failure) -> None:
+    """One line per failed call, in the replica's log with Serve's request id: Serve's own access
+    line says OK for it (the call returns normally, its status set on the context, so that the
+    trailing metadata goes out)."""
+    log.info("gRPC %s answered %s %s", method, failure.status.name, failure.details[:200])
 
 
 def _metadata(context: Any, key: str) -> str | None:
