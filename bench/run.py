@@ -631,6 +631,10 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             serve.run(build_app({**local_yaml_args(), "init": "random", "batch_wait_timeout_s": 0.005}),
                       name="gangserve", route_prefix="/")
             results["sessions"] = bench_sessions(base, n)
+            serve.delete("gangserve")  # the in-process part below wants the cores to itself
+            from bench.paged import bench_paged
+
+            results["sessions"]["paged"] = bench_paged()  # issue 52: gather vs in place, chunks, cold start
             return results
         if only == "models":
             results["models"] = bench_models(base)

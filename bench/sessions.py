@@ -110,7 +110,8 @@ def bench_sessions(base: str, n: int = 30) -> dict[str, Any]:
 def print_sessions(rows: dict[str, Any]) -> dict[str, float]:
     print("\nsessions (world size 2, npy, p50 ms)")
     for key, value in rows.items():
-        print(f"  {key:34s} {value}")
+        if key != "paged":
+            print(f"  {key:34s} {value}")
     ratios = {
         "append ctx2048 / ctx16 (goal <= 2)": rows["append_ctx2048_ms_p50"] / rows["append_ctx16_ms_p50"],
         "stateless 2049 resend / append ctx2048 (goal >= 10)":
@@ -119,6 +120,10 @@ def print_sessions(rows: dict[str, Any]) -> dict[str, float]:
         "32 concurrent / one at a time, appends/s (goal >= 3)":
             rows["concurrent_appends_per_s"] / rows["sequential_appends_per_s"],
     }
+    if "paged" in rows:  # issue 52 (bench.paged): gather vs in place, chunked prefill, cold start
+        from bench.paged import print_paged
+
+        ratios.update(print_paged(rows["paged"]))
     return {k: round(v, 3) for k, v in ratios.items()}
 
 
