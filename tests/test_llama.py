@@ -28,10 +28,12 @@ from service.parallel.model import (
     Shard,
     check_checkpoint,
     kv_bytes_per_token,
+    kv_heads_per_rank,
     load_checkpoint_shard,
     new_kv_pool,
     unused_tensors,
 )
+from service.parallel.paged_kernel import InPlaceAttention
 from tests.helpers import spawned_gloo_group
 from tests.reference import relative_error
 
@@ -139,6 +141,15 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
                             appended.append(model.append(inputs["session"][at:at + plan.rows], plan, pool))
                             at += plan.rows
                         out[f"{name}-session"] = torch.cat(appended)
+                        # again with the attention read from the pool in place (grouped-query included)
+                        pool = new_kv_pool(arch, world_size, plans[0], dtype, torch.device("cpu"))
+                        pool.attention = InPlaceAttention(8, 4, arch.arch.num_heads // world_size,
+                                                          kv_heads_per_rank(arch, world_size), arch.head_dim, dtype)
+                        appended, at = [], 0
+                        for plan in plans:
+                            appended.append(model.append(inputs["session"][at:at + plan.rows], plan, pool))
+                            at += plan.rows
+                        out[f"{name}-session-in-place"] = torch.cat(appended)
                         out[f"{name}-pool-bytes"] = pool.nbytes
                         out[f"{name}-param-bytes"] = model.parameter_bytes()
         torch.save(out, work / f"rank{rank}.pt")
@@ -218,6 +229,8 @@ def test_session_appends_equal_hugging_face_incremental_decode(stacks: tuple[Pat
         kv_heads = STACKS[name][0]
         for out in gang_outputs(world_size):
             assert relative_error(out[f"{name}-session"], want_all) <= TOL, name
+            assert relative_error(out[f"{name}-session-in-place"], want_all) <= TOL, name  # the pool in place
+            assert relative_error(out[f"{name}-session-in-place"], out[f"{name}-session"]) <= 1e-6, name
             # the pool caches this rank's own K/V heads: kv/p, or one when K/V heads are replicated
             per_rank = max(kv_heads // world_size, 1)
             arch = LlamaDef.from_directory(stacks[0] / name)
