@@ -10,6 +10,7 @@ application in the `application` metadata (HAProxy routes by it); with one appli
 """
 from __future__ import annotations
 
+import json
 import queue
 import re
 import subprocess
@@ -130,9 +131,19 @@ def target(app_url: str, serve_grpc_port: int) -> str:
     return f"127.0.0.1:{serve_grpc_port}"
 
 
+# gRPC's own client-side retry of UNAVAILABLE (a stock channel option, as any client behind a
+# load balancer sets): HAProxy answers UNAVAILABLE itself for the moment it holds no healthy
+# server for the app (its health checks, a reload when the suite deploys or deletes other apps).
+RETRY_UNAVAILABLE = [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps({"methodConfig": [{
+    "name": [{"service": "inference.GRPCInferenceService"}],
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"]}}]}))]
+
+
 @pytest.fixture(scope="module")
 def client(target: str) -> Iterator[tgrpc.InferenceServerClient]:
-    c = tgrpc.InferenceServerClient(target)
+    c = tgrpc.InferenceServerClient(target, channel_args=[("grpc.max_send_message_length", -1),
+                                                          ("grpc.max_receive_message_length", -1), *RETRY_UNAVAILABLE])
     yield c
     c.close()
 
@@ -140,7 +151,7 @@ def client(target: str) -> Iterator[tgrpc.InferenceServerClient]:
 @pytest.fixture(scope="module")
 def channel(target: str) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", -1),
-                                                ("grpc.max_receive_message_length", -1)]) as ch:
+                                                ("grpc.max_receive_message_length", -1), *RETRY_UNAVAILABLE]) as ch:
         yield ch
 
 
