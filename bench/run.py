@@ -1174,8 +1174,14 @@ def bench_models(base: str) -> dict[str, Any]:
             out["latency"][label] = interleaved({name: post(url) for name, (_, url) in apps.items()}, rounds, warmup)
         if stack == MODEL_SESSION_STACK:
             out["sessions"] = {"stack": stack, "world_size": 2, **append_vs_resend(f"{base}/m_ws2", e)}
+            out["sessions"]["attention"] = client.get(f"{base}/m_ws2/gang").json()["sessions"]["attention"]
         for app, _ in apps.values():
             serve.delete(app)
+        if stack == MODEL_SESSION_STACK:  # issue 52's before: the same gang with its attention gathered
+            serve.run(build_app({**common, "tunables": {"gang": {"session_attention": "gather"}}}),
+                      name="m_ws2_gather", route_prefix="/m_ws2_gather")
+            out["sessions_gather"] = append_vs_resend(f"{base}/m_ws2_gather", e, resends=1)
+            serve.delete("m_ws2_gather")
     out["load_average_end"] = os.getloadavg()
     out["commit"] = _commit()
     return out
@@ -1212,6 +1218,14 @@ def print_models(d: dict[str, Any]) -> dict[str, float]:
               f"{len(s['resend_ms'])} ({', '.join(f'{v:.0f}' for v in s['resend_ms'])}) |")
         ratios[f"resend {s['context'] + 1} rows / one-row append at {s['context']} (goal >= 20)"] = (
             s["resend_ms_p50"] / s["append_ms_p50"])
+        g = d.get("sessions_gather")
+        if g:  # issue 52: the same append with the attention gathered (the path before)
+            a = s.get("attention", {})
+            print(f"| one-row append at context {g['context']}, attention gathered (before issue 52) | "
+                  f"{g['append_ms_p50']:.1f} | {g['appends']} |")
+            print(f"\n(the first row's attention: {a.get('path', '?')}, compiled at bring-up in "
+                  f"{a.get('compile_s', 0):.1f} s, {a.get('compiled_shapes', 0)} shapes)")
+            ratios["one-row append at 2048: gathered / in place, p50"] = g["append_ms_p50"] / s["append_ms_p50"]
     return {k: round(v, 3) for k, v in ratios.items()}
 
 

@@ -109,7 +109,8 @@ def _same_rows_padded_left_and_right() -> tuple[torch.Tensor, torch.Tensor, torc
     return lx, lm, rx, rm
 
 
-SESSION_STEPS = [(6, 0, (3, 0)), (1, 6, (3, 0)), (3, 7, (3, 0, 5))]  # (new rows, cached, block table), blocks of 4
+# (new rows, cached, block table), blocks of 4; 18 rows take the in-place kernel's rows path, 1 and 3 its decode path
+SESSION_STEPS = [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2))]
 
 
 def run_rank(rank: int, world_size: int, workdir: str) -> None:
@@ -173,7 +174,7 @@ def gang_outputs(stacks: tuple[Path, dict[str, LlamaModel]],
             work = tmp_path_factory.mktemp(f"llama-ws{world_size}")
             for name in STACKS:
                 (work / name).symlink_to(root / name)
-            session = torch.randn(10, WIDTH, generator=torch.Generator().manual_seed(4))
+            session = torch.randn(22, WIDTH, generator=torch.Generator().manual_seed(4))
             (work / "inputs.pkl").write_bytes(pickle.dumps(
                 {"cases": _inputs(), "pair": _same_rows_padded_left_and_right(), "session": session}))
             mp.start_processes(run_rank, args=(world_size, str(work)), nprocs=world_size, start_method="spawn")
@@ -214,10 +215,10 @@ def test_left_and_right_padding_give_the_same_real_rows(gang_outputs: Callable, 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_session_appends_equal_hugging_face_incremental_decode(stacks: tuple[Path, dict[str, LlamaModel]],
                                                                gang_outputs: Callable, world_size: int) -> None:
-    """A prefill of 6, one row, then 3 rows: each append's outputs equal LlamaModel run on the
+    """A prefill of 18, one row, then 3 rows: each append's outputs equal LlamaModel run on the
     same rows with its own past_key_values (positions continue from the session's length)."""
     _, models = stacks
-    rows = torch.randn(10, WIDTH, generator=torch.Generator().manual_seed(4)).double()
+    rows = torch.randn(22, WIDTH, generator=torch.Generator().manual_seed(4)).double()
     for name, model in models.items():
         cache, want, at = DynamicCache(config=model.config), [], 0
         with torch.no_grad():

@@ -82,8 +82,10 @@ def _cases() -> dict[str, dict[str, Any]]:
 
 
 def _session_steps() -> list[tuple[int, int, tuple[int, ...]]]:
-    """Three append steps of one session: (new rows, cached before, block table), blocks of 4."""
-    return [(6, 0, (3, 0)), (1, 6, (3, 0)), (3, 7, (3, 0, 5))]
+    """Three append steps of one session: (new rows, cached before, block table), blocks of 4.
+    18 rows take the in-place kernel's rows path (more than paged_kernel.DECODE_ROWS_MAX), 1 and
+    3 its decode path."""
+    return [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2))]
 
 
 def run_rank(rank: int, world_size: int, workdir: str) -> None:
@@ -139,7 +141,7 @@ def gang_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], li
                 save_file({k: v.contiguous() for k, v in torch_encoder(arch, arch.init_weights("random", 5))
                            .float().state_dict().items()}, str(work / f"{arch.num_layers}-{arch.activation}.safetensors"))
             (work / "cases.pkl").write_bytes(pickle.dumps(cases))
-            (work / "session.pkl").write_bytes(pickle.dumps(torch.randn(10, 64, generator=torch.Generator().manual_seed(2))))
+            (work / "session.pkl").write_bytes(pickle.dumps(torch.randn(22, 64, generator=torch.Generator().manual_seed(2))))
             mp.start_processes(run_rank, args=(world_size, str(work)), nprocs=world_size, start_method="spawn")
             runs[world_size] = [torch.load(work / f"rank{r}.pt") for r in range(world_size)]
         return runs[world_size]
@@ -167,10 +169,10 @@ def test_transformer_stack_matches_torch_encoder_at_every_world_size(gang_output
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_session_appends_equal_the_causal_stack_over_the_whole_sequence(gang_outputs: Callable,
                                                                          world_size: int) -> None:
-    """A prefill of 6, one row, then 3 rows: each append's outputs are torch's causal stack's rows
+    """A prefill of 18, one row, then 3 rows: each append's outputs are torch's causal stack's rows
     at those positions over the whole sequence (every layer reads its own cached K/V)."""
     arch = STACKS["post-relu"]
-    rows = torch.randn(10, 64, generator=torch.Generator().manual_seed(2))
+    rows = torch.randn(22, 64, generator=torch.Generator().manual_seed(2))
     want = torch_reference(torch_encoder(arch, arch.init_weights("random", 5)), rows[None], None, True)[0]
     for out in gang_outputs(world_size):
         assert relative_error(out["session"], want) <= TOL

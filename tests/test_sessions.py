@@ -50,8 +50,9 @@ def test_attention_append_matches_causal_mha_over_the_whole_sequence(in_place: b
     tables: list[list[int]] = [[], []]
     free = list(range(16))[::-1]
     for step in range(6):
-        new = [rng.standard_normal((5 if step == 0 else 1, 64), dtype=np.float32),
-               rng.standard_normal((3 if step % 2 else 1, 64), dtype=np.float32)]
+        # a 21-row prefill and an 18-row append: the in-place kernel's rows path; the rest decode
+        new = [rng.standard_normal((21 if step == 0 else 1, 64), dtype=np.float32),
+               rng.standard_normal((18 if step == 3 else 3 if step % 2 else 1, 64), dtype=np.float32)]
         for s in (0, 1):
             while len(tables[s]) * 4 < len(seqs[s]) + len(new[s]):
                 tables[s].append(free.pop())

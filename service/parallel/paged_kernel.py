@@ -15,7 +15,8 @@ K/V head h // (h_l / kv_l) (grouped-query attention: `enable_gqa`). A block whos
 are all allowed for every row of a query block is a *full* block (no mask evaluated); the
 block holding the boundary is *partial*, and its mask is evaluated per element:
 
-    decode (one row per session, q [S, h_l, 1, d], one query block per session):
+    decode (one query row per batch entry, q [S, h_l, 1, d], one query block each: a session's
+    one new row, or each row of an append of at most DECODE_ROWS_MAX rows at its own length):
         full    = table[0 : nb - 1] (and the last one when the length fills it)
         partial = table[nb - 1] when length % B != 0; allowed iff kv % B < length - (nb - 1) * B
     rows (one session's n rows, q [1, h_l, n, d], query blocks of Q_BLOCK rows):
@@ -26,10 +27,10 @@ block holding the boundary is *partial*, and its mask is evaluated per element:
 Shapes are static (compiled once each, at warm-up): the kernel's dynamic-shape path in torch
 2.13 miscompiles (its C++ template renames the symbols `ks1`, `ks10` ... by plain string
 replacement, so `ks1` inside `ks10` is corrupted: a compile error or a division by zero at
-run time). So decode groups are padded to DECODE_BUCKETS sessions (a padding session has
-no block: the kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are
-discarded); more sessions or rows than the largest bucket are split, which changes nothing
-in the math (every row attends the pool, where this step's K/V are already written).
+run time). So decode groups are padded to DECODE_BUCKETS rows (a padding row has no block: the
+kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are discarded); more
+rows than the largest bucket are split, which changes nothing in the math (every row attends
+the pool, where this step's K/V are already written).
 
 After warm-up every call runs under `torch.compiler.set_stance("fail_on_recompile")`: a
 shape that was not compiled raises (`NotWarmed`) instead of compiling on a user's request,
@@ -51,8 +52,12 @@ import torch
 
 log = logging.getLogger("gangserve.rank")
 
-DECODE_BUCKETS = (4, 32)  # sessions per decode call (padded up: a padding session costs nothing, it has no block)
-ROW_BUCKETS = (16, 64, 256)  # query rows per rows call (padded up)
+DECODE_BUCKETS = (4, 32)  # query rows per decode call (padded up: a padding row costs nothing, it has no block)
+ROW_BUCKETS = (64,)  # query rows per rows call (padded up; more rows are split into calls of 64)
+# An append of at most this many rows runs each row as its own decode query (at its own
+# length): small multi-row appends then need no rows shape (3 shapes compiled in all, each
+# ~2-15 s at bring-up on 2 CPU cores) and pay no padding to 64 rows.
+DECODE_ROWS_MAX = 16
 Q_BLOCK = 64  # query rows per BlockMask row block in rows calls (the causal boundary's granularity)
 # Distinct compiled shapes a process may hold (every pool shape x the buckets x dtypes a test
 # process builds); dynamo's default of 8 would silently fall back to eager flex_attention.
