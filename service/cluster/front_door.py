@@ -116,8 +116,12 @@ GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
 
 def grpc_options(port: int = DEFAULT_GRPC_PORT) -> dict[str, object]:
     """Serve's `grpc_options` for the Open Inference Protocol over gRPC on `port` (the Serve
-    configs' `grpc_options:` section says the same; tests/test_grpc.py checks they agree)."""
-    return {"port": port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)}
+    configs' `grpc_options:` section says the same; tests/test_grpc.py checks they agree).
+
+    Server reflection off: Serve's would advertise the service but could not describe it (its
+    messages live in a descriptor pool of their own, service.ingress.oip_grpc.stubs); a client
+    without stubs of its own takes service/ingress/oip_grpc/gangserve_inference.proto."""
+    return {"port": port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS), "enable_reflection": False}
 
 
 _DEADLINE_ATTR = "_gangserve_deadline"
