@@ -110,9 +110,17 @@ def test_the_api_docs_grpc_table_is_current() -> None:
 
 @pytest.mark.unit
 def test_every_serve_config_and_the_image_open_the_grpc_port() -> None:
+    from ray.serve.config import gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.ingress.oip_grpc.servicer import add_GRPCInferenceServiceServicer_to_server
+
     for name in ("local.yaml", "cpu.yaml", "gpu.yaml", "gpu-1.yaml"):
         doc = yaml.safe_load((ROOT / "deployments" / name).read_text())
         assert doc.get("grpc_options") == grpc_options(DEFAULT_GRPC_PORT), name
+        # What `serve run` and service.launch make of it: Serve imports our servicer function.
+        options = gRPCOptions(**ServeDeploySchema.model_validate(doc).grpc_options.model_dump())
+        assert options.grpc_servicer_func_callable == [add_GRPCInferenceServiceServicer_to_server], name
     docs = [d for d in yaml.safe_load_all((ROOT / "deployments" / "kuberay.yaml").read_text()) if d]
     service = next(d for d in docs if d.get("kind") == "RayService")
     assert yaml.safe_load(service["spec"]["serveConfigV2"])["grpc_options"] == grpc_options(DEFAULT_GRPC_PORT)
