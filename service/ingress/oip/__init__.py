@@ -1,8 +1,10 @@
 """Open Inference Protocol v2 (KServe / Triton HTTP/REST) for the model `attention`.
 
 Parts: `schemas` (the protocol's pydantic models and bounds), `codec` (request body ->
-checked tensors, output tensor -> reply; pure, no HTTP framework state), `routes` (the
-FastAPI router, on the ingress and on the direct data plane).
+checked tensors, output tensor -> reply; pure, no HTTP framework state), `inference` (one
+request's deadline and computation: a stateless inference or a sequence's append), `routes`
+(the FastAPI router, on the ingress and on the direct data plane). The same protocol over
+gRPC (service.ingress.oip_grpc) goes through `codec.check_inputs` and `inference` too.
 
 Routes: GET /v2, /v2/health/live, /v2/health/ready, /v2/models/attention[/versions/1],
 .../ready, and POST .../infer with JSON tensors or the binary tensor data extension:
