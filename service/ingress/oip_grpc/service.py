@@ -180,10 +180,14 @@ class OipGrpc:
         """One ModelStreamInferResponse per request, in order; a request's error is its
         response's error_message. A refused token ends the stream at once (UNAUTHENTICATED)."""
         method = "ModelStreamInfer"
+        if self._publisher is not None:
+            self._publisher.ensure_started()
         try:
             self._check_token(context)
         except GangServeError as exc:
-            self._fail(context, Failure.of(exc), _Call(method, time.perf_counter(), 0))
+            refused = _Call(method, time.perf_counter(), 0)
+            self._fail(context, Failure.of(exc), refused)
+            self._record(refused)
             return
         stream_deadline = grpc_deadline(context)
         async for raw in requests:
