@@ -205,7 +205,7 @@ def print_paged(d: dict[str, Any]) -> dict[str, float]:
     print(f"| whole stack's append, ws1 (weights {a['weight_bytes'] / mb:.0f} MB) | 12 | {a['gather_ms']:.1f} | "
           f"{a['in_place_ms']:.1f} | | |")
     ratios["ws1 stack append, gather / in place, ms"] = a["gather_ms"] / a["in_place_ms"]
-    print("\n| chunked prefill of 2048 rows (ws1 stack, 2 threads, in place), C | steps | step ms (median) | "
+    print("\n| chunked prefill of 2048 rows (ws1 stack, 2 threads; decode in place, chunks gathered), C | steps | step ms (median) | "
           "step ms (max) = another session's one-row append waits | prefill ms |")
     print("|---|---:|---:|---:|---:|")
     for c, r in d["chunks"].items():

@@ -109,7 +109,7 @@ def _same_rows_padded_left_and_right() -> tuple[torch.Tensor, torch.Tensor, torc
     return lx, lm, rx, rm
 
 
-# (new rows, cached, block table), blocks of 4; 18 rows take the in-place kernel's rows path, 1 and 3 its decode path
+# (new rows, cached, block table), blocks of 4; 18 and 3 rows take the in-place kernel's rows path, 1 its decode path
 SESSION_STEPS = [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2))]
 
 
@@ -145,7 +145,8 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
                         # again with the attention read from the pool in place (grouped-query included)
                         pool = new_kv_pool(arch, world_size, plans[0], dtype, torch.device("cpu"))
                         pool.attention = InPlaceAttention(8, 4, arch.arch.num_heads // world_size,
-                                                          kv_heads_per_rank(arch, world_size), arch.head_dim, dtype)
+                                                          kv_heads_per_rank(arch, world_size), arch.head_dim, dtype,
+                                                          rows_in_place=True)
                         appended, at = [], 0
                         for plan in plans:
                             appended.append(model.append(inputs["session"][at:at + plan.rows], plan, pool))

@@ -83,8 +83,7 @@ def _cases() -> dict[str, dict[str, Any]]:
 
 def _session_steps() -> list[tuple[int, int, tuple[int, ...]]]:
     """Three append steps of one session: (new rows, cached before, block table), blocks of 4.
-    18 rows take the in-place kernel's rows path (more than paged_kernel.DECODE_ROWS_MAX), 1 and
-    3 its decode path."""
+    18 and 3 rows take the in-place kernel's rows path (rows_in_place), 1 its decode path."""
     return [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2))]
 
 
@@ -118,7 +117,7 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
         # The same appends with the attention read from the pool in place (compiled flex_attention).
         pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
         kv = kv_heads_per_rank(arch, world_size)
-        pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32)
+        pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32, rows_in_place=True)
         with torch.inference_mode():
             appended, at = [], 0
             for plan in plans:

@@ -44,13 +44,13 @@ def test_attention_append_matches_causal_mha_over_the_whole_sequence(in_place: b
     model.load_shard(shard_dense(w, 0, 1))
     pool = PagedKVPool(16, 4, 4, 16, torch.float32, torch.device("cpu"))
     if in_place:
-        pool.attention = InPlaceAttention(16, 4, 4, 4, 16, torch.float32)
+        pool.attention = InPlaceAttention(16, 4, 4, 4, 16, torch.float32, rows_in_place=True)
     rng = np.random.default_rng(0)
     seqs = [np.zeros((0, 64), np.float32), np.zeros((0, 64), np.float32)]
     tables: list[list[int]] = [[], []]
     free = list(range(16))[::-1]
     for step in range(6):
-        # a 21-row prefill and an 18-row append: the in-place kernel's rows path; the rest decode
+        # a 21-row prefill and an 18-row append beside one-row appends: both paths in one step
         new = [rng.standard_normal((21 if step == 0 else 1, 64), dtype=np.float32),
                rng.standard_normal((18 if step == 3 else 3 if step % 2 else 1, 64), dtype=np.float32)]
         for s in (0, 1):

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from service.parallel.paged_kernel import DECODE_ROWS_MAX, InPlaceAttention, NotWarmed
+from service.parallel.paged_kernel import InPlaceAttention, NotWarmed
 
 log = logging.getLogger("gangserve.rank")
 
@@ -176,25 +176,21 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
         return gather_attention(pool_k, pool_v, q, plan, scale)
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=q.device)  # [T, h_l, d]
     starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
-    # Rows of short appends (one row: decode; a few: each row its own query, at its own length)
-    # share one decode call; a longer append's rows take the rows kernel (gather in bf16/fp16).
-    at, tables, lengths = [], [], []
-    for i, n in enumerate(plan.new_rows):
-        if n <= DECODE_ROWS_MAX:
-            at.extend(range(int(starts[i]), int(starts[i]) + n))
-            tables.extend([plan.tables[i]] * n)
-            lengths.extend(range(plan.cached[i] + 1, plan.cached[i] + n + 1))
+    # One-row appends (decode) share one call over the pool in place; appends of several rows
+    # take the rows kernel where the kernel reads them in place, else gather (paged_kernel: "Which rows").
+    single = [i for i, n in enumerate(plan.new_rows) if n == 1]
     try:
-        if at:
-            idx = torch.tensor(at, dtype=torch.int64, device=q.device)
-            ctx[idx] = kernel.decode(pool_k, pool_v, q[idx], tables, lengths, scale)
+        if single:
+            at = torch.from_numpy(starts[single]).to(q.device)
+            ctx[at] = kernel.decode(pool_k, pool_v, q[at], [plan.tables[i] for i in single],
+                                    [plan.cached[i] + 1 for i in single], scale, plan)
         for i, n in enumerate(plan.new_rows):
-            if n <= DECODE_ROWS_MAX:
+            if n == 1:
                 continue
             start = int(starts[i])
             if kernel.rows_in_place:
                 ctx[start:start + n] = kernel.rows(pool_k, pool_v, q[start:start + n], plan.tables[i],
-                                                   plan.cached[i], scale)
+                                                   plan.cached[i], scale, plan, i)
             else:
                 ctx[start:start + n] = _gather_rows(pool_k, pool_v, q[start:start + n], plan.tables[i],
                                                     plan.cached[i], scale)

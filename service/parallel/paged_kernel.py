@@ -15,8 +15,7 @@ K/V head h // (h_l / kv_l) (grouped-query attention: `enable_gqa`). A block whos
 are all allowed for every row of a query block is a *full* block (no mask evaluated); the
 block holding the boundary is *partial*, and its mask is evaluated per element:
 
-    decode (one query row per batch entry, q [S, h_l, 1, d], one query block each: a session's
-    one new row, or each row of an append of at most DECODE_ROWS_MAX rows at its own length):
+    decode (one-row appends, q [S, h_l, 1, d], one query block per session):
         full    = table[0 : nb - 1] (and the last one when the length fills it)
         partial = table[nb - 1] when length % B != 0; allowed iff kv % B < length - (nb - 1) * B
     rows (one session's n rows, q [1, h_l, n, d], query blocks of Q_BLOCK rows):
@@ -27,7 +26,7 @@ block holding the boundary is *partial*, and its mask is evaluated per element:
 Shapes are static (compiled once each, at warm-up): the kernel's dynamic-shape path in torch
 2.13 miscompiles (its C++ template renames the symbols `ks1`, `ks10` ... by plain string
 replacement, so `ks1` inside `ks10` is corrupted: a compile error or a division by zero at
-run time). So decode groups are padded to DECODE_BUCKETS rows (a padding row has no block: the
+run time). So decode groups are padded to DECODE_BUCKETS sessions (a padding one has no block: the
 kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are discarded); more
 rows than the largest bucket are split, which changes nothing in the math (every row attends
 the pool, where this step's K/V are already written).
@@ -36,10 +35,14 @@ After warm-up every call runs under `torch.compiler.set_stance("fail_on_recompil
 shape that was not compiled raises (`NotWarmed`) instead of compiling on a user's request,
 and the caller uses the gather path for that call.
 
-Reduced precision: the CPU kernel packs the *whole* K (every pool position) for bf16/fp16
-when a call has 64 or more query rows, which would copy the pool on every prefill; so rows
-of a reduced-precision pool keep the gather path (decode, one query row, never packs). CUDA:
-not used (the device path is untested here: no GPU); `available` says so.
+Which rows: one-row appends (decode) always read in place: there the gather's copy is the
+cost (3x the K/V bytes). Appends of several rows (prefill chunks, recomputes, multi-row
+appends) gather by default: the copy is 1/n of their work per row, and on CPU at 16-token pages
+torch's fused SDPA over the copy beat the rows kernel's 64 x 16 tiles (measured, 12 layers,
+6 heads, 100 rows at context 1500: 92 ms gathered, 185 ms in place; bench/NOTES.md, issue 52).
+`rows_in_place=True` reads them in place too (the parity tests run it: same math). In bf16/fp16
+the CPU kernel would also pack the *whole* K (every pool position) for 64 or more query rows.
+CUDA: not used (untested here: no GPU); `compiler_problem` says so.
 """
 from __future__ import annotations
 
@@ -52,12 +55,8 @@ import torch
 
 log = logging.getLogger("gangserve.rank")
 
-DECODE_BUCKETS = (4, 32)  # query rows per decode call (padded up: a padding row costs nothing, it has no block)
+DECODE_BUCKETS = (4, 32)  # one-row appends per decode call (padded up: a padding row has no block, costs nothing)
 ROW_BUCKETS = (64,)  # query rows per rows call (padded up; more rows are split into calls of 64)
-# An append of at most this many rows runs each row as its own decode query (at its own
-# length): small multi-row appends then need no rows shape (3 shapes compiled in all, each
-# ~2-15 s at bring-up on 2 CPU cores) and pay no padding to 64 rows.
-DECODE_ROWS_MAX = 16
 Q_BLOCK = 64  # query rows per BlockMask row block in rows calls (the causal boundary's granularity)
 # Distinct compiled shapes a process may hold (every pool shape x the buckets x dtypes a test
 # process builds); dynamo's default of 8 would silently fall back to eager flex_attention.
@@ -121,13 +120,17 @@ class InPlaceAttention:
     K/V heads, head width and dtype, and the query heads of the model reading it."""
 
     def __init__(self, num_blocks: int, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, rows_in_place: bool = False) -> None:
+        """`rows_in_place`: appends of several rows read the pool in place too (else they gather:
+        see the module docstring, "Which rows")."""
         if q_heads % kv_heads:
             raise ValueError(f"query heads ({q_heads}) must be a multiple of the pool's K/V heads ({kv_heads})")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.q_heads, self.kv_heads, self.head_dim, self.dtype = q_heads, kv_heads, head_dim, dtype
         self.warmed = False
-        self.rows_in_place = dtype == torch.float32  # see the module docstring (reduced precision)
+        self.rows_in_place = rows_in_place and dtype == torch.float32  # module docstring: "Which rows"
+        self._plan: object | None = None  # the step whose masks `_masks` holds (`_memo`)
+        self._masks: dict[tuple, object] = {}
 
     def matches(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         return (q_heads, kv_heads, head_dim, dtype) == (self.q_heads, self.kv_heads, self.head_dim, self.dtype)
@@ -151,24 +154,39 @@ class InPlaceAttention:
             raise NotWarmed(f"in-place attention of shape {tuple(q.shape)} was not compiled at warm-up: "
                             f"{type(exc).__name__}") from exc
 
-    # -- decode: one row per session ------------------------------------------------------------
+    # -- one step's masks, built once for all its layers ------------------------------------------
+    def _memo(self, plan: object | None, key: tuple, build: Callable[[], object]) -> object:
+        """`build()` once per step and `key`: every cached layer of a step has the same plan
+        (the same object), so its block masks are built for the first layer only."""
+        if plan is None:
+            return build()
+        if self._plan is not plan:
+            self._plan, self._masks = plan, {}
+        if key not in self._masks:
+            self._masks[key] = build()
+        return self._masks[key]
+
+    # -- decode: one query row per batch entry ----------------------------------------------------
     def decode(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, tables: Sequence[Sequence[int]],
-               lengths: Sequence[int], scale: float) -> torch.Tensor:
-        """q [S, h_l, d] (session i's one new row, at position lengths[i] - 1) -> ctx [S, h_l, d]."""
+               lengths: Sequence[int], scale: float, plan: object | None = None) -> torch.Tensor:
+        """q [S, h_l, d] (row i at position lengths[i] - 1 of the session whose table is
+        tables[i]) -> ctx [S, h_l, d]. `plan`: the step's, to build its masks once for all layers."""
         out = torch.empty_like(q)
         top = DECODE_BUCKETS[-1]
         keys, values = self._kv(pool_k), self._kv(pool_v)
         for at in range(0, q.shape[0], top):
             part = slice(at, min(at + top, q.shape[0]))
-            out[part] = self._decode_group(keys, values, q[part], tables[part], lengths[part], scale)
+            width = _bucket(part.stop - at, DECODE_BUCKETS)
+            mask = self._memo(plan, ("decode", at), lambda: self._decode_mask(tables[part], lengths[part], width))
+            qs = torch.zeros(width, self.q_heads, 1, self.head_dim, dtype=q.dtype, device=q.device)
+            qs[:part.stop - at, :, 0] = q[part]
+            out[part] = self._call(qs, keys, values, mask, scale)[:part.stop - at, :, 0]
         return out
 
-    def _decode_group(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
-                      tables: Sequence[Sequence[int]], lengths: Sequence[int], scale: float) -> torch.Tensor:
+    def _decode_mask(self, tables: Sequence[Sequence[int]], lengths: Sequence[int], width: int) -> object:
         from torch.nn.attention.flex_attention import BlockMask
 
-        s, bs, n = q.shape[0], self.block_size, self.num_blocks
-        width = _bucket(s, DECODE_BUCKETS)
+        bs, n = self.block_size, self.num_blocks
         partial_num = torch.zeros(width, 1, 1, dtype=torch.int32)
         partial_idx = torch.zeros(width, 1, 1, n, dtype=torch.int32)
         full_num = torch.zeros(width, 1, 1, dtype=torch.int32)
@@ -188,34 +206,32 @@ class InPlaceAttention:
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             return kv_idx % bs < tail[b]
 
-        mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(1, bs),
+        return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(1, bs),
                                         mask_mod=mask_mod, seq_lengths=(1, n * bs))
-        qs = torch.zeros(width, self.q_heads, 1, self.head_dim, dtype=q.dtype, device=q.device)
-        qs[:s, :, 0] = q
-        return self._call(qs, keys, values, mask, scale)[:s, :, 0]
 
     # -- rows: one session's several new rows (a prefill chunk, a recompute, a multi-row append) --
     def rows(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, table: Sequence[int], cached: int,
-             scale: float) -> torch.Tensor:
+             scale: float, plan: object | None = None, key: int = 0) -> torch.Tensor:
         """q [n, h_l, d]: rows at positions cached .. cached + n - 1 of one session whose table
-        covers them -> ctx [n, h_l, d], causal over the session's whole sequence."""
+        covers them -> ctx [n, h_l, d], causal over the session's whole sequence. `plan`, `key`:
+        the step's and the session's place in it, to build the masks once for all layers."""
         out = torch.empty_like(q)
         top = ROW_BUCKETS[-1]
         keys, values = self._kv(pool_k), self._kv(pool_v)
-        p2l = torch.full((1, self.num_blocks), -1, dtype=torch.int32)
-        p2l[0, torch.tensor(list(table), dtype=torch.int64)] = torch.arange(len(table), dtype=torch.int32)
         for at in range(0, q.shape[0], top):
             end = min(at + top, q.shape[0])
-            out[at:end] = self._rows_part(keys, values, q[at:end], table, cached + at, p2l, scale)
+            width = _bucket(end - at, ROW_BUCKETS)
+            mask = self._memo(plan, ("rows", key, at), lambda: self._rows_mask(table, cached + at, end - at, width))
+            qs = torch.zeros(1, self.q_heads, width, self.head_dim, dtype=q.dtype, device=q.device)
+            qs[0, :, :end - at] = q[at:end].transpose(0, 1)
+            out[at:end] = self._call(qs, keys, values, mask, scale)[0, :, :end - at].transpose(0, 1)
         return out
 
-    def _rows_part(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, table: Sequence[int],
-                   first: int, p2l: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [m, h_l, d] at positions first .. first + m - 1."""
+    def _rows_mask(self, table: Sequence[int], first: int, m: int, width: int) -> object:
+        """The mask of m query rows at positions first .. first + m - 1 (padded to width)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        m, bs, n = q.shape[0], self.block_size, self.num_blocks
-        width = _bucket(m, ROW_BUCKETS)
+        bs, n = self.block_size, self.num_blocks
         qb_size = min(Q_BLOCK, width)
         blocks_q = max(2, width // qb_size)  # >= 2: a dimension of 1 is specialised apart
         partial_num = torch.zeros(1, 1, blocks_q, dtype=torch.int32)
@@ -223,6 +239,8 @@ class InPlaceAttention:
         full_num = torch.zeros(1, 1, blocks_q, dtype=torch.int32)
         full_idx = torch.zeros(1, 1, blocks_q, n, dtype=torch.int32)
         ids = torch.tensor(list(table), dtype=torch.int32)
+        p2l = torch.full((1, n), -1, dtype=torch.int32)  # physical block -> its logical index
+        p2l[0, ids.to(torch.int64)] = torch.arange(len(table), dtype=torch.int32)
         for qb in range(-(-m // qb_size)):
             lo = first + qb * qb_size  # the query block's first and last real rows' positions
             hi = first + min(m, (qb + 1) * qb_size) - 1
@@ -238,11 +256,8 @@ class InPlaceAttention:
             logical = p2l[b, kv_idx // bs] * bs + kv_idx % bs
             return logical <= base[b] + q_idx
 
-        mask = BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(qb_size, bs),
+        return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(qb_size, bs),
                                         mask_mod=mask_mod, seq_lengths=(width, n * bs))
-        qs = torch.zeros(1, self.q_heads, width, self.head_dim, dtype=q.dtype, device=q.device)
-        qs[0, :, :m] = q.transpose(0, 1)
-        return self._call(qs, keys, values, mask, scale)[0, :, :m].transpose(0, 1)
 
     # -- warm-up ------------------------------------------------------------------------------
     def warm(self, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float, budget_s: float) -> KernelStatus:
