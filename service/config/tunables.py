@@ -117,12 +117,12 @@ class GangTunables:
         "How a session step's attention reads the KV pool (service.parallel.paged_kernel): `auto` compiles "
         "torch's flex_attention over the pool's blocks in place at bring-up (the `compile` stage of "
         "last_bring_up, before the gang is ready) where a C++ compiler is found (CPU ranks), else the "
-        "gather path, said in one log line; `gather` always copies each session's blocks first (the path "
-        "before issue 52, ~3x the K/V bytes of a one-row append). GET /gang `sessions.attention` says which "
+        "gather path, said in one log line; `gather` always copies each session's blocks first (the "
+        "path before, ~3x the K/V bytes of a one-row append). GET /gang `sessions.attention` says which "
         "path runs and why."))
     session_compile_budget_s: float = knob(60.0, (
-        "Most seconds one rank spends compiling the in-place attention's shapes at bring-up (measured: "
-        "measured in bench/NOTES.md, issue 52; 3 shapes). "
+        "Most seconds one rank spends compiling the in-place attention's shapes at bring-up ("
+        "measured in bench/NOTES.md; 3 shapes). "
         "Shapes left over are never compiled later: their calls take the gather path, so a user's append "
         "never waits for a compiler. Must stay well inside gang.stage_timeout_s, which bounds the stage."))
     session_prefill_chunk_tokens: int = knob(256, (
@@ -130,7 +130,7 @@ class GangTunables:
         "computed this many rows per step, each step shared with other sessions' appends, so their one-row "
         "appends do not wait behind a long prefill; its answer comes when its last chunk is done, and it is "
         "applied only then (a failure between chunks appends nothing). Measured on the 12-layer E768 stack "
-        "at world size 1 (bench/NOTES.md, issue 52): a step of 256 rows beside a one-row append took 4.5x a "
+        "at world size 1 (bench/NOTES.md): a step of 256 rows beside a one-row append took 4.5x a "
         "one-row step at 8.5 ms a prefill row; 128 rows 3.7x at 14 ms a row, 512 rows 5.9x at 5.6 ms a row. "
         "0: no chunking."))
 
