@@ -812,7 +812,10 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
     assert done["status"] == "SUCCEEDED", done
     assert seen <= {"RUNNING", "SUCCEEDED"}, seen  # RUNNING again, never FAILED or back to PENDING
     assert done["resumes"] == 1 and done["attempts"] >= 2, done
-    assert 1 <= done["resumed_from_epoch"] <= killed_at_epoch, (done["resumed_from_epoch"], killed_at_epoch)
+    # The killed run actor's workers are Ray Train actors of their own: they may finish the epoch in
+    # progress and write its checkpoint before they are torn down, after the record's last progress
+    # (seen once under load: resumed from 8, killed at 7). So at most one epoch past the record.
+    assert 1 <= done["resumed_from_epoch"] <= killed_at_epoch + 1, (done["resumed_from_epoch"], killed_at_epoch)
     assert [h["epoch"] for h in done["history"]] == list(range(1, SPECS["kill"]["epochs"] + 1))
     assert all(isinstance(h["eval_loss"], float) for h in done["history"])
     assert done["final_eval_loss"] == done["history"][-1]["eval_loss"]
