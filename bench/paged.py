@@ -42,14 +42,9 @@ NUM_BLOCKS = 2 * CONTEXT // BLOCK + 64  # room for the session and a second one,
 
 
 def _median_ms(fn: Callable[[], object], n: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(n):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1000
+    from bench.run import time_calls  # the one timer of the bench (bench.run imports this module lazily)
+
+    return time_calls(fn, n, warmup)["p50_ms"]
 
 
 def _scattered_table(blocks: int, seed: int = 0) -> tuple[int, ...]:
