@@ -109,3 +109,14 @@ class AttentionHeads:
             problems.append(f"num_heads ({self.num_heads}) must be divisible by world_size ({world_size}): each "
                             "rank computes num_heads / world_size whole heads")
         return problems
+
+
+def parameter_count(specs: tuple[ParamSpec, ...]) -> int:
+    """How many dense parameters `specs` declare (a model's `params()`), summed over their shapes."""
+    total = 0
+    for spec in specs:
+        n = 1
+        for d in spec.shape:
+            n *= d
+        total += n
+    return total

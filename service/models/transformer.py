@@ -65,17 +65,7 @@ class TransformerArch(AttentionHeads):
     def kv_layers(self) -> int:
         return self.num_layers
 
-    def parameter_count(self) -> int:
-        return sum(_numel(spec.shape) for spec in self.params())
-
     def metadata(self) -> dict[str, str]:
         return {"model": "transformer", "num_layers": str(self.num_layers), "embed_dim": str(self.embed_dim),
                 "num_heads": str(self.num_heads), "ffn_dim": str(self.ffn_dim), "activation": self.activation,
                 "norm_first": str(self.norm_first).lower(), "layer_norm_eps": repr(float(self.layer_norm_eps))}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from service.models.llama import LlamaArchitecture
+from service.models.params import parameter_count
+from service.models.registry import describe
 
 # Upper bound on the elements of one synthetic tensor (inputs or targets): 64 Mi float32
 # = 256 MiB, generated in every worker.
@@ -77,18 +79,14 @@ class TransformerModel(_Heads):
 
     @model_validator(mode="after")
     def _not_too_large(self) -> "TransformerModel":
-        if self.parameter_count() > MAX_MODEL_PARAMETERS:
+        count = parameter_count(describe(self).params())
+        if count > MAX_MODEL_PARAMETERS:
             raise ValueError(
-                f"transformer too large: {self.parameter_count()} parameters ({self.num_layers} layers x "
+                f"transformer too large: {count} parameters ({self.num_layers} layers x "
                 f"(4 x embed_dim {self.embed_dim}^2 + 2 x embed_dim x ffn_dim {self.ffn_dim} + biases and "
                 f"norms)), the limit is {MAX_MODEL_PARAMETERS} (the widest attention model's)"
             )
         return self
-
-    def parameter_count(self) -> int:
-        """Its parameter count (every layer: in_proj, out_proj, linear1, linear2, two norms)."""
-        e, f = self.embed_dim, self.ffn_dim
-        return self.num_layers * (4 * e * e + 4 * e + 2 * e * f + f + e + 4 * e)
 
 
 class LinearModel(_Closed):
@@ -128,9 +126,9 @@ class RegisteredModel(_Closed):
             if self.embed_dim not in (None, arch.hidden_size):
                 raise ValueError(f"model llama: embed_dim={self.embed_dim}, but model_args' hidden_size is "
                                  f"{arch.hidden_size} (leave embed_dim out)")
-            if arch.parameter_count() > MAX_MODEL_PARAMETERS:
-                raise ValueError(f"llama too large: {arch.parameter_count()} parameters, the limit is "
-                                 f"{MAX_MODEL_PARAMETERS} (the widest attention model's)")
+            if (count := parameter_count(arch.params())) > MAX_MODEL_PARAMETERS:
+                raise ValueError(f"llama too large: {count} parameters, the limit is {MAX_MODEL_PARAMETERS} "
+                                 "(the widest attention model's)")
         elif self.embed_dim is None:
             raise ValueError(f"model {self.kind}: embed_dim is required (the factory is called with it)")
         return self
