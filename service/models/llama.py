@@ -121,6 +121,46 @@ class LlamaArchitecture:
             raise ValueError(f"{where} does not record a llama architecture ({type(exc).__name__}: {exc}); "
                              "a llama checkpoint file records what metadata() writes") from None
 
+    def params(self) -> tuple[ParamSpec, ...]:
+        """Every tensor of LlamaModel's state_dict but embed_tokens, in its order, and its sharding:
+        q/k/v COLUMN by head (K/V replicated when fewer heads than ranks), o_proj and down_proj
+        ROW, gate/up COLUMN, norms replicated."""
+        a, P = self, ParamSpec
+        col, row, rep = Shard.COLUMN, Shard.ROW, Shard.REPLICATED
+        e, d, i = a.hidden_size, a.head_dim, a.intermediate_size
+        specs: list[ParamSpec] = []
+        for n in range(a.num_layers):
+            at = f"layers.{n}."
+            for proj, heads in (("q_proj", a.num_heads), ("k_proj", a.num_kv_heads), ("v_proj", a.num_kv_heads)):
+                specs.append(P(f"{at}self_attn.{proj}.weight", (heads * d, e), col, groups=heads))
+                if a.attention_bias:
+                    specs.append(P(f"{at}self_attn.{proj}.bias", (heads * d,), col, groups=heads))
+            specs.append(P(f"{at}self_attn.o_proj.weight", (e, a.num_heads * d), row))
+            if a.attention_bias:
+                specs.append(P(f"{at}self_attn.o_proj.bias", (e,), rep))
+            for proj, shape, shard in (("gate_proj", (i, e), col), ("up_proj", (i, e), col),
+                                       ("down_proj", (e, i), row)):
+                specs.append(P(f"{at}mlp.{proj}.weight", shape, shard))
+                if a.mlp_bias:
+                    specs.append(P(f"{at}mlp.{proj}.bias", (shape[0],), col if shard is col else rep))
+            specs += [P(f"{at}input_layernorm.weight", (e,), rep), P(f"{at}post_attention_layernorm.weight", (e,), rep)]
+        specs.append(P("norm.weight", (e,), rep))
+        return tuple(specs)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The LlamaConfig fields that define it (`from_hf_config` reads them back to an equal
+        architecture): what the builder arguments keep as model=llama's `model_args`."""
+        rope: dict[str, Any] = {"rope_type": "llama3" if self.rope_llama3 else "default", "rope_theta": self.rope_theta}
+        if self.rope_llama3 is not None:
+            r = self.rope_llama3
+            rope.update(factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                        original_max_position_embeddings=r.original_max_position_embeddings)
+        return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "intermediate_size": self.intermediate_size, "head_dim": self.head_dim,
+                "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope, "hidden_act": "silu",
+                "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias}
+
     def problems(self, world_size: int) -> list[str]:
         """Why this stack cannot be split `world_size` ways (empty: it can), each naming the numbers."""
         p, out = world_size, []
