@@ -87,6 +87,15 @@ def apply_rotary(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return y * cos + rotated * sin
 
 
+def rotated_qkv(attn: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [..., E] -> q [..., heads, d], k, v [..., kv_heads, d] through `attn`'s q/k/v projections,
+    q and k rotated (cos, sin [..., 1, d]: the same angles for every head)."""
+    q = apply_rotary(attn.q_proj(h).unflatten(-1, (heads, head_dim)), cos, sin)
+    k = apply_rotary(attn.k_proj(h).unflatten(-1, (kv_heads, head_dim)), cos, sin)
+    return q, k, attn.v_proj(h).unflatten(-1, (kv_heads, head_dim))
+
+
 def row_positions(key_mask: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """[batch, seq] int64: each real row's position among its sequence's real rows (0, 1, ...),
     so left and right padding give the same positions; padded rows get the position before them
@@ -146,13 +155,12 @@ class DenseLlama(nn.Module):
         a = self.arch
         batch, seq, _ = x.shape
         cos, sin = rotary(row_positions(key_mask, batch, seq, x.device), self.inv_freq, x.dtype)  # [b, s, d]
-        cos, sin = cos[:, None], sin[:, None]  # [b, 1, s, d]: every head
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [b, s, 1, d]: every head
         for block in self.layers:
             attn, mlp = block.self_attn, block.mlp
             h = rms_norm(x, block.input_layernorm.weight, a.rms_norm_eps)
-            q = apply_rotary(attn.q_proj(h).view(batch, seq, a.num_heads, a.head_dim).transpose(1, 2), cos, sin)
-            k = apply_rotary(attn.k_proj(h).view(batch, seq, a.num_kv_heads, a.head_dim).transpose(1, 2), cos, sin)
-            v = attn.v_proj(h).view(batch, seq, a.num_kv_heads, a.head_dim).transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in rotated_qkv(attn, h, a.num_heads, a.num_kv_heads, a.head_dim,
+                                                               cos, sin))  # [b, heads, s, d]
             x = x + attn.o_proj(head_attention(q, k, v, key_mask, True, a.head_dim ** -0.5))
             h = rms_norm(x, block.post_attention_layernorm.weight, a.rms_norm_eps)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
@@ -235,13 +243,12 @@ class LlamaShard(nn.Module):
         a = self.arch
         batch, seq, _ = x.shape
         cos, sin = rotary(row_positions(key_mask, batch, seq, x.device), self.inv_freq, x.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [b, 1, s, d]
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [b, s, 1, d]
         for block in self.layers:
             attn = block.self_attn
             h = rms_norm(x, block.input_layernorm.weight, a.rms_norm_eps)
-            q = apply_rotary(attn.q_proj(h).view(batch, seq, attn.heads, a.head_dim).transpose(1, 2), cos, sin)
-            k = apply_rotary(attn.k_proj(h).view(batch, seq, attn.kv_heads, a.head_dim).transpose(1, 2), cos, sin)
-            v = attn.v_proj(h).view(batch, seq, attn.kv_heads, a.head_dim).transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim,
+                                                               cos, sin))  # [b, h_l / kv_l, s, d]
             ctx = head_attention(q, k, v, key_mask, True, self.scale)  # [b, s, h_l * d]
             x = x + self._reduce(F.linear(ctx, attn.o_proj.weight), attn.o_proj.bias)
             x = self._mlp(block, x)
@@ -255,10 +262,8 @@ class LlamaShard(nn.Module):
         batch, seq, _ = x.shape
         cos, sin = rotary(row_positions(key_mask, batch, seq, x.device), self.inv_freq, x.dtype)
         h = rms_norm(x, block.input_layernorm.weight, a.rms_norm_eps)
-        q = apply_rotary(attn.q_proj(h).view(batch, seq, attn.heads, a.head_dim).transpose(1, 2), cos[:, None],
-                         sin[:, None])
-        k = attn.k_proj(h).view(batch, seq, attn.kv_heads, a.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(batch, seq, attn.kv_heads, a.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim,
+                                                           cos[:, :, None], sin[:, :, None]))
         ctx = head_attention(q, k, v, key_mask, True, self.scale)
         return F.linear(ctx, attn.o_proj.weight) + F.linear(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h),
                                                             mlp.down_proj.weight)
@@ -273,9 +278,7 @@ class LlamaShard(nn.Module):
         for i, block in enumerate(self.layers):
             attn = block.self_attn
             h = rms_norm(x, block.input_layernorm.weight, a.rms_norm_eps)
-            q = apply_rotary(attn.q_proj(h).view(rows, attn.heads, a.head_dim), cos, sin)  # [T, h_l, d]
-            k = apply_rotary(attn.k_proj(h).view(rows, attn.kv_heads, a.head_dim), cos, sin)  # [T, kv_l, d]
-            v = attn.v_proj(h).view(rows, attn.kv_heads, a.head_dim)
+            q, k, v = rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim, cos, sin)  # [T, h_l / kv_l, d]
             ctx = paged_attention(pool, i, q, k, v, plan, self.scale)  # [T, h_l, d]
             x = x + self._reduce(F.linear(ctx.reshape(rows, -1), attn.o_proj.weight), attn.o_proj.bias)
             x = self._mlp(block, x)
