@@ -106,24 +106,24 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
         model.load_shard(shard_dense(arch, arch.init_weights("random", 5), rank, world_size))
         rows = pickle.loads((work / "session.pkl").read_bytes())
         plans = [AppendPlan(8, 4, (n,), (c,), (table,)) for n, c, table in _session_steps()]
+
+        def session(pool: Any) -> torch.Tensor:
+            """The plans' appends of `rows` through `pool`, their outputs concatenated."""
+            with torch.inference_mode():
+                appended, at = [], 0
+                for plan in plans:
+                    appended.append(model.append(rows[at:at + plan.rows], plan, pool))
+                    at += plan.rows
+            return torch.cat(appended)
+
         pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
-        with torch.inference_mode():
-            appended, at = [], 0
-            for plan in plans:
-                appended.append(model.append(rows[at:at + plan.rows], plan, pool))
-                at += plan.rows
-        out["session"] = torch.cat(appended)
+        out["session"] = session(pool)
         out["pool_bytes"] = torch.tensor(pool.nbytes)
         # The same appends with the attention read from the pool in place (compiled flex_attention).
         pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
         kv = kv_heads_per_rank(arch, world_size)
         pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32, rows_in_place=True)
-        with torch.inference_mode():
-            appended, at = [], 0
-            for plan in plans:
-                appended.append(model.append(rows[at:at + plan.rows], plan, pool))
-                at += plan.rows
-        out["session-in-place"] = torch.cat(appended)
+        out["session-in-place"] = session(pool)
         torch.save(out, work / f"rank{rank}.pt")
 
 
