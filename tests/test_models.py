@@ -213,10 +213,38 @@ def test_a_rank_reads_only_its_slices_of_the_fused_qkv() -> None:
 
 @pytest.mark.unit
 def test_init_is_reproducible_and_independent_of_world_size() -> None:
-    arch = STACKS["post-relu"]
-    a, b = arch.init_weights("random", 4), arch.init_weights("random", 4)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["layers.0.linear1.weight"], arch.init_weights("random", 5)["layers.0.linear1.weight"])
+    """What each rank of a gang of 1, 2 or 4 loads from init=random (service.gang.worker's
+    load_rank_shard, as a rank does at bring-up) is a piece of ONE set of dense weights: a
+    tensor a rank holds whole is the world-size-1 tensor, and a tensor split over the ranks
+    holds, over all ranks, exactly the world-size-1 tensor's values (compared as sorted
+    values, so the check does not restate the sharding layout). Loading again gives the same
+    weights; another seed gives other values in every tensor."""
+    from service.config.builder_args import ModelConfig
+    from service.gang.worker import load_rank_shard
+
+    def model(seed: int) -> ModelConfig:
+        return ModelConfig(model="transformer", num_layers=2, embed_dim=64, num_heads=8, ffn_dim=96, init="random",
+                           seed=seed)
+
+    dense = load_rank_shard(model(4), 0, 1)  # world size 1: the dense weights
+    for world_size in (2, 4):
+        ranks = [load_rank_shard(model(4), rank, world_size) for rank in range(world_size)]
+        assert all(set(shard) == set(dense) for shard in ranks)
+        split = 0
+        for name, whole in dense.items():
+            pieces = [shard[name] for shard in ranks]
+            if all(piece.shape == whole.shape for piece in pieces):
+                assert all(torch.equal(piece, whole) for piece in pieces), (world_size, name)
+                continue
+            split += 1
+            assert sum(piece.numel() for piece in pieces) == whole.numel(), (world_size, name)
+            values = torch.cat([piece.flatten() for piece in pieces]).sort().values
+            assert torch.equal(values, whole.flatten().sort().values), (world_size, name)
+        assert split >= 4 * 2, f"world size {world_size}: only {split} tensors were split"  # qkv, out, ffn x 2 layers
+    again, other = load_rank_shard(model(4), 0, 1), load_rank_shard(model(5), 0, 1)
+    assert all(torch.equal(again[k], dense[k]) for k in dense)
+    random = [k for k in dense if ".norm" not in k]  # norms start at 1 and 0 for every seed
+    assert random and all(not torch.equal(other[k], dense[k]) for k in random)
 
 
 @pytest.mark.unit
