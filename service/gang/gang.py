@@ -219,14 +219,17 @@ class Gang:
         `commit(out)` (after success) or `abort()` (after any failure) runs there too. Returns
         what `commit` returns. Failures map as for `infer` (the gang turns BROKEN)."""
         self._require_ready()
-        return await self._sequencer.run(self._session_step, prepare, time.time_ns(),
+        return await self._sequencer.run(self._session_step, prepare, time.time_ns(), timeline.current_step(),
                                          step_timeout_s=self.cfg.collective_timeout_s, request_deadline=deadline)
 
     def kv_pool_bytes(self) -> int:
         """Rank 0's KV pool, bytes on its device (every rank's pool has the same shape)."""
         return self._root.kv_pool_bytes() if self._root is not None else 0
 
-    def _session_step(self, prepare: Callable[[int, int], "SessionStepPlan"], received_ns: int) -> Any:
+    def _session_step(self, prepare: Callable[[int, int], "SessionStepPlan"], received_ns: int,
+                      marks: timeline.StepMarks | None = None) -> Any:
+        if marks is not None:
+            marks.mark("handoff")  # the event loop -> the sequencer thread
         self._require_ready()
         plan = prepare(self.generation, self.weights_version)
         if not plan.sessions:  # every session of the step ended meanwhile: nothing to compute
@@ -239,6 +242,8 @@ class Gang:
         if self.state is not GangState.READY:  # timed out meanwhile (the caller got 504): keep nothing
             plan.abort()
             raise GangUnavailable(f"the gang broke during the append step: {self.reason}", code=ErrorCode.GANG_BROKEN)
+        if marks is not None:
+            self._mark_step(marks)
         return plan.commit(out)
 
     async def swap_weights(
