@@ -1,7 +1,9 @@
 """Builder arguments: one pydantic model, unknown keys and impossible shapes rejected."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -93,25 +95,43 @@ def test_kuberay_manifest_embeds_a_valid_serve_config() -> None:
     assert gpus >= cfg.gang.world_size, "the manifest's GPU workers cannot hold the gang"
 
 
+def _bound_arguments(app: Any, deployment: str) -> dict[str, Any]:
+    """The arguments `deployment` is bound with somewhere in the composed `app`, by the names
+    of its constructor's parameters (not by position)."""
+    from ray.serve import Application
+
+    seen, todo = [], [app]
+    while todo:
+        bound = todo.pop()._bound_deployment
+        seen.append(bound.name)
+        if bound.name == deployment:
+            signature = inspect.signature(bound.func_or_class.__init__)
+            return dict(signature.bind(None, *bound.init_args, **bound.init_kwargs).arguments)
+        todo += [a for a in [*bound.init_args, *bound.init_kwargs.values()] if isinstance(a, Application)]
+    raise AssertionError(f"no deployment {deployment} in the app; found {seen}")
+
+
 def test_training_limits_are_builder_args_passed_to_the_job_manager() -> None:
+    """Every training limit, given as a (CLI-style, string) builder argument at a value other
+    than its default, reaches the JobManager deployment's `limits`; the app's serving
+    max_seq_len, model and tunables reach it too."""
     from service.config.builder_args import TrainingLimits
 
-    limits = parse_args({}).training
-    assert limits == TrainingLimits()
-    assert (limits.max_active_jobs, limits.max_training_workers, limits.max_training_gpus) == (8, 32, 8)
-    assert (limits.max_runtime_s, limits.max_datasets, limits.max_dataset_bytes) == (6 * 3600, 64, 4 * 1024**3)
+    assert parse_args({}).training == TrainingLimits()
     for field in TrainingLimits.model_fields.values():
         assert field.description, "every limit says what it bounds"
     with pytest.raises(InvalidAppArgs, match="max_active_jobs"):
         parse_args({"max_active_jobs": 0})
-    cfg = parse_args({"max_active_jobs": "3", "max_runtime_s": "60", "max_seq_len": 128})
-    # The JobManager deployment is bound with exactly these limits, the serving max_seq_len and
-    # the served model's config (init_from regenerates config weights from it), and the app's tunables.
-    ingress = compose_app(cfg)._bound_deployment
-    limits, max_seq_len, model, tunables = ingress.init_args[2]._bound_deployment.init_args
-    assert tunables == cfg.tunables
-    assert limits is cfg.training and model is cfg.model
-    assert (limits.max_active_jobs, limits.max_runtime_s, max_seq_len) == (3, 60.0, 128)
+    # Each limit at default + 1: a limit that did not reach the deployment would keep its default.
+    given = {name: field.default + 1 for name, field in TrainingLimits.model_fields.items()}
+    cfg = parse_args({**{name: str(value) for name, value in given.items()}, "max_seq_len": 128,
+                      "tunables": {"training": {"max_log_lines_per_job": 7}}})
+    assert cfg.training.model_dump() == given
+    bound = _bound_arguments(compose_app(cfg), "JobManager")
+    assert bound["limits"].model_dump() == given
+    assert bound["max_seq_len"] == 128
+    assert bound["model"] == cfg.model
+    assert bound["tunables"].training.max_log_lines_per_job == 7
 
 
 def test_the_builder_argument_reference_is_generated_and_current() -> None:
@@ -156,10 +176,18 @@ def test_a_tunables_override_in_the_builder_args_reaches_the_running_value() -> 
     from service.config.builder_args import AppConfig
 
     args = yaml.safe_load("tunables:\n  gang: {probe_interval_s: 0.5}\n  state: {s3_request_timeout_s: 90}\n")
+    import dataclasses
+
+    from service.config.tunables import Tunables
+
     cfg = parse_args(args)
-    assert cfg.tunables.gang.probe_interval_s == 0.5
-    assert cfg.tunables.state.s3_request_timeout_s == 90.0
-    assert cfg.tunables.gang.max_backoff_s == 30.0  # untouched: the default
+    defaults = Tunables()
+    assert cfg.tunables.gang.probe_interval_s == 0.5 != defaults.gang.probe_interval_s
+    assert cfg.tunables.state.s3_request_timeout_s == 90.0 != defaults.state.s3_request_timeout_s
+    # Everything else untouched: the defaults, whatever they are.
+    assert cfg.tunables == dataclasses.replace(
+        defaults, gang=dataclasses.replace(defaults.gang, probe_interval_s=0.5),
+        state=dataclasses.replace(defaults.state, s3_request_timeout_s=90.0))
     replica = pickle.loads(pickle.dumps(cfg))  # how Ray hands the object to each deployment
     assert replica.tunables == cfg.tunables and replica == cfg
     assert AppConfig.model_validate(cfg.model_dump()) == cfg  # the tree's dump validates back to itself
