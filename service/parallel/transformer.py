@@ -18,6 +18,14 @@ One layer on rank r of p (Megatron's parallel transformer layer), x [batch, seq,
 The norms and the biases of the ROW layers are replicated; two all_reduces per layer and
 nothing else crosses ranks. Output rows at padded query positions are 0.
 
+A rank that holds the whole layer (world size 1) runs each layer as torch's own fused encoder
+kernel, `torch._transformer_encoder_layer_fwd` (the fast path `nn.TransformerEncoderLayer`
+takes in inference mode: one call per layer for the QKV GEMM, the bias/rescale/head split,
+attention, the out projection, both norms and the MLP), whenever that fast path's conditions
+hold (`FusedEncoder`); otherwise, and on every rank of a larger gang, op by op as above. The
+kernel takes no share of a layer: it checks that its embed_dim is the input's width (a rank's
+heads are E/p wide) and applies the norms, which need the all_reduced sum, inside the call.
+
 Sessions (`append`): each layer caches its own K/V of its own input rows (pool layer i), so an
 appended row runs every layer over its session's cached positions (service.parallel.kv_cache).
 """
@@ -105,6 +113,51 @@ class ParallelEncoderLayer(nn.Module):
             return self.self_attn.out_proj(ctx.reshape(x.shape[0], -1))  # [T, E], all-reduced
         return self._residual(x, sa)
 
+    def fused(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The whole layer as torch's fused encoder kernel (world size 1 only: `FusedEncoder`):
+        x [batch, seq, E] -> [batch, seq, E]; `bias` [batch, seq], 0 at tokens and -inf at
+        padded keys (torch's key padding mask, mask type 1), or None."""
+        attn = self.self_attn
+        return torch._transformer_encoder_layer_fwd(
+            x, attn.heads_local * attn.head_dim, attn.heads_local, attn.in_proj_weight, attn.in_proj_bias,
+            attn.out_proj.weight, attn.out_proj.bias, self.act is F.gelu, self.norm_first, self.norm1.eps,
+            self.norm1.weight, self.norm1.bias, self.norm2.weight, self.norm2.bias, self.linear1.weight,
+            self.linear1.bias, self.linear2.weight, self.linear2.bias, bias,
+            None if bias is None else 1)
+
+
+@dataclass(frozen=True)
+class FusedEncoder:
+    """When a rank's stack runs torch's fused encoder kernel (`ParallelEncoderLayer.fused`): the
+    conditions of `nn.TransformerEncoderLayer`'s own fast path (torch/nn/modules/transformer.py)
+    that our layers can meet, plus ours.
+
+    Fixed when the stack is built: the rank holds whole layers (world size 1), an even head count
+    (torch's condition), equal norm eps (ours are), relu or gelu (ours are), a CPU or CUDA device.
+    Per call (`applies`): the input is [batch, seq, E], torch's fast path is enabled
+    (`torch.backends.mha.get_fastpath_enabled()`, so it can be switched off to compare), no
+    autograd (the kernel has no backward: the rank runs in inference mode), no autocast, and not
+    causal: the op-by-op path keeps causal requests, whose padded queries must attend every key
+    (`attention_bias_mask`) where torch's mask would leave a left-padded query no key at all.
+    A key padding mask alone is the kernel's mask type 1 (a padded query then attends the
+    row's tokens, as `sdpa_mask` lets it; its output row is set to 0 afterwards)."""
+
+    whole_layers: bool
+
+    @classmethod
+    def of(cls, spec: "TransformerDef", group: ParallelGroup) -> "FusedEncoder":
+        return cls(group.world_size == 1 and spec.num_heads % 2 == 0 and group.device.type in ("cpu", "cuda"))
+
+    def applies(self, x: torch.Tensor, causal: bool) -> bool:
+        return (self.whole_layers and not causal and x.dim() == 3 and torch.backends.mha.get_fastpath_enabled()
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled())
+
+
+def padding_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """key_mask [batch, seq] bool (True = token) -> [batch, seq] in `dtype`: 0 at tokens, -inf at
+    padding (what torch's layer hands its fused kernel for a `src_key_padding_mask`)."""
+    return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill_(~key_mask, float("-inf"))
+
 
 class ParallelEncoder(nn.Module):
     """Rank r's shard of the whole stack (a service.parallel.model.RankModel)."""
@@ -112,17 +165,26 @@ class ParallelEncoder(nn.Module):
     def __init__(self, spec: "TransformerDef", group: ParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.layers = nn.ModuleList(ParallelEncoderLayer(spec, group, dtype) for _ in range(spec.num_layers))
+        self.fused_path = FusedEncoder.of(spec, group)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, key_mask, causal)  # [batch, seq, E]
+        if self.fused_path.applies(x, causal):
+            bias = None if key_mask is None else padding_bias(key_mask, x.dtype)
+            for layer in self.layers:
+                x = layer.fused(x, bias)  # [batch, seq, E]
+        else:
+            for layer in self.layers:
+                x = layer(x, key_mask, causal)  # [batch, seq, E]
         if key_mask is not None:
             x = x.masked_fill(~key_mask[..., None], 0.0)  # padded query positions have no output
         return x
 
     def warm_local(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        """Layer 0's local kernels (attention and the MLP's GEMMs), partial sums, no collective."""
+        """Layer 0's local kernels (attention and the MLP's GEMMs), partial sums, no collective;
+        at world size 1 where the fused kernel applies, layer 0 through it (what a step runs)."""
         layer = self.layers[0]
+        if self.fused_path.applies(x, causal):
+            return layer.fused(x, None if key_mask is None else padding_bias(key_mask, x.dtype))
         attn = layer.self_attn
         ctx = attn.context(layer.norm1(x), key_mask, causal)
         return F.linear(ctx, attn.out_proj.weight) + F.linear(layer.act(layer.linear1(x)), layer.linear2.weight)
