@@ -136,7 +136,9 @@ def test_a_job_checkpoint_loads_into_torchs_encoder_strictly_and_computes_the_sa
                     "causal": "true" if causal else "false"}
     reference = torch_encoder(**arch)
     saved = load_file(str(path))
-    assert reference.load_state_dict(saved, strict=True)  # every name, no wrapper prefix
+    # Not strict, so that a difference is named here rather than raised: every name, no wrapper prefix.
+    incompatible = reference.load_state_dict(saved, strict=False)
+    assert (incompatible.missing_keys, incompatible.unexpected_keys) == ([], []), incompatible
     assert all(torch.equal(reference.state_dict()[k].float(), v) for k, v in saved.items())
     found, shapes = read_architecture(path)
     assert fit_problems(spec, found, shapes) == []
