@@ -64,6 +64,32 @@ def test_only_equal_seq_lens_are_coalesced_and_max_rows_is_respected() -> None:
     assert sum(shape[0] for shape in step.shapes) == 10
 
 
+def test_a_lone_request_never_waits_for_company_and_concurrent_ones_still_gather() -> None:
+    """batch_wait_timeout_s of 30 s: a request that finds the batcher idle runs its step at once
+    (bounded here far below the linger); the requests that arrive while that step runs share the
+    next step, after lingering for company behind it."""
+    async def scenario() -> tuple[RecordingStep, StepBatcher, list[np.ndarray], list[np.ndarray]]:
+        step = RecordingStep(delay_s=0.2)
+        batcher = StepBatcher(step, BatchPolicy(max_batch_size=3, wait_s=30.0))
+        alone = _x(1, 2, 0)
+        np.testing.assert_array_equal(await asyncio.wait_for(batcher.submit(alone), 10), alone * 2)
+        assert batcher.stats()["inline_steps"] == 1 and step.shapes == [(1, 2, 4)]
+        first = asyncio.ensure_future(batcher.submit(_x(1, 2, 1)))  # idle again: runs at once
+        await eventually_async(lambda: len(step.shapes) == 2, 5, "the second lone request's step running")
+        behind = [_x(1, 2, 2 + i) for i in range(2)]
+        # Queued behind the running step: 2 rows < max_batch_size 3, so they would linger 30 s
+        # for a third; a third row arrives, fills the step, and the linger ends at once.
+        outs = await asyncio.wait_for(asyncio.gather(first, *(batcher.submit(x) for x in behind),
+                                                     batcher.submit(_x(1, 2, 9))), 10)
+        return step, batcher, [_x(1, 2, 1), *behind, _x(1, 2, 9)], outs
+
+    step, batcher, inputs, outs = asyncio.run(scenario())
+    for x, out in zip(inputs, outs):
+        np.testing.assert_array_equal(out, x * 2)
+    assert step.shapes == [(1, 2, 4), (1, 2, 4), (3, 2, 4)]  # two lone steps, then the three together
+    assert batcher.stats()["inline_steps"] == 2
+
+
 def test_a_failed_step_fails_every_request_in_it_and_the_next_step_runs() -> None:
     async def scenario() -> None:
         step = RecordingStep(fail=True)

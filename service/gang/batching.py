@@ -20,9 +20,11 @@ padded tokens of the steps (/gang) and the observer gets each step's padded shar
 
 At most `max_in_flight` steps run at once (1, in front of the gang's sequencer);
 requests that arrive while they run form the next batch, so under load batches grow by
-themselves and an idle gang adds no wait (unless `wait_s` > 0 asks to linger for company):
-a request that finds the batcher idle runs its step in its own task, at no cost over
-calling the step directly.
+themselves. A request that finds the batcher idle never waits: it runs its step in its own
+task at once, at no cost over calling the step directly, whatever `wait_s` says. `wait_s` > 0
+lingers for company only for requests queued behind a running step (when its slot frees and
+fewer than max_batch_size rows are queued): a lone request on an idle gang has no company to
+wait for, while concurrent ones still gather.
 
 Deadlines: each request may carry a `time.monotonic()` deadline. One that passes while
 the request is still queued drops it (never computed) and fails it at that instant with
@@ -55,6 +57,7 @@ import numpy as np
 
 from service.config.builder_args import BatchPolicy
 from service.contract.errors import DeadlineExceeded, DeadlineExceededBeforeStep
+from service.contract.timing import Part
 from service.metrics import timeline
 
 # (x [batch, seq, E] float32, key mask [batch, seq] bool or None, causal or None,
@@ -100,7 +103,8 @@ class BatchQueue(Generic[Q]):
     never computed; taken: DeadlineExceeded now, its step's other members unaffected).
     A caller that goes away while queued is dropped. At most `max_in_flight` steps run at
     once; calls that arrive meanwhile form the next group. With `inline_when_idle`, a call
-    that finds the queue idle runs its step in its own task, at no cost over calling it."""
+    that finds the queue idle runs its step in its own task at once (no linger: `wait_s` is
+    for calls queued behind a running step), at no cost over calling it."""
 
     def __init__(self, take: Callable[[list[Q]], list[Q]], run: Callable[[list[Q], "float | None"], Awaitable[None]],
                  words: DeadlineWords, *, max_in_flight: int = 1, wait_s: float = 0.0,
@@ -131,10 +135,11 @@ class BatchQueue(Generic[Q]):
         if item.deadline is not None and item.deadline <= time.monotonic():
             self.dropped("deadline", 1)
             raise DeadlineExceededBeforeStep(self._words.queued)
-        if self._inline and not self.pending and self._wait_s <= 0 and not self._slots.locked():
+        if self._inline and not self.pending and not self._slots.locked():
             # Idle: nobody to batch with and a slot free. Run the step in the caller's own
-            # task (no drainer or group task, no extra loop iterations); calls that arrive
-            # meanwhile queue as usual and form the next group.
+            # task at once (no drainer or group task, no extra loop iterations, and no linger:
+            # lingering would only delay a lone request); calls that arrive meanwhile queue
+            # as usual and form the next group, lingering `wait_s` for company.
             await self._slots.acquire()  # free, so this does not yield
             self.inline_steps += 1
             await self._run_group([item])
@@ -226,7 +231,7 @@ class _Pending(Queued):
     mask: np.ndarray | None  # [batch, seq] bool, True = token; None = all tokens
     causal: bool | None  # None: the served model's default
     # The request's timeline (service.metrics.timeline), taken in the submitting task: its
-    # step may run in another task, which gets the step's marks through `StepMarks`.
+    # step may run in another task, which gets the step's timeline through `running_step`.
     request_timeline: timeline.Timeline | None = field(default_factory=timeline.current)
 
     @property
@@ -299,9 +304,9 @@ class StepBatcher:
         rows, seq = int(x.shape[0]), int(x.shape[1])
         share = padded / (rows * seq) if rows * seq else 0.0
         timed = [p.request_timeline for p in group if p.request_timeline is not None]
-        marks = timeline.StepMarks() if timed else None
+        marks = timeline.Timeline.starting_now() if timed else None
         for t in timed:
-            t.mark("queue")  # the batcher: arrival -> its step starts
+            t.mark(Part.QUEUE)  # the batcher: arrival -> its step starts
         started = time.perf_counter()
         token = timeline.running_step(marks)
         try:
@@ -322,7 +327,7 @@ class StepBatcher:
             back = time.monotonic_ns()
             for t in timed:
                 t.extend(marks.marks)
-                t.mark("to_loop", back)  # the sequencer thread -> this event loop
+                t.mark(Part.TO_LOOP, back)  # the sequencer thread -> this event loop
         self._step_ms.append((time.perf_counter() - started) * 1000)
         if self._on_step:
             self._on_step(rows, self._step_ms[-1] / 1000, None, share)
