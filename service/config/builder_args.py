@@ -255,7 +255,8 @@ class BatchingConfig(BaseModel):
     batch_wait_timeout_s: float = Field(
         0.0, ge=0, le=1.0,
         description="Extra wait for company before a step when fewer than max_batch_size rows are queued; "
-        "0 = none (batches still form from requests that arrive while a step runs).",
+        "0 = none (batches still form from requests that arrive while a step runs). A stateless request "
+        "that finds the gang idle never waits: the wait applies to requests queued behind a running step.",
     )
 
     @property
