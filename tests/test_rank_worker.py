@@ -48,7 +48,7 @@ def _step(rank: Any, seq: int, x: np.ndarray, mask: np.ndarray | None, causal: b
     from service.gang.steps import Forward
 
     step = Forward(x, mask, causal)
-    rank.send_header(step.header(seq, rank.dtype, 1, time.time_ns()))
+    rank.send_header(step.kind.header(seq, rank.dtype, 1, time.time_ns(), step.fields()))
     rank.step_seq = seq
     if between is not None:
         between()

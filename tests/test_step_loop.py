@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from service.gang import control
+from service.gang import steps
 from service.gang.steps import Forward
 from service.config.tunables import GangTunables
 from tests.conftest import deploy, local_yaml_args, undeploy
@@ -31,18 +32,35 @@ ALLOWED = {200, 503, 504}
 @pytest.mark.unit
 def test_header_layout_is_fixed_and_carries_every_step_field() -> None:
     step = Forward(np.zeros((2, 3, 512), dtype=np.float32), np.ones((2, 3), dtype=bool), causal=True)
-    h = step.header(7, torch.bfloat16, 4, 99)
+    sent = step.kind.header(7, torch.bfloat16, 4, 99, step.fields())
+    h = sent.encode()
     assert h.dtype == torch.int64 and h.shape == (control.HEADER_LEN,)
-    values = h.tolist()
-    assert values[control.OP] == control.OP_STEP and values[control.SEQ] == 7
-    assert values[control.BATCH:control.WIDTH + 1] == [2, 3, 512]
-    assert values[control.FLAGS] == 3 and values[control.VERSION] == 4 and values[control.SENT_NS] == 99
-    assert values[control.DTYPE] == control.DTYPE_CODES[torch.bfloat16]
-    beat = control.header(control.OP_HEARTBEAT, 8, 0)
-    assert beat.shape == h.shape and beat.tolist()[control.OP] == control.OP_HEARTBEAT
+    got = control.Header.decode(h)  # what a peer's loop reads
+    assert got.op == steps.FORWARD.op and got.seq == 7
+    assert got.version == 4 and got.sent_ns == 99 and got.dtype == control.DTYPE_CODES[torch.bfloat16]
+    assert steps.KINDS[got.op] is steps.FORWARD
+    assert control.kind_fields(steps.FORWARD.layout, got) == steps.ForwardFields(
+        batch=2, seq_len=3, width=512, flags=steps.FLAG_MASKED | steps.FLAG_CAUSAL)
+    beat = control.loop_header(control.OP_HEARTBEAT, 8, 0).encode()
+    assert beat.shape == h.shape and control.Header.decode(beat).op == control.OP_HEARTBEAT
     # Two heartbeats may be late before a peer's wait (the group timeout) runs out.
     assert GangTunables().heartbeat_interval(30.0) * 2 < 30.0
 
+
+@pytest.mark.unit
+def test_each_step_kind_reads_its_own_named_fields_from_the_one_table() -> None:
+    """An append step's header names its sessions and rows (no field borrowed from a forward
+    step's shape), and every kind's op is its table row's, distinct from the loop's own."""
+    meta = torch.arange(11, dtype=torch.int64)
+    step = steps.Append(3, np.zeros((5, 64), dtype=np.float32), meta)
+    got = control.Header.decode(step.kind.header(2, torch.float32, 1, 0, step.fields()).encode())
+    assert steps.KINDS[got.op] is steps.APPEND
+    assert control.kind_fields(steps.APPEND.layout, got) == steps.AppendFields(sessions=3, rows=5, width=64,
+                                                                                meta_len=11)
+    ops = [kind.op for kind in steps.KINDS.values()]
+    assert len(set(ops)) == len(ops) and not set(ops) & control.LOOP_OPS
+    with pytest.raises(ValueError, match="taken"):
+        steps._table(steps.FORWARD, steps.Kind(control.OP_HEARTBEAT, "clash", steps.AppendFields, steps.APPEND.peer))
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +116,9 @@ def test_idle_gang_outlives_its_group_timeout_and_then_serves(loop_url: str) -> 
                          10, "/gang step_timings with the request's step")
     print("step timings:", timings)
     assert timings["enabled"] and timings["steps"] >= 1 and len(timings["peer_wake_ms"]) == 1
+    # rank 0's parts of its steps, by their Server-Timing names, each a duration of its own
+    assert {"header", "broadcast", "compute", "all_reduce", "to_numpy"} <= set(timings["parts_ms"]), timings
+    assert all(ms >= 0 for ms in timings["parts_ms"].values()), timings
 
 
 @pytest.mark.ray

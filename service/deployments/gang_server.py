@@ -46,6 +46,7 @@ from service.gang import worker as rank_worker
 from service.ingress.handle_errors import bounded_call
 from service.gang.gang import Gang
 from service.contract.gang_status import DataChannelStatus, GangState, GangStatus, RankMemory
+from service.contract.timing import StepTimings
 from service.gang.router import routing_stats
 from service.metrics.logs import route_logs_to_serve
 from service.metrics.process import enable_ray_metrics
@@ -83,10 +84,10 @@ class GangServer:
         self._gang = Gang(self._model, cfg.gang, cfg.batching.policy, get_current_placement_group(), self._state,
                           on_step=self._metrics.on_step, on_drop=self._metrics.on_drop,
                           on_broken=lambda: loop.call_soon_threadsafe(self._wake.set), tunables=self._t,
-                          state_tunables=cfg.tunables.state, sessions=pool_of(cfg))
+                          state_tunables=cfg.tunables.state, sessions=pool_of(cfg), on_parts=self._metrics.step_parts)
         self._failed_rebuilds = 0
         self._node_id = ray.get_runtime_context().get_node_id()
-        self._step_timings: dict[str, object] = {}
+        self._step_timings = StepTimings()
         self._memory: list[dict[str, object]] = []  # per CUDA rank, refreshed with the step timings
         self._timings_task: asyncio.Task | None = None
         self._controller = controller  # the weights record's writer and the fleet view's owner
@@ -296,7 +297,7 @@ class GangServer:
         cause = self._gang.reason
         if self._failed_rebuilds:
             delay = min(self._t.max_backoff_s, 2.0 ** (self._failed_rebuilds - 1))
-            self._gang.reason = (
+            self._gang.health.explain(
                 f"rebuild attempt {self._failed_rebuilds} failed ({cause}); retrying in {delay:.0f}s"
             )
             # The state stays BROKEN, so the supervisor loop would not report this reason
@@ -304,7 +305,7 @@ class GangServer:
             await self._publish()
             await asyncio.sleep(delay)
         log.warning("rebuilding gang (attempt %d) after: %s", self._failed_rebuilds + 1, cause)
-        self._gang.reason = f"rebuilding after: {cause}"
+        self._gang.health.explain(f"rebuilding after: {cause}")
         try:
             await self._gang.rebuild(await self._rollout.recorded())
             self._metrics.rebuilt()

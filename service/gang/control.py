@@ -8,24 +8,26 @@ group on CPU (the process group's own connections, so nothing crosses Ray), crea
 next to the data group at rendezvous. On GPUs the data group is NCCL and the control
 group is still gloo, so a waiting peer never holds a CUDA stream.
 
-Header: `HEADER_LEN` int64 values, indices named by the constants below::
+Header: `HEADER_LEN` int64 values. The first five are every header's (`Header`)::
 
-    [OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, META_LEN]
+    [OP, SEQ, DTYPE, VERSION, SENT_NS, <the kind's own fields>...]
 
-    OP       OP_HEARTBEAT, OP_STOP, or a step kind's (service.gang.steps.KINDS: OP_STEP,
-             OP_APPEND, a session append step: BATCH is the number of sessions, SEQ_LEN
-             the step's new rows T; see below)
+    OP       OP_HEARTBEAT, OP_STOP, or a step kind's op (service.gang.steps.KINDS, the one
+             table of the kinds: each row's op, its header fields and its handlers)
     SEQ      rank 0's sequence number of this header (+1 per header, heartbeats included)
-    BATCH, SEQ_LEN, WIDTH   the step's input shape [batch, seq, E] (steps only)
-    FLAGS    FLAG_MASKED: a key mask follows x in the data broadcast; FLAG_CAUSAL
-    DTYPE    DTYPE_CODES[compute dtype]: a peer computing in another dtype refuses the step
+    DTYPE    DTYPE_CODES[compute dtype] (steps only): a peer computing in another dtype
+             refuses the step
     VERSION  the weights version the step expects (a peer holding another computes on
              NaN and records the mismatch; see Rank.collective)
     SENT_NS  rank 0's time.time_ns() when it sent the header (instrumentation only)
-    META_LEN OP_APPEND only: the int64 values of the step's plan (0 otherwise)
 
-OP_APPEND (sessions, service.parallel.kv_cache): the header is followed on the control
-group by one broadcast of the plan (`AppendPlan.encode()`, META_LEN int64 values: which
+The rest, up to `KIND_FIELDS` values, are the step kind's own, each named by its row's
+`layout` (a frozen dataclass of ints, encoded in field order; a heartbeat's and a stop's
+are 0): a forward step's [batch, seq_len, width, flags], an append step's [sessions,
+rows, width, meta_len]. No field is reused by another kind under another meaning.
+
+An append step (sessions, service.parallel.kv_cache): the header is followed on the control
+group by one broadcast of the plan (`AppendPlan.encode()`, `meta_len` int64 values: which
 blocks of each rank's KV pool every session's rows go to, and its cached length), then on
 the data group by the new rows [T, E] and the out projection's all_reduce, as a step.
 
@@ -46,28 +48,68 @@ exits its process within `PEER_EXIT_GRACE_S`, leaving nothing behind.
 """
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass, fields
+from typing import Any, TypeVar
+
 import torch
 
 
 HEADER_LEN = 10
-OP, SEQ, BATCH, SEQ_LEN, WIDTH, FLAGS, DTYPE, VERSION, SENT_NS, META_LEN = range(10)
+COMMON_FIELDS = 5  # op, seq, dtype, version, sent_ns
+KIND_FIELDS = HEADER_LEN - COMMON_FIELDS
 
-OP_STEP = 1
+# The step loop's own ops; the step kinds' ops are their rows' (service.gang.steps.KINDS).
 OP_HEARTBEAT = 2
 OP_STOP = 3
-OP_APPEND = 4
-
-FLAG_MASKED = 1
-FLAG_CAUSAL = 2
+LOOP_OPS = frozenset({OP_HEARTBEAT, OP_STOP})
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
-def header(op: int, seq: int, sent_ns: int, *, batch: int = 0, seq_len: int = 0, width: int = 0, flags: int = 0,
-           dtype: torch.dtype | None = None, version: int = 0, meta_len: int = 0) -> torch.Tensor:
-    """One header (the layout above); a step kind's fields come from its declaration
-    (service.gang.steps), a heartbeat's or a stop's are 0."""
-    code = DTYPE_CODES[dtype] if dtype is not None else 0
-    return torch.tensor([op, seq, batch, seq_len, width, flags, code, version, sent_ns, meta_len], dtype=torch.int64)
+
+@dataclass(frozen=True)
+class Header:
+    """One header as both sides read it: every header's fields, named, and the kind's own
+    values (`kind_fields` reads them into the kind's layout)."""
+
+    op: int
+    seq: int
+    dtype: int = 0  # DTYPE_CODES[compute dtype]; 0: no step (a heartbeat, a stop)
+    version: int = 0
+    sent_ns: int = 0
+    kind_values: tuple[int, ...] = ()
+
+    def encode(self) -> torch.Tensor:
+        """The HEADER_LEN int64 values rank 0 broadcasts (the kind's values zero-padded)."""
+        if len(self.kind_values) > KIND_FIELDS:
+            raise ValueError(f"a header holds {KIND_FIELDS} kind fields, op {self.op} has {len(self.kind_values)}")
+        pad = (0,) * (KIND_FIELDS - len(self.kind_values))
+        return torch.tensor([self.op, self.seq, self.dtype, self.version, self.sent_ns, *self.kind_values, *pad],
+                            dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, values: torch.Tensor) -> "Header":
+        v = values.tolist()
+        return cls(v[0], v[1], v[2], v[3], v[4], tuple(v[COMMON_FIELDS:]))
+
+
+Layout = TypeVar("Layout")
+
+
+def kind_fields(layout: type[Layout], header: Header) -> Layout:
+    """The kind's own fields of `header`, as its `layout` (a dataclass of ints) names them."""
+    return layout(*header.kind_values[:len(fields(layout))])  # type: ignore[arg-type]
+
+
+def kind_values(layout_values: Any) -> tuple[int, ...]:
+    """A kind's layout instance as the header's values, in field order."""
+    return tuple(int(v) for v in astuple(layout_values))
+
+
+def loop_header(op: int, seq: int, sent_ns: int) -> Header:
+    """A heartbeat's or a stop's header (no kind fields)."""
+    if op not in LOOP_OPS:
+        raise ValueError(f"op {op} is a step kind's, not the loop's own")
+    return Header(op, seq, sent_ns=sent_ns)
 
 
 def empty_header() -> torch.Tensor:

@@ -1,7 +1,7 @@
 """One rank of the gang as a plain class: process-group membership plus its shard of the model.
 
 `Rank` rendezvouses, loads its shard, runs the peers' step loop (dispatching on each
-header's OP through the step kinds' table, service.gang.steps) and every step's collectives.
+header's op through the step kinds' table, service.gang.steps) and every step's collectives.
 It imports neither Ray nor pydantic nor the service's configuration (torch, numpy,
 safetensors and the standard library only), so the same code runs as rank 0 inside the
 GangServer replica, as a Ray actor for ranks 1..N-1 (service.gang.rank.RankWorker wraps
@@ -519,11 +519,11 @@ class Rank:
         return self.group.timer.ns
 
     # -- the step loop (ranks 1..N-1; protocol in service.gang.control) -----------------
-    def send_header(self, header: torch.Tensor) -> None:
+    def send_header(self, header: control.Header) -> None:
         """Rank 0 only (the gang's sequencer): broadcast one header to the peers' loops."""
         if self._control is None:
             raise RuntimeError(f"rank {self.rank}: no control group (world_size {self.world_size})")
-        dist.broadcast(header, src=0, group=self._control)
+        dist.broadcast(header.encode(), src=0, group=self._control)
 
     def start_loop(self) -> None:
         """Peers: from now on take steps from rank 0's headers, not from Ray calls."""
@@ -565,35 +565,34 @@ class Rank:
                                   f"{first_line(exc)}")
                 return
             woke = time.time_ns()
-            h = header.tolist()
-            if expected is not None and h[control.SEQ] != expected:
-                self._loop_failed(f"header sequence gap: expected {expected}, got {h[control.SEQ]}")
+            h = control.Header.decode(header)
+            if expected is not None and h.seq != expected:
+                self._loop_failed(f"header sequence gap: expected {expected}, got {h.seq}")
                 return
-            expected = h[control.SEQ] + 1
-            op = h[control.OP]
-            if op == control.OP_HEARTBEAT:
+            expected = h.seq + 1
+            if h.op == control.OP_HEARTBEAT:
                 continue
-            if op == control.OP_STOP:
+            if h.op == control.OP_STOP:
                 log.info("rank %d: step loop stopped by rank 0", self.rank)
                 return
-            kind = KINDS.get(op)
+            kind = KINDS.get(h.op)
             if kind is None:
-                self._loop_failed(f"unknown header op {op} (header {h})")
+                self._loop_failed(f"unknown header op {h.op} (header {h})")
                 return
-            if h[control.DTYPE] != control.DTYPE_CODES[self.dtype]:
-                self._loop_failed(f"the {kind.name} computes in dtype code {h[control.DTYPE]}, this rank in "
+            if h.dtype != control.DTYPE_CODES[self.dtype]:
+                self._loop_failed(f"the {kind.name} computes in dtype code {h.dtype}, this rank in "
                                   f"{self.dtype} (code {control.DTYPE_CODES[self.dtype]})")
                 return
-            self.step_seq = h[control.SEQ]
+            self.step_seq = h.seq
             try:
-                kind.peer(self, h)
+                kind.run_peer(self, h)
             except WeightsVersionMismatch:
                 pass  # took part in every collective on NaN; recorded for rank 0 (step_error)
             except Exception as exc:  # the group is out of step now: only a rebuild helps
-                self._loop_failed(f"{kind.name} {h[control.SEQ]} failed: {type(exc).__name__}: {first_line(exc)}")
+                self._loop_failed(f"{kind.name} {h.seq} failed: {type(exc).__name__}: {first_line(exc)}")
                 return
             assert self._clock is not None
-            self._timings.append((h[control.SEQ], h[control.SENT_NS], woke, self._clock))
+            self._timings.append((h.seq, h.sent_ns, woke, self._clock))
 
     def _poison_if_stale(self, x: torch.Tensor, weights_version: int
                          ) -> tuple[torch.Tensor, WeightsVersionMismatch | None]:

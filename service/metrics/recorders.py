@@ -7,6 +7,8 @@ from typing import Any, Iterable
 
 from service.metrics.process import MetricSet, process_metrics
 from service.contract.gang_status import GangStatus, SessionStats
+from service.contract.timing import STEP_PARTS
+from service.metrics.timeline import Timeline
 
 log = logging.getLogger("gangserve.metrics")
 
@@ -66,7 +68,8 @@ class GangServerMetrics:
         self._session_counts: dict[str, int] = {}  # the registry's counters already exported
         self._m.declare("gangserve_session_evictions", "gangserve_session_recomputed_tokens")
         self._m.declare("gangserve_gang_rebuilds", "gangserve_collective_timeouts",
-                        "gangserve_gang_step_seconds", "gangserve_batch_size", "gangserve_step_padded_share")
+                        "gangserve_gang_step_seconds", "gangserve_batch_size", "gangserve_step_padded_share",
+                        "gangserve_step_part_seconds")
 
     def on_step(self, rows: int, seconds: float, error: BaseException | None, padded_share: float = 0.0) -> None:
         """StepBatcher's observer: one gang step finished (or failed with `error`), `padded_share`
@@ -83,6 +86,16 @@ class GangServerMetrics:
                 self._m.inc("gangserve_collective_timeouts")
         except Exception:  # noqa: BLE001
             log.exception("step metrics not recorded")
+
+    def step_parts(self, step: Timeline) -> None:
+        """The gang's step runner: one step's parts (service.contract.timing.STEP_PARTS, the names
+        Server-Timing and GET /gang's step timings use). Never raises (it runs on the sequencer)."""
+        try:
+            for part, ms in step.parts_ms():
+                if part in STEP_PARTS:
+                    self._m.observe("gangserve_step_part_seconds", ms / 1000, (part.value,))
+        except Exception:  # noqa: BLE001
+            log.exception("step part metrics not recorded")
 
     def on_drop(self, reason: str, n: int) -> None:
         """StepBatcher's drop observer: `n` queued requests dropped uncomputed."""

@@ -42,6 +42,9 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
          ("route", "protocol"), BYTES_BUCKETS),
     Spec("gangserve_gang_step_seconds", "histogram", "Duration of one successful gang step (broadcast, "
          "tensor-parallel attention, all_reduce) in the gang server", (), LATENCY_BUCKETS),
+    Spec("gangserve_step_part_seconds", "histogram", "One part of a gang step on rank 0, by part (`header`, "
+         "`broadcast`, `compute`, `all_reduce`, `to_numpy`: the Server-Timing parts of the step)", ("part",),
+         LATENCY_BUCKETS),
     Spec("gangserve_batch_size", "histogram", "Batch rows per gang step (concurrent requests coalesced)",
          (), BATCH_BUCKETS),
     Spec("gangserve_step_padded_share", "histogram", "Share of a gang step's tokens that is padding added "

@@ -2,7 +2,9 @@
 
 A request crosses three places: the Ingress replica (read, decode, the link to rank 0), the
 GangServer replica (the data channel, the batcher, the sequencer thread) and rank 0's step
-(broadcast, compute, all_reduce). Each place marks the END of a part, `mark(name)`, on
+(broadcast, compute, all_reduce). The parts' names are one enum, `Part`
+(service.contract.timing), which Server-Timing, GET /gang's step timings and the step metrics
+all read. Each place marks the END of a part, `mark(part)`, on
 `time.monotonic_ns()`. CLOCK_MONOTONIC is one clock for every process of a host, so the
 GangServer's marks belong on the Ingress's timeline when the two share a node: the data
 channel's route, the one that carries them back (service.transport.channel); on any other
@@ -17,8 +19,10 @@ its all_reduces alternate layer by layer, so the step reports their sums as two 
 How a timeline travels: the request's Timeline is the *current* one of its asyncio task (a
 context variable), the way tracing libraries carry a span, so the code between a route and
 the wire (the request policy, the link) passes nothing along. A batch step serves several
-requests at once and runs in a task of its own, so the batcher hands each member's timeline
-the step's marks explicitly (`StepMarks`), and the step's thread fills those.
+requests at once and runs in a task of its own, so the batcher gives the step a timeline of
+its own (`running_step`), the step's thread fills it, and the batcher copies its marks onto
+each member's. The gang's step runner keeps the same timelines of its recent steps for
+GET /gang (service.gang.runner): one mark implementation, one set of names.
 """
 from __future__ import annotations
 
@@ -26,35 +30,38 @@ import contextvars
 import time
 from dataclasses import dataclass, field
 
+from service.contract.timing import Part
+
 # The timeline of the request the running task serves (None: nobody is timing it).
 _current: contextvars.ContextVar["Timeline | None"] = contextvars.ContextVar("gangserve_timeline", default=None)
-# The marks of the gang step the running task is about to run (set by the batcher around a step).
-_current_step: contextvars.ContextVar["StepMarks | None"] = contextvars.ContextVar("gangserve_step", default=None)
+# The timeline of the gang step the running task is about to run (set by the batcher around a step).
+_current_step: contextvars.ContextVar["Timeline | None"] = contextvars.ContextVar("gangserve_step", default=None)
 
 
 @dataclass
 class Timeline:
-    """One request's parts: (name, monotonic ns at the part's end), in the order they ended."""
+    """One request's (or one step's) parts: (part, monotonic ns at its end), in the order they ended."""
 
     start_ns: int
-    marks: list[tuple[str, int]] = field(default_factory=list)
+    marks: list[tuple[Part, int]] = field(default_factory=list)
 
     @classmethod
     def starting_now(cls) -> "Timeline":
         return cls(time.monotonic_ns())
 
-    def mark(self, part: str, at_ns: int | None = None) -> None:
-        """`part` ended now (or at `at_ns`, a monotonic_ns taken on this host)."""
-        self.marks.append((part, time.monotonic_ns() if at_ns is None else at_ns))
+    def mark(self, part: Part, at_ns: int | None = None) -> None:
+        """`part` ended now (or at `at_ns`, a monotonic_ns taken on this host). A name that is
+        not a Part's is refused (ValueError): every part has its one name in the enum."""
+        self.marks.append((Part(part), time.monotonic_ns() if at_ns is None else at_ns))
 
-    def extend(self, marks: list[tuple[str, int]]) -> None:
+    def extend(self, marks: list[tuple[Part, int]]) -> None:
         """Marks taken elsewhere on this host (the GangServer's, from the channel's reply)."""
-        self.marks.extend(marks)
+        self.marks.extend((Part(part), at) for part, at in marks)
 
-    def parts_ms(self) -> list[tuple[str, float]]:
+    def parts_ms(self) -> list[tuple[Part, float]]:
         """Each part's milliseconds: its mark minus the previous one (the first: minus start).
-        A name that recurs (a resent request) is summed into its first place."""
-        out: dict[str, float] = {}
+        A part that recurs (a resent request) is summed into its first place."""
+        out: dict[Part, float] = {}
         previous = self.start_ns
         for name, at in self.marks:
             out[name] = out.get(name, 0.0) + (at - previous) / 1e6
@@ -67,19 +74,8 @@ class Timeline:
 
     def server_timing(self) -> str:
         """The parts and their sum as a W3C Server-Timing header value (milliseconds)."""
-        parts = [f"{name};dur={ms:.3f}" for name, ms in self.parts_ms()]
+        parts = [f"{part.value};dur={ms:.3f}" for part, ms in self.parts_ms()]
         return ", ".join([*parts, f"total;dur={self.total_ms():.3f}"])
-
-
-@dataclass
-class StepMarks:
-    """One gang step's marks, shared by every request of its batch: filled by the Gang on the
-    sequencer thread, copied onto each member's timeline by the batcher."""
-
-    marks: list[tuple[str, int]] = field(default_factory=list)
-
-    def mark(self, part: str, at_ns: int | None = None) -> None:
-        self.marks.append((part, time.monotonic_ns() if at_ns is None else at_ns))
 
 
 def start(timeline: Timeline) -> contextvars.Token:
@@ -97,8 +93,8 @@ def current() -> Timeline | None:
     return _current.get()
 
 
-def running_step(step: StepMarks | None) -> contextvars.Token:
-    """Set the marks the step about to run (in this task) fills; reset with `end_step`."""
+def running_step(step: Timeline | None) -> contextvars.Token:
+    """Set the timeline the step about to run (in this task) fills; reset with `end_step`."""
     return _current_step.set(step)
 
 
@@ -106,8 +102,8 @@ def end_step(token: contextvars.Token) -> None:
     _current_step.reset(token)
 
 
-def current_step() -> StepMarks | None:
-    """The marks of the step this task is running (None: nobody is timing it)."""
+def current_step() -> Timeline | None:
+    """The timeline of the step this task is running (None: nobody is timing it)."""
     return _current_step.get()
 
 
