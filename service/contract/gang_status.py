@@ -25,7 +25,7 @@ producer did not set (`memory` on a CPU gang, `code` on a gang's own report) sta
 from the JSON rather than becoming null. Pickling keeps the set of fields set.
 
 This module sits below the subsystems (the gang, the ingress, training) and the state
-package: it imports nothing from `service`.
+package: it imports nothing from `service` but the contract's own `timing` (the step timings).
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ import enum
 from typing import Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from service.contract.timing import StepTimings
 
 
 class GangState(str, enum.Enum):
@@ -218,8 +220,8 @@ class GangStatus(_Closed):
     failed_rebuilds: int = Field(description="Rebuild attempts failed in a row.")
     replica_id: str = Field(description="The GangServer replica owning the gang.")
     data_channel: DataChannelStatus
-    step_timings: dict[str, Any] = Field(description="Where the recent steps' time went, per rank (medians, ms; "
-                                         "empty before the first summary).")
+    step_timings: StepTimings = Field(description="Where the recent steps' time went (medians, ms; "
+                                      "`enabled` false and nothing else before the first summary).")
     memory: list[RankMemory] | None = Field(default=None, description="Device memory per CUDA rank (absent on "
                                             "CPU gangs); also /metrics' gangserve_gpu_memory_reserved_bytes.")
     sessions: SessionStats | None = Field(default=None, description="Stateful sessions (service.sessions): "
