@@ -43,9 +43,9 @@ def _described(tmp_path: Path, **server: Any) -> GangStatus:
     """A real Gang's describe, with its GangServer's fields (`server` replaces them)."""
     gang = Gang(ModelConfig(), GangConfig(), BatchingConfig().policy, None, tmp_path)
     try:
-        gang.rank_infos = [RankInfo(rank=r, node_id=f"n{r}", node_ip="10.0.0.1", pid=100 + r, device="cpu",
+        gang.lifecycle.rank_infos = [RankInfo(rank=r, node_id=f"n{r}", node_ip="10.0.0.1", pid=100 + r, device="cpu",
                                     has_cuda=False, gpu_ids=[], iface="lo" if r else None) for r in range(2)]
-        gang.state, gang.reason = GangState.READY, "ready"  # as after a bring-up
+        gang.health.set(GangState.READY, "ready")  # as after a bring-up
         fields: dict[str, Any] = {"replica_id": "r1", "failed_rebuilds": 0, "data_channel": _CHANNEL,
                                   "step_timings": {"enabled": False}, **server}
         return gang.describe(**fields)
