@@ -67,6 +67,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import numpy as np
 import orjson
 
+from service.contract.timing import Part
 from service.metrics import timeline
 from service.transport import shm
 from service.contract.errors import ErrorCode, GangServeError, GangUnavailable, Overloaded, error_from_wire, error_to_wire
@@ -197,7 +198,7 @@ class ChannelServer:
                 # The request's marks on this side (the reply carries them back to the ingress,
                 # which shares this host's monotonic clock): the answer's task inherits it.
                 marks = timeline.Timeline.starting_now()
-                marks.mark("gang_receive")
+                marks.mark(Part.GANG_RECEIVE)
                 token = timeline.start(marks)
                 answer = asyncio.ensure_future(self._answer(header, payload, region))
                 timeline.reset(token)
@@ -352,7 +353,7 @@ class ChannelClient:
         """
         marks = timeline.current()
         if marks is not None:
-            marks.mark("policy")  # decoded -> the link starts sending (the request policy's part)
+            marks.mark(Part.POLICY)  # decoded -> the link starts sending (the request policy's part)
         shape = tuple(int(d) for d in x.shape)
         share = share and x.size * 4 <= self._max_region
         header: dict[str, Any] = {"op": "infer", "shape": list(shape), "shm": None}
@@ -388,7 +389,7 @@ class ChannelClient:
                 conn.region.mapped_by_peer()  # the server holds the pages now: drop the name
                 out = view.copy()  # the region is reused by this connection's next request
             if marks is not None:
-                marks.mark("link_receive")  # the reply read (and copied out of the region)
+                marks.mark(Part.LINK_RECEIVE)  # the reply read (and copied out of the region)
             return out
 
     async def session_append(self, x: np.ndarray, session_id: str, length: int | None = None,
@@ -440,7 +441,7 @@ class ChannelClient:
         if marks is not None:
             # Before the write, never after: the server may read the frame (and mark its
             # gang_receive) before this task runs again. The socket's transit is gang_receive.
-            marks.mark("link_send")  # the tensor in the shared region, the frame about to go
+            marks.mark(Part.LINK_SEND)  # the tensor in the shared region, the frame about to go
         await write_frame(conn.writer, header, payload, tail)
         reply, out = await _read_reply(conn, self._max_header)
         conn.answered = True
@@ -535,20 +536,23 @@ def _ok(shape: tuple[int, ...]) -> dict[str, Any]:
     marks = timeline.current()
     if marks is None:
         return {"ok": True, "shape": list(shape)}
-    marks.mark("reply")  # the step's end -> the reply is about to be written
+    marks.mark(Part.REPLY)  # the step's end -> the reply is about to be written
     return {"ok": True, "shape": list(shape), "marks": marks.marks}
 
 
-def _marks(value: Any) -> list[tuple[str, int]]:
+_PART_NAMES = frozenset(part.value for part in Part)
+
+
+def _marks(value: Any) -> list[tuple[Part, int]]:
     """The server's marks from a reply header; [] when absent or malformed (timing is never
     a reason to fail a request)."""
     if not isinstance(value, list):
         return []
     marks = []
     for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], int)):
+        if not (isinstance(item, list) and len(item) == 2 and item[0] in _PART_NAMES and isinstance(item[1], int)):
             return []
-        marks.append((item[0], item[1]))
+        marks.append((Part(item[0]), item[1]))
     return marks
 
 
