@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 import numpy as np
 
 from service.contract import deadlines
+from service.contract.timing import Part
 from service.metrics import timeline
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
@@ -112,22 +113,22 @@ async def infer(
             body = await read_body_capped(request, cfg.serving.max_json_bytes, "max_json_bytes")
         else:
             body = await read_body_capped(request, cfg.serving.max_body_bytes)
-        marks.mark("read")
+        marks.mark(Part.READ)
         limits = codecs.Limits.of(cfg)
         x, mask, squeezed, dtype = await pool.decode(_prepare, body, media, limits, output_dtype, reply_media,
                                                      inline=len(body) <= cfg.tunables.ingress.inline_decode_bytes)
-        marks.mark("decode")
+        marks.mark(Part.DECODE)
         out = await gang.infer(x, mask, causal, deadline)  # [batch, seq, E] float32
         # Over the data channel the link marked its parts and the GangServer's; otherwise the
         # whole hop is one part.
-        marks.mark("return" if marks.marks[-1][0] == "link_receive" else "gang")
+        marks.mark(Part.RETURN if marks.marks[-1][0] is Part.LINK_RECEIVE else Part.GANG)
         if squeezed:
             out = out[0]
         if out.size > cfg.tunables.ingress.inline_encode_values:
             content = await pool.run_unbounded(_encode, out, dtype, reply_media)
         else:
             content = _encode(out, dtype, reply_media)
-        marks.mark("encode")
+        marks.mark(Part.ENCODE)
     finally:
         timeline.reset(token)
     return Response(content=content, media_type=reply_media, headers={"Server-Timing": marks.server_timing()})
