@@ -299,21 +299,24 @@ def print_latency_rows(latency: dict[str, dict], bare: dict[str, float]) -> None
 
 
 def print_step_timings(latency: dict[str, dict], title: str, ratios: dict[str, float] | None = None) -> None:
-    """The step loop's per-step medians from `/gang` step_timings, per request shape; with
-    `ratios`, the control cost and the skew are recorded there too."""
+    """The step loop's per-step medians from `/gang` step_timings, per request shape: the peers'
+    wake-up and skew, then rank 0's step parts (the Server-Timing names); with `ratios`, the
+    control cost and the skew are recorded there too."""
+    parts = ("header", "broadcast", "compute", "all_reduce", "to_numpy")
     print(f"\n{title}\n")
-    print("| request | steps | queue | peer wake after header (control cost) | skew | header -> broadcast done | forward (heads + all_reduce) | reply |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| request | steps | peer wake after header (control cost) | skew | {' | '.join(parts)} |")
+    print("|---|---:|---:|---:|" + "---:|" * len(parts))
     for label, rows in latency.items():
         t = rows.get("step_timings") or {}
         if t.get("steps"):
-            print(f"| {label} | {t['steps']} | {t['queue_ms']:.2f} | {', '.join(f'{w:.2f}' for w in t['peer_wake_ms'])} | "
-                  f"{t['skew_ms']:.2f} | {t['broadcast_ms']:.2f} | {t['forward_ms']:.2f} | {t['reply_ms']:.2f} |")
+            ms = t.get("parts_ms", {})
+            print(f"| {label} | {t['steps']} | {', '.join(f'{w:.2f}' for w in t['peer_wake_ms'])} | "
+                  f"{t['skew_ms']:.2f} | " + " | ".join(f"{ms[p]:.2f}" if p in ms else "-" for p in parts) + " |")
             if ratios is not None:
                 ratios[f"control cost (peer wake after header), {label}, ms"] = max(t["peer_wake_ms"])
                 ratios[f"skew, {label}, ms"] = t["skew_ms"]
         else:
-            print(f"| {label} | - ({t}) | | | | | | |")
+            print(f"| {label} | - ({t}) |" + " |" * (len(parts) + 2))
 
 
 def print_small_c16(c16: dict[str, dict], load_s: float) -> None:
