@@ -87,7 +87,7 @@ def test_a_chunked_prefill_and_later_appends_equal_the_dense_causal_reference() 
         asyncio.run(run())
         chunks = [step[next(iter(step))] for step in gang.steps]
         assert chunks == ([5, 5, 5, 5, 3, 1, 5, 5, 2] if chunk else [23, 1, 12]), chunks
-        assert batcher.stats()["prefill_chunks"] == (6 if chunk else 0)
+        assert batcher.stats().prefill_chunks == (6 if chunk else 0)
 
 
 def test_a_recompute_is_chunked_too_and_stays_exact() -> None:

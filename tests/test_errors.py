@@ -90,14 +90,14 @@ def test_every_code_the_source_writes_is_registered_with_the_status_it_is_raised
 
 def test_a_gang_that_is_not_ready_answers_the_code_of_its_state() -> None:
     """Today's wire strings (service.gang.gang writes f"gang_{state}") are the registry's."""
-    from service.contract.gang_status import SYNTHESIZED_STATES, GangState
+    from service.contract.gang_status import AbsentState, GangState, ObservedState
 
     for state in GangState:
         if state is not GangState.READY:
-            assert gang_state_code(state.value) == f"gang_{state.value}" and gang_state_code(state.value).retryable
-    assert {s: gang_state_code(s) for s in SYNTHESIZED_STATES} == {
+            assert gang_state_code(state) == f"gang_{state.value}" and gang_state_code(state).retryable
+    assert {s.value: gang_state_code(s) for s in (*AbsentState, *ObservedState)} == {
         "scheduling": "gang_scheduling", "unschedulable": "unschedulable", "unreachable": "gang_unreachable"}
-    assert gang_state_code("ready") == gang_state_code("no such state") == "gang_unavailable"
+    assert gang_state_code(GangState.READY) == "gang_unavailable"
 
 
 def test_only_failures_of_the_gang_are_retried() -> None:

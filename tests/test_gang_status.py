@@ -25,7 +25,8 @@ from service.config.builder_args import AppConfig, BatchingConfig, GangConfig, M
 from service.gang.gang import Gang
 from service.gang.rank import RankInfo
 from service.contract.gang_status import (
-    SYNTHESIZED_STATES, AnyGangStatus, DataChannelStatus, GangState, GangStatus, GangsView, SynthesizedStatus, dump,
+    ALL_STATES, DataChannelStatus, GangAnswer, GangRow, GangState, GangStatus, GangsView,
+    IngressGangStatus, IngressTransport, ObservedState, SynthesizedStatus, dump,
 )
 from service.ingress.deps import FleetReader
 from service.ingress.diagnosis import Diagnosis
@@ -37,6 +38,8 @@ from tests.statuses import gang_report
 pytestmark = pytest.mark.unit
 
 _CHANNEL = DataChannelStatus(listening=True, requests=3, refused_overloaded=0, disconnected=0, in_flight=1)
+_TRANSPORT = IngressTransport(node_id="n0", shm_enabled=True, data_channel_enabled=True, shared_memory=2,
+                              object_store=1, shared_memory_fallbacks=0, data_channel=5, data_channel_fallbacks=0)
 
 
 def _described(tmp_path: Path, **server: Any) -> GangStatus:
@@ -57,10 +60,10 @@ class _Gang:
     """The routes' Gang (service.ingress.deps.Gang) answering with one status; this module's
     routes call only `describe`."""
 
-    def __init__(self, status: AnyGangStatus) -> None:
+    def __init__(self, status: GangAnswer) -> None:
         self._status = status
 
-    async def describe(self) -> AnyGangStatus:
+    async def describe(self) -> GangAnswer:
         return self._status
 
     async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
@@ -70,13 +73,6 @@ class _Gang:
     async def session_call(self, method: str, *args: Any, session_id: str | None, deadline: float,
                            **kwargs: Any) -> Any:
         raise AssertionError("the health routes never open sessions")
-
-    async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
-                             eval_loss: float | None = None) -> GangStatus:
-        raise AssertionError("the health routes never swap weights")
-
-    async def rollback_weights(self, version: int) -> GangStatus:
-        raise AssertionError("the health routes never swap weights")
 
 
 class _Fleet:
@@ -114,25 +110,43 @@ def test_openapi_describes_the_status_routes() -> None:
     app.include_router(health.router)
     doc = app.openapi()
     schemas = doc["components"]["schemas"]
-    for name in ("GangStatus", "SynthesizedStatus", "RankStatus", "GangsView", "Readiness", "LostGangStatus",
-                 "BatchingStats"):
+    for name in ("IngressGangStatus", "GangRow", "SynthesizedStatus", "RankStatus", "GangsView", "Readiness",
+                 "LostGangStatus", "BatchingStats", "SessionBatchingStats"):
         assert name in schemas, f"{name} missing from components.schemas: {sorted(schemas)}"
     for path, model in (("/gangs", "GangsView"), ("/readyz", "Readiness")):
         ok = doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
         assert ok == {"$ref": f"#/components/schemas/{model}"}, (path, ok)
     gang_ok = doc["paths"]["/gang"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
-    assert {ref["$ref"] for ref in gang_ok["anyOf"]} == {"#/components/schemas/GangStatus",
+    assert {ref["$ref"] for ref in gang_ok["anyOf"]} == {"#/components/schemas/IngressGangStatus",
                                                           "#/components/schemas/SynthesizedStatus"}, gang_ok
-    gang = schemas["GangStatus"]
+    report_keys = {"state", "reason", "world_size", "backend", "weights_version", "generation", "ranks", "replica_id",
+                   "data_channel"}
+    # /gang: the gang's report and the ingress's own field; no field of the fleet's.
+    gang = schemas["IngressGangStatus"]
     assert gang["additionalProperties"] is False  # closed: an undeclared key is refused
-    assert set(gang["required"]) >= {"state", "reason", "world_size", "backend", "weights_version", "generation",
-                                     "ranks", "replica_id", "data_channel"}
-    assert not set(gang["required"]) & {"code", "memory", "sessions", "reported_s_ago", "ingress_transport"}
-    assert set(gang["properties"]["state"]["enum"]) == {s.value for s in GangState} | {"unreachable"}
+    assert set(gang["required"]) >= report_keys | {"ingress_transport"}
+    assert not set(gang["properties"]) & {"code", "reported_s_ago"}
+    assert not set(gang["required"]) & {"memory", "sessions"}
+    assert gang["properties"]["state"]["$ref"] == "#/components/schemas/GangState"
+    assert schemas["GangState"]["enum"] == ["starting", "ready", "broken", "rebuilding", "stopped"]
     assert gang["properties"]["ranks"]["items"] == {"$ref": "#/components/schemas/RankStatus"}
     assert gang["properties"]["reason"]["description"]
+    assert gang["properties"]["sessions"]["anyOf"][0] == {"$ref": "#/components/schemas/SessionStats"}
+    assert schemas["SessionStats"]["properties"]["batching"] == {
+        "$ref": "#/components/schemas/SessionBatchingStats", "description": "The session batcher's counters."}
+    # /gangs rows: the gang's report and the fleet's own fields; no field of the ingress's.
+    row = schemas["GangRow"]
+    assert row["additionalProperties"] is False
+    assert set(row["required"]) >= report_keys | {"reported_s_ago"} and "code" not in row["required"]
+    assert "ingress_transport" not in row["properties"]
+    assert {ref["$ref"] for ref in row["properties"]["state"]["anyOf"]} == {
+        "#/components/schemas/GangState", "#/components/schemas/ObservedState"}
+    assert schemas["ObservedState"]["enum"] == ["unreachable"]
+    assert doc["components"]["schemas"]["GangsView"]["properties"]["gangs"]["items"] == {
+        "$ref": "#/components/schemas/GangRow"}
     absent = schemas["SynthesizedStatus"]
-    assert set(absent["properties"]["state"]["enum"]) == {"scheduling", "unschedulable"}
+    assert absent["properties"]["state"] == {"$ref": "#/components/schemas/AbsentState"}
+    assert schemas["AbsentState"]["enum"] == ["scheduling", "unschedulable"]
     assert set(absent["required"]) == {"state", "code", "reason"} and absent["additionalProperties"] is False
 
 
@@ -141,25 +155,61 @@ DOCUMENTED_STATES = ("starting", "ready", "broken", "rebuilding", "stopped", "sc
 
 
 @pytest.mark.parametrize("state", DOCUMENTED_STATES)
-def test_every_documented_state_is_served_by_gang(state: str) -> None:
-    status: AnyGangStatus
+def test_every_documented_state_is_served(state: str) -> None:
+    """The gang's own states and the ingress's on /gang; the fleet's `unreachable` on /gangs."""
+    fleet = Fleet()
+    if state == "unreachable":  # a ready gang whose reports stopped
+        fleet.report(gang_report(state="ready", reason="ready"), 0.0)
+        now = FleetTunables().stale_after_s + 1.0
+        answer = _client(_Gang(SynthesizedStatus(state="scheduling", code="gang_scheduling", reason="-")),
+                         _Fleet(fleet, now, 1, [])).get("/gangs")
+        assert answer.status_code == 200, answer.text
+        row = answer.json()["gangs"][0]
+        assert (row["state"], row["code"], row["reported_s_ago"]) == (state, "gang_unreachable", now), row
+        return
+    status: GangAnswer
     if state in ("scheduling", "unschedulable"):
         status = SynthesizedStatus(state=state, code="gang_x", reason="why")
     else:
-        status = gang_report(state=state, reason="why", **({"code": "gang_x"} if state == "unreachable" else {}))
-    answer = _client(_Gang(status), _Fleet(Fleet(), 0.0, 1, [])).get("/gang")
+        status = IngressGangStatus.of(gang_report(state=state, reason="why"), _TRANSPORT)
+    answer = _client(_Gang(status), _Fleet(fleet, 0.0, 1, [])).get("/gang")
     assert answer.status_code == 200, answer.text
     assert answer.json() == json.loads(json.dumps(dump(status)))
     assert answer.json()["state"] == state
 
 
-def test_a_state_outside_the_contract_is_refused_and_the_gangs_own_are_not_synthesized() -> None:
+def test_a_state_outside_a_views_own_is_refused() -> None:
+    """Each state is its giver's: the gang reports its own, the ingress synthesizes its own,
+    and `unreachable` only the fleet view gives (GangRow.of, below its own argument)."""
     with pytest.raises(ValidationError, match="state"):
         gang_report(state="exploded")
     with pytest.raises(ValidationError, match="state"):
+        gang_report(state="unreachable")  # a gang never reports itself unreachable
+    with pytest.raises(ValidationError, match="state"):
         SynthesizedStatus(state="ready", code="gang_x", reason="a ready gang is never synthesized")
-    assert {s.value for s in GangState} | SYNTHESIZED_STATES == set(DOCUMENTED_STATES)
-    assert not SYNTHESIZED_STATES & {s.value for s in GangState}
+    assert [s.value for s in ALL_STATES] == list(DOCUMENTED_STATES[:5]) + ["unreachable", "scheduling",
+                                                                           "unschedulable"]
+    assert {s.value for s in ALL_STATES} == set(DOCUMENTED_STATES)
+
+
+def test_the_fleet_and_ingress_views_compose_the_report_with_their_own_fields_only() -> None:
+    report = gang_report()
+    row = GangRow.of(report, reported_s_ago=1.5)
+    assert dump(row) == {**dump(report), "reported_s_ago": 1.5}
+    # The report's objects, not copies of them: the view adds, it does not rebuild.
+    assert row.ranks is report.ranks and row.batching is report.batching
+    lost = GangRow.of(report, reported_s_ago=9.0, unreachable_because="no report for 9.0s", code="gang_unreachable")
+    assert (lost.state, lost.reason, lost.code) == (ObservedState.UNREACHABLE, "no report for 9.0s", "gang_unreachable")
+    assert report.state is GangState.READY and report.reason == "ready"  # the report itself is unchanged
+    shown = IngressGangStatus.of(report, _TRANSPORT)
+    assert dump(shown) == {**dump(report), "ingress_transport": dump(_TRANSPORT)}
+    assert isinstance(shown, GangStatus) and not isinstance(row, GangStatus)
+    # A view composes with its own fields only: not another view's, not the report's.
+    from service.contract.gang_status import _compose
+    with pytest.raises(TypeError, match="ingress_transport"):
+        _compose(GangRow, report, {"reported_s_ago": 1.0, "ingress_transport": _TRANSPORT})
+    with pytest.raises(TypeError, match="weights_version"):
+        _compose(GangRow, report, {"reported_s_ago": 1.0, "weights_version": 7})
 
 
 def test_gang_routes_return_every_key_a_producer_set(tmp_path: Path) -> None:
@@ -176,8 +226,8 @@ def test_gang_routes_return_every_key_a_producer_set(tmp_path: Path) -> None:
     assert set(dump(synthesized)) == {"state", "code", "reason"}
 
     fleet = Fleet()
-    fleet.report("r1", full, 100.0)
-    fleet.report("r2", full.model_copy(update={"replica_id": "r2"}),
+    fleet.report(full, 100.0)
+    fleet.report(full.model_copy(update={"replica_id": "r2"}),
                  100.0 - FleetTunables().stale_after_s)  # stale: shown unreachable
     readers = _Fleet(fleet, 100.5, desired=3, missing=["gang 3 of 3: not started; waiting for 2 CPUs"])
     rows = {row.replica_id: row for row in readers.view.gangs}
@@ -185,12 +235,13 @@ def test_gang_routes_return_every_key_a_producer_set(tmp_path: Path) -> None:
     assert (rows["r2"].state, rows["r2"].code) == ("unreachable", "gang_unreachable")
     gangs = dump(readers.view)
 
-    for describe in (full, synthesized):
+    shown = IngressGangStatus.of(full, _TRANSPORT)
+    for describe in (shown, synthesized):
         answer = _client(_Gang(describe), readers).get("/gang")
         assert answer.status_code == 200, answer.text
         assert answer.json() == json.loads(json.dumps(dump(describe)))
         print("/gang keys:", len(_keys(answer.json())))
-    client = _client(_Gang(full), readers)
+    client = _client(_Gang(shown), readers)
     answer = client.get("/gangs").json()
     assert answer == json.loads(json.dumps(gangs)) and _keys(answer) == _keys(gangs)
     ready = client.get("/readyz")

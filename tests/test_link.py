@@ -47,7 +47,7 @@ class _Rank0:
         self.calls: list[str] = []
         self.keys: list[str | None] = []  # the idempotency keys of its session appends
 
-    async def request(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any:
+    async def call(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any:
         self.calls.append(method)
         assert deadline > time.monotonic(), "a request was sent past its deadline"
         if method == "infer":

@@ -91,7 +91,7 @@ def test_counters_survive_replicas_that_go_away() -> None:
     t0 = 1000.0
     fleet.report_metrics("gang:A", a.snapshot(), t0)
     fleet.report_metrics("gang:B", b.snapshot(), t0)
-    fleet.report("C", gang_report(), t0, metrics=c.snapshot())
+    fleet.report(gang_report(replica_id="C"), t0, metrics=c.snapshot())
 
     def service_wide(now: float) -> dict:
         return merge(fleet.metrics(now))

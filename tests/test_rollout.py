@@ -28,19 +28,19 @@ def _watch_of(fleet: Fleet):
     return watch
 
 
-def _ready(version: int) -> GangStatus:
-    return gang_report(weights_version=version)
+def _ready(version: int, replica_id: str = "r1") -> GangStatus:
+    return gang_report(weights_version=version, replica_id=replica_id)
 
 
 def test_the_wait_ends_when_the_last_gang_reports_the_version() -> None:
     fleet = Fleet()
-    fleet.report("A", _ready(4), time.time())
-    fleet.report("B", _ready(3), time.time())
+    fleet.report(_ready(4, "A"), time.time())
+    fleet.report(_ready(3, "B"), time.time())
 
     async def scenario() -> tuple[bool, list[dict[str, Any]], float]:
         started = time.monotonic()
         # B follows the record 0.2 s into the wait: its report moves the fleet's version.
-        asyncio.get_running_loop().call_later(0.2, lambda: fleet.report("B", _ready(4), time.time()))
+        asyncio.get_running_loop().call_later(0.2, lambda: fleet.report(_ready(4, "B"), time.time()))
         done, gangs = await wait_for_gangs(_watch_of(fleet), 4, timeout_s=10)
         return done, gangs, time.monotonic() - started
 
@@ -52,8 +52,8 @@ def test_the_wait_ends_when_the_last_gang_reports_the_version() -> None:
 
 def test_the_wait_is_bounded_and_reports_where_each_gang_is() -> None:
     fleet = Fleet()
-    fleet.report("A", _ready(4), time.time())
-    fleet.report("B", _ready(3), time.time())
+    fleet.report(_ready(4, "A"), time.time())
+    fleet.report(_ready(3, "B"), time.time())
 
     started = time.monotonic()
     done, gangs = asyncio.run(wait_for_gangs(_watch_of(fleet), 4, timeout_s=0.5))
@@ -63,7 +63,7 @@ def test_the_wait_is_bounded_and_reports_where_each_gang_is() -> None:
 
 def test_a_fleet_view_that_cannot_be_read_is_never_taken_for_done() -> None:
     fleet = Fleet()
-    fleet.report("A", _ready(4), time.time())
+    fleet.report(_ready(4, "A"), time.time())
     watch_fleet = _watch_of(fleet)
     calls = 0
 

@@ -19,7 +19,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from gangserve_client import GangServeClient
-from service.contract.gang_status import GangStatus, RankStatus
+from service.contract.gang_status import IngressGangStatus, RankStatus
 from tests.conftest import ROOT, deploy, local_yaml_args, undeploy
 from tests.reference import reference, relative_error
 from tests.helpers import assert_error, eventually, npy_bytes, pid_alive, rand
@@ -94,8 +94,8 @@ def test_gang_shows_world_size_distinct_live_rank_processes(app_url: str) -> Non
     assert info["param_bytes_per_rank"] == [4 * (4 * e * e // 2 + 3 * e // 2 + e)] * 2
     # The typed contract (service.contract.gang_status) declares every key a live gang answers, and
     # the answer has every one of them (a ready gang behind an ingress sets them all).
-    # synthesized / fleet-only / CUDA ranks only
-    declared = set(GangStatus.model_fields) - {"code", "reported_s_ago", "memory"}
+    # /gang is the gang's report plus the ingress's own field; `memory`: CUDA ranks only
+    declared = set(IngressGangStatus.model_fields) - {"memory"}
     assert set(info) == declared, (set(info) ^ declared)
     assert set(ranks[0]) == set(RankStatus.model_fields)
     assert httpx.get(app_url + "/healthz").status_code == 200

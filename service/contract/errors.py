@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from service.contract.gang_status import AbsentState, AnyState, GangState, ObservedState
+
 MAX_MESSAGE_CHARS = 1000
 
 
@@ -212,20 +214,21 @@ _BY_WIRE: dict[str, ErrorCode] = {code.value: code for code in ErrorCode}
 # What the ingress retries a request through (service.ingress.requests.RequestPolicy).
 RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(code for code in ErrorCode if code.retryable)
 
-# A gang that is not ready answers with the code of its state (service.contract.gang_status's states).
-_GANG_STATE_CODES: dict[str, ErrorCode] = {
-    "starting": ErrorCode.GANG_STARTING, "broken": ErrorCode.GANG_BROKEN,
-    "rebuilding": ErrorCode.GANG_REBUILDING, "stopped": ErrorCode.GANG_STOPPED,
-    "scheduling": ErrorCode.GANG_SCHEDULING, "unschedulable": ErrorCode.UNSCHEDULABLE,
-    "unreachable": ErrorCode.GANG_UNREACHABLE,
+# A gang that is not ready answers with the code of its state (keyed by the state enums of
+# service.contract.gang_status, their one definition).
+_GANG_STATE_CODES: dict[AnyState, ErrorCode] = {
+    GangState.STARTING: ErrorCode.GANG_STARTING, GangState.BROKEN: ErrorCode.GANG_BROKEN,
+    GangState.REBUILDING: ErrorCode.GANG_REBUILDING, GangState.STOPPED: ErrorCode.GANG_STOPPED,
+    AbsentState.SCHEDULING: ErrorCode.GANG_SCHEDULING, AbsentState.UNSCHEDULABLE: ErrorCode.UNSCHEDULABLE,
+    ObservedState.UNREACHABLE: ErrorCode.GANG_UNREACHABLE,
 }
 
 
-def gang_state_code(state: str) -> ErrorCode:
-    """The code a gang in `state` (a GangState or a synthesized status state) answers a
-    request with: `gang_<state>` for the gang's own states; `gang_unavailable` for any
-    other state (e.g. `ready`, which serves)."""
-    return _GANG_STATE_CODES.get(str(state), ErrorCode.GANG_UNAVAILABLE)
+def gang_state_code(state: AnyState) -> ErrorCode:
+    """The code a gang in `state` answers a request with: `gang_<state>` for a state that
+    does not serve; `gang_unavailable` for `ready` (which serves: a request that got it
+    anyway met a gang that changed meanwhile)."""
+    return _GANG_STATE_CODES.get(state, ErrorCode.GANG_UNAVAILABLE)
 
 
 def error_table_markdown() -> str:

@@ -1,15 +1,19 @@
 """The gang's status as typed contracts, one per owner: GET /gang, GET /gangs, GET /readyz.
 
 Who builds what, and what crosses which call (each model itself, pickled by Ray: never a
-dict read back by key):
+dict read back by key). Each view owns its fields: a gang's report holds what the gang
+knows, and the fleet and the ingress compose it with their own, as types of their own:
 - `GangStatus`, a gang's report: the Gang (its lifecycle, weights, ranks) and its
   GangServer (rebuild count, replica id, data channel, step timings) build it in one
   constructor call (service.gang.gang.Gang.describe); it travels GangServer -> Controller
   (`report_gang`) and GangServer -> ingress (`describe`, the weights swaps).
-- `FleetView`, the Controller's view of every gang (service.state.fleet): its rows are the
-  gangs' own reports, plus the age of each (`reported_s_ago`), and a gang whose reports
-  stopped is marked `unreachable` in its row (its last report is still all true but its
-  state, so the row keeps it). It travels Controller -> ingress (`fleet`, `watch_fleet`).
+- `GangRow`, a row of the Controller's `FleetView` (service.state.fleet): a gang's report
+  plus the fleet's own fields: the report's age (`reported_s_ago`), and for a gang whose
+  reports stopped, the state the fleet observes (`unreachable`), why, and the `code` a
+  request gets (its last report is still all true but its state, so the row keeps it). It
+  travels Controller -> ingress (`fleet`, `watch_fleet`).
+- `IngressGangStatus`, GET /gang: a gang's report plus how this ingress replica hands
+  tensors to the gang (`ingress_transport`).
 - `SynthesizedStatus`: what the ingress says when no gang server answers at all
   (`scheduling` / `unschedulable`, from the cluster's resources). It is a model of its own,
   not a GangStatus with every field optional: there is no gang, so it has no world size, no
@@ -17,11 +21,14 @@ dict read back by key):
   one it handles (mypy checks it) instead of reading a field that may be missing.
 - `GangsView`, `Readiness`: the ingress's answers to GET /gangs and GET /readyz.
 
+The states are defined once, as three enums by who gives them: `GangState` (the gang's
+own), `ObservedState` (the fleet's `unreachable`) and `AbsentState` (the ingress's).
+
 Every model is closed (`extra="forbid"`) and a field its producer always sets is required,
 so a renamed or misspelled field fails where it is built, loudly, instead of turning a
 reader's feature off. The routes declare these models as their `response_model` (so
 /openapi.json describes them) with `response_model_exclude_unset`: an optional field a
-producer did not set (`memory` on a CPU gang, `code` on a gang's own report) stays absent
+producer did not set (`memory` on a CPU gang, `code` on a reachable row) stays absent
 from the JSON rather than becoming null. Pickling keeps the set of fields set.
 
 This module sits below the subsystems (the gang, the ingress, training) and the state
@@ -30,7 +37,7 @@ package: it imports nothing from `service` but the contract's own `timing` (the 
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,7 +45,7 @@ from service.contract.timing import StepTimings
 
 
 class GangState(str, enum.Enum):
-    """The states a Gang itself goes through (service.gang.gang)."""
+    """The states a Gang itself goes through (service.gang.gang): what its own report says."""
 
     STARTING = "starting"
     READY = "ready"
@@ -47,16 +54,23 @@ class GangState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-# The states of a gang's report: its own, and `unreachable`, which the fleet view marks on a
-# report whose gang stopped answering (its last report said ready, but it is stale or its
-# replica cannot be pinged).
-ReportedState = Literal["starting", "ready", "broken", "rebuilding", "stopped", "unreachable"]
-# The states the ingress synthesizes when no gang server answers.
-AbsentState = Literal[
-    "scheduling",  # the cluster can hold the gang; it waits for its bundles
-    "unschedulable",  # the cluster can never hold it, or schedule_timeout_s passed
-]
-SYNTHESIZED_STATES = frozenset(get_args(ReportedState)) - {s.value for s in GangState} | frozenset(get_args(AbsentState))
+class ObservedState(str, enum.Enum):
+    """A state only the fleet view gives a gang (its row in GET /gangs): the gang's last report
+    said ready, but it is stale or its replica cannot be pinged."""
+
+    UNREACHABLE = "unreachable"
+
+
+class AbsentState(str, enum.Enum):
+    """The states the ingress synthesizes when no gang server answers (GET /gang)."""
+
+    SCHEDULING = "scheduling"  # the cluster can hold the gang; it waits for its bundles
+    UNSCHEDULABLE = "unschedulable"  # the cluster can never hold it, or schedule_timeout_s passed
+
+
+# Every state a reader of /gang or /gangs can meet: the only definitions are the three enums above.
+AnyState = Union[GangState, ObservedState, AbsentState]
+ALL_STATES: tuple[AnyState, ...] = (*GangState, *ObservedState, *AbsentState)
 SpareState = Literal["none", "starting", "warm", "dead"]
 
 
@@ -169,6 +183,18 @@ class SessionAttention(_Closed):
     prefill_chunk_tokens: int = Field(description="Rows per step of a long append (0: not chunked).")
 
 
+class SessionBatchingStats(_Closed):
+    """The session batcher's counters (service.sessions.batcher.AppendBatcher.stats)."""
+
+    steps: int = Field(description="Steps run for session appends.")
+    appends: int = Field(description="Appends those steps held.")
+    max_sessions_in_a_step: int
+    prefill_chunks: int = Field(description="Steps that ran one chunk of a long append.")
+    queued: int = Field(description="Appends waiting now.")
+    expired_queued: int = Field(description="Appends whose deadline passed while they waited.")
+    appends_per_step: float = Field(description="appends / steps (0 before the first step).")
+
+
 class SessionStats(_Closed):
     """Stateful sessions (service.sessions.service.SessionService.stats)."""
 
@@ -192,21 +218,18 @@ class SessionStats(_Closed):
     appends: int
     append_steps: int
     per_rank: list[SessionCacheRank]
-    batching: dict[str, float] = Field(description="The session batcher's counters.")
+    batching: SessionBatchingStats = Field(description="The session batcher's counters.")
     append_latency_ms_p50_by_context: dict[str, float]
     attention: SessionAttention
 
 
-class GangStatus(_Closed):
-    """A gang's report (GET /gang; each row of GET /gangs): the Gang and its GangServer set
-    every required field on every report."""
+class GangReportFields(_Closed):
+    """What every view of one gang shows of its report, state aside (each view types its own
+    state): what the Gang and its GangServer know."""
 
     world_size: int
     backend: str = Field(description="gloo or nccl (`unknown` before the first bring-up).")
-    state: ReportedState = Field(description="The gang's lifecycle state, or `unreachable` (the fleet view: "
-                                 "its last report said ready, but it is stale or its replica cannot be pinged).")
     reason: str = Field(description="Why it is in that state, in words.")
-    code: str | None = Field(default=None, description="`unreachable` rows only: the error code a request gets.")
     weights_version: int = Field(description="The app's recorded version the ranks hold (0: none yet).")
     weights_source: str | None = Field(description="`config` or `swap` (null before the first load).")
     weights_sha256: str | None = None
@@ -226,14 +249,67 @@ class GangStatus(_Closed):
                                             "CPU gangs); also /metrics' gangserve_gpu_memory_reserved_bytes.")
     sessions: SessionStats | None = Field(default=None, description="Stateful sessions (service.sessions): "
                                           "active, KV cache bytes per rank, evictions, recomputed tokens.")
-    reported_s_ago: float | None = Field(default=None, description="GET /gangs: age of this gang's last report.")
-    ingress_transport: IngressTransport | None = Field(default=None, description="GET /gang only: how this "
-                                                       "ingress replica hands tensors to the gang.")
+
+
+class GangStatus(GangReportFields):
+    """A gang's report: what the gang knows, nothing more. The Gang and its GangServer set
+    every required field on every report (service.gang.gang.Gang.describe)."""
+
+    state: GangState = Field(description="The gang's lifecycle state.")
+
+
+View = TypeVar("View", bound=GangReportFields)
+
+
+def _compose(view: type[View], report: GangStatus, own: dict[str, Any]) -> View:
+    """`view` made of `report`'s fields as the gang set them (its objects, unchanged: the
+    report was validated where it was built) and the view's `own` fields, which its
+    constructor's typed arguments give. No dump, no merge of dicts: a name of `own` the view
+    does not declare is refused here."""
+    unknown = set(own) - set(view.model_fields) | set(own) & set(report.model_fields) - {"state", "reason"}
+    if unknown:
+        raise TypeError(f"{view.__name__} composes a gang's report with its own fields only; "
+                        f"{sorted(unknown)} are not its own")
+    taken = {name: getattr(report, name) for name in report.model_fields_set}
+    return view.model_construct(_fields_set=report.model_fields_set | set(own), **{**taken, **own})
+
+
+class GangRow(GangReportFields):
+    """One row of the fleet view (GET /gangs; the Controller's, service.state.fleet): a gang's
+    last report with the fleet's own fields: its age, and, for a gang whose reports stopped
+    or whose replica cannot be pinged although its last report said ready, the state the
+    fleet observes (`unreachable`), why, and the code a request gets."""
+
+    state: GangState | ObservedState = Field(description="The gang's own state, or `unreachable` (its last report "
+                                             "said ready, but it is stale or its replica cannot be pinged).")
+    code: str | None = Field(default=None, description="`unreachable` rows only: the error code a request gets.")
+    reported_s_ago: float = Field(description="Age of this gang's last report.")
+
+    @classmethod
+    def of(cls, report: GangStatus, reported_s_ago: float, unreachable_because: str | None = None,
+           code: str | None = None) -> GangRow:
+        """The row of `report`, `reported_s_ago` seconds old; `unreachable_because`: the fleet
+        sees it unreachable (with the `code` a request gets), and says why in `reason`."""
+        own: dict[str, Any] = {"reported_s_ago": reported_s_ago}
+        if unreachable_because is not None:
+            own.update(state=ObservedState.UNREACHABLE, reason=unreachable_because, code=code)
+        return _compose(cls, report, own)
+
+
+class IngressGangStatus(GangStatus):
+    """GET /gang from a gang server that answers: its report, with how this ingress replica
+    has been handing tensors to the gang (the ingress's own field)."""
+
+    ingress_transport: IngressTransport = Field(description="How this ingress replica hands tensors to the gang.")
+
+    @classmethod
+    def of(cls, report: GangStatus, transport: IngressTransport) -> IngressGangStatus:
+        return _compose(cls, report, {"ingress_transport": transport})
 
 
 class SynthesizedStatus(_Closed):
     """GET /gang when no gang server answers: why, from the cluster's resources (see the
-    module docstring for why this is not a GangStatus)."""
+    module docstring for why this is not a GangStatus). The ingress builds it, every field."""
 
     state: AbsentState
     code: str = Field(description="The error code a request gets meanwhile.")
@@ -241,8 +317,11 @@ class SynthesizedStatus(_Closed):
     ingress_transport: IngressTransport | None = None
 
 
-# What the ingress knows of "the gang": a gang's own report, or why there is none.
-AnyGangStatus = Union[GangStatus, SynthesizedStatus]
+# What the ingress acts on of "the gang": a gang's own report, its row in the pushed fleet
+# view, or why there is none.
+AnyGangStatus = Union[GangStatus, GangRow, SynthesizedStatus]
+# What GET /gang answers.
+GangAnswer = Union[IngressGangStatus, SynthesizedStatus]
 
 
 class LostGangStatus(_Closed):
@@ -256,7 +335,7 @@ class LostGangStatus(_Closed):
 class FleetView(_Closed):
     """The Controller's view of the app's gangs (service.state.fleet.Fleet.view)."""
 
-    gangs: list[GangStatus] = Field(description="Every live gang's latest report, by replica id.")
+    gangs: list[GangRow] = Field(description="Every live gang's latest report, by replica id.")
     ready: int = Field(description="Gangs serving now.")
     lost: list[LostGangStatus] = Field(description="Gangs whose replica process died recently, newest first.")
     controller_up_s: float | None = Field(description="Age of the Controller holding the view (null: none).")
@@ -268,7 +347,7 @@ class GangsView(_Closed):
 
     desired: int = Field(description="Gangs the app should have (num_replicas, or the autoscaler's target).")
     ready: int = Field(description="Gangs serving now.")
-    gangs: list[GangStatus]
+    gangs: list[GangRow]
     missing: list[str] = Field(description="For each desired gang that is not serving, what it waits for.")
     lost: list[LostGangStatus]
     controller_up_s: float | None = Field(description="Age of the Controller holding the view "

@@ -77,7 +77,7 @@ class Controller:
                           actor: ActorHandle | None = None) -> None:
         """A GangServer replica's report (its /gang description) and metric snapshot."""
         with self._telling():
-            self._fleet.report(replica_id, info, time.time(), metrics)
+            self._fleet.report(info, time.time(), metrics)  # under the replica id the report names
         if actor is not None and replica_id not in self._actors and replica_id not in self._fleet.lost:
             self._actors[replica_id] = actor
 

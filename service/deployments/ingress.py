@@ -46,7 +46,7 @@ class Ingress:
         self._grpc: OipGrpc | None = None  # built with the app: it shares its tokens, decode pool and metrics
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = create_api(self._config, self._gang, self._jobs, self._fleet)
+        app = create_api(self._config, self._gang, self._jobs, self._fleet, weights_admin=self._gang.weights)
         state = app.state
         self._grpc = OipGrpc(self._config, self._gang, self._fleet, state.decode_pool,
                              Tokens(api=state.api_token, infer=state.infer_token), state.metrics_publisher)

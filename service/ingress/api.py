@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.ingress.auth import AuthMiddleware, load_api_token, load_infer_token
 from service.config.builder_args import AppConfig
 from service.contract.errors import ErrorCode, GangServeError, bounded, describe_validation_errors
-from service.ingress.deps import DecodePool, Gang
+from service.ingress.deps import DecodePool, Gang, Weights
 from service.ingress.fleet_client import FleetClient
 from service.ingress.jobs_client import JobsClient
 from service.ingress.routes import health, infer
@@ -39,7 +39,9 @@ def error_response(status: int, message: str, code: ErrorCode | str, retry_after
 
 
 def create_api(config: AppConfig, gang: Gang, jobs: JobsClient | None = None,
-               fleet: FleetClient | None = None) -> FastAPI:
+               fleet: FleetClient | None = None, weights_admin: Weights | None = None) -> FastAPI:
+    """The HTTP app: the routes over `gang` (the request path), `weights_admin` (POST /weights; None:
+    an app whose tests never swap), the JobManager and the Controller."""
     # FastAPIOffline: /docs and /redoc served from the package's static files (no CDN).
     app = FastAPIOffline(
         title="gangserve",
@@ -48,6 +50,7 @@ def create_api(config: AppConfig, gang: Gang, jobs: JobsClient | None = None,
     )
     app.state.config = config
     app.state.gang = gang
+    app.state.weights = weights_admin
     app.state.jobs = jobs or JobsClient(None)
     app.state.api_token, token_source = load_api_token()
     app.state.infer_token = load_infer_token()

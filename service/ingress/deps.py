@@ -14,9 +14,10 @@ from fastapi import Request
 
 from service.config.builder_args import AppConfig
 from service.contract.errors import BadRequest, ErrorCode, GangServeError, GangUnavailable, Overloaded, PayloadTooLarge
-from service.contract.gang_status import AnyGangStatus, GangStatus, GangsView
+from service.contract.gang_status import GangAnswer, GangStatus, GangsView
 from service.ingress.diagnosis import Diagnosis
 from service.ingress.fleet_client import FleetClient
+from service.ingress.retries import GangMethod
 from service.config.tunables import Tunables
 
 T = TypeVar("T")
@@ -41,10 +42,14 @@ class Gang(Protocol):
     async def infer(self, x: np.ndarray, mask: np.ndarray | None = None, causal: bool | None = None,
                     deadline: float | None = None) -> np.ndarray: ...
 
-    async def session_call(self, method: str, *args: Any, session_id: str | None, deadline: float,
+    async def session_call(self, method: GangMethod, *args: Any, session_id: str | None, deadline: float,
                            **kwargs: Any) -> Any: ...
 
-    async def describe(self) -> AnyGangStatus: ...
+    async def describe(self) -> GangAnswer: ...
+
+
+class Weights(Protocol):
+    """What POST /weights asks of the gang (service.ingress.weights_admin.WeightsAdmin)."""
 
     async def reload_weights(self, checkpoint: str | None, job_id: str | None = None,
                              eval_loss: float | None = None) -> GangStatus: ...
@@ -63,6 +68,10 @@ class FleetReader(Protocol):
 
 async def get_gang(request: Request) -> Gang:
     return request.app.state.gang
+
+
+async def get_weights(request: Request) -> Weights:
+    return request.app.state.weights
 
 
 async def get_fleet(request: Request) -> FleetClient:

@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from service.config.builder_args import AppConfig
 from service.contract.errors import ErrorCode, GangServeError, GangUnavailable
-from service.contract.gang_status import FleetView, GangStatus, GangsView
+from service.contract.gang_status import FleetView, GangRow, GangState, GangsView, ObservedState
 from service.ingress.diagnosis import Diagnosis
 from service.ingress.handle_errors import bounded_call
 
@@ -60,7 +60,7 @@ class FleetClient:
         return self._handle is not None
 
     async def view(self, for_readiness: bool = False) -> FleetView:
-        """Every gang's latest report (+ replica_id, reported_s_ago), how many are ready, the
+        """Every gang's row (its latest report and its age), how many are ready, the
         lost ones (service.state.fleet.Fleet.view).
 
         `for_readiness`: bounded by ingress.readiness_timeout_s, and refused at once for a while
@@ -86,7 +86,7 @@ class FleetClient:
         view = await self.view(for_readiness)
         desired = await self._desired()
         missing = await self.diagnosis.not_started(len(view.gangs), desired, view.lost)
-        missing += [f"gang {g.replica_id}: {g.state}: {g.reason}" for g in view.gangs if g.state != "ready"]
+        missing += [f"gang {g.replica_id}: {g.state}: {g.reason}" for g in view.gangs if g.state is not GangState.READY]
         return GangsView(desired=desired, ready=view.ready, gangs=view.gangs, missing=missing, lost=view.lost,
                          controller_up_s=view.controller_up_s)
 
@@ -112,7 +112,7 @@ class FleetClient:
         if self._handle is not None and (self._follower is None or self._follower.done()):
             self._follower = asyncio.get_running_loop().create_task(self._follow())
 
-    def pushed_gang(self, single_gang: bool) -> GangStatus | None:
+    def pushed_gang(self, single_gang: bool) -> GangRow | None:
         """The status a request acts on, from the pushed view while it is current: a ready gang
         if any (with several, Serve's router picks among the ready ones); with one gang, that
         gang in any state it reported. None when the view is not current, or names no gang to
@@ -121,10 +121,10 @@ class FleetClient:
         view = self._pushed
         if view is None or time.monotonic() - self.pushed_at > self._follow_fresh_s:
             return None
-        ready = [row for row in view.gangs if row.state == "ready"]
+        ready = [row for row in view.gangs if row.state is GangState.READY]
         if ready:
             return ready[0]
-        reported = [row for row in view.gangs if row.state != "unreachable"]
+        reported = [row for row in view.gangs if row.state is not ObservedState.UNREACHABLE]
         return reported[0] if single_gang and reported else None
 
     async def _follow(self) -> None:

@@ -17,7 +17,7 @@ from service.contract.errors import ErrorCode, GangServeError, GangUnavailable
 from service.contract.gang_status import AnyGangStatus, GangStatus, GangsView, Readiness
 from service.ingress.auth import redact_paths
 from service.ingress.deps import FleetReader, Gang
-from service.ingress.requests import unavailable_error
+from service.ingress.status_view import unavailable_error
 
 
 async def readiness(gang: Gang, fleet: FleetReader) -> Readiness:

@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
+from service.contract.gang_status import SessionBatchingStats
 from service.gang.batching import BatchQueue, DeadlineWords, Queued
 from service.sessions.registry import Chunking, Claim, Session, StepItem
 
@@ -87,11 +88,11 @@ class AppendBatcher:
         self.max_step_sessions = 0
         self.chunk_steps = 0  # chunks computed before an append's last (its step answered nothing yet)
 
-    def stats(self) -> dict[str, float]:
-        return {"steps": self.steps, "appends": self.appends, "max_sessions_in_a_step": self.max_step_sessions,
-                "prefill_chunks": self.chunk_steps,
-                "queued": len(self._queue.pending), "expired_queued": self._queue.expired_queued,
-                "appends_per_step": round(self.appends / self.steps, 3) if self.steps else 0.0}
+    def stats(self) -> SessionBatchingStats:
+        return SessionBatchingStats(
+            steps=self.steps, appends=self.appends, max_sessions_in_a_step=self.max_step_sessions,
+            prefill_chunks=self.chunk_steps, queued=len(self._queue.pending), expired_queued=self._queue.expired_queued,
+            appends_per_step=round(self.appends / self.steps, 3) if self.steps else 0.0)
 
     @property
     def idle(self) -> bool:

@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.contract.gang_status import FleetView, GangStatus, LostGangStatus, dump
-from service.contract.errors import ErrorCode
+from service.contract.errors import gang_state_code
+from service.contract.gang_status import FleetView, GangRow, GangState, GangStatus, LostGangStatus, ObservedState
 from service.metrics.exposition import merge, to_snapshot
 from service.config.tunables import FleetTunables
 
@@ -70,10 +70,11 @@ class Fleet:
     version: int = 0  # bumped on every change a request path acts on (see the module docstring)
 
     # -- gangs ------------------------------------------------------------------------------
-    def report(self, replica_id: str, status: GangStatus, now: float,
-               metrics: dict[str, list] | None = None) -> None:
-        """A gang's report (its /gang description) and its metric snapshot, as of `now`. The
-        report is a GangStatus, checked where it was built (service.gang.gang.Gang.describe)."""
+    def report(self, status: GangStatus, now: float, metrics: dict[str, list] | None = None) -> None:
+        """A gang's report (its /gang description) and its metric snapshot, as of `now`, under
+        the replica id the report names. The report is a GangStatus, checked where it was
+        built (service.gang.gang.Gang.describe)."""
+        replica_id = status.replica_id
         if replica_id in self.lost:
             return  # a late report from a process already seen dead never revives it
         previous = self.gangs.get(replica_id)
@@ -110,7 +111,7 @@ class Fleet:
         self._retire(gang_source(replica_id))
 
     def serving(self, gang: GangReport, now: float) -> bool:
-        return (gang.info.state == "ready" and now - gang.reported_at <= self.tunables.stale_after_s
+        return (gang.info.state is GangState.READY and now - gang.reported_at <= self.tunables.stale_after_s
                 and gang.unreachable_since is None)
 
     def next_stale_s(self, now: float) -> float:
@@ -120,8 +121,9 @@ class Fleet:
         return max(0.0, min(ends) - now) + 0.01 if ends else float("inf")
 
     def view(self, now: float, controller_up_s: float | None = None) -> FleetView:
-        """The latest report of each live gang (+ `reported_s_ago`), how many serve now, and
-        the gangs lost recently (newest first), at this `version`.
+        """The latest report of each live gang as a row of the view (service.contract.gang_status.GangRow:
+        the report with its age), how many serve now, and the gangs lost recently (newest
+        first), at this `version`.
 
         A gang that is not serving although its last report said ready (stale, or the
         controller cannot reach it) is shown with the state it is really in."""
@@ -129,17 +131,18 @@ class Fleet:
         rows = []
         for rid in sorted(self.gangs):
             gang = self.gangs[rid]
-            update: dict[str, Any] = {"replica_id": rid, "reported_s_ago": round(now - gang.reported_at, 1)}
-            if gang.info.state == "ready" and not self.serving(gang, now):
-                update.update(state="unreachable", code=ErrorCode.GANG_UNREACHABLE, reason=(
+            why_unreachable = None
+            if gang.info.state is GangState.READY and not self.serving(gang, now):
+                why_unreachable = (
                     f"the controller cannot reach this gang's replica for {now - gang.unreachable_since:.1f}s"
                     if gang.unreachable_since is not None else
-                    f"no report for {now - gang.reported_at:.1f}s (a gang reports every {self.tunables.report_interval_s:g}s)"))
-            # Validated again: model_copy would take an update's misspelled key without a word.
-            rows.append(GangStatus.model_validate({**dump(gang.info), **update}))
+                    f"no report for {now - gang.reported_at:.1f}s (a gang reports every {self.tunables.report_interval_s:g}s)")
+            rows.append(GangRow.of(gang.info, reported_s_ago=round(now - gang.reported_at, 1),
+                                   unreachable_because=why_unreachable,
+                                   code=gang_state_code(ObservedState.UNREACHABLE)))
         lost = [LostGangStatus(replica_id=g.replica_id, reason=g.reason, s_ago=round(now - g.at, 1))
                 for g in sorted(self.lost.values(), key=lambda g: -g.at)]
-        return FleetView(gangs=rows, ready=sum(1 for r in rows if r.state == "ready"), lost=lost,
+        return FleetView(gangs=rows, ready=sum(1 for r in rows if r.state is GangState.READY), lost=lost,
                          controller_up_s=controller_up_s, version=self.version)
 
     def _forget_old(self, now: float) -> None:

@@ -52,7 +52,7 @@ class GangCalls(Protocol):
     the gang server as the seconds left), failures mapped to GangServeErrors; keyword
     arguments go to the method (a `session_id` also steers the request router)."""
 
-    async def request(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any: ...
+    async def call(self, method: str, *args: Any, deadline: float, **kwargs: Any) -> Any: ...
 
 
 @dataclass
@@ -121,7 +121,7 @@ class GangLink:
             except shm.SharedMemoryUnavailable as exc:
                 self._shm_failed(exc)
         self._counts.object_store += 1
-        return await self._calls.request("infer", x, mask, causal, deadline=deadline)
+        return await self._calls.call("infer", x, mask, causal, deadline=deadline)
 
     async def session_append(self, x: np.ndarray, length: int | None, *, session_id: str, idempotency_key: str,
                              deadline: float) -> tuple[np.ndarray, dict[str, Any]]:
@@ -144,7 +144,7 @@ class GangLink:
             except ChannelUnavailable as exc:  # appended or not: the same key makes the handle call safe
                 self._channel_failed(exc)
         self._counts.object_store += 1
-        return await self._calls.request("session_append", x, length, deadline=deadline, session_id=session_id,
+        return await self._calls.call("session_append", x, length, deadline=deadline, session_id=session_id,
                                          idempotency_key=idempotency_key)
 
     def transport(self) -> IngressTransport:
@@ -177,7 +177,7 @@ class GangLink:
         ref, view = shm.create(x, self._node_id)
         self._counts.shared_memory += 1
         try:  # the mask is small: by value
-            shape = await self._calls.request("infer_shared", ref, mask, causal, deadline=deadline)
+            shape = await self._calls.call("infer_shared", ref, mask, causal, deadline=deadline)
         finally:
             shm.unlink(ref)  # the pages stay mapped for `view` (and the gang, if still busy)
         if tuple(shape) != ref.shape:

@@ -13,6 +13,7 @@ from service.config.builder_args import AppConfig
 from service.contract import deadlines
 from service.ingress import codecs
 from service.ingress.deps import Gang
+from service.ingress.retries import GangMethod
 from service.ingress.oip.codec import CheckedInputs, causal
 from service.ingress.oip.schemas import InferenceRequest
 from service.ingress.oip.sequences import rows_of, sequence_of
@@ -44,7 +45,7 @@ async def answer(req: InferenceRequest, inputs: CheckedInputs, gang: Gang, deadl
     sequence = sequence_of(req)  # Triton's sequence parameters: a session (service.ingress.oip.sequences)
     parameters = None
     if sequence is not None:
-        rows, info = await gang.session_call("session_oip", rows_of(inputs.x), sequence.start, sequence.end,
+        rows, info = await gang.session_call(GangMethod.SESSION_OIP, rows_of(inputs.x), sequence.start, sequence.end,
                                              session_id=sequence.id, deadline=deadline,
                                              idempotency_key=sequence.idempotency_key)
         out = rows[None]  # [1, n, E]

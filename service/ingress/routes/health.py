@@ -9,11 +9,11 @@ reason) only to callers with the API token; everyone else gets them as '<path>'.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from service.contract.gang_status import GangsView, GangStatus, Readiness, SynthesizedStatus, dump
+from service.contract.gang_status import GangAnswer, GangsView, Readiness, dump
 from service.ingress.auth import has_api_token, optional_api_auth, redact_paths
 from service.ingress.deps import FleetReader, Gang, get_fleet, get_gang
 from service.ingress.readiness import readiness
@@ -62,7 +62,7 @@ async def gangs_info(request: Request, fleet: FleetReader = Depends(get_fleet)) 
     "File-system paths (e.g. a checkpoint's location) are shown only with the API token.",
     dependencies=[Depends(optional_api_auth)],
     openapi_extra={"security": [{}]},  # the token is optional here
-    response_model=Union[GangStatus, SynthesizedStatus],
+    response_model=GangAnswer,
     response_model_exclude_unset=True,
 )
 async def gang_info(request: Request, gang: Gang = Depends(get_gang)) -> dict[str, Any]:

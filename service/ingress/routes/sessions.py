@@ -31,6 +31,7 @@ from service.config.builder_args import AppConfig
 from service.contract.errors import InvalidInput
 from service.ingress import codecs
 from service.ingress.auth import inference_auth
+from service.ingress.retries import GangMethod
 from service.ingress.deps import (
     DecodePool, Gang, check_declared_length, get_config, get_decode_pool, get_gang, read_body_capped,
 )
@@ -54,10 +55,10 @@ async def open_session(request: Request, output_dtype: _DtypeName | None = _Outp
     deadline = _deadline(request, cfg)
     decoded = await _rows(request, cfg, pool, output_dtype, optional=True)
     if decoded is None:
-        _, info = await gang.session_call("session_open", None, session_id=None, deadline=deadline)
+        _, info = await gang.session_call(GangMethod.SESSION_OPEN, None, session_id=None, deadline=deadline)
         return JSONResponse(info, status_code=201, headers=_headers(info))
     x, dtype, media, squeezed = decoded
-    out, info = await gang.session_call("session_open", x, session_id=None, deadline=deadline)
+    out, info = await gang.session_call(GangMethod.SESSION_OPEN, x, session_id=None, deadline=deadline)
     return _reply(out if squeezed else out[None], info, dtype, media, 201)
 
 
@@ -78,7 +79,7 @@ async def append(session_id: str, request: Request, output_dtype: _DtypeName | N
     decoded = await _rows(request, cfg, pool, output_dtype, optional=False)
     assert decoded is not None
     x, dtype, media, squeezed = decoded
-    out, info = await gang.session_call("session_append", x, length, session_id=session_id, deadline=deadline,
+    out, info = await gang.session_call(GangMethod.SESSION_APPEND, x, length, session_id=session_id, deadline=deadline,
                                         idempotency_key=key)
     return _reply(out if squeezed else out[None], info, dtype, media, 200)
 
@@ -87,7 +88,7 @@ async def append(session_id: str, request: Request, output_dtype: _DtypeName | N
             openapi_extra=OPTIONAL_INFER_SECURITY, responses=INFER_ERROR_RESPONSES)
 async def get_session(session_id: str, request: Request, cfg: AppConfig = Depends(get_config),
                       gang: Gang = Depends(get_gang)) -> JSONResponse:
-    info = await gang.session_call("session_info", session_id=session_id, deadline=_deadline(request, cfg))
+    info = await gang.session_call(GangMethod.SESSION_INFO, session_id=session_id, deadline=_deadline(request, cfg))
     return JSONResponse(info, headers=_headers(info))
 
 
@@ -95,7 +96,7 @@ async def get_session(session_id: str, request: Request, cfg: AppConfig = Depend
                openapi_extra=OPTIONAL_INFER_SECURITY, responses=INFER_ERROR_RESPONSES)
 async def delete_session(session_id: str, request: Request, cfg: AppConfig = Depends(get_config),
                          gang: Gang = Depends(get_gang)) -> JSONResponse:
-    info = await gang.session_call("session_close", session_id=session_id, deadline=_deadline(request, cfg))
+    info = await gang.session_call(GangMethod.SESSION_CLOSE, session_id=session_id, deadline=_deadline(request, cfg))
     return JSONResponse(info)
 
 

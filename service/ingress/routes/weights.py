@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.contract.errors import ErrorCode, InvalidInput
 from service.contract.gang_status import dump
 from service.ingress.auth import require_token
-from service.ingress.deps import Gang, check_declared_length, get_fleet, get_gang
+from service.ingress.deps import Weights, check_declared_length, get_fleet, get_weights
 from service.ingress.fleet_client import FleetClient
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, ErrorBody
@@ -137,7 +137,7 @@ def _one_target(req: WeightsRequest) -> str:
                                     "recorded version)"}},
 )
 async def load_weights(req: WeightsRequest, jobs: JobsClient = Depends(get_jobs),
-                       gang: Gang = Depends(get_gang), fleet: FleetClient = Depends(get_fleet)) -> dict[str, Any]:
+                       gang: Weights = Depends(get_weights), fleet: FleetClient = Depends(get_fleet)) -> dict[str, Any]:
     what = _one_target(req)
     target: dict[str, Any] = {"job_id": None, "path": None}
     if what == "version":
