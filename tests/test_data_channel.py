@@ -482,6 +482,31 @@ def test_server_timing_parts_add_up_to_the_ingress_total(app_url: str) -> None:
         assert values[-1] <= client_ms, (values[-1], client_ms)
 
 
+@pytest.mark.ray
+def test_a_session_append_names_every_part_of_its_time(app_url: str) -> None:
+    """POST /sessions/{id}/append's Server-Timing lists its parts as /infer's does (the body read
+    and decoded as one part, `decode`), the step's `compute` among them over the data channel,
+    and their total: the parts add up to it, and it fits inside what the client measured."""
+    npy = {"content-type": "application/x-npy"}
+    r = httpx.post(app_url + "/sessions", content=io_npy(rand(4, 512, seed=25)), headers=npy, timeout=60)
+    assert r.status_code == 201, r.text[:300]
+    sid = r.headers["x-session-id"]
+    for i in range(3):
+        started = time.perf_counter()
+        r = httpx.post(f"{app_url}/sessions/{sid}/append", content=io_npy(rand(1, 512, seed=26 + i)), headers=npy,
+                       timeout=60)
+        client_ms = (time.perf_counter() - started) * 1000
+        assert r.status_code == 200, r.text[:300]
+        entries = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
+        names, values = [name for name, _ in entries], [float(ms) for _, ms in entries]
+        assert names[0] == "decode" and names[-2:] == ["encode", "total"], names
+        assert names[1:-2] in (["gang"], [*CHANNEL_PARTS, "return"]), names
+        assert all(v > -0.05 for v in values), entries
+        assert sum(values[:-1]) == pytest.approx(values[-1], abs=0.001 * len(values)), entries
+        assert values[-1] <= client_ms, (values[-1], client_ms)
+    httpx.delete(f"{app_url}/sessions/{sid}", timeout=60).raise_for_status()
+
+
 def io_npy(x: np.ndarray) -> bytes:
     import io
 

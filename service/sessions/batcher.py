@@ -34,13 +34,16 @@ done (service.sessions.service), so one never planned is never appended.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from service.contract.gang_status import SessionBatchingStats
+from service.contract.timing import Part
 from service.gang.batching import BatchQueue, DeadlineWords, Queued
+from service.metrics import timeline
 from service.sessions.registry import Chunking, Claim, Session, StepItem
 
 # (items of one step, latest deadline or None) -> [(rows or None, info or error)] in item order
@@ -60,6 +63,9 @@ class _Queued(Queued):
     expect_length: int | None = None
     claim: Claim | None = None
     chunking: Chunking | None = None
+    # The append's timeline (service.metrics.timeline), taken in the submitting task: the step
+    # runs in the queue's task, which hands it the step's marks (each chunk's, summed by name).
+    request_timeline: timeline.Timeline | None = field(default_factory=timeline.current)
 
 
 class AppendBatcher:
@@ -125,7 +131,14 @@ class AppendBatcher:
             session.busy -= 1
 
     async def _step(self, group: list[_Queued], deadline: float | None) -> None:
-        """One append step for `group`; every member gets its rows and info, or its error."""
+        """One append step for `group`; every member gets its rows and info, or its error.
+        Each member's timeline gets the step's parts (queue, handoff, broadcast, compute,
+        all_reduce, to_numpy: service.gang.runner), as a stateless request's does."""
+        timed = [q.request_timeline for q in group if q.request_timeline is not None]
+        marks = timeline.Timeline.starting_now() if timed else None  # the step's own parts
+        for t in timed:
+            t.mark(Part.QUEUE)  # the batcher: arrival (or the previous chunk's end) -> its step starts
+        token = timeline.running_step(marks)
         try:
             results = await self._run_step([StepItem(q.session, q.x, q.expect_length, claim=q.claim,
                                                       chunking=q.chunking) for q in group], deadline)
@@ -136,6 +149,13 @@ class AppendBatcher:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        finally:
+            timeline.end_step(token)
+        if marks is not None:
+            back = time.monotonic_ns()
+            for t in timed:
+                t.extend(marks.marks)
+                t.mark(Part.TO_LOOP, back)  # the sequencer thread -> this event loop
         self.steps += 1
         self.appends += sum(1 for _, info in results if not isinstance(info, Chunking))
         self.max_step_sessions = max(self.max_step_sessions, len(group))

@@ -315,7 +315,7 @@ class ChannelServer:
             keyed = {} if key is None else {"idempotency_key": key}  # a frame without one: the call without one
             out, info = await append(x, length, timeout_s=timeout_s, session_id=session_id, **keyed)
             out = np.ascontiguousarray(out, dtype=np.float32)
-            return {"ok": True, "shape": list(out.shape), "session": info}, memoryview(out).cast("B"), region
+            return {**_ok(tuple(out.shape)), "session": info}, memoryview(out).cast("B"), region
 
         return run
 
@@ -399,6 +399,9 @@ class ChannelClient:
         session's state). The rows travel inline. Raises as `infer` does; note that a
         ChannelUnavailable raised while reading the reply says nothing about whether the
         server appended: only the `idempotency_key` makes sending the append again safe."""
+        marks = timeline.current()
+        if marks is not None:
+            marks.mark(Part.POLICY)  # decoded -> the link starts sending (the request policy's part)
         data = np.ascontiguousarray(x, dtype=np.float32)
         header: dict[str, Any] = {"op": "session_append", "shape": [int(d) for d in data.shape],
                                   "session_id": session_id, "length": length, "idempotency_key": idempotency_key}
@@ -413,6 +416,8 @@ class ChannelClient:
                     raise ValueError(f"no session state in the reply (found {info!r:.50})")
             except ValueError as exc:
                 raise ChannelUnavailable(f"malformed data-channel reply: {exc}") from None
+            if marks is not None:
+                marks.mark(Part.LINK_RECEIVE)  # the reply read
             return out, info
 
     @contextlib.asynccontextmanager
@@ -532,7 +537,7 @@ def _tensor(payload: bytes, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _ok(shape: tuple[int, ...]) -> dict[str, Any]:
-    """An infer reply's header, with this side's marks of the request (service.metrics.timeline)."""
+    """An infer or session_append reply's header, with this side's marks of the request (service.metrics.timeline)."""
     marks = timeline.current()
     if marks is None:
         return {"ok": True, "shape": list(shape)}

@@ -27,6 +27,8 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.contract import deadlines
+from service.contract.timing import Part
+from service.metrics import timeline
 from service.config.builder_args import AppConfig
 from service.contract.errors import InvalidInput
 from service.ingress import codecs
@@ -76,12 +78,24 @@ async def append(session_id: str, request: Request, output_dtype: _DtypeName | N
                  pool: DecodePool = Depends(get_decode_pool)) -> Response:
     deadline = _deadline(request, cfg)
     key = keys.key_of(idempotency_key, keys.HEADER)  # checked before the body is read
-    decoded = await _rows(request, cfg, pool, output_dtype, optional=False)
-    assert decoded is not None
-    x, dtype, media, squeezed = decoded
-    out, info = await gang.session_call(GangMethod.SESSION_APPEND, x, length, session_id=session_id, deadline=deadline,
-                                        idempotency_key=key)
-    return _reply(out if squeezed else out[None], info, dtype, media, 200)
+    # Where the append's time goes (service.metrics.timeline), as /infer's Server-Timing: the
+    # link, the batcher and the step (its compute among them) mark their parts here.
+    marks = timeline.Timeline.starting_now()
+    token = timeline.start(marks)
+    try:
+        decoded = await _rows(request, cfg, pool, output_dtype, optional=False)
+        assert decoded is not None
+        x, dtype, media, squeezed = decoded
+        marks.mark(Part.DECODE)
+        out, info = await gang.session_call(GangMethod.SESSION_APPEND, x, length, session_id=session_id,
+                                            deadline=deadline, idempotency_key=key)
+        marks.mark(Part.RETURN if marks.marks[-1][0] is Part.LINK_RECEIVE else Part.GANG)
+        reply = _reply(out if squeezed else out[None], info, dtype, media, 200)
+        marks.mark(Part.ENCODE)
+    finally:
+        timeline.reset(token)
+    reply.headers["Server-Timing"] = marks.server_timing()
+    return reply
 
 
 @router.get("/sessions/{session_id}", summary="A session: length, weights version, created, last used, bytes held",
