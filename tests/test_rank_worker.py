@@ -6,7 +6,7 @@ step loop and rank 0 drives steps with headers and `Forward.root` (service.gang.
 independent dense reference (nn.MultiheadAttention with the same weights), then: a peer
 killed in the middle of a step gives rank 0 an error at once, a peer that stops gives a
 timeout error within the group timeout, teardown is bounded, and a second gang forms in
-the same rank-0 process.
+the same rank-0 process. The peer polls for its headers before it sleeps (a tunable).
 """
 from __future__ import annotations
 
@@ -56,9 +56,13 @@ def _step(rank: Any, seq: int, x: np.ndarray, mask: np.ndarray | None, causal: b
 
 
 def _peer_main(port: int, timeout_s: float) -> None:
+    from service.config.tunables import GangTunables
     from service.gang.worker import PlainModel, Rank
 
-    rank = Rank(1, 2, device=torch.device("cpu"), node_ip="127.0.0.1")
+    # The peer polls for each header before it sleeps (tunables.gang.header_spin_us_cpu; 0, the
+    # CPU default, is the Ray tests' path): its steps and its failures must be the same.
+    rank = Rank(1, 2, device=torch.device("cpu"), node_ip="127.0.0.1",
+                tunables=GangTunables(header_spin_us_cpu=200.0))
     rank.rendezvous("127.0.0.1", port, "gloo", timeout_s)
     rank.load_weights(PlainModel(embed_dim=E, num_heads=H, init="seed"), 1)
     rank.start_loop()
@@ -168,3 +172,46 @@ def test_two_real_ranks_match_dense_and_fail_bounded_when_a_peer_dies_or_stops()
                 out.get_nowait()
         except queue.Empty:
             pass
+
+
+def test_a_world_size_1_step_takes_the_shortest_path_and_names_its_parts() -> None:
+    """World size 1 through the step runner (service.gang.runner): no header, no broadcast, no
+    step clock, and still the dense answer in every case; its timeline has the step's parts
+    (the input as a tensor, compute, to_numpy), each a duration of its own, ending in order;
+    a step expecting another weights version is refused (no answer from stale weights)."""
+    from service.config.builder_args import GangConfig
+    from service.config.tunables import GangTunables
+    from service.contract.gang_status import GangState
+    from service.contract.timing import Part
+    from service.gang.runner import Health, Members, StepRunner
+    from service.gang.steps import Forward
+    from service.gang.worker import PlainModel, Rank
+    from service.metrics.timeline import Timeline
+
+    rank = Rank(0, 1, device=torch.device("cpu"), node_ip="127.0.0.1")
+    rank.rendezvous("127.0.0.1", 0, "gloo", 5.0)
+    rank.load_weights(PlainModel(embed_dim=E, num_heads=H, init="seed"), 1)
+    health = Health()
+    health.set(GangState.READY, "ready")
+    seen: list[Timeline] = []
+    runner = StepRunner(health, Members(root=rank), GangConfig(world_size=1), GangTunables(), on_parts=seen.append)
+    x, mask = _inputs()
+    weights = notes_seed_weights(E)
+    try:
+        for name, (masked, causal) in CASES.items():
+            marks = Timeline.starting_now()
+            got = runner.run_step(Forward(x, mask if masked else None, causal), 1, marks)
+            want = dense_attention_masked(weights, H, torch.from_numpy(x),
+                                          torch.from_numpy(mask).int() if masked else None, causal)
+            assert relative_error(torch.from_numpy(got), want) < 1e-5, name
+            assert [part for part, _ in marks.marks] == [Part.BROADCAST, Part.COMPUTE, Part.TO_NUMPY], marks.marks
+            ends = [marks.start_ns, *(at for _, at in marks.marks)]
+            assert ends == sorted(ends), marks.marks
+            assert seen[-1] is marks  # the metrics are told of the same timeline
+        assert rank._clock is None  # no step clock was made
+        with pytest.raises(Exception, match="weights"):
+            runner.run_step(Forward(x), 2)
+        assert health.state is GangState.BROKEN
+    finally:
+        runner.shutdown()
+        rank.close()

@@ -93,6 +93,16 @@ class GangTunables:
         "two heartbeats may be late (a busy core) before a peer's wait for a header times out."))
     min_heartbeat_s: float = knob(0.05, "Shortest heartbeat period, whatever collective_timeout_s is.")
     timings_kept: int = knob(512, "Per-step timestamps each rank keeps for GET /gang's step-loop timings.")
+    header_spin_us_cpu: float = knob(0.0, (
+        "A peer on a CPU rank polls for rank 0's next step header this long before its thread sleeps in "
+        "the wait (service.gang.worker wait_header): a header that comes within it skips one thread wake-up, "
+        "and every wait costs up to this much of a core. 0 on CPUs: the ranks share the cores the "
+        "computation needs, and a spinning peer takes them from it (bench/NOTES.md, measured)."))
+    header_spin_us_gpu: float = knob(200.0, (
+        "The same for a peer on a CUDA rank: its host core is otherwise idle while the GPU computes, so "
+        "polling up to this long for the next header costs a core that nothing else uses, and saves the "
+        "wake-up on back-to-back small steps, where it is a large share of the step. Chosen, not yet "
+        "measured on a GPU host (bench/step_levers.py header measures it)."))
     routing_stats_period_s: float = knob(1.0, (
         "How often Serve asks each GangServer for its routing stats (is its gang ready): a gang that just "
         "broke may get requests for up to this long, which fail fast (503), never wait."))
@@ -133,6 +143,10 @@ class GangTunables:
         "at world size 1 (bench/NOTES.md): a step of 256 rows beside a one-row append took 4.5x a "
         "one-row step at 8.5 ms a prefill row; 128 rows 3.7x at 14 ms a row, 512 rows 5.9x at 5.6 ms a row. "
         "0: no chunking."))
+
+    def header_spin_us(self, device_type: str) -> float:
+        """How long a peer on a `device_type` ("cpu", "cuda") rank polls for the next header."""
+        return self.header_spin_us_gpu if device_type == "cuda" else self.header_spin_us_cpu
 
     def heartbeat_interval(self, collective_timeout_s: float) -> float:
         """Idle time after which rank 0 sends a heartbeat header to the step loops."""

@@ -213,8 +213,14 @@ class StepRunner:
     def _mark_parts(root: RankWorker, marks: Timeline) -> None:
         """The step just run, as parts: broadcast, compute and all_reduce (interleaved layer by
         layer: their sums), to_numpy (rank 0's output back to a float32 array); the header's
-        was marked when it went out."""
+        was marked when it went out. At world size 1 (no peer) `broadcast` is the input made a
+        tensor, and there is no all_reduce."""
         done = time.monotonic_ns()
+        if root.world_size == 1:  # the shortest path: no broadcast, no step clock, two host stamps
+            marks.mark(Part.BROADCAST, root.alone_ns[0])  # the input as a tensor on the device
+            marks.mark(Part.COMPUTE, root.alone_ns[1])
+            marks.mark(Part.TO_NUMPY, done)
+            return
         forward = timeline.wall_to_monotonic_ns(root.last_forward_ns)
         marks.mark(Part.BROADCAST, timeline.wall_to_monotonic_ns(root.last_bcast_ns))
         all_reduce = root.last_all_reduce_ns

@@ -231,6 +231,8 @@ class Rank:
         # (seq, header sent ns, woke ns, the step's clock: broadcast done, forward done)
         self._timings: deque[tuple[int, int, int, StepClock]] = deque(maxlen=tunables.timings_kept)
         self._clock: StepClock | None = None  # the last step's
+        # World size 1: the last step's (input ready, computed), monotonic ns (see `_alone`).
+        self.alone_ns: tuple[int, int] = (0, 0)
         # Sessions' K/V for this rank's heads (service.parallel.kv_cache), allocated on the
         # first append step with the shape rank 0's plan names; gone with this object.
         self.kv_pool: PagedKVPool | None = None
@@ -435,6 +437,8 @@ class Rank:
         group = self.group
         if self.model is None or group is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
+        if self.world_size == 1:
+            return self._alone(buf, n, weights_version, compute)
         clock = self._clock = StepClock(self.device)
         self.group.timer.reset()
         with torch.inference_mode():
@@ -443,6 +447,22 @@ class Rank:
             x, refusal = self._poison_if_stale(buf[:n], weights_version)
             out = compute(x, buf[n:])
             clock.mark()
+        if refusal is not None:
+            raise refusal
+        return out
+
+    def _alone(self, buf: torch.Tensor, n: int, weights_version: int,
+               compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """World size 1, the shortest path: no peer, so no broadcast and no step clock (its CUDA
+        events); the step's parts are two host stamps (`alone_ns`, monotonic: the step runner's
+        timeline takes them as they are). On CUDA the compute stamp is when the kernels were
+        queued: their GPU time lands in the output's copy back (the timeline's to_numpy)."""
+        self._clock = None
+        started = time.monotonic_ns()
+        with torch.inference_mode():
+            x, refusal = self._poison_if_stale(buf[:n], weights_version)
+            out = compute(x, buf[n:])
+        self.alone_ns = (started, time.monotonic_ns())
         if refusal is not None:
             raise refusal
         return out
@@ -525,6 +545,23 @@ class Rank:
             raise RuntimeError(f"rank {self.rank}: no control group (world_size {self.world_size})")
         dist.broadcast(header.encode(), src=0, group=self._control)
 
+    def wait_header(self, into: torch.Tensor | None = None) -> control.Header:
+        """Peers: rank 0's next header (into `into`, a reused buffer), bounded by the control
+        group's timeout. First polls for it up to tunables.gang.header_spin_us(device) (a header
+        that comes within that skips this thread's wake-up, and the poll costs up to that much of
+        a core), then sleeps in the wait."""
+        buf = into if into is not None else control.empty_header()
+        spin_ns = int(self.tunables.header_spin_us(self.device.type) * 1000)
+        if spin_ns <= 0:
+            dist.broadcast(buf, src=0, group=self._control)
+            return control.Header.decode(buf)
+        work = dist.broadcast(buf, src=0, group=self._control, async_op=True)
+        until = time.perf_counter_ns() + spin_ns
+        while not work.is_completed() and time.perf_counter_ns() < until:
+            pass
+        work.wait()  # at once when it completed (its error raised), else the bounded sleep
+        return control.Header.decode(buf)
+
     def start_loop(self) -> None:
         """Peers: from now on take steps from rank 0's headers, not from Ray calls."""
         if self.rank == 0 or self._control is None:
@@ -559,13 +596,12 @@ class Rank:
             try:
                 # Blocks until rank 0's next header; bounded by the control group's timeout
                 # (rank 0 sends heartbeats well inside it while idle).
-                dist.broadcast(header, src=0, group=self._control)
+                h = self.wait_header(header)
             except Exception as exc:  # rank 0 gone (connection closed) or stopped (timeout)
                 self._loop_failed(f"waiting for rank 0's next header failed: {type(exc).__name__}: "
                                   f"{first_line(exc)}")
                 return
             woke = time.time_ns()
-            h = control.Header.decode(header)
             if expected is not None and h.seq != expected:
                 self._loop_failed(f"header sequence gap: expected {expected}, got {h.seq}")
                 return

@@ -1,0 +1,117 @@
+"""The gang's step path, measured without Ray or Serve (bench/NOTES.md records the results):
+
+- `ws1`: one step at world size 1 through the step runner (service.gang.runner.StepRunner.run_step:
+  the step kind's rank-0 side, the parts marked on a timeline, the metrics observer), on the
+  calling thread, at [1, 8, 512] and [128, 8, 512], 2 torch threads. Run it once per source
+  tree (PYTHONPATH) to compare two versions of the path side by side;
+- `header`: a peer's wait for rank 0's next header (two gloo processes on loopback): rank 0
+  sends a header every `gap_ms`, the peer answers with a one-value broadcast at once; the
+  round trip's median is the peer's wake and answer, per spin (tunables.gang.header_spin_us_cpu),
+  and the peer's CPU seconds per wall second (the spin's cost).
+
+    PYTHONPATH=<tree> python bench/step_levers.py ws1 [rounds]
+    python bench/step_levers.py header [spins_us, comma-separated] [gap_ms]
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def ws1(rounds: int = 7, calls: int = 200) -> None:
+    from service.config.builder_args import GangConfig
+    from service.config.tunables import GangTunables
+    from service.contract.gang_status import GangState
+    from service.gang.runner import Health, Members, StepRunner
+    from service.gang.steps import Forward
+    from service.gang.worker import PlainModel, Rank
+    from service.metrics.timeline import Timeline
+
+    torch.set_num_threads(2)
+    rank = Rank(0, 1, device=torch.device("cpu"), node_ip="127.0.0.1", torch_threads=2)
+    rank.rendezvous("127.0.0.1", 0, "gloo", 10.0)
+    rank.load_weights(PlainModel(embed_dim=512, num_heads=8), 1)
+    health = Health()
+    health.set(GangState.READY, "ready")
+    parts: list[Timeline] = []
+    runner = StepRunner(health, Members(root=rank), GangConfig(world_size=1), GangTunables(), on_parts=parts.append)
+    for shape in ((1, 8, 512), (128, 8, 512)):
+        x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        n = calls if shape[0] == 1 else max(10, calls // 20)
+        step = Forward(x)
+        for _ in range(10):
+            runner.run_step(step, 1, Timeline.starting_now())
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                runner.run_step(step, 1, Timeline.starting_now())
+            samples.append((time.perf_counter() - t0) / n * 1e6)
+        compute = statistics.median(
+            sum(ms for part, ms in t.parts_ms() if part.value in ("broadcast", "compute")) for t in parts[-n:])
+        print(f"ws1 run_step {list(shape)}: median {statistics.median(samples):.1f} us per step "
+              f"(rounds {', '.join(f'{s:.0f}' for s in samples)}); its compute parts {compute * 1000:.1f} us")
+        parts.clear()
+    runner.shutdown()
+
+
+def _header_peer(port: int, spin_us: float, gap_ms: float, steps: int, out: "object") -> None:
+    import torch.distributed as dist
+
+    from service.config.tunables import GangTunables
+    from service.gang.worker import Rank
+
+    rank = Rank(1, 2, device=torch.device("cpu"), node_ip="127.0.0.1", tunables=GangTunables(header_spin_us_cpu=spin_us))
+    rank.rendezvous("127.0.0.1", port, "gloo", 30.0)
+    reply = torch.zeros(1, dtype=torch.int64)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    for _ in range(steps):
+        rank.wait_header()
+        dist.broadcast(reply, src=1)
+    out.put((time.process_time() - cpu0) / (time.monotonic() - wall0))  # type: ignore[attr-defined]
+    rank.close()
+
+
+def header(spins_us: list[float], gap_ms: float = 2.0, steps: int = 400) -> None:
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from service.gang import control
+    from service.gang.worker import Rank
+
+    ctx = mp.get_context("spawn")
+    for spin_us in spins_us:
+        out = ctx.Queue()
+        root = Rank(0, 2, device=torch.device("cpu"), node_ip="127.0.0.1")
+        port = root.open_store(30.0)
+        peer = ctx.Process(target=_header_peer, args=(port, spin_us, gap_ms, steps, out), daemon=True)
+        peer.start()
+        root.rendezvous("127.0.0.1", port, "gloo", 30.0)
+        reply = torch.zeros(1, dtype=torch.int64)
+        rtt = []
+        for seq in range(1, steps + 1):
+            time.sleep(gap_ms / 1000)  # between steps: the peer waits (and may spin) for the header
+            t0 = time.perf_counter_ns()
+            root.send_header(control.loop_header(control.OP_HEARTBEAT, seq, 0))
+            dist.broadcast(reply, src=1)
+            rtt.append((time.perf_counter_ns() - t0) / 1000)
+        cpu = out.get(timeout=60)
+        peer.join(30)
+        root.close()
+        print(f"header wait, spin {spin_us:g} us, gap {gap_ms:g} ms: round trip median {statistics.median(rtt):.1f} us, "
+              f"p90 {statistics.quantiles(rtt, n=10)[-1]:.1f} us; the peer's CPU {cpu:.2f} s per s")
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "ws1"
+    if what == "ws1":
+        ws1(int(sys.argv[2]) if len(sys.argv) > 2 else 7)
+    elif what == "header":
+        header([float(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "0,50,200").split(",")],
+               float(sys.argv[3]) if len(sys.argv) > 3 else 2.0)
+    else:
+        raise SystemExit(f"unknown measurement {what!r}: ws1 or header")
