@@ -112,9 +112,31 @@ def _shm_files() -> set[str]:
     return {p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}*")} if shm.SHM_DIR.is_dir() else set()
 
 
-def test_a_ready_gang_with_rank_0_here_is_served_over_the_channel_inline_and_shared() -> None:
+def _request_frames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str | None, int]]:
+    """What crosses the socket towards the server: (the shared region's name or None, payload
+    bytes) of each request frame the server reads (the real read_frame runs; replies, which
+    carry no `op`, are not recorded)."""
+    frames: list[tuple[str | None, int]] = []
+    read_frame = channel.read_frame
+
+    async def recording(reader: asyncio.StreamReader, max_header_bytes: int) -> tuple[dict[str, Any], bytes]:
+        header, payload = await read_frame(reader, max_header_bytes)
+        if "op" in header:
+            frames.append((header.get("shm"), len(payload)))
+        return header, payload
+
+    monkeypatch.setattr(channel, "read_frame", recording)
+    return frames
+
+
+def test_a_ready_gang_with_rank_0_here_is_served_over_the_channel_inline_and_shared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small tensor's bytes cross the socket; the big one's do not: its frame names a
+    region in /dev/shm, the server reads the input from it and writes the output into it."""
     small, big = rand(1, 4, 8, seed=1), rand(2, 16, 64, seed=2)  # 128 B inline; 8 KiB through the region
     rank0 = _Rank0()
+    frames = _request_frames(monkeypatch)
+    before = _shm_files()
 
     async def main() -> list[np.ndarray]:
         server = await _serve_channel()
@@ -131,6 +153,11 @@ def test_a_ready_gang_with_rank_0_here_is_served_over_the_channel_inline_and_sha
     np.testing.assert_array_equal(out_small, expected(small))
     np.testing.assert_array_equal(out_big, expected(big))
     assert rank0.calls == []  # nothing took the handle
+    assert len(frames) == 2, frames
+    (small_region, small_bytes), (big_region, big_bytes) = frames
+    assert (small_region, small_bytes) == (None, small.nbytes), frames  # inline: the tensor itself
+    assert big_region is not None and big_region.startswith(shm.PREFIX) and big_bytes == 0, frames
+    assert _shm_files() <= before  # the region went with the connection
 
 
 def test_a_channel_that_went_down_falls_back_to_the_handle_and_is_not_retried_at_once() -> None:
