@@ -167,7 +167,7 @@ def test_the_rules_see_the_tree() -> None:
     edges = _imports()
     assert "service.deployments.gang_server" in _modules()
     assert "service.gang.gang" in edges["service.deployments.gang_server"]
-    assert "service.cluster.placement" in edges["service.gang.gang"]
+    assert "service.cluster.placement" in edges["service.gang.lifecycle"]
     assert "service.transport.channel" in edges["service.deployments.gang_server"]
     assert "service.weights.record" in edges["service.deployments.controller"]
     assert "service.contract.gang_status" in edges["service.state.fleet"]  # the status contract, below the state

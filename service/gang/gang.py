@@ -47,6 +47,7 @@ from service.gang.runner import Health, Members, StepRunner
 from service.gang.steps import Append, Forward
 from service.gang.swap import WeightsSwap
 from service.metrics import timeline
+from service.parallel.paged_kernel import KernelStatus
 from service.metrics.timeline import Timeline
 from service.weights.record import ServedWeights
 
@@ -118,7 +119,7 @@ class Gang:
         return self.lifecycle.declared_model
 
     @property
-    def session_attention(self) -> Any:
+    def session_attention(self) -> KernelStatus:
         return self.lifecycle.session_attention
 
     @property

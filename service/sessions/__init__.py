@@ -9,5 +9,5 @@
 - `service`: what the GangServer calls (open, append, info, close, stats, the sweeper).
 
 The rank side is service.parallel.kv_cache (the pool and the attention over it); the step
-travels as service.gang.control's OP_APPEND.
+travels as an append step (service.gang.steps.APPEND).
 """
