@@ -270,7 +270,7 @@ def test_the_code_walk_sees_the_tree(tmp_path: Path) -> None:
 SWAP_STEPS = {
     "swap_weights": {"service/weights/rollout.py"},
     "record_weights": {"service/weights/rollout.py"},
-    **{step: {"service/gang/gang.py",  # the Gang's primitive, over every rank
+    **{step: {"service/gang/swap.py",  # the Gang's primitive, over every rank (the gang's swap)
               "service/gang/worker.py",  # the rank implementing it
               "service/gang/failpoints.py"}  # the failpoints named after the steps
        for step in ("stage_weights", "commit_weights", "discard_staged")},
@@ -297,7 +297,7 @@ def test_only_the_rollout_drives_a_swap() -> None:
     assert not offenders, "the weights rollout has one home (service.weights.rollout):\n" + "\n".join(offenders)
     # Not vacuous: the walk sees the rollout drive the swap and the gang stage and commit.
     assert "service/weights/rollout.py" in uses["swap_weights"] & uses["record_weights"], uses
-    assert "service/gang/gang.py" in uses["stage_weights"] & uses["commit_weights"], uses
+    assert "service/gang/swap.py" in uses["stage_weights"] & uses["commit_weights"], uses
 
 
 def test_no_module_binds_a_tunable_at_import() -> None:
