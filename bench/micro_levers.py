@@ -1,11 +1,18 @@
-"""Two of issue 44's levers, measured without the service (bench/NOTES.md records the results):
+"""Levers measured without the service (bench/NOTES.md records the results):
 
 - `qkv`: three q/k/v projections [N, E] x [E/p, E]^T per rank against one fused [3E/p, E];
 - `heap`: copying a [128, 8, 512] float32 output out of a shared region and npy-encoding it,
   with glibc's default malloc thresholds and with service.cluster.heap's (each in its own
-  process: the thresholds are process-wide).
+  process: the thresholds are process-wide);
+- `encoder`: the 12-layer E=768 stack at world size 1 (2 threads) through torch's fused encoder
+  kernel and op by op (torch's fast-path switch), beside torch's own nn.TransformerEncoder
+  holding the same weights, interleaved, [1, 128, 768] and [4, 128, 768];
+- `hops`: what one wake costs on this machine: an asyncio timer armed and cancelled,
+  `asyncio.to_thread` of a no-op, a thread's `call_soon_threadsafe` back to the loop;
+- `batcher`: a lone request through the StepBatcher (inline at once) against the queued path it
+  took before when `batch_wait_timeout_s` > 0 (a drainer task and the linger), trivial step.
 
-    python bench/micro_levers.py
+    python bench/micro_levers.py [qkv heap encoder hops batcher]   (all by default)
 """
 from __future__ import annotations
 
@@ -61,10 +68,121 @@ def heap(kept: bool) -> None:
     print(f"heap, {'kept' if kept else 'glibc default'}: copy out of the region + npy encode {ms:.3f} ms")
 
 
+def encoder(rounds: int = 15) -> None:
+    """Median and spread of `rounds` interleaved rounds (each row once per round, in a shuffled order) per shape."""
+    import random
+
+    import torch
+
+    from service.parallel.group import ParallelGroup
+    from service.parallel.transformer import TransformerDef
+
+    torch.set_num_threads(2)
+    arch = TransformerDef(12, 768, 12, 3072, "gelu", True)  # bench.run's 12-layer stack
+    weights = arch.init_weights("random", 0)
+    ours = arch.build(ParallelGroup.single(), torch.float32)
+    ours.load_shard(weights)
+    module = arch.dense_module().eval()
+    module.load_state_dict(weights)
+
+    def ours_with(fast_path: bool, x: torch.Tensor) -> Callable[[], object]:
+        def call() -> object:
+            torch.backends.mha.set_fastpath_enabled(fast_path)
+            try:
+                return ours(x)
+            finally:
+                torch.backends.mha.set_fastpath_enabled(True)
+        return call
+
+    order = random.Random(55)
+    for batch in (1, 4):
+        x = torch.randn(batch, 128, 768)
+        rows = {"torch nn.TransformerEncoder": lambda: arch.dense_forward(module, x),
+                "ours, fused kernel": ours_with(True, x), "ours, op by op": ours_with(False, x)}
+        ms: dict[str, list[float]] = {name: [] for name in rows}
+        with torch.inference_mode():
+            for fn in rows.values():
+                fn()
+            for _ in range(rounds):
+                names = list(rows)
+                order.shuffle(names)
+                for name in names:
+                    t0 = time.perf_counter()
+                    rows[name]()
+                    ms[name].append((time.perf_counter() - t0) * 1000)
+        base = statistics.median(ms["torch nn.TransformerEncoder"])
+        for name, v in ms.items():
+            v.sort()
+            print(f"encoder [{batch}, 128, 768]: {name} p50 {statistics.median(v):.1f} ms "
+                  f"(min {v[0]:.1f}, max {v[-1]:.1f}), / torch {statistics.median(v) / base:.3f}")
+
+
+def hops() -> None:
+    import asyncio
+    import threading
+
+    async def measure() -> None:
+        loop = asyncio.get_running_loop()
+        timer = median_us(lambda: loop.call_later(1.0, lambda: None).cancel(), calls=2000)
+        samples = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            await asyncio.to_thread(lambda: None)
+            samples.append(time.perf_counter() - t0)
+        to_thread = statistics.median(samples) * 1e6
+        samples = []
+        for _ in range(300):
+            done = loop.create_future()
+            t0 = time.perf_counter()
+            threading.Thread(target=lambda: loop.call_soon_threadsafe(done.set_result, None)).start()
+            await done
+            samples.append(time.perf_counter() - t0)
+        threadsafe = statistics.median(samples) * 1e6
+        print(f"hops: timer armed + cancelled {timer:.1f} us; asyncio.to_thread(no-op) {to_thread:.0f} us; "
+              f"a new thread's call_soon_threadsafe back to the loop {threadsafe:.0f} us (thread start included)")
+
+    asyncio.run(measure())
+
+
+def batcher(wait_s: float = 0.005) -> None:
+    import asyncio
+
+    from service.config.builder_args import BatchPolicy
+    from service.gang.batching import BatchQueue, StepBatcher
+
+    async def step(x: np.ndarray, mask: object = None, causal: object = None, deadline: object = None) -> np.ndarray:
+        return x
+
+    async def measure() -> None:
+        x = np.zeros((1, 8, 512), dtype=np.float32)
+        inline = StepBatcher(step, BatchPolicy(max_batch_size=64, wait_s=wait_s))
+        queued = StepBatcher(step, BatchPolicy(max_batch_size=64, wait_s=wait_s))
+        # The path a lone request took before: queued for the drainer, which lingers wait_s.
+        queued._queue = BatchQueue(queued._take_group, queued._step, queued._queue._words, wait_s=wait_s,
+                                   company=lambda q: True, inline_when_idle=False)
+        no_linger = StepBatcher(step, BatchPolicy(max_batch_size=64))
+        no_linger._queue = BatchQueue(no_linger._take_group, no_linger._step, no_linger._queue._words)
+        for name, b in (("lone request now (inline at once)", inline),
+                        (f"before: queued, drainer + linger {wait_s * 1000:.0f} ms", queued),
+                        ("queued, drainer task, no linger (the hop alone)", no_linger)):
+            samples = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                await b.submit(x)
+                samples.append(time.perf_counter() - t0)
+            print(f"batcher: {name}: p50 {statistics.median(samples) * 1e6:.0f} us")
+
+    asyncio.run(measure())
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["heap"]:
+    if sys.argv[1:2] == ["heap"] and len(sys.argv) == 3:
         heap(sys.argv[2] == "kept")
-    else:
-        qkv()
-        for mode in ("default", "kept"):
-            subprocess.run([sys.executable, __file__, "heap", mode], check=True)
+        sys.exit()
+    chosen = sys.argv[1:] or ["qkv", "heap", "encoder", "hops", "batcher"]
+    for lever in chosen:
+        if lever == "heap":
+            for mode in ("default", "kept"):
+                subprocess.run([sys.executable, __file__, "heap", mode], check=True)
+        else:
+            {"qkv": qkv, "encoder": encoder, "hops": hops, "batcher": batcher}[lever]()
