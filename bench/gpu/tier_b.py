@@ -91,7 +91,7 @@ class Driver:
 
         self.seq += 1
         step = Forward(x, mask, causal)
-        self.rank.send_header(step.header(self.seq, self.rank.dtype, 1, time.time_ns()))
+        self.rank.send_header(step.kind.header(self.seq, self.rank.dtype, 1, time.time_ns(), step.fields()))
         self.rank.step_seq = self.seq
         if between is not None:
             between()
