@@ -593,7 +593,8 @@ def print_training(rows: dict[str, float]) -> dict[str, float]:
     return ratios
 
 
-def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None) -> dict[str, dict]:
+def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None,
+                  latency_only: bool = False) -> dict[str, dict]:
     """Serve echo floor, naive dense peer and gangserve (world sizes 1, 2, 4), one cluster;
     echo, naive and gangserve ws2 also through direct ingress (no proxy)."""
     import ray
@@ -650,7 +651,7 @@ def bench_serving(x: np.ndarray, n: int, load_s: float, only: str | None = None)
             results["sessions"]["paged"] = bench_paged()  # issue 52: gather vs in place, chunks, cold start
             return results
         if only == "models":
-            results["models"] = bench_models(base)
+            results["models"] = bench_models(base, latency_only=latency_only)
             return results
         if only == "grpc":
             from bench.grpc_oip import bench_grpc
@@ -1047,6 +1048,8 @@ def main() -> None:
                         "module, and session appends vs the causal resend on the 12-layer stack; grpc: the Open Inference "
                         "Protocol over gRPC vs HTTP with binary payloads, p50 per shape and 16 clients of small "
                         "requests) and print its table")
+    parser.add_argument("--models-latency-only", action="store_true",
+                        help="with --only models: the 12-layer stack's latency rows alone (no 4-layer stack, no sessions)")
     args = parser.parse_args()
     torch.manual_seed(42)
     x = torch.randn(*SHAPE)
@@ -1067,7 +1070,8 @@ def main() -> None:
     }
     if args.only is not None:
         key, show, goals_again = sections[args.only]
-        rows = bench_serving(x.numpy(), args.requests, load_s, only=args.only)[key]
+        rows = bench_serving(x.numpy(), args.requests, load_s, only=args.only,
+                             latency_only=args.models_latency_only)[key]
         ratios = show(rows)
         if goals_again:
             print_ratios("goal", ratios)
@@ -1148,14 +1152,15 @@ MODEL_SESSION_STACK = "12-layer E=768 (GPT-2 small)"
 M_NAIVE, M_WS1, M_WS2 = "naive peer (2 threads)", "gangserve ws1 (2 threads)", "gangserve ws2 (1 thread per rank)"
 
 
-def bench_models(base: str) -> dict[str, Any]:
+def bench_models(base: str, latency_only: bool = False) -> dict[str, Any]:
     """Issue 41 item 7: each stack of MODEL_STACKS served by gangserve at world size 1 with 2
     torch threads (equal compute) and at world size 2 (1 thread per rank), beside the naive
     one-replica peer running the stack's own dense torch module with 2 threads, through the
     front door, interleaved per request shape ([1, 128, E] and [4, 128, E]); on the 12-layer
     stack's ws2 gang, one-row session appends at context 2048 against resending the
     2049-row sequence with causal=true (bench.sessions.append_vs_resend). One stack's apps at
-    a time (the cores are shared)."""
+    a time (the cores are shared). `latency_only`: the 12-layer stack's latency rows alone (no
+    4-layer stack, no sessions), for a quick look on a busy machine."""
     from ray import serve
 
     from bench.peers import NaivePeer
@@ -1166,7 +1171,8 @@ def bench_models(base: str) -> dict[str, Any]:
 
     client = httpx.Client(timeout=600)
     out: dict[str, Any] = {"load_average_start": os.getloadavg(), "latency": {}}
-    for stack, arch in MODEL_STACKS.items():
+    stacks = {MODEL_SESSION_STACK: MODEL_STACKS[MODEL_SESSION_STACK]} if latency_only else MODEL_STACKS
+    for stack, arch in stacks.items():
         model = {**arch, "init": "random", "seed": 0}
         e = arch["embed_dim"]
         # A 2049-row causal step of the 12-layer stack takes ~15 s here: room for it (within the
@@ -1185,12 +1191,12 @@ def bench_models(base: str) -> dict[str, Any]:
             post = lambda url: (lambda: client.post(url, content=body, headers={"content-type": "application/x-npy"}))  # noqa: E731
             label = f"{stack}, [{batch}, 128, {e}]"
             out["latency"][label] = interleaved({name: post(url) for name, (_, url) in apps.items()}, rounds, warmup)
-        if stack == MODEL_SESSION_STACK:
+        if stack == MODEL_SESSION_STACK and not latency_only:
             out["sessions"] = {"stack": stack, "world_size": 2, **append_vs_resend(f"{base}/m_ws2", e)}
             out["sessions"]["attention"] = client.get(f"{base}/m_ws2/gang").json()["sessions"]["attention"]
         for app, _ in apps.values():
             serve.delete(app)
-        if stack == MODEL_SESSION_STACK:  # issue 52's before: the same gang with its attention gathered
+        if stack == MODEL_SESSION_STACK and not latency_only:  # issue 52's before: the same gang with its attention gathered
             serve.run(build_app({**common, "tunables": {"gang": {"session_attention": "gather"}}}),
                       name="m_ws2_gather", route_prefix="/m_ws2_gather")
             out["sessions_gather"] = append_vs_resend(f"{base}/m_ws2_gather", e, resends=1)
