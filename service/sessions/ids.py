@@ -7,9 +7,9 @@ An id we mint is `<owner>-<token><tag>`: `owner` the replica id of the gang that
 session (Serve's request router sends the session's calls there, service.gang.router),
 `token` 24 random hex digits (what makes the id unguessable), and `tag` 16 hex digits, an
 HMAC-SHA256 over `<owner>-<token>` keyed with the app's session-id key. The key is 32
-random bytes made once per app name and cluster and kept in Ray's GCS key-value store
-(`app_key`), so every gang of the app, and every later deployment of the app under that
-name on that cluster, can check a tag.
+random bytes made once per app name and cluster and kept by the cluster's named detached
+actor `SessionKeyKeeper` (`app_key`), so every gang of the app, and every later deployment
+of the app under that name on that cluster, can check a tag.
 
 Why: an id whose gang is gone answers 410 `session_lost` only when we can tell we issued it
 (the tag checks); any other id, e.g. one a client made up, is 404 `session_not_found`. Ids
@@ -28,12 +28,19 @@ import re
 import secrets
 from dataclasses import dataclass
 
+import ray
+from ray.exceptions import GetTimeoutError
+
 OIP_PREFIX = "oip:"  # ids chosen by OIP clients (`sequence_id`) live beside ours in one registry
 TOKEN_HEX = 24  # 96 random bits
 TAG_HEX = 16  # 64 bits of HMAC-SHA256
 KEY_BYTES = 32
-KV_NAMESPACE = "gangserve"
+KEEPER_NAME = "session-id-keys"  # the cluster's SessionKeyKeeper actor
+KEEPER_NAMESPACE = "gangserve"
+KEEPER_ANSWER_S = 60.0  # the first call starts the actor: a worker process on a busy node takes seconds
 _ID = re.compile(rf"(?P<owner>[A-Za-z0-9_]{{1,64}})-(?P<token>[0-9a-f]{{{TOKEN_HEX}}})(?P<tag>[0-9a-f]{{{TAG_HEX}}})")
+# Our ids' shape, tagged or LEGACY (no tag): what the request router reads an owner from.
+_SHAPE = re.compile(rf"(?P<owner>[A-Za-z0-9_]{{1,64}})-[0-9a-f]{{{TOKEN_HEX}}}(?:[0-9a-f]{{{TAG_HEX}}})?")
 
 
 @dataclass(frozen=True)
@@ -77,17 +84,45 @@ class SessionIds:
         return hmac.new(self._key, stem.encode(), hashlib.sha256).hexdigest()[:TAG_HEX]
 
 
-def app_key(app_name: str) -> bytes:
-    """The app's session-id key: made (32 random bytes) by the first gang of the app that asks,
-    read by every other, from Ray's GCS key-value store (this process must be connected to
-    Ray). Put-if-absent, so gangs starting together agree on one key."""
-    from ray.experimental import internal_kv
+def named_owner(session_id: str) -> str | None:
+    """The replica id an id of our shape names (tagged or LEGACY; the tag is not checked: the
+    request router only needs where to send the call, and the gang checks the tag), None for
+    an OIP client's id (OIP_PREFIX) or any other."""
+    found = _SHAPE.fullmatch(session_id)
+    return found["owner"] if found else None
 
-    name = f"session-id-key/{app_name}"
-    internal_kv._internal_kv_put(name, secrets.token_bytes(KEY_BYTES), overwrite=False, namespace=KV_NAMESPACE)
-    key = internal_kv._internal_kv_get(name, namespace=KV_NAMESPACE)
-    if not key or len(key) != KEY_BYTES:
-        raise RuntimeError(f"the session-id key of app {app_name!r} in Ray's GCS key-value store (namespace "
-                           f"{KV_NAMESPACE!r}, key {name!r}) must be {KEY_BYTES} bytes; found "
-                           f"{'none' if not key else f'{len(key)} bytes'}")
+
+@ray.remote(num_cpus=0)
+class SessionKeyKeeper:
+    """The session-id keys of every app on this cluster: a named detached actor (one per
+    cluster, in namespace KEEPER_NAMESPACE), so a key outlives any deployment of its app.
+    Its methods run one at a time, so the first gang of an app that asks makes the key and
+    every other gets that one."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, bytes] = {}
+
+    def key_of(self, app_name: str) -> bytes:
+        return self._keys.setdefault(app_name, secrets.token_bytes(KEY_BYTES))
+
+
+def app_key(app_name: str, timeout_s: float = KEEPER_ANSWER_S) -> bytes:
+    """The app's session-id key (32 random bytes made by the first gang of the app that asks,
+    read by every other) from the cluster's SessionKeyKeeper, started by the first caller
+    (this process must be connected to Ray). Bounded by `timeout_s`.
+
+    The keeper lives as long as the cluster, like Ray's own key-value store: if its node
+    is lost, a new keeper makes new keys, and an id minted before, once its gang is gone,
+    answers 404 `session_not_found` instead of 410 `session_lost` (as an id from before tags)."""
+    keeper = SessionKeyKeeper.options(  # type: ignore[attr-defined]
+        name=KEEPER_NAME, namespace=KEEPER_NAMESPACE, lifetime="detached", get_if_exists=True).remote()
+    try:
+        key = ray.get(keeper.key_of.remote(app_name), timeout=timeout_s)
+    except GetTimeoutError:
+        raise RuntimeError(f"the session-id key of app {app_name!r} needs an answer from the cluster's "
+                           f"{KEEPER_NAME!r} actor (namespace {KEEPER_NAMESPACE!r}); none came within "
+                           f"{timeout_s:g}s") from None
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise RuntimeError(f"the session-id key of app {app_name!r} must be {KEY_BYTES} bytes; the "
+                           f"{KEEPER_NAME!r} actor answered {type(key).__name__} of length {len(key)}")
     return key

@@ -66,6 +66,18 @@ def limits_of(cfg: AppConfig) -> Limits:
                   bytes_per_token=per_token, answers_kept=cfg.tunables.gang.session_answers_kept)
 
 
+def why_sessions_are_off(limits: Limits, cfg: AppConfig) -> str | None:
+    """Why this app has no sessions (None: it has), of the two reasons: the served model keeps
+    no K/V cache (no budget would help), or `session_cache_bytes` holds no block."""
+    if limits.num_blocks >= 1:
+        return None
+    if limits.bytes_per_token == 0:
+        return (f"sessions need a model that keeps a K/V cache; this app serves model {cfg.model.kind!r}, which "
+                f"keeps none")
+    return (f"sessions are off on this app (session_cache_bytes={cfg.sessions.session_cache_bytes} holds no block "
+            f"of {limits.block_size} tokens of {limits.bytes_per_token} bytes each per rank)")
+
+
 def pool_of(cfg: AppConfig) -> SessionPool | None:
     """The KV pool the gang allocates and compiles for at bring-up (None: sessions are off)."""
     limits = limits_of(cfg)
@@ -221,9 +233,9 @@ class SessionService:
         return self.registry.kept(s, key, rows_digest(np.ascontiguousarray(x, dtype=np.float32)))
 
     def _require_enabled(self) -> None:
-        if self.limits.num_blocks < 1:
-            raise Conflict(f"sessions are off on this app (session_cache_bytes={self._cfg.sessions.session_cache_bytes} "
-                           f"holds no block of {self.limits.block_size} tokens)", code=ErrorCode.CONFLICT)
+        why = why_sessions_are_off(self.limits, self._cfg)
+        if why is not None:
+            raise Conflict(why, code=ErrorCode.CONFLICT)
 
     async def _step(self, items: list[StepItem], deadline: float | None) -> list[tuple[Any, Any]]:
         def prepare(generation: int, version: int) -> RegistryStep:
