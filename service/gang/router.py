@@ -21,6 +21,8 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from service.sessions.ids import named_owner
+
 READY_STAT = "gang_ready"
 
 
@@ -29,19 +31,11 @@ def routing_stats(ready: bool, weights_version: int) -> dict[str, Any]:
     return {READY_STAT: ready, "weights_version": weights_version}
 
 
-def session_owner(session_id: str) -> str | None:
-    """The replica id a session id names (service.sessions.registry: `<replica id>-<token>`),
-    None for an OIP client's own id (`oip:...`) or a malformed one."""
-    if not session_id or session_id.startswith("oip:") or "-" not in session_id:
-        return None
-    return session_id.rsplit("-", 1)[0]
-
-
 def session_affinity(session_id: str, candidates: list[RunningReplica]) -> list[RunningReplica] | None:
     """Session affinity: the replica that holds `session_id`. Our ids name it; an OIP
     client's own id goes to the replica of highest rendezvous hash (stable while the set of
     gangs is). None: the holder is gone (any replica then answers 410 `session_lost`)."""
-    owner = session_owner(session_id)
+    owner = named_owner(session_id)
     if owner is not None:
         mine = [r for r in candidates if r.replica_id.unique_id == owner]
         return mine or None
