@@ -91,7 +91,7 @@ def test_the_tensors_a_checkpoint_holds_are_torchs_module_s() -> None:
     from service.config.builder_args import ModelConfig
     from service.training.checkpoints import expected_tensors, spec_architecture
     from service.training.spec import AttentionModel, TransformerModel
-    from service.weights.resolve import served_architecture
+    from service.weights.targets import served_architecture
 
     for arch in ({**ARCH}, {"num_layers": 3, "embed_dim": 16, "num_heads": 2, "ffn_dim": 24, "activation": "gelu",
                             "norm_first": True, "layer_norm_eps": 1e-6}):
@@ -218,7 +218,7 @@ def test_post_weights_needs_the_apps_architecture(tmp_path: Path) -> None:
     from service.state import artifacts
     from service.training.checkpoints import spec_architecture
     from service.training.spec import AttentionModel, LinearModel, TransformerModel
-    from service.weights.resolve import JobCheckpoint, job_target, served_architecture
+    from service.weights.targets import JobCheckpoint, job_target, served_architecture
 
     store = artifacts.open_store(str(tmp_path), local_state=tmp_path)
     store.write_bytes("checkpoints/job-a.safetensors", b"weights")

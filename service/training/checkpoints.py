@@ -2,7 +2,7 @@
 no tensor is loaded and no torch imported (the JobManager checks `init_from` sources and
 served checkpoints with it; tests/test_layout.py).
 
-The model is an `Architecture` (service.weights.resolve: the kind and its defining values
+The model is an `Architecture` (service.weights.targets: the kind and its defining values
 as its checkpoint metadata records them): attention {embed_dim, num_heads}, transformer
 {num_layers, embed_dim, num_heads, ffn_dim, activation, norm_first, layer_norm_eps},
 linear {in_features, out_features}; kind "unknown" when the file is none of them. Values a
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from service.models.registry import describe, expected_tensors as kind_tensors, is_built_in
 from service.models.safetensors_header import Shapes, read_header
 from service.training.spec import AttentionModel, LinearModel, ModelSpecT, RegisteredModel, TransformerModel
-from service.weights.resolve import Architecture
+from service.weights.targets import Architecture
 
 MODEL_FILE = "model.safetensors"  # the checkpoint file's name inside a Ray Train checkpoint
 _LAYER = re.compile(r"^layers\.(\d+)\.self_attn\.in_proj_weight$")

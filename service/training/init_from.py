@@ -11,7 +11,7 @@ the source job was deleted or a newer version served since. A version the app ge
 from its config (`init`, no checkpoint file) is generated again and checked against the
 recorded sha256 (the app's own model: for a transformer app, the job's model must be the
 app's architecture, checked before anything is generated). Which version is meant and its
-weights: service.weights.resolve; the shape check and the job's copy: here.
+weights: service.weights.targets; the shape check and the job's copy: here.
 
 Errors (nothing recorded, nothing copied): an unknown version or job → 422
 `init_from_not_found`; a job that has not SUCCEEDED → 409 `init_from_not_ready`; another
@@ -28,7 +28,7 @@ from typing import Any
 from service.config.builder_args import ModelConfig
 from service.contract.errors import Conflict, ErrorCode, InvalidInput
 from service.weights.record import WeightsRecord
-from service.weights.resolve import Architecture, find_version, served_architecture, version_file
+from service.weights.targets import Architecture, find_version, served_architecture, version_file
 from service.state import artifacts
 from service.training.checkpoints import Shapes, fit_problems, read_architecture, spec_architecture
 from service.training.spec import InitFrom, ModelSpecT

@@ -33,7 +33,7 @@ cannot bring a database back, so those failures do not count towards `check_heal
 Files (datasets, run dirs, final checkpoints) live in the artifact store
 (service.state.artifacts: the state dir, or object storage); records hold their keys.
 `init_from` is resolved and copied at submit (service.training.init_from); which checkpoint
-`POST /weights` loads is service.weights.resolve.
+`POST /weights` loads is service.weights.targets.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ from service.training.status import JobStatus, can_move
 from service.training.store import JobRecord, JobStore, iso
 from service.training.uploads import Datasets
 from service.config.tunables import TrainingTunables
-from service.weights import resolve
+from service.weights import targets
 from service.weights.record import WeightsRecord
 
 log = logging.getLogger("gangserve.training")
@@ -297,28 +297,28 @@ class Jobs:
         """The artifact key of a finished job's final checkpoint (GET /train/{id}/checkpoint
         streams it from the store; POST /weights copies it)."""
         job = self._serving_view(await self._record(job_id, with_history=False), with_model=False)
-        return await asyncio.to_thread(resolve.job_checkpoint_key, self._artifacts, job)
+        return await asyncio.to_thread(targets.job_checkpoint_key, self._artifacts, job)
 
     async def resolve_weights(self, job_id: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
         """The dense checkpoint POST /weights should load: {"path" (its artifact key),
-        "job_id", "embed_dim", "num_heads"} (service.weights.resolve). A job's model must be
+        "job_id", "embed_dim", "num_heads"} (service.weights.targets). A job's model must be
         the app's architecture (409 checkpoint_mismatch naming both); a client-given path
         must be a key inside the artifact store."""
         if (job_id is None) == (checkpoint is None):
             raise InvalidInput("give exactly one of job_id or checkpoint", code=ErrorCode.INVALID_REQUEST)
         if job_id is not None:
             job = self._serving_view(await self._record(job_id, with_history=False))
-            served = resolve.served_architecture(self._app_model) if self._app_model is not None else None
-            return await asyncio.to_thread(resolve.job_target, self._artifacts, job, served)
+            served = targets.served_architecture(self._app_model) if self._app_model is not None else None
+            return await asyncio.to_thread(targets.job_target, self._artifacts, job, served)
         assert checkpoint is not None
-        return await asyncio.to_thread(resolve.checkpoint_target, self._artifacts, checkpoint)
+        return await asyncio.to_thread(targets.checkpoint_target, self._artifacts, checkpoint)
 
     @staticmethod
-    def _serving_view(record: JobRecord, with_model: bool = True) -> resolve.JobCheckpoint:
-        """What serving needs of a job's record (service.weights.resolve imports no training
+    def _serving_view(record: JobRecord, with_model: bool = True) -> targets.JobCheckpoint:
+        """What serving needs of a job's record (service.weights.targets imports no training
         code); `with_model`: also the model it trained (read from its spec)."""
         checkpoint = record.checkpoint["path"] if record.status == JobStatus.SUCCEEDED and record.checkpoint else None
-        job = resolve.JobCheckpoint(job_id=record.id, status=record.status, error=record.error, checkpoint=checkpoint)
+        job = targets.JobCheckpoint(job_id=record.id, status=record.status, error=record.error, checkpoint=checkpoint)
         if not with_model:
             return job
         return dataclasses.replace(job, architecture=spec_architecture(JobSpec.model_validate(record.spec).model))
