@@ -147,12 +147,12 @@ def _model_tag(value: object) -> str | None:
     return "registered" if kind is not None and (kind == "llama" or ":" in kind) else kind
 
 
-ModelSpec = Annotated[
+TrainingModel = Annotated[
     Union[Annotated[AttentionModel, Tag("attention")], Annotated[TransformerModel, Tag("transformer")],
           Annotated[LinearModel, Tag("linear")], Annotated[RegisteredModel, Tag("registered")]],
     Discriminator(_model_tag),
 ]
-# a validated model spec (ModelSpec parses it)
+# a validated model spec (TrainingModel parses it: the kind picks the class)
 ModelSpecT = AttentionModel | TransformerModel | LinearModel | RegisteredModel
 
 
@@ -210,7 +210,7 @@ class InitFrom(_Closed):
 class JobSpec(_Closed):
     """POST /train body. `batch_size` is per worker (each DDP rank steps on its own batch)."""
 
-    model: ModelSpec = Field(default_factory=AttentionModel)
+    model: TrainingModel = Field(default_factory=AttentionModel)
     dataset: DatasetSpec = Field(default_factory=SyntheticDataset)
     init_from: InitFrom | None = Field(
         None, description="Start from these weights instead of a random model (fine-tuning); absent: fresh.")
