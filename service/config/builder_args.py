@@ -183,7 +183,11 @@ class GangConfig(BaseModel):
         120.0, gt=0, le=3600, description="Bound on each bring-up stage (create, rendezvous, load)."
     )
     collective_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="Process-group timeout and per-request deadline."
+        30.0, gt=0, le=3600, description="How long one collective, or one step from its start, may take before "
+        "the gang is declared broken (a rank is stuck) and rebuilt: the process groups' timeout and the step "
+        "watchdog's bound; the rendezvous waits as long. Not a request's deadline (that is `request_timeout_s` "
+        "or the request's own); a step stuck past it answers 504 `collective_timeout`, unless the request's own "
+        "deadline passed first."
     )
     warm_spare: bool = Field(
         True,
