@@ -211,7 +211,8 @@ class ErrorCode(enum.StrEnum):
 
 _BY_WIRE: dict[str, ErrorCode] = {code.value: code for code in ErrorCode}
 
-# What the ingress retries a request through (service.ingress.requests.RequestPolicy).
+# What the ingress may retry a request through; each call declares which of them it retries
+# (service.ingress.retries.RETRY_TABLE).
 RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(code for code in ErrorCode if code.retryable)
 
 # A gang that is not ready answers with the code of its state (keyed by the state enums of
