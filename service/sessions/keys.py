@@ -4,8 +4,8 @@ Every append carries a key (issue 52): HTTP's `Idempotency-Key` header (the IETF
 name), OIP's `idempotency_key` request parameter. A client should send one, made fresh per
 logical append and reused on every retry of it (gangserve_client does); the ingress makes one
 (`new_key`) for an append that came without, before it chooses a route, so its own fallback
-(service.transport.link) and retries (service.ingress.retries: an append is retried only with a key) send the same key. The gang
-server's registry remembers a session's recent keys with their answers
+(service.transport.link) and retries (service.ingress.retries: an append is retried only
+with a key) send the same key. The gang server's registry remembers a session's recent keys with their answers
 (service.sessions.registry): an append retried with a remembered key gets the first answer
 and appends nothing.
 
