@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
 from fastapi import FastAPI
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.testclient import TestClient
 
 from service.config.builder_args import AppConfig, BatchingConfig, GangConfig, ModelConfig
@@ -250,25 +250,59 @@ def test_gang_routes_return_every_key_a_producer_set(tmp_path: Path) -> None:
                             "missing": gangs["missing"]}
 
 
+def _model_paths(model: BaseModel, at: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], BaseModel]]:
+    """Every model inside `model` (itself first), with its path in `dump(model)`: fields set
+    that hold a model, or a list of models (each item)."""
+    yield at, model
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, BaseModel):
+                yield from _model_paths(item, (*at, name) if index is None else (*at, name, index))
+
+
+def _edited(body: dict[str, Any], at: tuple[str | int, ...], edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """A deep copy of `body` with `edit` applied to the object at path `at`."""
+    copy = json.loads(json.dumps(body))
+    node: Any = copy
+    for step in at:
+        node = node[step]
+    edit(node)
+    return copy
+
+
 def test_a_renamed_or_misspelled_field_fails_loudly_instead_of_turning_a_feature_off(tmp_path: Path) -> None:
     """The last review found a renamed field that turned the data channel off without a word
     (the link read `data_channel` from a dict, got nothing, and chose the handle). Now each
-    step of the way refuses it: the producer, the model at a Ray hop, and the reader."""
-    report = _described(tmp_path)
-    body = dump(report)
-    # The producer: Gang.describe takes the GangServer's fields by name.
+    step of the way refuses it. The producer: Gang.describe takes the GangServer's fields by
+    name. The report, as it crosses a Ray hop and is read back: every key of a real report, at
+    every depth, misspelled in turn, and an unknown key in every object of it, is refused
+    naming that key (a nested model left open, or a field given a default, would let one
+    through and the reader would see the default)."""
     with pytest.raises(TypeError, match="data_chanel"):
         _described(tmp_path, data_chanel=_CHANNEL)
-    # The model: a renamed key (data_channel -> channel) is both missing and unknown.
-    renamed = {k: v for k, v in body.items() if k != "data_channel"} | {"channel": body["data_channel"]}
-    with pytest.raises(ValidationError) as refused:
-        GangStatus.model_validate(renamed)
-    problems = {(e["type"], e["loc"][0]) for e in refused.value.errors()}
-    assert problems == {("missing", "data_channel"), ("extra_forbidden", "channel")}, problems
-    with pytest.raises(ValidationError, match="weights_verison"):
-        GangStatus.model_validate({**body, "weights_verison": 3})
-    with pytest.raises(ValidationError, match="listenning"):  # nested models are closed too
-        GangStatus.model_validate({**body, "data_channel": {**body["data_channel"], "listenning": True}})
+    report = _described(tmp_path)
+    # The gang's report, and the two views that compose it with their own fields (GET /gang's
+    # answer and a row of GET /gangs), as a client reads their JSON back.
+    for view in (report, IngressGangStatus.of(report, _TRANSPORT), GangRow.of(report, 0.5)):
+        model_class, body = type(view), dump(view)
+        assert model_class.model_validate(body) == view  # the real body itself is accepted
+        checked = 0
+        for at, model in _model_paths(view):
+            for key in [*model.model_fields_set, None]:
+                def misspell(node: dict[str, Any], key: str | None = key) -> None:
+                    if key is None:
+                        node["zz_unknown"] = 1
+                    else:
+                        node[key + "_"] = node.pop(key)
+                refused_key = "zz_unknown" if key is None else key + "_"
+                with pytest.raises(ValidationError) as refused:
+                    model_class.model_validate(_edited(body, at, misspell))
+                named = {(e["type"], e["loc"]) for e in refused.value.errors()}
+                assert ("extra_forbidden", (*at, refused_key)) in named, (model_class.__name__, at, key, named)
+                checked += 1
+        assert checked > 40, checked  # the walk reached the nested objects (ranks, data channel, spare, ...)
     # The reader: an attribute the model does not have is an error, not a silent None.
     with pytest.raises(AttributeError, match="weights_verison"):
         getattr(report, "weights_verison")
