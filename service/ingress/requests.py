@@ -28,7 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from service.config.builder_args import AppConfig
 from service.contract.deadlines import bounded
 from service.contract.errors import DeadlineExceeded, DeadlineExceededBeforeStep, GangServeError
-from service.contract.gang_status import AbsentState, GangAnswer, IngressGangStatus, SynthesizedStatus
+from service.contract.gang_status import AbsentState, GangAnswer, GangStatus, IngressGangStatus, SynthesizedStatus
 from service.ingress.admission import Admission
 from service.ingress.fleet_client import FleetClient
 from service.ingress.gang_calls import GangServerCalls
@@ -124,7 +124,8 @@ class RequestPolicy:
         return IngressGangStatus.of(status, transport)  # a fresh read is the gang server's own report
 
     # -- the parts together ----------------------------------------------------------------
-    async def _describe(self) -> Any:
+    async def _describe(self) -> GangStatus:
+        """The gang server's own report (GangServer.describe), bounded by ingress.describe_timeout_s."""
         return await self._calls.call("describe", timeout_s=self._t.describe_timeout_s)
 
     async def _with_retries(self, method: GangMethod, send: Callable[[], Awaitable[T]], deadline: float, *,
