@@ -68,12 +68,14 @@ test-unit: $(TEST_STAMP)
 	$(PY) -m pytest tests -m unit -q
 
 # bench/llama.py compares model=llama with transformers' own LlamaModel: the test extra has it.
+# bench/decode.py: the decode step against the memory floor (both stacks, world sizes 1 and 2).
 bench: $(TEST_STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/run.py --only sessions
 	$(PY) bench/run.py --only models
 	$(PY) bench/run.py --only grpc
 	$(PY) bench/llama.py
+	$(PY) bench/decode.py
 
 # The builder-argument, tunables and environment references are generated from their declarations,
 # docs/api.md's error table from the error-code registry (service/contract/errors.py), and its gRPC

@@ -20,7 +20,7 @@
 #   references, TF32 vs IEEE float32, SDPA backends, CUDA-event timings of H2D pageable vs
 #   pinned, the step, D2H and a batch sweep, the real rank's root_step at world size 1, a real
 #   world-size-1 NCCL group, max_memory_reserved over 200 mixed shapes with and without
-#   expandable segments.
+#   expandable segments, the decode step against the memory floor (bench/decode.py's rows).
 # Tier B (the real rank class, service.gang.worker.Rank, in two processes on GPU 0): NCCL
 #   data group + gloo control group, parity, rank 1 killed / stopped mid-step with the chosen
 #   error mode and torch's default, teardown time, a second rendezvous in the same process.

@@ -60,6 +60,9 @@ def test_the_gpu_check_runs_on_the_gpu_machines_image(tmp_path: Path) -> None:
     blocked = run_python("import pydantic", env)
     assert blocked.returncode != 0 and "not on the GPU machine's image" in blocked.stderr, blocked.stderr[-500:]
     assert run_python("import torch, numpy, safetensors, yaml, httpx, service.gang.worker", env).returncode == 0
+    # tier A's decode rows (CUDA only, not in the dry run) read bench.decode: it imports on the image
+    imported = run_python("import bench.decode; bench.decode.stack_def('llama')", env)
+    assert imported.returncode == 0, imported.stderr[-1500:]
 
     env.update(GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,

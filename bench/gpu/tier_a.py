@@ -9,7 +9,8 @@ CUDA-event timings of the copies in and out (pageable vs pinned), the step and a
 sweep; the real rank's root_step at world size 1 (pinned staging; the shortest path, no step clock);
 a real NCCL process group of world size 1 (init, all_reduce, broadcast); the caching
 allocator's reserve over 200 mixed shapes with and without expandable segments (each in
-its own process, since the allocator reads its setting once).
+its own process, since the allocator reads its setting once); the decode step against the
+memory floor (bench/decode.py's in-process rows: both stacks, S = 1, 8, 32 at context 2048).
 
 GPU_CHECK_DRY_RUN=1 runs the parts that run on a CPU (parity, the stack, the rank's
 root_step, the world-size-1 group on gloo) there and prints one row for each CUDA-only
@@ -294,10 +295,32 @@ def mixed_shapes() -> None:
             f"{peak} / {now} / {alloc}")
 
 
+def decode_floor() -> None:
+    """The decode step against the memory floor (bench/decode.py's rows, in process): the 12-layer
+    E768 stack and bench/llama.py's Llama stack at world size 1 on GPU 0, S = 1, 8, 32 one-row
+    appends at context 2048 over the K/V pool (a CUDA rank's path: the gather), median of 10
+    synchronized calls, against (W + sum KV) / B, B the bytes read plus written per second by a
+    1 GiB copy_ on the GPU, measured right after each stack's rows. CUDA only: on a CPU the same
+    rows are `bench/decode.py --in-process` (two stack builds would cost tier A's dry run 20 s
+    on a busy machine); tests/test_gpu_check.py imports bench.decode on the simulated image."""
+    from bench.decode import in_process_steps
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for stack in ("transformer", "llama"):
+            with section(f"decode floor {stack} {dtype}"):
+                for r in in_process_steps(stack, (1, 8, 32), 2048, DEV, dtype, repeats=10):
+                    row(f"decode step {stack} ws1 S={r.sessions} ctx 2048 {str(dtype)[6:]}: step ms / floor ms "
+                        "(W MB + sum KV MB at B GB/s)",
+                        f"{r.compute_ms:.3f} / {r.floor_ms:.3f} = {r.ratio:.2f} ({r.weight_bytes_per_rank / 1e6:.0f} + "
+                        f"{r.kv_bytes_per_rank / 1e6:.0f} at {r.bandwidth_gbs:.0f})")
+            torch.cuda.empty_cache()
+
+
 # (name, part, runs on a CPU): the dry run runs the parts that do, and says which it skipped.
 PARTS = (("parity", parity, True), ("12-layer stack", stack, True), ("tf32", tf32, False),
          ("sdpa backends", sdpa_backends, False), ("copies and step", copies_and_step, False),
-         ("rank root_step", rank_root_step, True), ("ws1 group", ws1_group, True), ("mixed shapes", mixed_shapes, False))
+         ("rank root_step", rank_root_step, True), ("ws1 group", ws1_group, True), ("mixed shapes", mixed_shapes, False),
+         ("decode floor", decode_floor, False))
 
 
 def main() -> int:
