@@ -8,11 +8,12 @@ gang, whose results are checked against the independent dense reference.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import httpx
 import numpy as np
@@ -434,67 +435,96 @@ CHANNEL_PARTS = ["policy", "link_send", "gang_receive", "queue", "handoff", "hea
 @pytest.mark.ray
 def test_a_request_over_the_channel_names_every_part_of_its_time(app_url: str) -> None:
     """The link and the GangServer mark each part's end on the request's timeline (one host:
-    one monotonic clock), so the parts follow one another, none is negative, and they add up
-    to the whole; the answer is still the reference's."""
+    one monotonic clock), so the parts follow one another and every mark falls inside the
+    window this test measured around the call on its own clock (a stamp of rank 0's step
+    clock moved wrongly onto the monotonic clock falls outside it, or out of order); the
+    answer is still the reference's."""
     from service.metrics import timeline
 
     client = driver_side_policy(app_url)
     x = rand(3, 32, 512, seed=23)
 
-    async def run() -> tuple[np.ndarray, Any]:
+    async def run() -> tuple[np.ndarray, Any, int]:
         marks = timeline.Timeline.starting_now()
         token = timeline.start(marks)
         try:
             out = np.array(await client.infer(x))
         finally:
             timeline.reset(token)
+        returned_ns = time.monotonic_ns()
         marks.mark("return")
-        return out, marks
+        return out, marks, returned_ns
 
-    out, marks = asyncio.run(run())
+    out, marks, returned_ns = asyncio.run(run())
     assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
     assert [name for name, _ in marks.marks] == [*CHANNEL_PARTS, "return"], marks.marks
-    parts = dict(marks.parts_ms())
     # Stamps from rank 0's wall-clock step clock are moved onto the monotonic clock (to ~1 us).
-    assert all(ms > -0.05 for ms in parts.values()), parts
-    assert sum(parts.values()) == pytest.approx(marks.total_ms(), abs=1e-6)
+    slack_ns = 50_000
+    stamps = [at for name, at in marks.marks if name != "return"]
+    assert marks.start_ns <= stamps[0] and stamps[-1] <= returned_ns, (marks.start_ns, stamps, returned_ns)
+    out_of_order = [(first, second) for (first, at), (second, next_at) in zip(marks.marks, marks.marks[1:])
+                    if next_at < at - slack_ns]
+    assert not out_of_order, (out_of_order, marks.marks)
+    parts = dict(marks.parts_ms())
     assert parts["compute"] > 0 and parts["all_reduce"] > 0, parts
 
 
 @pytest.mark.ray
-def test_server_timing_parts_add_up_to_the_ingress_total(app_url: str) -> None:
+def test_server_timing_names_where_the_time_went(app_url: str) -> None:
     """POST /infer's Server-Timing lists the ingress's parts (and, when the request took the
-    data channel, the link's and the GangServer's) and their total: the parts add up to it,
-    and the total fits inside what the client measured."""
-    body = io_npy(rand(2, 16, 512, seed=24))
-    for _ in range(3):
+    data channel, the link's and the GangServer's) and their total. A body that arrives in two
+    pieces `pause` apart spends that pause in `read`, which the total includes; the total fits
+    inside what the client measured; the answer is the reference's."""
+    pause = 0.5
+    x = rand(2, 16, 512, seed=24)
+    body = io_npy(x)
+
+    def in_two_pieces() -> Iterator[bytes]:
+        yield body[: len(body) // 2]
+        time.sleep(pause)
+        yield body[len(body) // 2:]
+
+    for content in (in_two_pieces(), body):
         started = time.perf_counter()
-        r = httpx.post(app_url + "/infer", content=body, headers={"content-type": "application/x-npy"}, timeout=60)
+        r = httpx.post(app_url + "/infer", content=content, headers={"content-type": "application/x-npy"}, timeout=60)
         client_ms = (time.perf_counter() - started) * 1000
         assert r.status_code == 200, r.text[:300]
+        assert relative_error(torch.from_numpy(np.load(io.BytesIO(r.content))), reference(x)) < 1e-5
         entries = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
         names, values = [name for name, _ in entries], [float(ms) for _, ms in entries]
         assert names[:2] == ["read", "decode"] and names[-2:] == ["encode", "total"], names
-        middle = names[2:-2]
-        assert middle in (["gang"], [*CHANNEL_PARTS, "return"]), names
+        assert names[2:-2] in (["gang"], [*CHANNEL_PARTS, "return"]), names
         assert all(v > -0.05 for v in values), entries
-        assert sum(values[:-1]) == pytest.approx(values[-1], abs=0.001 * len(values)), entries
-        assert values[-1] <= client_ms, (values[-1], client_ms)
+        read_ms, total_ms = values[0], values[-1]
+        if content is not body:
+            # The pause happened while the body was read (the route starts its clock a little
+            # after the first piece left the client: the front door and Serve's routing).
+            assert read_ms >= 0.6 * pause * 1000, entries
+        assert read_ms <= total_ms <= client_ms, (entries, client_ms)
 
 
 @pytest.mark.ray
 def test_a_session_append_names_every_part_of_its_time(app_url: str) -> None:
     """POST /sessions/{id}/append's Server-Timing lists its parts as /infer's does (the body read
     and decoded as one part, `decode`), the step's `compute` among them over the data channel,
-    and their total: the parts add up to it, and it fits inside what the client measured."""
+    and their total; an append whose body arrives in two pieces `pause` apart spends the pause
+    in `decode`, which the total includes, and the total fits inside what the client measured."""
+    pause = 0.5
     npy = {"content-type": "application/x-npy"}
     r = httpx.post(app_url + "/sessions", content=io_npy(rand(4, 512, seed=25)), headers=npy, timeout=60)
     assert r.status_code == 201, r.text[:300]
     sid = r.headers["x-session-id"]
+
+    def in_two_pieces(body: bytes) -> Iterator[bytes]:
+        yield body[: len(body) // 2]
+        time.sleep(pause)
+        yield body[len(body) // 2:]
+
     for i in range(3):
+        body = io_npy(rand(1, 512, seed=26 + i))
         started = time.perf_counter()
-        r = httpx.post(f"{app_url}/sessions/{sid}/append", content=io_npy(rand(1, 512, seed=26 + i)), headers=npy,
-                       timeout=60)
+        r = httpx.post(f"{app_url}/sessions/{sid}/append", content=in_two_pieces(body) if i == 0 else body,
+                       headers=npy, timeout=60)
         client_ms = (time.perf_counter() - started) * 1000
         assert r.status_code == 200, r.text[:300]
         entries = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
@@ -502,14 +532,14 @@ def test_a_session_append_names_every_part_of_its_time(app_url: str) -> None:
         assert names[0] == "decode" and names[-2:] == ["encode", "total"], names
         assert names[1:-2] in (["gang"], [*CHANNEL_PARTS, "return"]), names
         assert all(v > -0.05 for v in values), entries
-        assert sum(values[:-1]) == pytest.approx(values[-1], abs=0.001 * len(values)), entries
-        assert values[-1] <= client_ms, (values[-1], client_ms)
+        decode_ms, total_ms = values[0], values[-1]
+        if i == 0:  # the pause happened while the body was read (the route's clock starts a little later)
+            assert decode_ms >= 0.6 * pause * 1000, entries
+        assert decode_ms <= total_ms <= client_ms, (entries, client_ms)
     httpx.delete(f"{app_url}/sessions/{sid}", timeout=60).raise_for_status()
 
 
 def io_npy(x: np.ndarray) -> bytes:
-    import io
-
     buf = io.BytesIO()
     np.save(buf, x)
     return buf.getvalue()
