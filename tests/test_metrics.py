@@ -164,6 +164,10 @@ def test_metrics_count_requests_and_gang_steps(obs_url: str) -> None:
     steps0 = total(before, "gangserve_gang_step_seconds_count")
     later = poll(obs_url, lambda s: total(s, "gangserve_gang_step_seconds_count") >= steps0 + 1, 30, "gang steps")
     assert total(later, "gangserve_batch_size_count") >= total(before, "gangserve_batch_size_count") + 1
+    # Each step's parts, by the names Server-Timing and /gang's step timings use.
+    for part in ("broadcast", "compute", "to_numpy"):
+        assert (total(later, "gangserve_step_part_seconds_count", part=part)
+                >= total(before, "gangserve_step_part_seconds_count", part=part) + 1), part
     assert total(later, "gangserve_weights_version") >= 1
 
 
