@@ -57,7 +57,6 @@ import numpy as np
 
 from service.config.builder_args import BatchPolicy
 from service.contract.errors import DeadlineExceeded, DeadlineExceededBeforeStep
-from service.contract.timing import Part
 from service.metrics import timeline
 
 # (x [batch, seq, E] float32, key mask [batch, seq] bool or None, causal or None,
@@ -303,12 +302,8 @@ class StepBatcher:
         x, mask, padded = pad_group([(p.x, p.mask) for p in group])
         rows, seq = int(x.shape[0]), int(x.shape[1])
         share = padded / (rows * seq) if rows * seq else 0.0
-        timed = [p.request_timeline for p in group if p.request_timeline is not None]
-        marks = timeline.Timeline.starting_now() if timed else None
-        for t in timed:
-            t.mark(Part.QUEUE)  # the batcher: arrival -> its step starts
         started = time.perf_counter()
-        token = timeline.running_step(marks)
+        batch = timeline.BatchStep([p.request_timeline for p in group if p.request_timeline is not None])
         try:
             out = await self._run_step(x, mask, group[0].causal, deadline)  # [sum b_i, S, E]
         except Exception as exc:
@@ -322,12 +317,8 @@ class StepBatcher:
                     p.future.set_exception(exc)
             return
         finally:
-            timeline.end_step(token)
-        if marks is not None:
-            back = time.monotonic_ns()
-            for t in timed:
-                t.extend(marks.marks)
-                t.mark(Part.TO_LOOP, back)  # the sequencer thread -> this event loop
+            batch.end()
+        batch.hand_over()
         self._step_ms.append((time.perf_counter() - started) * 1000)
         if self._on_step:
             self._on_step(rows, self._step_ms[-1] / 1000, None, share)

@@ -107,6 +107,32 @@ def current_step() -> Timeline | None:
     return _current_step.get()
 
 
+class BatchStep:
+    """One batch step's part of its members' timelines (the requests it serves; a batcher runs
+    the step in a task of its own): made when the step starts, it marks each member's `queue`
+    and makes the step's own timeline the running task's (`running_step`), which the gang's
+    step fills; `end()` (always) resets that, `hand_over()` (after a step that answered) gives
+    each member the step's parts and `to_loop` (the sequencer thread -> the event loop)."""
+
+    def __init__(self, members: list[Timeline]) -> None:
+        self.members = members
+        self.step = Timeline.starting_now() if members else None
+        for t in members:
+            t.mark(Part.QUEUE)  # the batcher: arrival -> its step starts
+        self._token = running_step(self.step)
+
+    def end(self) -> None:
+        end_step(self._token)
+
+    def hand_over(self) -> None:
+        if self.step is None:
+            return
+        back = time.monotonic_ns()
+        for t in self.members:
+            t.extend(self.step.marks)
+            t.mark(Part.TO_LOOP, back)
+
+
 def wall_to_monotonic_ns(wall_ns: int) -> int:
     """A time.time_ns() stamp (rank 0's step clock) on the monotonic clock (to ~1 us).
 

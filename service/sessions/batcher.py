@@ -34,14 +34,12 @@ done (service.sessions.service), so one never planned is never appended.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from service.contract.gang_status import SessionBatchingStats
-from service.contract.timing import Part
 from service.gang.batching import BatchQueue, DeadlineWords, Queued
 from service.metrics import timeline
 from service.sessions.registry import Chunking, Claim, Session, StepItem
@@ -134,11 +132,8 @@ class AppendBatcher:
         """One append step for `group`; every member gets its rows and info, or its error.
         Each member's timeline gets the step's parts (queue, handoff, broadcast, compute,
         all_reduce, to_numpy: service.gang.runner), as a stateless request's does."""
-        timed = [q.request_timeline for q in group if q.request_timeline is not None]
-        marks = timeline.Timeline.starting_now() if timed else None  # the step's own parts
-        for t in timed:
-            t.mark(Part.QUEUE)  # the batcher: arrival (or the previous chunk's end) -> its step starts
-        token = timeline.running_step(marks)
+        # queue: arrival (or the previous chunk's end) -> this step starts
+        batch = timeline.BatchStep([q.request_timeline for q in group if q.request_timeline is not None])
         try:
             results = await self._run_step([StepItem(q.session, q.x, q.expect_length, claim=q.claim,
                                                       chunking=q.chunking) for q in group], deadline)
@@ -150,12 +145,8 @@ class AppendBatcher:
                 raise
             return
         finally:
-            timeline.end_step(token)
-        if marks is not None:
-            back = time.monotonic_ns()
-            for t in timed:
-                t.extend(marks.marks)
-                t.mark(Part.TO_LOOP, back)  # the sequencer thread -> this event loop
+            batch.end()
+        batch.hand_over()
         self.steps += 1
         self.appends += sum(1 for _, info in results if not isinstance(info, Chunking))
         self.max_step_sessions = max(self.max_step_sessions, len(group))
