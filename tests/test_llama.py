@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from service.parallel.kv_cache import AppendPlan
 from service.parallel.llama import LlamaDef
@@ -37,7 +36,18 @@ from service.parallel.paged_kernel import InPlaceAttention
 from tests.helpers import spawned_gloo_group
 from tests.reference import relative_error
 
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaModel
+
 pytestmark = pytest.mark.unit
+
+
+def _hf() -> Any:
+    """transformers, imported where the reference is built (this test process): the spawned ranks
+    import this module for `run_rank`, and importing transformers costs each ~4 s of CPU."""
+    import transformers
+
+    return transformers
 
 TOL = 1e-5  # float32 against float64 (the issue's parity goal)
 BF16_TOL = 3e-2  # bfloat16 keeps 8 bits of mantissa: ~4e-3 a rounding, over two blocks and a final norm
@@ -54,8 +64,9 @@ STACKS: dict[str, tuple[int, dict[str, Any] | None, str]] = {
 
 def llama_config(kv_heads: int, rope: dict[str, Any] | None) -> LlamaConfig:
     extra = {"rope_parameters": rope} if rope else {}
-    return LlamaConfig(hidden_size=WIDTH, num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=96,
-                       num_hidden_layers=2, vocab_size=32, max_position_embeddings=64, rms_norm_eps=1e-5, **extra)
+    return _hf().LlamaConfig(hidden_size=WIDTH, num_attention_heads=4, num_key_value_heads=kv_heads,
+                             intermediate_size=96, num_hidden_layers=2, vocab_size=32, max_position_embeddings=64,
+                             rms_norm_eps=1e-5, **extra)
 
 
 def save_stack(name: str, directory: Path) -> LlamaModel:
@@ -64,13 +75,13 @@ def save_stack(name: str, directory: Path) -> LlamaModel:
     torch.manual_seed(len(name))
     config = llama_config(kv, rope)
     if layout == "causal-lm":  # names under `model.`, plus embed_tokens and lm_head the service ignores
-        full = LlamaForCausalLM(config)
+        full = _hf().LlamaForCausalLM(config)
         full.save_pretrained(directory)
         stack = full.model
     else:
-        stack = LlamaModel(config)
+        stack = _hf().LlamaModel(config)
         stack.save_pretrained(directory, max_shard_size="20KB" if layout == "sharded" else "5GB")
-    reference = LlamaModel(config).double().eval()
+    reference = _hf().LlamaModel(config).double().eval()
     reference.load_state_dict({k: v.double() for k, v in stack.state_dict().items()}, strict=True)
     return reference
 
@@ -109,6 +120,13 @@ def _same_rows_padded_left_and_right() -> tuple[torch.Tensor, torch.Tensor, torc
     return lx, lm, rx, rm
 
 
+# The session read from the pool in place (compiled flex_attention) runs at world size 1: there a
+# rank's pool holds all 4 query heads over 1, 2 and 4 K/V heads, every grouping these stacks
+# have; a larger gang's rank reads the same kernel over fewer heads of the same pool contents
+# (its K/V equal the gather path's, checked at every world size). Each spawned rank compiles
+# its kernel shapes (about 25 s of CPU a rank on the 2-core test machine, 6 ranks more at world
+# sizes 2 and 4); the kernel's own groupings are tests/test_paged_kernel.py's.
+IN_PLACE_WORLD_SIZES = (1,)
 # (new rows, cached, block table), blocks of 4; 18 and 3 rows take the in-place kernel's rows path, 1 its decode path
 SESSION_STEPS = [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2))]
 
@@ -142,6 +160,10 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
                             appended.append(model.append(inputs["session"][at:at + plan.rows], plan, pool))
                             at += plan.rows
                         out[f"{name}-session"] = torch.cat(appended)
+                        out[f"{name}-pool-bytes"] = pool.nbytes
+                        out[f"{name}-param-bytes"] = model.parameter_bytes()
+                        if world_size not in IN_PLACE_WORLD_SIZES:
+                            continue
                         # again with the attention read from the pool in place (grouped-query included)
                         pool = new_kv_pool(arch, world_size, plans[0], dtype, torch.device("cpu"))
                         pool.attention = InPlaceAttention(8, 4, arch.arch.num_heads // world_size,
@@ -152,8 +174,6 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
                             appended.append(model.append(inputs["session"][at:at + plan.rows], plan, pool))
                             at += plan.rows
                         out[f"{name}-session-in-place"] = torch.cat(appended)
-                        out[f"{name}-pool-bytes"] = pool.nbytes
-                        out[f"{name}-param-bytes"] = model.parameter_bytes()
         torch.save(out, work / f"rank{rank}.pt")
 
 
@@ -221,7 +241,7 @@ def test_session_appends_equal_hugging_face_incremental_decode(stacks: tuple[Pat
     _, models = stacks
     rows = torch.randn(22, WIDTH, generator=torch.Generator().manual_seed(4)).double()
     for name, model in models.items():
-        cache, want, at = DynamicCache(config=model.config), [], 0
+        cache, want, at = _hf().DynamicCache(config=model.config), [], 0
         with torch.no_grad():
             for n, _, _ in SESSION_STEPS:
                 step = model(inputs_embeds=rows[at:at + n][None], past_key_values=cache, use_cache=True)
@@ -231,8 +251,11 @@ def test_session_appends_equal_hugging_face_incremental_decode(stacks: tuple[Pat
         kv_heads = STACKS[name][0]
         for out in gang_outputs(world_size):
             assert relative_error(out[f"{name}-session"], want_all) <= TOL, name
-            assert relative_error(out[f"{name}-session-in-place"], want_all) <= TOL, name  # the pool in place
-            assert relative_error(out[f"{name}-session-in-place"], out[f"{name}-session"]) <= 1e-6, name
+            if world_size in IN_PLACE_WORLD_SIZES:  # the pool in place
+                assert relative_error(out[f"{name}-session-in-place"], want_all) <= TOL, name
+                assert relative_error(out[f"{name}-session-in-place"], out[f"{name}-session"]) <= 1e-6, name
+            else:
+                assert f"{name}-session-in-place" not in out
             # the pool caches this rank's own K/V heads: kv/p, or one when K/V heads are replicated
             per_rank = max(kv_heads // world_size, 1)
             arch = LlamaDef.from_directory(stacks[0] / name)
@@ -282,7 +305,7 @@ def test_a_directory_of_another_architecture_is_refused_naming_the_difference(
 ])
 def test_a_split_that_does_not_exist_is_refused_naming_the_numbers(heads: int, kv: int, world_size: int,
                                                                    message: str) -> None:
-    config = LlamaConfig(hidden_size=12 * 8, num_attention_heads=heads, num_key_value_heads=kv,
+    config = _hf().LlamaConfig(hidden_size=12 * 8, num_attention_heads=heads, num_key_value_heads=kv,
                          intermediate_size=96, num_hidden_layers=1, head_dim=8)
     with pytest.raises(ValueError, match=f"world_size {world_size}: .*{message}".replace("(", r"\(").replace(")", r"\)")):
         LlamaDef(LlamaArchitecture.from_hf_config(config.to_dict())).check_world_size(world_size)

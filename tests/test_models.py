@@ -81,6 +81,14 @@ def _cases() -> dict[str, dict[str, Any]]:
     return cases
 
 
+# The session read from the pool in place (compiled flex_attention) runs at world size 1 only:
+# a larger gang's rank reads the same kernel over fewer heads of a pool whose contents the
+# gather path checks at every world size, and each spawned rank compiles its kernel shapes
+# (about 25 s of CPU a rank on the 2-core test machine); the kernel's groupings are
+# tests/test_paged_kernel.py's.
+IN_PLACE_WORLD_SIZES = (1,)
+
+
 def _session_steps() -> list[tuple[int, int, tuple[int, ...]]]:
     """Three append steps of one session: (new rows, cached before, block table), blocks of 4.
     18 and 3 rows take the in-place kernel's rows path (rows_in_place), 1 its decode path."""
@@ -119,11 +127,12 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
         pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
         out["session"] = session(pool)
         out["pool_bytes"] = torch.tensor(pool.nbytes)
-        # The same appends with the attention read from the pool in place (compiled flex_attention).
-        pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
-        kv = kv_heads_per_rank(arch, world_size)
-        pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32, rows_in_place=True)
-        out["session-in-place"] = session(pool)
+        if world_size in IN_PLACE_WORLD_SIZES:
+            # The same appends with the attention read from the pool in place (compiled flex_attention).
+            pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
+            kv = kv_heads_per_rank(arch, world_size)
+            pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32, rows_in_place=True)
+            out["session-in-place"] = session(pool)
         torch.save(out, work / f"rank{rank}.pt")
 
 
@@ -175,8 +184,11 @@ def test_session_appends_equal_the_causal_stack_over_the_whole_sequence(gang_out
     want = torch_reference(torch_encoder(arch, arch.init_weights("random", 5)), rows[None], None, True)[0]
     for out in gang_outputs(world_size):
         assert relative_error(out["session"], want) <= TOL
-        assert relative_error(out["session-in-place"], want) <= TOL  # the pool read in place
-        assert relative_error(out["session-in-place"], out["session"]) <= 1e-6  # = the gather path
+        if world_size in IN_PLACE_WORLD_SIZES:
+            assert relative_error(out["session-in-place"], want) <= TOL  # the pool read in place
+            assert relative_error(out["session-in-place"], out["session"]) <= 1e-6  # = the gather path
+        else:
+            assert "session-in-place" not in out
         # the pool: 2 (K, V) x 3 layers x E/p x 4 bytes a token, 8 blocks of 4 tokens
         assert int(out["pool_bytes"]) == 8 * 4 * kv_bytes_per_token(arch, world_size, 4) == 8 * 4 * 2 * 3 * 64 // world_size * 4
 
