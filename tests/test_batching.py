@@ -398,5 +398,5 @@ def test_session_appends_share_the_core_deadlines_and_one_append_per_session_per
     assert isinstance(results[3], DeadlineExceeded) and not isinstance(results[3], DeadlineExceededBeforeStep)
     assert isinstance(results[4], DeadlineExceededBeforeStep)  # never queued for a step
     stats = batcher.stats()
-    assert (stats["steps"], stats["appends"], stats["expired_queued"], stats["queued"]) == (2, 4, 1, 0), stats
+    assert (stats.steps, stats.appends, stats.expired_queued, stats.queued) == (2, 4, 1, 0), stats
     assert batcher.idle
