@@ -302,7 +302,11 @@ def _app_args(stack: str, ws: int, sizes: Sizes, checkpoint: Path | None) -> dic
     tunables: dict[str, Any] = {"gang": {"session_attention": sizes.attention}}
     if sizes.chunk_tokens is not None:
         tunables["gang"]["session_prefill_chunk_tokens"] = sizes.chunk_tokens
-    return {**local_yaml_args(), **arch, "init": "random", "seed": 0, "world_size": ws,
+    # The Llama stack's width, heads and weights come from its checkpoint (bench/llama.py's), not the yaml's.
+    base = local_yaml_args() if stack == "transformer" else {
+        k: v for k, v in local_yaml_args().items() if k not in ("embed_dim", "num_heads", "init", "seed")}
+    weights = {"init": "random", "seed": 0} if stack == "transformer" else {}
+    return {**base, **arch, **weights, "world_size": ws,
             "cpus_per_rank": cores / ws, "torch_threads_per_rank": max(1, cores // ws), "warm_spare": False,
             "collective_timeout_s": 300, "max_seq_len": max(4096, sizes.prefill_rows, grown),
             "max_session_tokens": max(4096, sizes.prefill_rows, grown), "max_batch_size": max(sizes.sessions),
