@@ -14,8 +14,7 @@ import torch
 
 from service.parallel.group import ParallelGroup
 from service.parallel.transformer import FusedEncoder, ParallelEncoder, TransformerDef
-from tests.reference import relative_error
-from tests.test_models import STACKS, TOL, torch_encoder, torch_reference
+from tests.reference import STACKS, TOL, relative_error, torch_encoder, torch_reference
 
 pytestmark = pytest.mark.unit
 

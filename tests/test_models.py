@@ -30,34 +30,7 @@ from service.parallel.paged_kernel import InPlaceAttention
 from service.parallel.transformer import TransformerDef
 from tests.conftest import deploy, undeploy
 from tests.helpers import assert_error, spawned_gloo_group
-from tests.reference import relative_error
-
-TOL = 1e-5  # float32 against float64 (the issue's parity goal)
-STACKS = {
-    "post-relu": TransformerDef(3, 64, 8, 96, "relu", False),
-    "pre-gelu": TransformerDef(2, 64, 4, 128, "gelu", True, 1e-6),
-}
-
-
-def torch_encoder(arch: TransformerDef, weights: dict[str, torch.Tensor]) -> nn.TransformerEncoder:
-    """torch's own stack, built here from the issue's definition, holding `weights` in float64."""
-    layer = nn.TransformerEncoderLayer(arch.embed_dim, arch.num_heads, arch.ffn_dim, dropout=0.0,
-                                       activation=arch.activation, batch_first=True, norm_first=arch.norm_first,
-                                       layer_norm_eps=arch.layer_norm_eps)
-    module = nn.TransformerEncoder(layer, arch.num_layers, enable_nested_tensor=False).double().eval()
-    module.load_state_dict({k: v.double() for k, v in weights.items()}, strict=True)
-    return module
-
-
-def torch_reference(module: nn.TransformerEncoder, x: torch.Tensor, tokens: torch.Tensor | None,
-                    causal: bool) -> torch.Tensor:
-    """float64 output of torch's module; rows at padded positions are not compared."""
-    seq = x.shape[1]
-    mask = torch.ones(seq, seq, dtype=torch.bool).triu_(1) if causal else None  # True = may not attend
-    padding = None if tokens is None else ~tokens
-    with torch.no_grad():
-        return module(x.double(), mask=mask, src_key_padding_mask=padding, is_causal=causal)
-
+from tests.reference import STACKS, TOL, relative_error, torch_encoder, torch_reference
 
 # -- parity in real gangs ------------------------------------------------------------------
 def _cases() -> dict[str, dict[str, Any]]:
