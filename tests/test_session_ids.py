@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import threading
-from typing import Iterator
+from typing import Any
 
 import pytest
 
@@ -57,23 +57,15 @@ def test_a_model_without_a_cache_is_named_not_the_cache_budget() -> None:
     assert why is not None and f"session_cache_bytes={config.sessions.session_cache_bytes}" in why
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    ray.init(num_cpus=1, include_dashboard=False, namespace="test-session-ids")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.ray
-def test_every_caller_of_an_app_gets_one_key_and_each_app_its_own(ray_local: None) -> None:
+def test_every_caller_of_an_app_gets_one_key_and_each_app_its_own(ray_cluster: Any) -> None:
+    """On the suite's cluster (a second `ray.init` in this process would fail): app names of
+    its own, so the keys of the suite's apps are never touched."""
+    one, two = (f"test-ids-{secrets.token_hex(4)}" for _ in range(2))
     keys: list[bytes] = []
 
     def ask() -> None:
-        keys.append(app_key("app-one"))
+        keys.append(app_key(one))
 
     callers = [threading.Thread(target=ask) for _ in range(4)]  # gangs starting together
     for t in callers:
@@ -81,4 +73,4 @@ def test_every_caller_of_an_app_gets_one_key_and_each_app_its_own(ray_local: Non
     for t in callers:
         t.join(timeout=120)
     assert len(keys) == 4 and len(set(keys)) == 1 and len(keys[0]) == 32
-    assert app_key("app-one") == keys[0] and app_key("app-two") != keys[0]
+    assert app_key(one) == keys[0] and app_key(two) != keys[0]
