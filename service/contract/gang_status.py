@@ -266,7 +266,9 @@ def _compose(view: type[View], report: GangStatus, own: dict[str, Any]) -> View:
     report was validated where it was built) and the view's `own` fields, which its
     constructor's typed arguments give. No dump, no merge of dicts: a name of `own` the view
     does not declare is refused here."""
-    unknown = set(own) - set(view.model_fields) | set(own) & set(report.model_fields) - {"state", "reason"}
+    undeclared = set(own) - set(view.model_fields)
+    the_reports = set(own) & (set(report.model_fields) - {"state", "reason"})  # a view may restate only these two
+    unknown = undeclared | the_reports
     if unknown:
         raise TypeError(f"{view.__name__} composes a gang's report with its own fields only; "
                         f"{sorted(unknown)} are not its own")
