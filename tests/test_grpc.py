@@ -342,7 +342,9 @@ def test_the_ingress_reads_the_calls_grpc_deadline() -> None:
             await server.stop(0)
 
     asyncio.run(call())
-    assert 20.0 < seen["left"] <= 30.0 and seen["none"] is None  # type: ignore[operator]
+    # gRPC measures time_remaining() against its own cached clock, which may lag this process's
+    # monotonic clock by a scheduler tick or more under load (30.099 s seen in CI): a 0.5 s margin.
+    assert 20.0 < seen["left"] <= 30.5 and seen["none"] is None  # type: ignore[operator]
 
 
 @pytest.mark.ray

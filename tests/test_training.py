@@ -749,12 +749,13 @@ def test_list_is_newest_first_and_paginated(app_url: str, jobs: dict[str, str]) 
 @pytest.mark.slow
 def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: str, jobs: dict[str, str]) -> None:
     """A second JobManager on the same state dir sees every job. A job whose manager and run
-    both died mid-run (the service went away: its app deleted, its run actor killed, as a
-    head restart does) is adopted and resumed from its last epoch checkpoint: it ends
+    both died mid-run (the manager's replica and the run actor killed together, as a head
+    restart does) is adopted and resumed from its last epoch checkpoint: it ends
     SUCCEEDED with epochs 1..N once each, where the same spec ends uninterrupted by the
     service. An orphan already resumed MAX_RESUMES times FAILS instead."""
     import ray
     from ray import serve
+    from ray.util import list_named_actors
 
     from service.deployments.job_manager import JobManager
     from service.training.run import RUN_NAMESPACE, run_actor_name
@@ -785,10 +786,20 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
         assert orphan["history"] == [{"epoch": 1, "loss": 1.0, "eval_loss": None}]
         wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["history"]) >= 2
                  and registered_checkpoint(job_id), 240, "reached epoch 2 with a registered checkpoint")
+        # A head restart takes every actor at once and abruptly: the manager's replica and its
+        # run, within a millisecond of each other, so that neither sees the other go (a live
+        # manager resumes a run it sees die: another path) and the job, 14 epochs from its end,
+        # cannot finish in between (a graceful `serve.delete` first takes up to its shutdown
+        # timeout, long enough for the job to end).
+        run = ray.get_actor(run_actor_name(job_id), namespace=RUN_NAMESPACE)
+        managers = [ray.get_actor(name["name"], namespace=name["namespace"])
+                    for name in list_named_actors(all_namespaces=True)
+                    if name["name"].startswith("SERVE_REPLICA::jobs-restart#")]
+        assert len(managers) == 1, managers
+        ray.kill(managers[0], no_restart=True)
+        ray.kill(run, no_restart=True)
     finally:
         serve.delete("jobs-restart")
-    # The service is gone; now its run dies too (a head restart takes every actor).
-    ray.kill(ray.get_actor(run_actor_name(job_id), namespace=RUN_NAMESPACE), no_restart=True)
     at_kill = store.get_job(job_id)
     assert at_kill is not None and at_kill.status == "RUNNING", f"the job ended before its run was killed: {at_kill}"
     killed_at_epoch = at_kill.progress["epoch"]
