@@ -7,14 +7,23 @@
 - `header`: a peer's wait for rank 0's next header (two gloo processes on loopback): rank 0
   sends a header every `gap_ms`, the peer answers with a one-value broadcast at once; the
   round trip's median is the peer's wake and answer, per spin (tunables.gang.header_spin_us_cpu),
-  and the peer's CPU seconds per wall second (the spin's cost).
+  and the peer's CPU seconds per wall second (the spin's cost);
+- `sequencer`: the event loop's hand-off of one step to the sequencer thread and back
+  (service.gang.sequencer.Sequencer.run with a step timeout and a request deadline, as a served
+  step has), this tree's against `rev`'s (default HEAD, read with `git show`), interleaved in one
+  process and one loop: the median round trip of a no-op step and of a 1 ms step that releases
+  the GIL (time.sleep, as a collective's wait does), and the loop's cross-thread wakes per step
+  (call_soon_threadsafe calls counted).
 
     PYTHONPATH=<tree> python bench/step_levers.py ws1 [rounds]
     python bench/step_levers.py header [spins_us, comma-separated] [gap_ms]
+    python bench/step_levers.py sequencer [rev] [rounds]
 """
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -106,6 +115,67 @@ def header(spins_us: list[float], gap_ms: float = 2.0, steps: int = 400) -> None
               f"p90 {statistics.quantiles(rtt, n=10)[-1]:.1f} us; the peer's CPU {cpu:.2f} s per s")
 
 
+def sequencer(rev: str = "HEAD", rounds: int = 9, calls: int = 300) -> None:
+    import asyncio
+    import importlib.util
+    import random
+    import tempfile
+
+    from service.gang import sequencer as now
+
+    source = subprocess.run(["git", "show", f"{rev}:service/gang/sequencer.py"], check=True,
+                            capture_output=True, text=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("sequencer_before", f.name)
+    assert spec is not None and spec.loader is not None
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    os.unlink(f.name)
+
+    def noop() -> None:
+        return None
+
+    def one_ms() -> None:
+        time.sleep(0.001)
+
+    async def measure() -> None:
+        loop = asyncio.get_running_loop()
+        wakes = 0
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal wakes
+            wakes += 1
+            return threadsafe(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        seqs = {f"before ({rev})": before.Sequencer(on_stuck=print), "after (this tree)": now.Sequencer(on_stuck=print)}
+        shuffle = random.Random(55)
+        for step_name, fn in (("no-op step", noop), ("1 ms step (GIL released)", one_ms)):
+            us: dict[str, list[float]] = {name: [] for name in seqs}
+            per_step: dict[str, float] = {}
+            for _ in range(rounds):
+                names = list(seqs)
+                shuffle.shuffle(names)
+                for name in names:
+                    seq = seqs[name]
+                    wakes = 0
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        await seq.run(fn, step_timeout_s=30.0, request_deadline=time.monotonic() + 30.0)
+                    us[name].append((time.perf_counter() - t0) / calls * 1e6)
+                    per_step[name] = wakes / calls
+            print(f"sequencer, {step_name}: " + "; ".join(
+                f"{name} {statistics.median(v):.1f} us per step ({min(v):.0f}-{max(v):.0f}), "
+                f"{per_step[name]:.2f} loop wakes per step" for name, v in us.items())
+                + f"; load {os.getloadavg()[0]:.2f}", flush=True)
+        for seq in seqs.values():
+            seq.shutdown()
+
+    asyncio.run(measure())
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "ws1"
     if what == "ws1":
@@ -113,5 +183,7 @@ if __name__ == "__main__":
     elif what == "header":
         header([float(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "0,50,200").split(",")],
                float(sys.argv[3]) if len(sys.argv) > 3 else 2.0)
+    elif what == "sequencer":
+        sequencer(sys.argv[2] if len(sys.argv) > 2 else "HEAD", int(sys.argv[3]) if len(sys.argv) > 3 else 9)
     else:
-        raise SystemExit(f"unknown measurement {what!r}: ws1 or header")
+        raise SystemExit(f"unknown measurement {what!r}: ws1, header or sequencer")
