@@ -10,13 +10,24 @@
 - `hops`: what one wake costs on this machine: an asyncio timer armed and cancelled,
   `asyncio.to_thread` of a no-op, a thread's `call_soon_threadsafe` back to the loop;
 - `batcher`: a lone request through the StepBatcher (inline at once) against the queued path it
-  took before when `batch_wait_timeout_s` > 0 (a drainer task and the linger), trivial step.
+  took before when `batch_wait_timeout_s` > 0 (a drainer task and the linger), trivial step;
+- `decode`: a decode step's attention alone (`paged_attention` over 12 layers of the 12-layer
+  E768 stack's pool at world size 1, 12 heads of 64, 16-token pages scattered, every session at
+  context 2048, one new row each) for S sessions, interleaved: the gather path, and the compiled
+  in-place kernel with the decode buckets before, (4, 32), and now, (1,) (a call per session):
+  where the gather and in place cross, and what batching and padding sessions in one call costs.
+  `decode N [S ...]` runs it with N threads (1) and those numbers of sessions (1 2 4 8 16);
+- `warmup`: the in-place kernel's warm-up (a ws1 rank's, the 12-layer E768 stack's pool) in a
+  fresh process with an empty inductor cache directory, again in a fresh process with the cache
+  the first left, and a second warm-up of a new kernel in the same process (what a gang rebuild
+  pays: new peer processes on the same node, rank 0's process kept).
 
-    python bench/micro_levers.py [qkv heap encoder hops batcher]   (all by default)
+    python bench/micro_levers.py [qkv heap encoder hops batcher decode warmup]   (all by default)
 """
 from __future__ import annotations
 
 import mmap
+import os
 import statistics
 import subprocess
 import sys
@@ -175,14 +186,118 @@ def batcher(wait_s: float = 0.005) -> None:
     asyncio.run(measure())
 
 
+def decode(sessions: tuple[int, ...] = (1, 2, 4, 8, 16), rounds: int = 7, context: int = 2048,
+           threads: int = 1) -> None:
+    """Per S: the median (and min) wall ms and the median CPU ms (`time.process_time`) of
+    `rounds` interleaved rounds (each variant once per round, shuffled). With one thread the CPU
+    time is the work done, whatever the machine's load (a shared machine's wall time is not).
+    Each call gets a plan object of its own, as a served step does (the kernel builds a step's
+    block masks once per plan: `InPlaceAttention._memo`), so the masks' build is in every call.
+    Session i is at context - 3 i (as served sessions, of lengths that differ: the CPU decode
+    template's fast path needs every batch entry's block counts equal, service.parallel.paged_kernel)."""
+    import dataclasses
+    import random
+
+    import torch
+
+    from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
+    from service.parallel.paged_kernel import DECODE_BUCKETS, InPlaceAttention
+
+    torch.set_num_threads(threads)
+    block, heads, head_dim, layers = 16, 12, 64, 12
+    per = -(-(context + 1) // block)
+    lengths = [context - 3 * i for i in range(max(sessions))]
+    num_blocks = max(sessions) * per + 64
+    order = np.random.default_rng(0).permutation(num_blocks)
+    tables = tuple(tuple(int(b) for b in order[i * per:i * per + -(-(lengths[i] + 1) // block)])
+                   for i in range(max(sessions)))
+    pool = PagedKVPool(num_blocks, block, heads, head_dim, torch.float32, torch.device("cpu"), layers=layers)
+    pool.k.normal_()
+    pool.v.normal_()
+    scale = head_dim ** -0.5
+    kernels: dict[str, InPlaceAttention | None] = {"gather": None}
+    for buckets in ((4, 32), DECODE_BUCKETS):  # the buckets before, and now
+        kernel = InPlaceAttention(num_blocks, block, heads, heads, head_dim, torch.float32, decode_buckets=buckets)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            kernel.warm(pool.k[0], pool.v[0], scale, budget_s=600)
+        print(f"decode: in place, buckets {buckets}: warm-up {time.perf_counter() - t0:.1f} s "
+              f"(shapes compiled before in this process are not compiled again)", flush=True)
+        kernels[f"in place {buckets}"] = kernel
+    shuffle = random.Random(52)
+    for s in sessions:
+        plan = AppendPlan(num_blocks, block, (1,) * s, tuple(lengths[:s]), tables[:s])
+        q, k, v = (torch.randn(s, heads, head_dim) for _ in range(3))
+
+        def step(kernel: InPlaceAttention | None) -> None:
+            pool.attention = kernel
+            fresh = dataclasses.replace(plan)  # a served step's plan is a new object
+            for layer in range(layers):
+                paged_attention(pool, layer, q, k, v, fresh, scale)
+
+        wall: dict[str, list[float]] = {name: [] for name in kernels}
+        cpu: dict[str, list[float]] = {name: [] for name in kernels}
+        with torch.inference_mode():
+            for kernel in kernels.values():
+                step(kernel)
+            for _ in range(rounds):
+                names = list(kernels)
+                shuffle.shuffle(names)
+                for name in names:
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    step(kernels[name])
+                    wall[name].append((time.perf_counter() - t0) * 1000)
+                    cpu[name].append((time.process_time() - c0) * 1000)
+        base = statistics.median(cpu["gather"])
+        print(f"decode S={s} at {context}, {threads} thread(s), load {os.getloadavg()[0]:.1f}: " + "; ".join(
+            f"{name} cpu {statistics.median(cpu[name]):.1f} ms (x{statistics.median(cpu[name]) / base:.2f}), "
+            f"wall {statistics.median(wall[name]):.1f} (min {min(wall[name]):.1f})" for name in kernels), flush=True)
+
+
+def warmup_once(num_blocks: int = 400) -> None:
+    """One process's warm-ups (run by `warmup` with TORCHINDUCTOR_CACHE_DIR set): the first, then a
+    second kernel over a new pool of the same shape, as a rebuilt gang's rank 0 warms it again."""
+    import torch
+
+    from service.parallel.kv_cache import PagedKVPool
+    from service.parallel.paged_kernel import InPlaceAttention
+
+    torch.set_num_threads(1)
+    for which in ("first", "second, same process"):
+        pool = PagedKVPool(num_blocks, 16, 12, 64, torch.float32, torch.device("cpu"), layers=1)
+        kernel = InPlaceAttention(num_blocks, 16, 12, 12, 64, torch.float32)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            status = kernel.warm(pool.k[0], pool.v[0], 64 ** -0.5, budget_s=600)
+        print(f"warmup: {which}: {time.perf_counter() - t0:.1f} s ({status.shapes} shapes; "
+              f"load {os.getloadavg()[0]:.1f})", flush=True)
+
+
+def warmup() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        for which in ("empty inductor cache", "the cache the first process left"):
+            print(f"warmup: a fresh process, {which}:", flush=True)
+            subprocess.run([sys.executable, __file__, "warmup_once"], check=True,
+                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["warmup_once"]:
+        warmup_once()
+        sys.exit()
+    if sys.argv[1:2] == ["decode"] and len(sys.argv) >= 3:
+        decode(threads=int(sys.argv[2]), **({"sessions": tuple(int(a) for a in sys.argv[3:])} if sys.argv[3:] else {}))
+        sys.exit()
     if sys.argv[1:2] == ["heap"] and len(sys.argv) == 3:
         heap(sys.argv[2] == "kept")
         sys.exit()
-    chosen = sys.argv[1:] or ["qkv", "heap", "encoder", "hops", "batcher"]
+    chosen = sys.argv[1:] or ["qkv", "heap", "encoder", "hops", "batcher", "decode", "warmup"]
     for lever in chosen:
         if lever == "heap":
             for mode in ("default", "kept"):
                 subprocess.run([sys.executable, __file__, "heap", mode], check=True)
         else:
-            {"qkv": qkv, "encoder": encoder, "hops": hops, "batcher": batcher}[lever]()
+            {"qkv": qkv, "encoder": encoder, "hops": hops, "batcher": batcher, "decode": decode,
+             "warmup": warmup}[lever]()

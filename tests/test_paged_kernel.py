@@ -65,3 +65,61 @@ def test_a_shape_not_compiled_at_warm_up_gathers_and_is_never_compiled() -> None
     assert counters["stats"]["unique_graphs"] == before
     assert torch.equal(got, want)
     assert np.isfinite(got.numpy()).all()
+
+
+def _dense_last_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64, torch's own SDPA: the last row of causal attention over one session's whole
+    sequence (q [h, d] at the last position; k, v [L, kv, d], each K/V head read by h / kv query
+    heads) -> [h, d]."""
+    h, kv = q.shape[0], k.shape[1]
+    keys = k.double().transpose(0, 1).repeat_interleave(h // kv, dim=0)  # [h, L, d]
+    vals = v.double().transpose(0, 1).repeat_interleave(h // kv, dim=0)
+    return torch.nn.functional.scaled_dot_product_attention(q.double()[:, None], keys, vals, scale=scale)[:, 0]
+
+
+@pytest.mark.parametrize("path", ["gather", "in-place"])
+@pytest.mark.parametrize("heads", [(4, 4), (2, 1)], ids=["ws1-4-heads", "ws2-rank-of-4-over-2-kv-heads"])
+@pytest.mark.parametrize("sessions", [1, 2, 5])
+def test_a_decode_step_of_s_sessions_matches_dense_causal_attention(path: str, heads: tuple[int, int],
+                                                                    sessions: int) -> None:
+    """One decode step (S one-row appends, sessions of different lengths over scattered blocks
+    of one pool) through `paged_attention` equals torch's SDPA in float64 over each session's
+    whole sequence, with S on both sides of where the decode path changes (one session alone,
+    several, more than a decode call's batch), gathered and in place (the kernel as a rank warms
+    it, its decode calls of the shapes warm-up compiled). `heads`: a world-size-1 rank's query
+    and K/V heads, and a world-size-2 rank's share of a grouped-query model (what a rank's pool
+    holds: the attention of a rank is this function over its heads)."""
+    h, kv = heads
+    d, bs, num_blocks = 8, 4, 600  # 2,400 pool positions: the CPU decoding template's size (>= 512 per batch entry)
+    scale = d ** -0.5
+    gen = torch.Generator().manual_seed(sessions)
+    pool = PagedKVPool(num_blocks, bs, kv, d, torch.float32, torch.device("cpu"))
+    pool.k.normal_(generator=gen)  # other sessions' K/V around them: must never be read
+    pool.v.normal_(generator=gen)
+    if path == "in-place":
+        pool.attention = InPlaceAttention(num_blocks, bs, h, kv, d, torch.float32)
+        with torch.inference_mode():
+            pool.attention.warm(pool.k[0], pool.v[0], scale, budget_s=600)
+    lengths = [37 + 11 * i for i in range(sessions)]  # cached positions: full and partial last blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, seqs = [], []
+    for length in lengths:
+        table = tuple(order.pop() for _ in range(-(-(length + 1) // bs)))
+        tables.append(table)
+        seq = [torch.randn(length + 1, n, d, generator=gen) for n in (h, kv, kv)]  # q, k, v of every position
+        seqs.append(seq)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)])
+        pool.k[0].view(-1, kv, d)[slots] = seq[1][:length]  # the cached positions, as earlier steps wrote them
+        pool.v[0].view(-1, kv, d)[slots] = seq[2][:length]
+    plan = AppendPlan(num_blocks, bs, (1,) * sessions, tuple(lengths), tuple(tables))
+    plan.check()
+    q, k, v = (torch.stack([s[j][-1] for s in seqs]) for j in range(3))  # the step's new rows
+    with torch.inference_mode():
+        got = paged_attention(pool, 0, q, k, v, plan, scale)
+        if pool.attention is not None:  # it read in place: the kernel's own call (NotWarmed if not compiled) agrees
+            assert torch.equal(got, pool.attention.decode(pool.k[0], pool.v[0], q, tables, [n + 1 for n in lengths],
+                                                          scale))
+    for i, (qs, ks, vs) in enumerate(seqs):
+        want = _dense_last_row(qs[-1], ks, vs, scale)
+        err = float((got[i].double() - want).norm() / want.norm())
+        assert err <= 1e-5, f"session {i} of {sessions} ({path}, heads {heads}): relative error {err:.3e}"

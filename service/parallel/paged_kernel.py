@@ -31,6 +31,19 @@ kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are discarded
 rows than the largest bucket are split, which changes nothing in the math (every row attends
 the pool, where this step's K/V are already written).
 
+One call per decoding session (DECODE_BUCKETS = (1,)): for one query row over a pool of at least
+512 positions per batch entry, inductor's CPU template is its decoding kernel (torch 2.13,
+`cpp_flex_attention_template.py`: work split over the session's KV blocks in partitions of 128
+positions). It takes that split only when every batch entry has the same numbers of full and
+partial KV blocks; otherwise, and a padding entry (no block) or two sessions of different
+lengths are enough, it splits the *whole pool's* length into partitions and scans every block of
+the entry in each: work and tasks grow with the pool, not the session. One session per call is
+always the split by its own blocks. Measured (bench/micro_levers.py decode, 12 layers x 12 heads
+of 64 at context 2048, sessions of differing lengths, 1 thread; bench/NOTES.md): CPU time per
+step against the gather path 0.69x at 1 session, 0.58x at 4, 0.34x at 8; the batched calls of
+4 and 32 (the buckets before) 1.44x, 1.06x, 0.69x. The calls cost one compiled call per
+session and layer (their dispatch is small beside each session's K/V read).
+
 After warm-up every call runs under `torch.compiler.set_stance("fail_on_recompile")`: a
 shape that was not compiled raises (`NotWarmed`) instead of compiling on a user's request,
 and the caller uses the gather path for that call.
@@ -55,7 +68,7 @@ import torch
 
 log = logging.getLogger("gangserve.rank")
 
-DECODE_BUCKETS = (4, 32)  # one-row appends per decode call (padded up: a padding row has no block, costs nothing)
+DECODE_BUCKETS = (1,)  # one-row appends per decode call: one session a call (module docstring)
 ROW_BUCKETS = (64,)  # query rows per rows call (padded up; more rows are split into calls of 64)
 Q_BLOCK = 64  # query rows per BlockMask row block in rows calls (the causal boundary's granularity)
 # Distinct compiled shapes a process may hold (every pool shape x the buckets x dtypes a test
@@ -120,13 +133,18 @@ class InPlaceAttention:
     K/V heads, head width and dtype, and the query heads of the model reading it."""
 
     def __init__(self, num_blocks: int, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, rows_in_place: bool = False) -> None:
+                 dtype: torch.dtype, rows_in_place: bool = False,
+                 decode_buckets: Sequence[int] = DECODE_BUCKETS) -> None:
         """`rows_in_place`: appends of several rows read the pool in place too (else they gather:
-        see the module docstring, "Which rows")."""
+        see the module docstring, "Which rows"). `decode_buckets`: the decode group widths
+        compiled at warm-up (ascending; a group is padded up to the first that holds it)."""
         if q_heads % kv_heads:
             raise ValueError(f"query heads ({q_heads}) must be a multiple of the pool's K/V heads ({kv_heads})")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.q_heads, self.kv_heads, self.head_dim, self.dtype = q_heads, kv_heads, head_dim, dtype
+        if list(decode_buckets) != sorted(set(decode_buckets)) or decode_buckets[0] < 1:
+            raise ValueError(f"decode buckets must be ascending positive widths, got {tuple(decode_buckets)}")
+        self.decode_buckets = tuple(decode_buckets)
         self.warmed = False
         self.rows_in_place = rows_in_place and dtype == torch.float32  # module docstring: "Which rows"
         self._plan: object | None = None  # the step whose masks `_masks` holds (`_memo`)
@@ -172,11 +190,11 @@ class InPlaceAttention:
         """q [S, h_l, d] (row i at position lengths[i] - 1 of the session whose table is
         tables[i]) -> ctx [S, h_l, d]. `plan`: the step's, to build its masks once for all layers."""
         out = torch.empty_like(q)
-        top = DECODE_BUCKETS[-1]
+        top = self.decode_buckets[-1]
         keys, values = self._kv(pool_k), self._kv(pool_v)
         for at in range(0, q.shape[0], top):
             part = slice(at, min(at + top, q.shape[0]))
-            width = _bucket(part.stop - at, DECODE_BUCKETS)
+            width = _bucket(part.stop - at, self.decode_buckets)
             mask = self._memo(plan, ("decode", at), lambda: self._decode_mask(tables[part], lengths[part], width))
             qs = torch.zeros(width, self.q_heads, 1, self.head_dim, dtype=q.dtype, device=q.device)
             qs[:part.stop - at, :, 0] = q[part]
@@ -270,7 +288,7 @@ class InPlaceAttention:
         length = min(capacity, 3 * self.block_size + 1)
         table = list(range(-(-length // self.block_size)))
         shapes: list[Callable[[], object]] = []
-        for width in DECODE_BUCKETS:
+        for width in self.decode_buckets:
             q = torch.randn(width, self.q_heads, self.head_dim, generator=gen).to(self.dtype)
             shapes.append(lambda q=q, width=width: self.decode(pool_k, pool_v, q, [table] * width, [length] * width,
                                                                 scale))
