@@ -39,6 +39,7 @@ from service.gang.backends import (
 )
 from service.gang.failpoints import Failpoints
 from service.gang.failures import WeightsVersionMismatch, first_line
+from service.gang.header_link import STORE_KEY, HeaderListener, HeaderReceiver, HeaderSender
 from service.gang.staging import PinnedStaging
 from service.gang.stepclock import StepClock
 from service.gang.steps import KINDS
@@ -221,9 +222,12 @@ class Rank:
         self._store: dist.TCPStore | None = None
         self.failpoints = Failpoints()
         self.staging = PinnedStaging(device) if device.type == "cuda" else None
-        # The step loop (see service.gang.control): the control group rank 0's headers
-        # arrive on, the loop thread, and what the loop records for rank 0 to ask about.
+        # The step loop (see service.gang.control): the control group (an append step's plan
+        # follows its header there), the header link (rank 0's sender, or a peer's receiver:
+        # service.gang.header_link), the loop thread, and what it records for rank 0 to ask about.
         self._control: dist.ProcessGroup | None = None
+        self._headers_out: HeaderSender | None = None
+        self._headers_in: HeaderReceiver | None = None
         self._loop: threading.Thread | None = None
         self.loop_error: str | None = None  # why the loop stopped (it then exits the process)
         self.step_seq = 0  # the header sequence number of the step being computed
@@ -332,6 +336,14 @@ class Rank:
         # The control group: gloo whatever the data backend (a peer waiting for the next
         # header must not hold a CUDA stream), with the same bounded timeout.
         self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # The header link: rank 0's headers wake a peer's loop over a socket, not a collective.
+        if self.rank == 0:
+            listener = HeaderListener(self.info.node_ip)
+            store.set(STORE_KEY, str(listener.port))
+            self._headers_out = listener.accept(self.world_size - 1, timeout_s)
+        else:
+            link_port = int(store.get(STORE_KEY).decode())
+            self._headers_in = HeaderReceiver(host, link_port, self.rank, timeout_s)
 
     def _abandon(self, why: str) -> None:
         global abandoned
@@ -540,32 +552,28 @@ class Rank:
 
     # -- the step loop (ranks 1..N-1; protocol in service.gang.control) -----------------
     def send_header(self, header: control.Header) -> None:
-        """Rank 0 only (the gang's sequencer): broadcast one header to the peers' loops."""
-        if self._control is None:
-            raise RuntimeError(f"rank {self.rank}: no control group (world_size {self.world_size})")
-        dist.broadcast(header.encode(), src=0, group=self._control)
+        """Rank 0 only (the gang's sequencer): one header to every peer's loop, over the header
+        link (service.gang.header_link: no collective, so no thread hand-off on either side)."""
+        if self._headers_out is None:
+            raise RuntimeError(f"rank {self.rank}: no header link to peers (world_size {self.world_size}, "
+                               f"rank 0 makes one at rendezvous)")
+        self._headers_out.send(header.encode())
 
     def wait_header(self, into: torch.Tensor | None = None) -> control.Header:
-        """Peers: rank 0's next header (into `into`, a reused buffer), bounded by the control
-        group's timeout. First polls for it up to tunables.gang.header_spin_us(device) (a header
-        that comes within that skips this thread's wake-up, and the poll costs up to that much of
-        a core), then sleeps in the wait."""
+        """Peers: rank 0's next header (into `into`, a reused buffer), bounded by the collective
+        timeout. First polls for it up to tunables.gang.header_spin_us(device) (a header that
+        comes within that skips this thread's sleep and wake-up, and the poll costs up to that
+        much of a core), then sleeps in a blocking read the kernel wakes it from."""
+        if self._headers_in is None:
+            raise RuntimeError(f"rank {self.rank}: no header link from rank 0 (a peer makes one at rendezvous)")
         buf = into if into is not None else control.empty_header()
-        spin_ns = int(self.tunables.header_spin_us(self.device.type) * 1000)
-        if spin_ns <= 0:
-            dist.broadcast(buf, src=0, group=self._control)
-            return control.Header.decode(buf)
-        work = dist.broadcast(buf, src=0, group=self._control, async_op=True)
-        until = time.perf_counter_ns() + spin_ns
-        while not work.is_completed() and time.perf_counter_ns() < until:
-            pass
-        work.wait()  # at once when it completed (its error raised), else the bounded sleep
+        self._headers_in.receive(buf, int(self.tunables.header_spin_us(self.device.type) * 1000))
         return control.Header.decode(buf)
 
     def start_loop(self) -> None:
         """Peers: from now on take steps from rank 0's headers, not from Ray calls."""
-        if self.rank == 0 or self._control is None:
-            raise RuntimeError(f"rank {self.rank}: a step loop needs a peer rank with a control group")
+        if self.rank == 0 or self._control is None or self._headers_in is None:
+            raise RuntimeError(f"rank {self.rank}: a step loop needs a peer rank with a control group and a header link")
         if self._loop is not None:
             raise RuntimeError(f"rank {self.rank}: the step loop is already running")
         self._loop = threading.Thread(target=self._run_loop, name=f"step-loop-{self.rank}", daemon=True)
@@ -665,6 +673,10 @@ class Rank:
         self.kv_pool = None
         self._kernel = None
         group, self.group, self._control, self._store = self.group, None, None, None
+        for link in (self._headers_out, self._headers_in):
+            if link is not None:
+                link.close()
+        self._headers_out = self._headers_in = None
         if group is None or group.world_size == 1 or not dist.is_initialized():
             return
         backend = group.backend
