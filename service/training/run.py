@@ -48,6 +48,7 @@ from service.state import artifacts
 from service.training.checkpoints import MODEL_FILE
 from service.training.spec import JobSpec
 from service.training.status import JobStatus, check_transition
+from service.training.worker_reports import EpochReport, WorkerLoop
 from service.config.tunables import Tunables
 
 RUN_NAMESPACE = "gangserve"
@@ -160,9 +161,8 @@ class TrainRun:
             storage_path, storage_filesystem = self._store.ray_train_storage()
             trainer = TorchTrainer(
                 train_loop_per_worker,
-                train_loop_config={"spec": spec.model_dump(), "reporter": self._handle,
-                                   "dataset_path": self._dataset_path, "init_key": self._init_key,
-                                   "tunables": self._tunables},
+                train_loop_config=WorkerLoop(spec=spec, reporter=self._handle, dataset_path=self._dataset_path,
+                                             init_key=self._init_key, tunables=self._tunables).as_config(),
                 scaling_config=ScalingConfig(
                     num_workers=spec.world_size, use_gpu=spec.use_gpu,
                     resources_per_worker={k: v for k, v in bundle.items()},
@@ -272,20 +272,20 @@ class TrainRun:
             self._step = step
             self._current_loss = loss
 
-    def epoch_done(self, epoch: int, loss: float, step: int, epoch_s: float, eval_loss: float | None = None,
-                   checkpoint_s: float | None = None, checkpoint_wait_s: float | None = None) -> None:
+    def epoch_done(self, report: EpochReport) -> None:
         with self._lock:
             # A resumed attempt re-reports epochs after its checkpoint: keep one entry per epoch.
-            self._history = [h for h in self._history if h["epoch"] < epoch]
+            self._history = [h for h in self._history if h["epoch"] < report.epoch]
             self._history_seq += 1
-            self._history.append({"epoch": epoch, "loss": loss, "eval_loss": eval_loss, "at": time.time(),
-                                  "seq": self._history_seq})
-            self._epoch, self._step, self._current_loss = epoch, step, loss
-        self._log(f"epoch {epoch}/{self._spec.epochs}: loss {loss:.6g}"
-                  + (f", eval_loss {eval_loss:.6g}" if eval_loss is not None else "")
-                  + f", step {step}, {epoch_s:.2f}s"
-                  + (f" (+{checkpoint_s * 1000:.0f} ms writing its checkpoint, +{(checkpoint_wait_s or 0) * 1000:.0f} ms "
-                     "waiting for the previous upload)" if checkpoint_s is not None
+            self._history.append({"epoch": report.epoch, "loss": report.loss, "eval_loss": report.eval_loss,
+                                  "at": time.time(), "seq": self._history_seq})
+            self._epoch, self._step, self._current_loss = report.epoch, report.step, report.loss
+        self._log(f"epoch {report.epoch}/{self._spec.epochs}: loss {report.loss:.6g}"
+                  + (f", eval_loss {report.eval_loss:.6g}" if report.eval_loss is not None else "")
+                  + f", step {report.step}, {report.epoch_s:.2f}s"
+                  + (f" (+{report.checkpoint_s * 1000:.0f} ms writing its checkpoint, "
+                     f"+{(report.checkpoint_wait_s or 0) * 1000:.0f} ms waiting for the previous upload)"
+                     if report.checkpoint_s is not None
                      else " (no checkpoint: the previous one is still uploading)"))
 
     # ---- called by the JobManager -------------------------------------------------------

@@ -44,11 +44,13 @@ both None for an epoch without a checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +72,7 @@ from service.training.datasets import Samples, load_uploaded, split, synthetic
 from service.training.models import build_model, load_model, load_tensors, save_model
 from service.training.spec import JobSpec, ModelSpecT, SyntheticDataset
 from service.training.worker_output import OutputCapture
-from service.config.tunables import Tunables
+from service.training.worker_reports import EpochReport, WorkerLoop
 
 TRAIN_STATE_FILE = "train_state.pt"
 
@@ -104,31 +106,33 @@ def send_output(reporter: Any, rank: int, capture: OutputCapture, ack_timeout_s:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """One worker's training: `config` is the run actor's train_loop_config (the job's spec,
-    the run actor's handle, its dataset and init keys, and the app's `tunables`)."""
+    """One worker's training: `config` is the run actor's train_loop_config, which holds a
+    `WorkerLoop` (service.training.worker_reports)."""
+    loop = WorkerLoop.of(config)
     rank = ray.train.get_context().get_world_rank()
-    tunables: Tunables = config["tunables"]
-    capture = OutputCapture(tunables.training)
+    capture = OutputCapture(loop.tunables.training)
     with capture.installed():
         try:
-            _train(config, capture, tunables)
+            _train(loop, capture)
         finally:
-            send_output(config["reporter"], rank, capture, tunables.training.output_ack_timeout_s, final=True)
+            send_output(loop.reporter, rank, capture, loop.tunables.training.output_ack_timeout_s, final=True)
 
 
-def _train(config: dict[str, Any], capture: OutputCapture, tunables: Tunables) -> None:
-    t = tunables.training
-    spec = JobSpec.model_validate(config["spec"])
-    reporter = config["reporter"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
+@dataclass(frozen=True)
+class _Start:
+    """Where a worker's training starts: epoch and step counts, and the optimizer's state."""
 
-    # Resume state from Ray Train's latest checkpoint (set after a worker-group restart, and
-    # when a run of the same name resumes after the service restarted).
-    model = build_model(spec.model, spec.seed)
-    start_epoch, step = 0, 0
-    optim_state = None
+    epoch: int
+    step: int
+    optimizer_state: dict[str, Any] | None
+    resumed: bool  # from Ray Train's checkpoint (a restarted worker group, or a run resumed after a restart)
+
+
+def _start(model: nn.Module, loop: WorkerLoop) -> _Start:
+    """Loads `model`'s weights where the run starts from: Ray Train's latest checkpoint (set after
+    a worker-group restart, and when a run of the same name resumes after the service
+    restarted), else the job's init_from weights, else the seeded init `model` already holds."""
+    spec = loop.spec
     restored = ray.train.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:
@@ -136,36 +140,76 @@ def _train(config: dict[str, Any], capture: OutputCapture, tunables: Tunables) -
             # map_location: the optimizer state was saved from whichever cuda:N that worker had;
             # load it on the CPU (load_state_dict moves it to the parameters' device).
             state = torch.load(Path(d) / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
-        start_epoch, step, optim_state = int(state["epoch"]), int(state["step"]), state["optimizer"]
-    elif config.get("init_key"):
+        return _Start(int(state["epoch"]), int(state["step"]), state["optimizer"], resumed=True)
+    if loop.init_key:
         # Fine-tuning: the job's own copy of its init_from weights (shapes checked at submit).
-        load_tensors(model, spec.model, st_load_torch(artifacts.store(tunables.state).read_bytes(config["init_key"])))
-    ray.get(reporter.worker_started.remote(
-        rank=rank, world_size=world, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
-        resumed_epoch=start_epoch if restored is not None else None,
-        node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
-    ), timeout=t.ack_timeout_s)
+        store = artifacts.store(loop.tunables.state)
+        load_tensors(model, spec.model, st_load_torch(store.read_bytes(loop.init_key)))
+    return _Start(0, 0, None, resumed=False)
 
-    train, val = load_samples(spec, config.get("dataset_path"), artifacts.store(tunables.state))
-    loader = DataLoader(
-        TensorDataset(*train.tensors()), batch_size=spec.batch_size, shuffle=True,
-        generator=torch.Generator().manual_seed(spec.seed),
-    )
-    loader = prepare_data_loader(loader)
-    model = prepare_model(model)  # moves to the worker's device, wraps in DDP
-    device = get_device()
+
+def _optimizer(model: nn.Module, spec: JobSpec, state: dict[str, Any] | None) -> torch.optim.Optimizer:
+    """The job's optimizer over `model`'s parameters, with its restored state when resuming."""
     optimizer: torch.optim.Optimizer = (
         torch.optim.SGD(model.parameters(), lr=spec.lr) if spec.optimizer == "sgd"
         else torch.optim.Adam(model.parameters(), lr=spec.lr)
     )
-    if optim_state is not None:
-        optimizer.load_state_dict(optim_state)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    return optimizer
+
+
+class _Progress:
+    """A worker's throttled side reports during an epoch: rank 0's step progress (fire and
+    forget, at most every progress_interval_s) and the captured output (acknowledged, at most
+    every output_interval_s)."""
+
+    def __init__(self, loop: WorkerLoop, rank: int, capture: OutputCapture) -> None:
+        self._loop, self._rank, self._capture = loop, rank, capture
+        self._last_progress, self._last_output = 0.0, time.monotonic()
+
+    def step(self, epoch: int, step: int, loss: torch.Tensor) -> None:
+        t, now = self._loop.tunables.training, time.monotonic()
+        if self._rank == 0 and now - self._last_progress > t.progress_interval_s:
+            self._last_progress = now
+            self._loop.reporter.step.remote(epoch=epoch, step=step, loss=float(loss.detach()))
+        if now - self._last_output > t.output_interval_s and self._capture.pending():
+            self.flush()
+
+    def flush(self) -> None:
+        send_output(self._loop.reporter, self._rank, self._capture, self._loop.tunables.training.output_ack_timeout_s)
+        self._last_output = time.monotonic()
+
+
+def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
+    t, spec = loop.tunables.training, loop.spec
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
+
+    model = build_model(spec.model, spec.seed)
+    start = _start(model, loop)
+    ray.get(loop.reporter.worker_started.remote(
+        rank=rank, world_size=world, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
+        resumed_epoch=start.epoch if start.resumed else None,
+        node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
+    ), timeout=t.ack_timeout_s)
+
+    train, val = load_samples(spec, loop.dataset_path, artifacts.store(loop.tunables.state))
+    loader = prepare_data_loader(DataLoader(
+        TensorDataset(*train.tensors()), batch_size=spec.batch_size, shuffle=True,
+        generator=torch.Generator().manual_seed(spec.seed),
+    ))
+    model = prepare_model(model)  # moves to the worker's device, wraps in DDP
+    device = get_device()
+    optimizer = _optimizer(model, spec, start.optimizer_state)
     bare: nn.Module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     sampler = getattr(loader, "sampler", None)
 
     writer = CheckpointWriter(spec.model, t.checkpoint_wait_s)
-    last_progress, last_output = 0.0, time.monotonic()
-    for epoch in range(start_epoch, spec.epochs):
+    progress = _Progress(loop, rank, capture)
+    step = start.step
+    for epoch in range(start.epoch, spec.epochs):
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
         model.train()
@@ -185,43 +229,43 @@ def _train(config: dict[str, Any], capture: OutputCapture, tunables: Tunables) -
             n = xb.shape[0] if mb is None else mb.sum()  # vectors the loss averaged over (token vectors)
             loss_sum[0] += loss.detach().double() * n  # stays on the device: no sync per step
             loss_sum[1] += n
-            if rank == 0 and time.monotonic() - last_progress > t.progress_interval_s:
-                last_progress = time.monotonic()
-                reporter.step.remote(epoch=epoch, step=step, loss=float(loss.detach()))
-            if time.monotonic() - last_output > t.output_interval_s and capture.pending():
-                send_output(reporter, rank, capture, t.output_ack_timeout_s)
-                last_output = time.monotonic()
+            progress.step(epoch, step, loss)
         local_sum, local_n = loss_sum[0].item(), int(loss_sum[1].item())
         if world > 1 and dist.is_initialized():
             dist.all_reduce(loss_sum)  # every rank's samples count once
         epoch_loss = float(loss_sum[0].item() / max(loss_sum[1].item(), 1.0))
         epoch_s = time.monotonic() - t0
         eval_loss = evaluate(bare, val, rank, world, spec.batch_size, device)
-        metrics = {"epoch": epoch + 1, "loss": epoch_loss, "eval_loss": eval_loss, "step": step, "epoch_s": epoch_s}
         # This rank's own view of the epoch, on its stdout (captured for the job's logs).
         print(f"epoch {epoch + 1}/{spec.epochs}: local loss {local_sum / max(local_n, 1):.6g} over {local_n} "
               f"samples in {epoch_steps} steps, {epoch_s:.2f}s; all ranks {epoch_loss:.6g}"
               + (f", eval {eval_loss:.6g}" if eval_loss is not None else ""), flush=True)
-        if rank == 0:
-            # Skipped while the previous upload still runs (never the last epoch's: the
-            # final checkpoint must be this epoch's), so uploads never hold the steps back.
-            checkpoint = None
-            if epoch + 1 == spec.epochs or not writer.busy():
-                checkpoint = writer.write(bare, optimizer, epoch + 1, step)
-            metrics["checkpoint_s"] = writer.write_s if checkpoint is not None else None
-            metrics["checkpoint_wait_s"] = writer.wait_s if checkpoint is not None else None
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-                             delete_local_checkpoint_after_upload=True)
-            send_output(reporter, rank, capture, t.output_ack_timeout_s)
-            last_output = time.monotonic()
-            # Acknowledged (bounded), so the run has the epoch before fit() can return. Its
-            # checkpoint may still be uploading: a restart then resumes from the epoch before
-            # and reports this one again (the history keeps one entry per epoch).
-            ray.get(reporter.epoch_done.remote(**metrics), timeout=t.ack_timeout_s)
-        else:
-            ray.train.report(metrics, checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
-            send_output(reporter, rank, capture, t.output_ack_timeout_s)
-            last_output = time.monotonic()
+        report = EpochReport(epoch=epoch + 1, loss=epoch_loss, step=step, epoch_s=epoch_s, eval_loss=eval_loss)
+        _end_epoch(loop, rank, report, writer, bare, optimizer, progress, last=epoch + 1 == spec.epochs)
+
+
+def _end_epoch(loop: WorkerLoop, rank: int, report: EpochReport, writer: CheckpointWriter, bare: nn.Module,
+               optimizer: torch.optim.Optimizer, progress: _Progress, last: bool) -> None:
+    """Reports the epoch to Ray Train on every rank (it is a barrier) and sends the rank's
+    output; rank 0 attaches the epoch's checkpoint and then has the run actor acknowledge the
+    epoch (after its output, so the job's log shows the rank's line first)."""
+    if rank != 0:
+        ray.train.report(report.metrics(), checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
+        progress.flush()
+        return
+    # Skipped while the previous upload still runs (never the last epoch's: the final
+    # checkpoint must be this epoch's), so uploads never hold the steps back.
+    checkpoint = None
+    if last or not writer.busy():
+        checkpoint = writer.write(bare, optimizer, report.epoch, report.step)
+        report = dataclasses.replace(report, checkpoint_s=writer.write_s, checkpoint_wait_s=writer.wait_s)
+    ray.train.report(report.metrics(), checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                     delete_local_checkpoint_after_upload=True)
+    progress.flush()
+    # Acknowledged (bounded), so the run has the epoch before fit() can return. Its checkpoint
+    # may still be uploading: a restart then resumes from the epoch before and reports this one
+    # again (the history keeps one entry per epoch).
+    ray.get(loop.reporter.epoch_done.remote(report), timeout=loop.tunables.training.ack_timeout_s)
 
 
 def load_samples(spec: JobSpec, dataset_path: str | None,
