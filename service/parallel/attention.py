@@ -59,9 +59,7 @@ class AttentionDef(AttentionArch):
         return cls(**{f.name: getattr(arch, f.name) for f in fields(arch)})
 
     def check_world_size(self, world_size: int) -> None:
-        problems = self.problems(world_size)
-        if problems:
-            raise ValueError("; ".join(problems))
+        seam.refuse_split(self.kind, world_size, self.problems(world_size))
 
     def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
         return seed_weights(self.embed_dim) if init == "seed" else random_weights(self.embed_dim, seed)

@@ -332,9 +332,7 @@ class LlamaDef:
         return self.arch.params()
 
     def check_world_size(self, world_size: int) -> None:
-        problems = self.arch.problems(world_size)
-        if problems:
-            raise ValueError(f"model llama cannot be split over world_size {world_size}: " + "; ".join(problems))
+        seam.refuse_split(self.kind, world_size, self.arch.problems(world_size))
 
     def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
         """Reproducible from `seed` (Hugging Face's init): Linear weights N(0, 0.02), biases 0,

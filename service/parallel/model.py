@@ -129,9 +129,14 @@ class ModelDef(Protocol):
 # -- what every model shares: the sharding, the checkpoint file, the KV width ----------------
 def check_world_size(model: ModelDef, world_size: int) -> None:
     """The generic part of `ModelDef.check_world_size`: every parameter divides."""
-    problems = [why for spec in model.params() if (why := spec.check_divides(world_size))]
+    refuse_split(model.kind, world_size, [why for spec in model.params() if (why := spec.check_divides(world_size))])
+
+
+def refuse_split(kind: str, world_size: int, problems: list[str]) -> None:
+    """ValueError naming the model and the world size, then each problem (each names its own
+    numbers); nothing when `problems` is empty."""
     if problems:
-        raise ValueError(f"model {model.kind} cannot be split over world_size {world_size}: " + "; ".join(problems))
+        raise ValueError(f"model {kind} cannot be split over world_size {world_size}: " + "; ".join(problems))
 
 
 def kv_heads_per_rank(model: ModelDef, world_size: int) -> int:

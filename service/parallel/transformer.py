@@ -212,9 +212,7 @@ class TransformerDef(TransformerArch):
         return cls(**{f.name: getattr(arch, f.name) for f in fields(arch)})
 
     def check_world_size(self, world_size: int) -> None:
-        problems = self.problems(world_size)
-        if problems:
-            raise ValueError("; ".join(problems))
+        seam.refuse_split(self.kind, world_size, self.problems(world_size))
 
     def init_weights(self, init: str, seed: int) -> seam.DenseWeights:
         """Reproducible from `seed` alone (`init` seed and random alike: the notes' weights are
