@@ -244,39 +244,41 @@ def test_reset_serves_the_config_weights_again(durable_url: str) -> None:
     assert _swap(base, {"reset": True, "job_id": "job-x"}).status_code == 422
 
 
-def test_swap_survives_an_app_restart_and_a_changed_config_wins(serve_url: str) -> None:
+def test_swap_survives_an_app_restart_and_a_changed_config_wins(durable_url: str, serve_url: str) -> None:
+    """The module's app restarted (deleted, deployed again under its name on the same state
+    dir): a swap survives a restart with the same config; a changed weights config then wins.
+    Last in the module, on the module's app (one Serve app deploy fewer than an app of its
+    own: 15-35 s here); it leaves that app on seed 12's config weights, and the fixture
+    deletes it."""
     from ray import serve
 
     from service.parallel.weights import random_weights
     from service.weights.record import WeightsRecord
     from service.state.paths import state_dir
 
-    app, prefix = "restart", "/restart"
+    base = durable_url
     weights = _weights(8)
     rel, sha = _write("restart-a.safetensors", weights)
-    base = deploy(serve_url, app, prefix, _args(11))
-    try:
-        reply = _swap(base, {"checkpoint": rel})
-        assert reply.status_code == 200, reply.text
-        version = reply.json()["weights_version"]
-    finally:
-        serve.delete(app)
-
-    base = deploy(serve_url, app, prefix, _args(11))  # same config, same state dir
-    try:
-        info = gang_info(base)
-        assert (info["weights_version"], info["weights_source"], info["weights_sha256"]) == (version, "swap", sha)
-        _assert_serves(base, weights)
-    finally:
-        serve.delete(app)
-
-    base = deploy(serve_url, app, prefix, _args(12))  # the operator changed the weights config
-    try:
-        info = gang_info(base)
-        assert (info["weights_version"], info["weights_source"]) == (version + 1, "config")
-        _assert_serves(base, random_weights(512, 12))
-    finally:
-        serve.delete(app)
-    history = WeightsRecord(state_dir()).history(app)
+    reply = _swap(base, {"checkpoint": rel})
+    assert reply.status_code == 200, reply.text
+    version = reply.json()["weights_version"]
+    t0 = time.monotonic()
+    serve.delete(APP)  # blocking: the same name is deployed again at once
+    t1 = time.monotonic()
+    assert deploy(serve_url, APP, "/durable", _args(3)) == base  # same config, same state dir
+    t2 = time.monotonic()
+    info = gang_info(base)
+    assert (info["weights_version"], info["weights_source"], info["weights_sha256"]) == (version, "swap", sha)
+    _assert_serves(base, weights)
+    t3 = time.monotonic()
+    serve.delete(APP)
+    t4 = time.monotonic()
+    assert deploy(serve_url, APP, "/durable", _args(12)) == base  # the operator changed the weights config
+    print(f"app restart: delete {t1 - t0:.1f}s, deploy {t2 - t1:.1f}s; with a changed config: delete "
+          f"{t4 - t3:.1f}s, deploy {time.monotonic() - t4:.1f}s")
+    info = gang_info(base)
+    assert (info["weights_version"], info["weights_source"]) == (version + 1, "config")
+    _assert_serves(base, random_weights(512, 12))
+    history = WeightsRecord(state_dir()).history(APP)
     assert [(w.version, w.source) for w in history][-2:] == [(version, "swap"), (version + 1, "config")]
     assert all(w.superseded_at is not None for w in history[:-1]) and history[-1].superseded_at is None
