@@ -14,7 +14,8 @@
 - `decode`: a decode step's attention alone (`paged_attention` over 12 layers of the 12-layer
   E768 stack's pool at world size 1, 12 heads of 64, 16-token pages scattered, every session at
   context 2048, one new row each) for S sessions, interleaved: the gather path, and the compiled
-  in-place kernel with the decode buckets before, (4, 32), and now, (1,) (a call per session):
+  in-place kernel with the decode buckets before, (4, 32), now (DECODE_BUCKETS), and (1,) (a call
+  per session):
   where the gather and in place cross, and what batching and padding sessions in one call costs.
   `decode N [S ...]` runs it with N threads (1) and those numbers of sessions (1 2 4 8 16);
 - `warmup`: the in-place kernel's warm-up (a ws1 rank's, the 12-layer E768 stack's pool) in a
@@ -216,7 +217,7 @@ def decode(sessions: tuple[int, ...] = (1, 2, 4, 8, 16), rounds: int = 7, contex
     pool.v.normal_()
     scale = head_dim ** -0.5
     kernels: dict[str, InPlaceAttention | None] = {"gather": None}
-    for buckets in ((4, 32), DECODE_BUCKETS):  # the buckets before, and now
+    for buckets in ((4, 32), DECODE_BUCKETS, (1,)):  # the buckets before, now, and a call per session
         kernel = InPlaceAttention(num_blocks, block, heads, heads, head_dim, torch.float32, decode_buckets=buckets)
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -176,10 +176,9 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
         return gather_attention(pool_k, pool_v, q, plan, scale)
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=q.device)  # [T, h_l, d]
     starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
-    # One-row appends (decode) read the pool in place at every count of them, one kernel call per
-    # session (paged_kernel: measured faster than the gather from one session up, bench/NOTES.md);
-    # appends of several rows take the rows kernel where it reads them in place, else gather
-    # (paged_kernel: "Which rows").
+    # One-row appends (decode) share one call over the pool in place (a lone one a call of its
+    # own: paged_kernel's module docstring, measured); appends of several rows take the rows
+    # kernel where the kernel reads them in place, else gather (paged_kernel: "Which rows").
     single = [i for i, n in enumerate(plan.new_rows) if n == 1]
     try:
         if single:

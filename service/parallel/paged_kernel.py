@@ -31,18 +31,20 @@ kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are discarded
 rows than the largest bucket are split, which changes nothing in the math (every row attends
 the pool, where this step's K/V are already written).
 
-One call per decoding session (DECODE_BUCKETS = (1,)): for one query row over a pool of at least
-512 positions per batch entry, inductor's CPU template is its decoding kernel (torch 2.13,
-`cpp_flex_attention_template.py`: work split over the session's KV blocks in partitions of 128
-positions). It takes that split only when every batch entry has the same numbers of full and
-partial KV blocks; otherwise, and a padding entry (no block) or two sessions of different
-lengths are enough, it splits the *whole pool's* length into partitions and scans every block of
-the entry in each: work and tasks grow with the pool, not the session. One session per call is
-always the split by its own blocks. Measured (bench/micro_levers.py decode, 12 layers x 12 heads
-of 64 at context 2048, sessions of differing lengths, 1 thread; bench/NOTES.md): CPU time per
-step against the gather path 0.69x at 1 session, 0.58x at 4, 0.34x at 8; the batched calls of
-4 and 32 (the buckets before) 1.44x, 1.06x, 0.69x. The calls cost one compiled call per
-session and layer (their dispatch is small beside each session's K/V read).
+A lone decoding session gets a call of its own (the bucket of 1 in DECODE_BUCKETS): for one query
+row over a pool of at least 512 positions per batch entry, inductor's CPU template is its
+decoding kernel (torch 2.13, `cpp_flex_attention_template.py`: work split over the session's KV
+blocks in partitions of 128 positions). It takes that split only when every batch entry has the
+same numbers of full and partial KV blocks; otherwise, and a padding entry (no block) or two
+sessions of different lengths are enough, it splits the *whole pool's* length into partitions and
+scans every block of the entry in each: work and tasks grow with the pool, not the session. A
+call of one session always takes the split by its own blocks. Measured (bench/micro_levers.py
+decode, 12 layers x 12 heads of 64 at context 2048, sessions of differing lengths; bench/NOTES.md):
+a lone session's attention in 0.69-0.72x the gather's CPU time at 1 and 2 threads, against 1.44x
+(1 thread) and 0.85x (2 threads) padded to 4. Several sessions stay in one call (padded to 4 or
+32): one call per session took 0.33-0.58x the gather's CPU time at 4 to 32 sessions on 1 thread,
+but 1.29x at 4 sessions on 2 threads (4x the calls, each a parallel region of its own, on a
+shared machine), against 0.90x for the call of 4.
 
 After warm-up every call runs under `torch.compiler.set_stance("fail_on_recompile")`: a
 shape that was not compiled raises (`NotWarmed`) instead of compiling on a user's request,
@@ -68,7 +70,8 @@ import torch
 
 log = logging.getLogger("gangserve.rank")
 
-DECODE_BUCKETS = (1,)  # one-row appends per decode call: one session a call (module docstring)
+# One-row appends per decode call (padded up: a padding row has no block); 1: a lone session.
+DECODE_BUCKETS = (1, 4, 32)
 ROW_BUCKETS = (64,)  # query rows per rows call (padded up; more rows are split into calls of 64)
 Q_BLOCK = 64  # query rows per BlockMask row block in rows calls (the causal boundary's granularity)
 # Distinct compiled shapes a process may hold (every pool shape x the buckets x dtypes a test
