@@ -139,7 +139,8 @@ def _ws2_peer(port: int) -> None:
     rank.load_weights(PlainModel(embed_dim=512, num_heads=8), 1)
     rank.start_loop()
     assert rank._loop is not None
-    rank._loop.join()
+    rank._loop.join()  # until rank 0's OP_STOP
+    rank.close()
 
 
 def ws2(gap_ms: float = 2.0, steps: int = 400) -> None:
