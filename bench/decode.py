@@ -134,12 +134,13 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
     B measured on `device` after them (a `copy_bytes` copy). The attention: the gather path (a
     CUDA rank's), or with `in_place` the compiled kernel over the pool's blocks, warmed first as
     a CPU rank warms it at bring-up (service.parallel.paged_kernel), with its decode calls'
-    `decode_buckets` (None: the kernel's own, DECODE_BUCKETS)."""
+    `decode_buckets` (None: the kernel's own, DECODE_BUCKETS and DECODE_ALONE_UP_TO; given: those
+    calls only, no session alone)."""
     from service.parallel.group import ParallelGroup
     from service.parallel.kv_cache import AppendPlan
     from service.parallel.model import kv_bytes_per_token, kv_heads_per_rank, new_kv_pool, shard_dense
     from service.gang.worker import query_heads_per_rank
-    from service.parallel.paged_kernel import DECODE_BUCKETS, InPlaceAttention
+    from service.parallel.paged_kernel import DECODE_ALONE_UP_TO, DECODE_BUCKETS, InPlaceAttention
 
     model_def = stack_def(stack)
     model = model_def.build(ParallelGroup.single(device), dtype)
@@ -159,7 +160,8 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
     if in_place:
         buckets = DECODE_BUCKETS if decode_buckets is None else decode_buckets
         kernel = InPlaceAttention(num_blocks, block, query_heads_per_rank(model_def, 1), kv_heads_per_rank(model_def, 1),
-                                  model_def.head_dim, dtype, decode_buckets=buckets)
+                                  model_def.head_dim, dtype, decode_buckets=buckets,
+                                  alone_up_to=0 if decode_buckets is not None else DECODE_ALONE_UP_TO)
         with torch.inference_mode():
             kernel.warm(pool.k[0], pool.v[0], model_def.head_dim ** -0.5, budget_s=600)
         pool.attention, path = kernel, f"in place, decode calls of {'/'.join(map(str, buckets))}"

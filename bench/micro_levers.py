@@ -14,8 +14,8 @@
 - `decode`: a decode step's attention alone (`paged_attention` over 12 layers of the 12-layer
   E768 stack's pool at world size 1, 12 heads of 64, 16-token pages scattered, every session at
   context 2048, one new row each) for S sessions, interleaved: the gather path, and the compiled
-  in-place kernel with the decode buckets before, (4, 32), now (DECODE_BUCKETS), and (1,) (a call
-  per session):
+  in-place kernel as before (one call of 4 or 32), now (a call per session up to
+  DECODE_ALONE_UP_TO sessions, else one call of 4 or 32), and a call per session always:
   where the gather and in place cross, and what batching and padding sessions in one call costs.
   `decode N [S ...]` runs it with N threads (1) and those numbers of sessions (1 2 4 8 16);
 - `warmup`: the in-place kernel's warm-up (a ws1 rank's, the 12-layer E768 stack's pool) in a
@@ -202,7 +202,7 @@ def decode(sessions: tuple[int, ...] = (1, 2, 4, 8, 16), rounds: int = 7, contex
     import torch
 
     from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
-    from service.parallel.paged_kernel import DECODE_BUCKETS, InPlaceAttention
+    from service.parallel.paged_kernel import DECODE_ALONE_UP_TO, DECODE_BUCKETS, InPlaceAttention
 
     torch.set_num_threads(threads)
     block, heads, head_dim, layers = 16, 12, 64, 12
@@ -217,14 +217,18 @@ def decode(sessions: tuple[int, ...] = (1, 2, 4, 8, 16), rounds: int = 7, contex
     pool.v.normal_()
     scale = head_dim ** -0.5
     kernels: dict[str, InPlaceAttention | None] = {"gather": None}
-    for buckets in ((4, 32), DECODE_BUCKETS, (1,)):  # the buckets before, now, and a call per session
-        kernel = InPlaceAttention(num_blocks, block, heads, heads, head_dim, torch.float32, decode_buckets=buckets)
+    variants = {"before: calls of 4/32": ((4, 32), 0),
+                f"now: alone up to {DECODE_ALONE_UP_TO}, else 4/32": (DECODE_BUCKETS, DECODE_ALONE_UP_TO),
+                "a call per session": ((1,), 0)}
+    for name, (buckets, alone) in variants.items():
+        kernel = InPlaceAttention(num_blocks, block, heads, heads, head_dim, torch.float32, decode_buckets=buckets,
+                                  alone_up_to=alone)
         t0 = time.perf_counter()
         with torch.inference_mode():
             kernel.warm(pool.k[0], pool.v[0], scale, budget_s=600)
-        print(f"decode: in place, buckets {buckets}: warm-up {time.perf_counter() - t0:.1f} s "
+        print(f"decode: {name}: warm-up {time.perf_counter() - t0:.1f} s "
               f"(shapes compiled before in this process are not compiled again)", flush=True)
-        kernels[f"in place {buckets}"] = kernel
+        kernels[name] = kernel
     shuffle = random.Random(52)
     for s in sessions:
         plan = AppendPlan(num_blocks, block, (1,) * s, tuple(lengths[:s]), tables[:s])

@@ -31,20 +31,23 @@ kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are discarded
 rows than the largest bucket are split, which changes nothing in the math (every row attends
 the pool, where this step's K/V are already written).
 
-A lone decoding session gets a call of its own (the bucket of 1 in DECODE_BUCKETS): for one query
-row over a pool of at least 512 positions per batch entry, inductor's CPU template is its
-decoding kernel (torch 2.13, `cpp_flex_attention_template.py`: work split over the session's KV
-blocks in partitions of 128 positions). It takes that split only when every batch entry has the
-same numbers of full and partial KV blocks; otherwise, and a padding entry (no block) or two
-sessions of different lengths are enough, it splits the *whole pool's* length into partitions and
-scans every block of the entry in each: work and tasks grow with the pool, not the session. A
-call of one session always takes the split by its own blocks. Measured (bench/micro_levers.py
-decode, 12 layers x 12 heads of 64 at context 2048, sessions of differing lengths; bench/NOTES.md):
-a lone session's attention in 0.69-0.72x the gather's CPU time at 1 and 2 threads, against 1.44x
-(1 thread) and 0.85x (2 threads) padded to 4. Several sessions stay in one call (padded to 4 or
-32): one call per session took 0.33-0.58x the gather's CPU time at 4 to 32 sessions on 1 thread,
-but 1.29x at 4 sessions on 2 threads (4x the calls, each a parallel region of its own, on a
-shared machine), against 0.90x for the call of 4.
+A step of few decoding sessions (at most DECODE_ALONE_UP_TO) gives each a call of its own (the
+bucket of 1 in DECODE_BUCKETS): for one query row over a pool of at least 512 positions per batch
+entry, inductor's CPU template is its decoding kernel (torch 2.13,
+`cpp_flex_attention_template.py`: work split over the session's KV blocks in partitions of 128
+positions). It takes that split only when every batch entry has the same numbers of full and
+partial KV blocks; otherwise, and a padding entry (no block) or two sessions of different
+lengths are enough, it splits the *whole pool's* length into partitions and scans every block of
+the entry in each: work and tasks grow with the pool, not the session. A call of one session
+always takes the split by its own blocks. More sessions share one call (padded to 4 or 32): each
+call is a parallel region of its own, and on 2 threads of a shared machine 4 sessions' calls
+cost more than the one padded call. Measured (bench/micro_levers.py decode, 12 layers x 12 heads
+of 64 at context 2048, sessions of differing lengths, CPU time against the gather path's, one
+process, interleaved; bench/NOTES.md):
+
+    sessions                     1           2           4           32
+    one padded call (before)     1.44 / 1.39 1.25 / 1.22 1.06 / 1.01 0.77 / -     (1 / 2 threads)
+    a call per session           0.69 / 0.70 0.70 / 0.85 0.58 / 1.98 0.33 / -
 
 After warm-up every call runs under `torch.compiler.set_stance("fail_on_recompile")`: a
 shape that was not compiled raises (`NotWarmed`) instead of compiling on a user's request,
@@ -70,8 +73,9 @@ import torch
 
 log = logging.getLogger("gangserve.rank")
 
-# One-row appends per decode call (padded up: a padding row has no block); 1: a lone session.
+# One-row appends per decode call (padded up: a padding row has no block); 1: a session alone.
 DECODE_BUCKETS = (1, 4, 32)
+DECODE_ALONE_UP_TO = 2  # a step of at most this many one-row appends calls once per session (docstring)
 ROW_BUCKETS = (64,)  # query rows per rows call (padded up; more rows are split into calls of 64)
 Q_BLOCK = 64  # query rows per BlockMask row block in rows calls (the causal boundary's granularity)
 # Distinct compiled shapes a process may hold (every pool shape x the buckets x dtypes a test
@@ -137,17 +141,22 @@ class InPlaceAttention:
 
     def __init__(self, num_blocks: int, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, rows_in_place: bool = False,
-                 decode_buckets: Sequence[int] = DECODE_BUCKETS) -> None:
+                 decode_buckets: Sequence[int] = DECODE_BUCKETS, alone_up_to: int = DECODE_ALONE_UP_TO) -> None:
         """`rows_in_place`: appends of several rows read the pool in place too (else they gather:
         see the module docstring, "Which rows"). `decode_buckets`: the decode group widths
-        compiled at warm-up (ascending; a group is padded up to the first that holds it)."""
+        compiled at warm-up (ascending; a group is padded up to the first that holds it);
+        `alone_up_to`: a step of at most this many one-row appends calls once per session (needs
+        the bucket 1)."""
         if q_heads % kv_heads:
             raise ValueError(f"query heads ({q_heads}) must be a multiple of the pool's K/V heads ({kv_heads})")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.q_heads, self.kv_heads, self.head_dim, self.dtype = q_heads, kv_heads, head_dim, dtype
         if list(decode_buckets) != sorted(set(decode_buckets)) or decode_buckets[0] < 1:
             raise ValueError(f"decode buckets must be ascending positive widths, got {tuple(decode_buckets)}")
-        self.decode_buckets = tuple(decode_buckets)
+        if alone_up_to > 0 and decode_buckets[0] != 1:
+            raise ValueError(f"calls of one session alone (alone_up_to={alone_up_to}) need the decode bucket 1, "
+                             f"got {tuple(decode_buckets)}")
+        self.decode_buckets, self.alone_up_to = tuple(decode_buckets), alone_up_to
         self.warmed = False
         self.rows_in_place = rows_in_place and dtype == torch.float32  # module docstring: "Which rows"
         self._plan: object | None = None  # the step whose masks `_masks` holds (`_memo`)
@@ -193,7 +202,7 @@ class InPlaceAttention:
         """q [S, h_l, d] (row i at position lengths[i] - 1 of the session whose table is
         tables[i]) -> ctx [S, h_l, d]. `plan`: the step's, to build its masks once for all layers."""
         out = torch.empty_like(q)
-        top = self.decode_buckets[-1]
+        top = 1 if q.shape[0] <= self.alone_up_to else self.decode_buckets[-1]
         keys, values = self._kv(pool_k), self._kv(pool_v)
         for at in range(0, q.shape[0], top):
             part = slice(at, min(at + top, q.shape[0]))
