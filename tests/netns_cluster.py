@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -198,7 +199,14 @@ class NetnsCluster:
         for node in self.nodes:
             if wipe_state:
                 self.wipe_state(node)
-            self._ray_start(node)
+        self._ray_start(self.head)
+        # The other nodes join the new head side by side: a `ray start` is mostly waiting
+        # (its raylet's registration), ~5-10 s a node here, and nodes of a real cluster come
+        # back together too. Each start is bounded (run_in's timeout, three attempts).
+        workers = [node for node in self.nodes if not node.head]
+        with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+            for done in [pool.submit(self._ray_start, node) for node in workers]:
+                done.result()
 
     def run_in(self, node: Node, cmd: list[str], timeout_s: float, check: bool = True) -> subprocess.CompletedProcess:
         """Run a command inside `node`'s namespace with the cluster's environment."""
