@@ -57,7 +57,7 @@ def test_a_silent_rank_0_times_out_and_a_closed_one_ends_the_wait_at_once() -> N
     assert 0.3 - 0.05 <= time.monotonic() - t0 < 0.3 + 2.0
     sender.close()
     t0 = time.monotonic()
-    with pytest.raises(ConnectionError, match="rank 0 closed the header link after 0 of 80 bytes"):
+    with pytest.raises(ConnectionError, match="rank 0 closed the header link after 0 of the header.s 80 bytes"):
         receiver.receive(buf, spin_ns=100_000)
     assert time.monotonic() - t0 < 1.0
     receiver.close()
@@ -81,3 +81,27 @@ def test_a_header_of_the_wrong_size_is_refused_before_it_is_sent() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_steps_data_follows_its_header_exactly() -> None:
+    """A header, then a step's input and an int64 plan on the same stream (a step's order)."""
+    import torch
+
+    sender, receivers = _link(2, 5.0)
+    x = torch.randn(1, 8, 512)
+    plan = torch.arange(37, dtype=torch.int64)
+    try:
+        sender.send(control.loop_header(control.OP_HEARTBEAT, 1, 0).encode())
+        sender.send_tensor(plan)
+        sender.send_tensor(x.reshape(-1))
+        for receiver in receivers:
+            buf, got_plan, got_x = control.empty_header(), torch.empty(37, dtype=torch.int64), torch.empty(8 * 512)
+            receiver.receive(buf)
+            receiver.receive_tensor(got_plan, what="step's plan")
+            receiver.receive_tensor(got_x, spin_ns=100_000)
+            assert control.Header.decode(buf).seq == 1
+            assert torch.equal(got_plan, plan) and torch.equal(got_x, x.reshape(-1))
+    finally:
+        sender.close()
+        for receiver in receivers:
+            receiver.close()

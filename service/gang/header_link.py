@@ -1,5 +1,9 @@
 """Rank 0's headers to the peers' step loops: one TCP connection per peer, not a collective.
 
+What goes over it, in this order per step: the header; an append step's plan
+(`Rank.broadcast_control`); a step's input when it is at most `DATA_MAX_BYTES` on a gloo gang
+(`Rank.collective`). Larger inputs and every all_reduce stay on the process group.
+
 Why not the control group's gloo broadcast: a gloo collective is handed to the process
 group's worker thread and back on each side, and a waiting peer is woken by gloo's I/O thread,
 which wakes the worker thread, which wakes the loop thread: four thread wake-ups per header
@@ -26,6 +30,10 @@ from service.gang import control
 
 STORE_KEY = "gang/header_port"
 HEADER_BYTES = control.HEADER_LEN * 8  # int64 values
+# A step input this small goes over the link (one peer wake for header and data); it fits the
+# sockets' buffers, so rank 0's sends never wait for a peer to read (larger ones would, one peer
+# after the other, where gloo's broadcast sends to every peer at once).
+DATA_MAX_BYTES = 64 * 1024
 _HELLO = struct.Struct("<q")  # a peer's first message: its rank
 
 
@@ -82,9 +90,14 @@ class HeaderSender:
         self._conns = conns
 
     def send(self, header: torch.Tensor) -> None:
-        data = header.numpy().tobytes()
-        if len(data) != HEADER_BYTES:
-            raise ValueError(f"a header is {HEADER_BYTES} bytes ({control.HEADER_LEN} int64); got {len(data)}")
+        if header.numel() * header.element_size() != HEADER_BYTES:
+            raise ValueError(f"a header is {HEADER_BYTES} bytes ({control.HEADER_LEN} int64); "
+                             f"got {header.numel() * header.element_size()}")
+        self.send_tensor(header)
+
+    def send_tensor(self, values: torch.Tensor) -> None:
+        """`values` (a CPU tensor, sent as its raw bytes) to every peer; the peers know its size."""
+        data = values.contiguous().view(torch.uint8).numpy().tobytes() if values.numel() else b""
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.sendall(data)
@@ -109,26 +122,34 @@ class HeaderReceiver:
         spin_ns (a header that comes within it skips this thread's sleep and wake-up, at up to
         that much of a core), then blocks, each read bounded by the collective timeout.
         Raises ConnectionError when rank 0's side closed, TimeoutError when nothing came."""
-        view = memoryview(into.numpy()).cast("B")
-        got = 0
+        if into.numel() * into.element_size() != HEADER_BYTES:
+            raise ValueError(f"a header is {HEADER_BYTES} bytes ({control.HEADER_LEN} int64); "
+                             f"the buffer holds {into.numel() * into.element_size()}")
+        self.receive_tensor(into, spin_ns, "header")
+
+    def receive_tensor(self, into: torch.Tensor, spin_ns: int = 0, what: str = "step's data") -> None:
+        """Rank 0's next `into.numel()` values (what its `send_tensor` sent) into `into`, a
+        contiguous CPU tensor; polls and bounds as `receive`."""
+        view = memoryview(into.view(torch.uint8).numpy()).cast("B") if into.numel() else memoryview(b"")
+        size, got = len(view), 0
         if spin_ns > 0:
             until = time.perf_counter_ns() + spin_ns
-            while got < HEADER_BYTES and time.perf_counter_ns() < until:
+            while got < size and time.perf_counter_ns() < until:
                 try:
-                    n = self._sock.recv_into(view[got:], HEADER_BYTES - got, socket.MSG_DONTWAIT)
+                    n = self._sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     continue
                 if n == 0:
-                    raise ConnectionError(f"rank 0 closed the header link after {got} of {HEADER_BYTES} bytes")
+                    raise ConnectionError(f"rank 0 closed the header link after {got} of the {what}'s {size} bytes")
                 got += n
-        while got < HEADER_BYTES:
+        while got < size:
             try:
-                n = self._sock.recv_into(view[got:], HEADER_BYTES - got)
+                n = self._sock.recv_into(view[got:], size - got)
             except socket.timeout:
-                raise TimeoutError(f"no header from rank 0 within the collective timeout "
-                                   f"{self._timeout_s:.1f}s ({got} of {HEADER_BYTES} bytes)") from None
+                raise TimeoutError(f"no {what} from rank 0 within the collective timeout "
+                                   f"{self._timeout_s:.1f}s ({got} of {size} bytes)") from None
             if n == 0:
-                raise ConnectionError(f"rank 0 closed the header link after {got} of {HEADER_BYTES} bytes "
+                raise ConnectionError(f"rank 0 closed the header link after {got} of the {what}'s {size} bytes "
                                       "(its process is gone or it left the gang)")
             got += n
 

@@ -39,7 +39,7 @@ from service.gang.backends import (
 )
 from service.gang.failpoints import Failpoints
 from service.gang.failures import WeightsVersionMismatch, first_line
-from service.gang.header_link import STORE_KEY, HeaderListener, HeaderReceiver, HeaderSender
+from service.gang.header_link import DATA_MAX_BYTES, STORE_KEY, HeaderListener, HeaderReceiver, HeaderSender
 from service.gang.staging import PinnedStaging
 from service.gang.stepclock import StepClock
 from service.gang.steps import KINDS
@@ -454,7 +454,7 @@ class Rank:
         clock = self._clock = StepClock(self.device)
         self.group.timer.reset()
         with torch.inference_mode():
-            group.broadcast_(buf, src=0)  # on every rank
+            self._broadcast_input(buf, group)  # on every rank
             clock.mark()
             x, refusal = self._poison_if_stale(buf[:n], weights_version)
             out = compute(x, buf[n:])
@@ -462,6 +462,27 @@ class Rank:
         if refusal is not None:
             raise refusal
         return out
+
+    def _broadcast_input(self, buf: torch.Tensor, group: ParallelGroup) -> None:
+        """Rank 0's `buf` into every rank's. On a gloo gang an input of at most
+        header_link.DATA_MAX_BYTES follows the header over the header link (the peer is awake
+        already: no second wake through gloo's threads); otherwise the group's broadcast. Every
+        rank decides alike: same backend, same size (the header's)."""
+        nbytes = buf.numel() * buf.element_size()
+        if group.backend != "gloo" or nbytes > DATA_MAX_BYTES:
+            group.broadcast_(buf, src=0)
+            return
+        host = buf if buf.device.type == "cpu" else buf.cpu()  # a gloo gang's CUDA rank stages through host
+        if self.rank == 0:
+            if self._headers_out is None:
+                raise RuntimeError(f"rank 0: no header link to peers for the step's input (world_size {self.world_size})")
+            self._headers_out.send_tensor(host)
+            return
+        if self._headers_in is None:
+            raise RuntimeError(f"rank {self.rank}: no header link from rank 0 for the step's input")
+        self._headers_in.receive_tensor(host)
+        if host is not buf:
+            buf.copy_(host)
 
     def _alone(self, buf: torch.Tensor, n: int, weights_version: int,
                compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -480,7 +501,17 @@ class Rank:
         return out
 
     def broadcast_control(self, values: torch.Tensor) -> None:
-        """A step's own values on the control group (an append step's plan), after its header."""
+        """A step's own int64 values (an append step's plan), after its header: over the header
+        link when at most header_link.DATA_MAX_BYTES (the peer is reading it already), else on
+        the control group. Every rank decides alike (the size is the header's)."""
+        if values.numel() * values.element_size() <= DATA_MAX_BYTES:
+            if self.rank == 0 and self._headers_out is not None:
+                self._headers_out.send_tensor(values)
+                return
+            if self.rank != 0 and self._headers_in is not None:
+                self._headers_in.receive_tensor(values, what="step's plan")
+                return
+            raise RuntimeError(f"rank {self.rank}: this step's plan needs the header link (made at rendezvous)")
         if self._control is None:
             raise RuntimeError(f"rank {self.rank}: this step needs the step loop's control group")
         dist.broadcast(values, src=0, group=self._control)
