@@ -225,19 +225,37 @@ def serve_url(ray_cluster: Any, serve_grpc_port: int) -> str:
 
 
 def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -> str:
-    """Deploy build_app(args) as app `name`; return its base URL once /readyz says ready.
+    """Deploy build_app(args) as app `name`; return its base URL once /readyz says ready
+    (`submit`, then `wait_deployed`).
 
     Apps run without the warm spare rank unless `args` asks for it (`warm_spare`, default on
     in the product): a spare is one more torch process per gang, and on this 2-core machine
     the suite's ~30 apps would start them all for nothing; the fault tests that are about it
     (tests/test_gang_faults.py) turn it on."""
-    args = {"warm_spare": False, **args}
+    submit(name, route_prefix, args)
+    return wait_deployed(serve_url, name, route_prefix)
+
+
+def submit(name: str, route_prefix: str, args: dict[str, Any]) -> None:
+    """Hand build_app(args) to Serve as app `name` and return at once (what `serve.run` does
+    before it waits): apps submitted one after the other start side by side. `deploy`'s
+    defaults (no warm spare)."""
     from ray import serve
 
     from service.app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
-    return wait_ready(serve_url + (route_prefix if route_prefix != "/" else ""), 180, f"app {name}")
+    serve._run(build_app({"warm_spare": False, **args}), name=name, route_prefix=route_prefix,  # noqa: SLF001
+               _blocking=False)
+
+
+def wait_deployed(serve_url: str, name: str, route_prefix: str, timeout_s: float = 180) -> str:
+    """What `serve.run` waits for (Serve's status of app `name` RUNNING; DEPLOY_FAILED raises
+    with Serve's message; TimeoutError after `timeout_s`), then its /readyz 200 (within
+    `timeout_s` again); the app's base URL."""
+    from ray.serve.context import _get_global_client
+
+    _get_global_client()._wait_for_application_running(name, timeout_s=timeout_s)  # noqa: SLF001
+    return wait_ready(serve_url + (route_prefix if route_prefix != "/" else ""), timeout_s, f"app {name}")
 
 
 def undeploy(name: str) -> None:

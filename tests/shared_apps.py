@@ -1,7 +1,7 @@
 """The world-size apps shared by tests/test_masks.py and tests/test_sessions.py.
 
 One app per world size (1, 2, 4) with random weights (the softmax is far from one-hot),
-deployed on first use and deleted after the last test that uses them: a Serve app costs
+deployed together on first use and deleted after the last test that uses them: a Serve app costs
 15-30 s here, and the two modules used to deploy three each with nearly the same arguments.
 Each app carries the settings one test is about, so the union of both modules' needs:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.parallel.weights import random_weights
-from tests.conftest import deploy, local_yaml_args, undeploy
+from tests.conftest import local_yaml_args, submit, undeploy, wait_deployed
 
 SEED = 3
 E = 512
@@ -45,11 +45,16 @@ def app_args(world_size: int, **extra: object) -> dict[str, Any]:
 
 
 class WorldSizeApps:
-    """world size -> the base URL of its shared app, deployed on first use."""
+    """world size -> the base URL of its shared app. The first `get` hands every world size's
+    app to Serve at once and waits for the one asked for; a later `get` waits for its own.
+    Started side by side, the three apps' process starts overlap with each other's waits
+    (placement, health checks, the gangs' rendezvous): one after the other, each took 15-30 s
+    here (bench/NOTES.md, session 18)."""
 
     def __init__(self, serve_url: str) -> None:
         self._serve_url = serve_url
-        self._deployed: dict[int, str] = {}
+        self._submitted: set[int] = set()
+        self._ready: dict[int, str] = {}
 
     @staticmethod
     def name(world_size: int) -> str:
@@ -57,14 +62,20 @@ class WorldSizeApps:
         return f"shared-ws{world_size}"
 
     def get(self, world_size: int) -> str:
-        if world_size not in self._deployed:
+        if world_size not in EXTRA_ARGS:
+            raise KeyError(f"no shared app of world size {world_size}; there are {sorted(EXTRA_ARGS)}")
+        if world_size not in self._ready:
+            for ws in EXTRA_ARGS:
+                if ws not in self._submitted:
+                    submit(self.name(ws), f"/{self.name(ws)}", app_args(ws, **EXTRA_ARGS[ws]))
+                    self._submitted.add(ws)
             name = self.name(world_size)
-            self._deployed[world_size] = deploy(self._serve_url, name, f"/{name}",
-                                                app_args(world_size, **EXTRA_ARGS[world_size]))
-        return self._deployed[world_size]
+            self._ready[world_size] = wait_deployed(self._serve_url, name, f"/{name}")
+        return self._ready[world_size]
 
     def close(self) -> None:
-        """Delete every deployed app (idempotent); a later get() deploys again."""
-        for world_size in list(self._deployed):
+        """Delete every submitted app (idempotent); a later get() deploys again."""
+        for world_size in sorted(self._submitted):
             undeploy(self.name(world_size))
-            del self._deployed[world_size]
+        self._submitted.clear()
+        self._ready.clear()
