@@ -25,7 +25,7 @@
 
     PYTHONPATH=<tree> python bench/step_levers.py ws1 [rounds]
     python bench/step_levers.py header [spins_us, comma-separated] [gap_ms]
-    PYTHONPATH=<tree> python bench/step_levers.py ws2 [gap_ms] [steps]
+    PYTHONPATH=<tree> python bench/step_levers.py ws2 [gap_ms] [steps] [cpu|cuda (both ranks on cuda:0, gloo)]
     python bench/step_levers.py sequencer [rev] [rounds]
 """
 from __future__ import annotations
@@ -131,10 +131,10 @@ def header(spins_us: list[float], gap_ms: float = 2.0, steps: int = 400) -> None
               f"load {os.getloadavg()[0]:.1f}", flush=True)
 
 
-def _ws2_peer(port: int) -> None:
+def _ws2_peer(port: int, device: str) -> None:
     from service.gang.worker import PlainModel, Rank
 
-    rank = Rank(1, 2, device=torch.device("cpu"), node_ip="127.0.0.1", torch_threads=1)
+    rank = Rank(1, 2, device=torch.device(device), node_ip="127.0.0.1", torch_threads=1)
     rank.rendezvous("127.0.0.1", port, "gloo", 30.0)
     rank.load_weights(PlainModel(embed_dim=512, num_heads=8), 1)
     rank.start_loop()
@@ -143,7 +143,7 @@ def _ws2_peer(port: int) -> None:
     rank.close()
 
 
-def ws2(gap_ms: float = 2.0, steps: int = 400) -> None:
+def ws2(gap_ms: float = 2.0, steps: int = 400, device: str = "cpu") -> None:
     import torch.multiprocessing as mp
 
     from service.gang import control
@@ -151,9 +151,9 @@ def ws2(gap_ms: float = 2.0, steps: int = 400) -> None:
     from service.gang.worker import PlainModel, Rank
 
     ctx = mp.get_context("spawn")
-    root = Rank(0, 2, device=torch.device("cpu"), node_ip="127.0.0.1", torch_threads=1)
+    root = Rank(0, 2, device=torch.device(device), node_ip="127.0.0.1", torch_threads=1)
     port = root.open_store(30.0)
-    peer = ctx.Process(target=_ws2_peer, args=(port,), daemon=True)
+    peer = ctx.Process(target=_ws2_peer, args=(port, device), daemon=True)
     peer.start()
     root.rendezvous("127.0.0.1", port, "gloo", 30.0)
     root.load_weights(PlainModel(embed_dim=512, num_heads=8), 1)
@@ -173,7 +173,7 @@ def ws2(gap_ms: float = 2.0, steps: int = 400) -> None:
     peer.join(30)
     root.close()
     kept = whole[steps // 10:]  # the first steps warm the allocator and the connections
-    print(f"ws2 step [1, 8, 512], gap {gap_ms:g} ms: median {statistics.median(kept):.1f} us "
+    print(f"ws2 step [1, 8, 512] on {device} (gloo), gap {gap_ms:g} ms: median {statistics.median(kept):.1f} us "
           f"(p25 {statistics.quantiles(kept, n=4)[0]:.0f}, p75 {statistics.quantiles(kept, n=4)[2]:.0f}), "
           f"its header send {statistics.median(header[steps // 10:]):.1f} us; load {os.getloadavg()[0]:.1f}",
           flush=True)
@@ -248,7 +248,8 @@ if __name__ == "__main__":
         header([float(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "0,50,200").split(",")],
                float(sys.argv[3]) if len(sys.argv) > 3 else 2.0)
     elif what == "ws2":
-        ws2(float(sys.argv[2]) if len(sys.argv) > 2 else 2.0, int(sys.argv[3]) if len(sys.argv) > 3 else 400)
+        ws2(float(sys.argv[2]) if len(sys.argv) > 2 else 2.0, int(sys.argv[3]) if len(sys.argv) > 3 else 400,
+            sys.argv[4] if len(sys.argv) > 4 else "cpu")
     elif what == "sequencer":
         sequencer(sys.argv[2] if len(sys.argv) > 2 else "HEAD", int(sys.argv[3]) if len(sys.argv) > 3 else 9)
     else:

@@ -15,17 +15,20 @@ from service.gang.header_link import HeaderListener, HeaderReceiver, HeaderSende
 pytestmark = pytest.mark.unit
 
 
-def _link(peers: int, timeout_s: float) -> tuple[HeaderSender, list[HeaderReceiver]]:
+def _link(peers: int, timeout_s: float, on_cpu: tuple[bool, ...] | None = None
+          ) -> tuple[HeaderSender, list[HeaderReceiver]]:
+    """on_cpu: rank 0's and each peer's device (all CPU by default)."""
+    on_cpu = on_cpu or (True,) * (peers + 1)
     listener = HeaderListener("127.0.0.1")
     receivers: dict[int, HeaderReceiver] = {}
 
     def connect(rank: int) -> None:
-        receivers[rank] = HeaderReceiver("127.0.0.1", listener.port, rank, timeout_s)
+        receivers[rank] = HeaderReceiver("127.0.0.1", listener.port, rank, on_cpu[rank], timeout_s)
 
     threads = [threading.Thread(target=connect, args=(r,)) for r in range(peers, 0, -1)]  # out of order
     for t in threads:
         t.start()
-    sender = listener.accept(peers, 10.0)
+    sender = listener.accept(peers, 10.0, on_cpu[0])
     for t in threads:
         t.join(10.0)
     return sender, [receivers[r] for r in range(1, peers + 1)]
@@ -65,12 +68,33 @@ def test_a_silent_rank_0_times_out_and_a_closed_one_ends_the_wait_at_once() -> N
 
 def test_rank_0_waits_for_its_peers_within_the_timeout_and_names_the_missing_ones() -> None:
     listener = HeaderListener("127.0.0.1")
-    joined = HeaderReceiver("127.0.0.1", listener.port, 2, 5.0)
+    errors: list[BaseException] = []
+
+    def join() -> None:  # waits for rank 0's answer, which never comes: its accept gave up
+        try:
+            HeaderReceiver("127.0.0.1", listener.port, 2, True, 5.0)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(exc)
+
+    joiner = threading.Thread(target=join)
+    joiner.start()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1, 3\] did not connect within 0.3s"):
-        listener.accept(3, 0.3)
+        listener.accept(3, 0.3, True)
     assert time.monotonic() - t0 < 0.3 + 2.0
-    joined.close()
+    joiner.join(10.0)
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionError), errors
+
+
+def test_the_link_carries_inputs_only_when_every_rank_is_on_cpu() -> None:
+    for devices, expected in (((True, True, True), True), ((True, False, True), False), ((False, True, True), False)):
+        sender, receivers = _link(2, 5.0, devices)
+        try:
+            assert [sender.carries_data] + [r.carries_data for r in receivers] == [expected] * 3, devices
+        finally:
+            sender.close()
+            for receiver in receivers:
+                receiver.close()
 
 
 def test_a_header_of_the_wrong_size_is_refused_before_it_is_sent() -> None:

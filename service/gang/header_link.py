@@ -1,8 +1,11 @@
 """Rank 0's headers to the peers' step loops: one TCP connection per peer, not a collective.
 
 What goes over it, in this order per step: the header; an append step's plan
-(`Rank.broadcast_control`); a step's input when it is at most `DATA_MAX_BYTES` on a gloo gang
-(`Rank.collective`). Larger inputs and every all_reduce stay on the process group.
+(`Rank.broadcast_control`); a step's input when it is at most `DATA_MAX_BYTES` and every rank
+computes on CPU (`carries_data`, agreed at connection: each peer's hello says whether it is on
+CPU, rank 0 answers every peer with the gang's one decision; a CUDA rank's input would be staged
+through host memory both ways, slower than gloo's own CUDA broadcast). Larger inputs and every
+all_reduce stay on the process group.
 
 Why not the control group's gloo broadcast: a gloo collective is handed to the process
 group's worker thread and back on each side, and a waiting peer is woken by gloo's I/O thread,
@@ -34,7 +37,8 @@ HEADER_BYTES = control.HEADER_LEN * 8  # int64 values
 # sockets' buffers, so rank 0's sends never wait for a peer to read (larger ones would, one peer
 # after the other, where gloo's broadcast sends to every peer at once).
 DATA_MAX_BYTES = 64 * 1024
-_HELLO = struct.Struct("<q")  # a peer's first message: its rank
+_HELLO = struct.Struct("<qq")  # a peer's first message: its rank, 1 if it computes on CPU
+_ANSWER = struct.Struct("<q")  # rank 0's answer to every peer: 1 if the link carries small inputs
 
 
 def _tuned(sock: socket.socket, timeout_s: float) -> socket.socket:
@@ -51,11 +55,13 @@ class HeaderListener:
         self._sock = socket.create_server((node_ip, 0), family=family, backlog=64)
         self.port: int = self._sock.getsockname()[1]
 
-    def accept(self, peers: int, timeout_s: float) -> HeaderSender:
+    def accept(self, peers: int, timeout_s: float, on_cpu: bool) -> HeaderSender:
         """The `peers` connections (ranks 1..peers), within timeout_s in all; raises TimeoutError
-        naming the ranks still missing."""
+        naming the ranks still missing. `on_cpu`: rank 0's own device; the link carries small
+        inputs when it and every peer compute on CPU (each peer is told)."""
         deadline = time.monotonic() + timeout_s
         by_rank: dict[int, socket.socket] = {}
+        all_cpu = on_cpu
         try:
             while len(by_rank) < peers:
                 left = deadline - time.monotonic()
@@ -68,26 +74,30 @@ class HeaderListener:
                 except socket.timeout:
                     continue
                 _tuned(conn, timeout_s)
-                rank = _HELLO.unpack(_read_exactly(conn, _HELLO.size, "a peer's hello"))[0]
+                rank, peer_cpu = _HELLO.unpack(_read_exactly(conn, _HELLO.size, "a peer's hello"))
+                all_cpu = all_cpu and bool(peer_cpu)
                 if not 1 <= rank <= peers or rank in by_rank:
                     conn.close()
                     raise RuntimeError(f"rank 0's header link: a peer said it is rank {rank}; expected one of "
                                        f"1..{peers} not yet connected (connected: {sorted(by_rank)})")
                 by_rank[rank] = conn
+            for conn in by_rank.values():
+                conn.sendall(_ANSWER.pack(int(all_cpu)))
         except BaseException:
             for conn in by_rank.values():
                 conn.close()
             raise
         finally:
             self._sock.close()
-        return HeaderSender([by_rank[r] for r in sorted(by_rank)])
+        return HeaderSender([by_rank[r] for r in sorted(by_rank)], all_cpu)
 
 
 class HeaderSender:
     """Rank 0: one header to every peer, in rank order."""
 
-    def __init__(self, conns: list[socket.socket]) -> None:
+    def __init__(self, conns: list[socket.socket], carries_data: bool) -> None:
         self._conns = conns
+        self.carries_data = carries_data  # small step inputs go over the link (every rank on CPU)
 
     def send(self, header: torch.Tensor) -> None:
         if header.numel() * header.element_size() != HEADER_BYTES:
@@ -112,10 +122,18 @@ class HeaderSender:
 class HeaderReceiver:
     """A peer: its connection to rank 0; `receive` blocks for the next header."""
 
-    def __init__(self, host: str, port: int, rank: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, rank: int, on_cpu: bool, timeout_s: float) -> None:
+        """Connects and says hello; returns once rank 0 answered (it answers when every peer
+        connected), each read bounded by timeout_s."""
         self._sock = _tuned(socket.create_connection((host, port), timeout=timeout_s), timeout_s)
-        self._sock.sendall(_HELLO.pack(rank))
         self._timeout_s = timeout_s
+        try:
+            self._sock.sendall(_HELLO.pack(rank, int(on_cpu)))
+            answer = _ANSWER.unpack(_read_exactly(self._sock, _ANSWER.size, "rank 0's answer"))[0]
+        except BaseException:
+            self._sock.close()
+            raise
+        self.carries_data = bool(answer)  # small step inputs come over the link (every rank on CPU)
 
     def receive(self, into: torch.Tensor, spin_ns: int = 0) -> None:
         """The next header into `into` (HEADER_LEN int64). First polls without blocking up to
@@ -132,16 +150,22 @@ class HeaderReceiver:
         contiguous CPU tensor; polls and bounds as `receive`."""
         view = memoryview(into.view(torch.uint8).numpy()).cast("B") if into.numel() else memoryview(b"")
         size, got = len(view), 0
-        if spin_ns > 0:
-            until = time.perf_counter_ns() + spin_ns
-            while got < size and time.perf_counter_ns() < until:
-                try:
-                    n = self._sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    continue
-                if n == 0:
-                    raise ConnectionError(f"rank 0 closed the header link after {got} of the {what}'s {size} bytes")
-                got += n
+        if spin_ns > 0 and got < size:
+            # Non-blocking while polling: a socket with a timeout waits in poll() before every
+            # read, whatever MSG_DONTWAIT says.
+            self._sock.settimeout(0.0)
+            try:
+                until = time.perf_counter_ns() + spin_ns
+                while got < size and time.perf_counter_ns() < until:
+                    try:
+                        n = self._sock.recv_into(view[got:], size - got)
+                    except BlockingIOError:
+                        continue
+                    if n == 0:
+                        raise ConnectionError(f"rank 0 closed the header link after {got} of the {what}'s {size} bytes")
+                    got += n
+            finally:
+                self._sock.settimeout(self._timeout_s)
         while got < size:
             try:
                 n = self._sock.recv_into(view[got:], size - got)

@@ -340,10 +340,10 @@ class Rank:
         if self.rank == 0:
             listener = HeaderListener(self.info.node_ip)
             store.set(STORE_KEY, str(listener.port))
-            self._headers_out = listener.accept(self.world_size - 1, timeout_s)
+            self._headers_out = listener.accept(self.world_size - 1, timeout_s, self.device.type == "cpu")
         else:
             link_port = int(store.get(STORE_KEY).decode())
-            self._headers_in = HeaderReceiver(host, link_port, self.rank, timeout_s)
+            self._headers_in = HeaderReceiver(host, link_port, self.rank, self.device.type == "cpu", timeout_s)
 
     def _abandon(self, why: str) -> None:
         global abandoned
@@ -464,25 +464,18 @@ class Rank:
         return out
 
     def _broadcast_input(self, buf: torch.Tensor, group: ParallelGroup) -> None:
-        """Rank 0's `buf` into every rank's. On a gloo gang an input of at most
+        """Rank 0's `buf` into every rank's. When every rank computes on CPU (the link's
+        `carries_data`, one decision for the gang) an input of at most
         header_link.DATA_MAX_BYTES follows the header over the header link (the peer is awake
         already: no second wake through gloo's threads); otherwise the group's broadcast. Every
-        rank decides alike: same backend, same size (the header's)."""
-        nbytes = buf.numel() * buf.element_size()
-        if group.backend != "gloo" or nbytes > DATA_MAX_BYTES:
+        rank decides alike: the gang's decision and the size (the header's)."""
+        link = self._headers_out if self.rank == 0 else self._headers_in
+        if link is None or not link.carries_data or buf.numel() * buf.element_size() > DATA_MAX_BYTES:
             group.broadcast_(buf, src=0)
-            return
-        host = buf if buf.device.type == "cpu" else buf.cpu()  # a gloo gang's CUDA rank stages through host
-        if self.rank == 0:
-            if self._headers_out is None:
-                raise RuntimeError(f"rank 0: no header link to peers for the step's input (world_size {self.world_size})")
-            self._headers_out.send_tensor(host)
-            return
-        if self._headers_in is None:
-            raise RuntimeError(f"rank {self.rank}: no header link from rank 0 for the step's input")
-        self._headers_in.receive_tensor(host)
-        if host is not buf:
-            buf.copy_(host)
+        elif self._headers_out is not None:
+            self._headers_out.send_tensor(buf)
+        elif self._headers_in is not None:
+            self._headers_in.receive_tensor(buf)
 
     def _alone(self, buf: torch.Tensor, n: int, weights_version: int,
                compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
