@@ -2,11 +2,14 @@
 
 Protocol
 --------
-After bring-up every peer rank (1..N-1) runs one thread, its *step loop*, that blocks in
-a broadcast from rank 0 of a fixed-size header over the gang's **control group**: a gloo
-group on CPU (the process group's own connections, so nothing crosses Ray), created
-next to the data group at rendezvous. On GPUs the data group is NCCL and the control
-group is still gloo, so a waiting peer never holds a CUDA stream.
+After bring-up every peer rank (1..N-1) runs one thread, its *step loop*, that blocks
+reading a fixed-size header from rank 0 over the gang's **header link**
+(service.gang.header_link: one TCP connection per peer, made at rendezvous through the
+gang's store to rank 0's node address, so it reaches peers on other nodes as the process
+group does, and nothing crosses Ray). No collective carries a header: rank 0's send needs
+no thread hand-off and the kernel wakes the waiting peer directly. Next to the data group
+the gang also has a **control group**, gloo whatever the data backend (a peer waiting on it
+never holds a CUDA stream), for what is too large for the link (below).
 
 Header: `HEADER_LEN` int64 values. The first five are every header's (`Header`)::
 
@@ -26,10 +29,14 @@ The rest, up to `KIND_FIELDS` values, are the step kind's own, each named by its
 are 0): a forward step's [batch, seq_len, width, flags], an append step's [sessions,
 rows, width, meta_len]. No field is reused by another kind under another meaning.
 
-An append step (sessions, service.parallel.kv_cache): the header is followed on the control
-group by one broadcast of the plan (`AppendPlan.encode()`, `meta_len` int64 values: which
-blocks of each rank's KV pool every session's rows go to, and its cached length), then on
-the data group by the new rows [T, E] and the out projection's all_reduce, as a step.
+An append step (sessions, service.parallel.kv_cache): the header is followed by the plan
+(`AppendPlan.encode()`, `meta_len` int64 values: which blocks of each rank's KV pool every
+session's rows go to, and its cached length), over the header link when it is at most
+`header_link.DATA_MAX_BYTES`, else by one broadcast on the control group; then on the data
+group by the new rows [T, E] and the out projection's all_reduce, as a step. When every rank
+computes on CPU (one decision for the gang, made when the link connects), a forward step's
+input of at most `DATA_MAX_BYTES` also follows its header over the link instead of the data
+group's broadcast (the peer is awake already: one wake, not a second one through gloo's threads).
 
 Ordering: rank 0 sends headers only from the gang's sequencer thread, and a step's
 header is followed by that step's collectives on the data group, in the same order on
@@ -40,7 +47,8 @@ sends the next header only once they returned, so a Ray call and a step never ov
 in a way that matters (a commit swaps a pointer the loop reads only after its next
 header).
 
-Timeouts: the control group's timeout is `collective_timeout_s`. Rank 0 sends
+Timeouts: every read and send on the header link, and the control group, are bounded by
+`collective_timeout_s`. Rank 0 sends
 OP_HEARTBEAT when no header went out for `tunables.gang.heartbeat_interval(collective_timeout_s)`, so
 an idle gang never trips it; a peer whose wait fails (rank 0's process gone: at once,
 its connection closes; rank 0 stopped: after `collective_timeout_s`) records why and

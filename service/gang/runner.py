@@ -7,8 +7,8 @@ own side; the peers take both in the order sent, so all ranks see one global seq
 collectives and concurrent requests cannot deadlock.
 
 Steps (protocol in service.gang.control, the kinds' one table in service.gang.steps): after
-bring-up the peers block in a broadcast of a small header from rank 0 on the gang's gloo
-control group; a step is one header (`step.kind.header(...)`), never a Ray call (a gang of one
+bring-up the peers block reading a small header from rank 0 on the gang's header link (one
+TCP connection per peer, service.gang.header_link); a step is one header (`step.kind.header(...)`), never a Ray call (a gang of one
 rank has no peers to tell). The header goes out before rank 0 prepares its own input (a late
 follower stalls the first collective). A heartbeat header goes out whenever no header went
 out for a quarter of `collective_timeout_s`, also while the sequencer waits on lifecycle Ray

@@ -1,6 +1,6 @@
 """The step kinds: each is ONE declaration of its header, rank 0's side and the peers' side.
 
-A step is one header on the control group (service.gang.control), then the step's own
+A step is one header on the header link (service.gang.control), then the step's own
 collectives on the data group, in the same order on every rank. What differs between
 kinds is only what the header carries and what each rank does after it; everything
 else is shared and lives once:
@@ -75,7 +75,7 @@ FLAG_CAUSAL = 2
 @dataclass(frozen=True)
 class AppendFields:
     """An append step's header fields: how many sessions, their new rows T (of `width`), and
-    the int64 values of the plan that follows on the control group."""
+    the int64 values of the plan that follows the header (`Rank.broadcast_control`)."""
 
     sessions: int
     rows: int
@@ -212,8 +212,9 @@ def _forward(rank: Rank, buf: torch.Tensor, shape: tuple[int, ...], masked: bool
 class Append:
     """An append step (sessions, service.parallel.kv_cache): `sessions` sessions' new rows
     x [T, E] float32, written to and attending over every rank's KV pool as the plan
-    `meta` (`AppendPlan.encode()`) says -> their outputs [T, E]. The plan travels on the
-    control group right after the header (`meta_len` values), the rows on the data group."""
+    `meta` (`AppendPlan.encode()`) says -> their outputs [T, E]. The plan follows the header
+    (`meta_len` values: over the header link, or on the control group when larger than
+    the link carries), the rows on the data group."""
 
     sessions: int
     x: np.ndarray
