@@ -103,16 +103,21 @@ class HeaderSender:
         if header.numel() * header.element_size() != HEADER_BYTES:
             raise ValueError(f"a header is {HEADER_BYTES} bytes ({control.HEADER_LEN} int64); "
                              f"got {header.numel() * header.element_size()}")
-        self.send_tensor(header)
+        self.send_tensor(header, "header")
 
-    def send_tensor(self, values: torch.Tensor) -> None:
+    def send_tensor(self, values: torch.Tensor, what: str = "step's data") -> None:
         """`values` (a CPU tensor, sent as its raw bytes) to every peer; the peers know its size."""
         data = values.contiguous().view(torch.uint8).numpy().tobytes() if values.numel() else b""
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.sendall(data)
             except OSError as exc:  # socket.timeout included
-                raise RuntimeError(f"sending a header to rank {rank} failed: {type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(f"sending the {what} ({len(data)} bytes) to rank {rank} failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+
+    def broadcast(self, values: torch.Tensor, what: str) -> None:
+        """Rank 0's end of a broadcast over the link (a peer's end: `HeaderReceiver.broadcast`)."""
+        self.send_tensor(values, what)
 
     def close(self) -> None:
         for conn in self._conns:
@@ -176,6 +181,10 @@ class HeaderReceiver:
                 raise ConnectionError(f"rank 0 closed the header link after {got} of the {what}'s {size} bytes "
                                       "(its process is gone or it left the gang)")
             got += n
+
+    def broadcast(self, values: torch.Tensor, what: str) -> None:
+        """A peer's end of a broadcast over the link: rank 0's `values` into `values`."""
+        self.receive_tensor(values, what=what)
 
     def close(self) -> None:
         _close(self._sock)

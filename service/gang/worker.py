@@ -226,8 +226,7 @@ class Rank:
         # follows its header there), the header link (rank 0's sender, or a peer's receiver:
         # service.gang.header_link), the loop thread, and what it records for rank 0 to ask about.
         self._control: dist.ProcessGroup | None = None
-        self._headers_out: HeaderSender | None = None
-        self._headers_in: HeaderReceiver | None = None
+        self._link: HeaderSender | HeaderReceiver | None = None  # rank 0's end, or a peer's
         self._loop: threading.Thread | None = None
         self.loop_error: str | None = None  # why the loop stopped (it then exits the process)
         self.step_seq = 0  # the header sequence number of the step being computed
@@ -340,10 +339,10 @@ class Rank:
         if self.rank == 0:
             listener = HeaderListener(self.info.node_ip)
             store.set(STORE_KEY, str(listener.port))
-            self._headers_out = listener.accept(self.world_size - 1, timeout_s, self.device.type == "cpu")
+            self._link = listener.accept(self.world_size - 1, timeout_s, self.device.type == "cpu")
         else:
             link_port = int(store.get(STORE_KEY).decode())
-            self._headers_in = HeaderReceiver(host, link_port, self.rank, self.device.type == "cpu", timeout_s)
+            self._link = HeaderReceiver(host, link_port, self.rank, self.device.type == "cpu", timeout_s)
 
     def _abandon(self, why: str) -> None:
         global abandoned
@@ -469,13 +468,11 @@ class Rank:
         header_link.DATA_MAX_BYTES follows the header over the header link (the peer is awake
         already: no second wake through gloo's threads); otherwise the group's broadcast. Every
         rank decides alike: the gang's decision and the size (the header's)."""
-        link = self._headers_out if self.rank == 0 else self._headers_in
-        if link is None or not link.carries_data or buf.numel() * buf.element_size() > DATA_MAX_BYTES:
+        link = self._link
+        if link is not None and link.carries_data and buf.numel() * buf.element_size() <= DATA_MAX_BYTES:
+            link.broadcast(buf, "step's input")
+        else:
             group.broadcast_(buf, src=0)
-        elif self._headers_out is not None:
-            self._headers_out.send_tensor(buf)
-        elif self._headers_in is not None:
-            self._headers_in.receive_tensor(buf)
 
     def _alone(self, buf: torch.Tensor, n: int, weights_version: int,
                compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -498,13 +495,10 @@ class Rank:
         link when at most header_link.DATA_MAX_BYTES (the peer is reading it already), else on
         the control group. Every rank decides alike (the size is the header's)."""
         if values.numel() * values.element_size() <= DATA_MAX_BYTES:
-            if self.rank == 0 and self._headers_out is not None:
-                self._headers_out.send_tensor(values)
-                return
-            if self.rank != 0 and self._headers_in is not None:
-                self._headers_in.receive_tensor(values, what="step's plan")
-                return
-            raise RuntimeError(f"rank {self.rank}: this step's plan needs the header link (made at rendezvous)")
+            if self._link is None:
+                raise RuntimeError(f"rank {self.rank}: this step's plan needs the header link (made at rendezvous)")
+            self._link.broadcast(values, "step's plan")
+            return
         if self._control is None:
             raise RuntimeError(f"rank {self.rank}: this step needs the step loop's control group")
         dist.broadcast(values, src=0, group=self._control)
@@ -578,25 +572,25 @@ class Rank:
     def send_header(self, header: control.Header) -> None:
         """Rank 0 only (the gang's sequencer): one header to every peer's loop, over the header
         link (service.gang.header_link: no collective, so no thread hand-off on either side)."""
-        if self._headers_out is None:
+        if not isinstance(self._link, HeaderSender):
             raise RuntimeError(f"rank {self.rank}: no header link to peers (world_size {self.world_size}, "
                                f"rank 0 makes one at rendezvous)")
-        self._headers_out.send(header.encode())
+        self._link.send(header.encode())
 
     def wait_header(self, into: torch.Tensor | None = None) -> control.Header:
         """Peers: rank 0's next header (into `into`, a reused buffer), bounded by the collective
         timeout. First polls for it up to tunables.gang.header_spin_us(device) (a header that
         comes within that skips this thread's sleep and wake-up, and the poll costs up to that
         much of a core), then sleeps in a blocking read the kernel wakes it from."""
-        if self._headers_in is None:
+        if not isinstance(self._link, HeaderReceiver):
             raise RuntimeError(f"rank {self.rank}: no header link from rank 0 (a peer makes one at rendezvous)")
         buf = into if into is not None else control.empty_header()
-        self._headers_in.receive(buf, int(self.tunables.header_spin_us(self.device.type) * 1000))
+        self._link.receive(buf, int(self.tunables.header_spin_us(self.device.type) * 1000))
         return control.Header.decode(buf)
 
     def start_loop(self) -> None:
         """Peers: from now on take steps from rank 0's headers, not from Ray calls."""
-        if self.rank == 0 or self._control is None or self._headers_in is None:
+        if self.rank == 0 or self._control is None or not isinstance(self._link, HeaderReceiver):
             raise RuntimeError(f"rank {self.rank}: a step loop needs a peer rank with a control group and a header link")
         if self._loop is not None:
             raise RuntimeError(f"rank {self.rank}: the step loop is already running")
@@ -697,10 +691,9 @@ class Rank:
         self.kv_pool = None
         self._kernel = None
         group, self.group, self._control, self._store = self.group, None, None, None
-        for link in (self._headers_out, self._headers_in):
-            if link is not None:
-                link.close()
-        self._headers_out = self._headers_in = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         if group is None or group.world_size == 1 or not dist.is_initialized():
             return
         backend = group.backend
