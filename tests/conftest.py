@@ -228,23 +228,34 @@ def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -
     """Deploy build_app(args) as app `name`; return its base URL once /readyz says ready
     (`submit`, then `wait_deployed`).
 
-    Apps run without the warm spare rank unless `args` asks for it (`warm_spare`, default on
-    in the product): a spare is one more torch process per gang, and on this 2-core machine
-    the suite's ~30 apps would start them all for nothing; the fault tests that are about it
-    (tests/test_gang_faults.py) turn it on."""
+    The app runs with the suite's defaults (`suite_args`)."""
     submit(name, route_prefix, args)
     return wait_deployed(serve_url, name, route_prefix)
 
 
+def suite_args(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` with the suite's two defaults where `args` does not set them, each a cost the
+    product pays at every gang bring-up for a feature most tests are not about:
+    - no warm spare rank (`warm_spare`, default on in the product): a spare is one more torch
+      process per gang, and on this 2-core machine the suite's ~30 apps would start them all
+      for nothing; the fault tests that are about it (tests/test_gang_faults.py) turn it on;
+    - the gather path for session attention (`tunables.gang.session_attention: gather`; the
+      product's `auto` compiles the in-place kernel at every bring-up and rebuild, 3-8 s of
+      both cores a gang here: ~590 s summed over one suite's ~100 bring-ups). The apps of the
+      sessions tests (tests/shared_apps.py) ask for `auto`, and check that it runs."""
+    tunables = dict(args.get("tunables", {}))
+    tunables["gang"] = {"session_attention": "gather", **tunables.get("gang", {})}
+    return {"warm_spare": False, **args, "tunables": tunables}
+
+
 def submit(name: str, route_prefix: str, args: dict[str, Any]) -> None:
-    """Hand build_app(args) to Serve as app `name` and return at once (what `serve.run` does
-    before it waits): apps submitted one after the other start side by side. `deploy`'s
-    defaults (no warm spare)."""
+    """Hand build_app(suite_args(args)) to Serve as app `name` and return at once (what
+    `serve.run` does before it waits): apps submitted one after the other start side by side."""
     from ray import serve
 
     from service.app import build_app
 
-    serve._run(build_app({"warm_spare": False, **args}), name=name, route_prefix=route_prefix,  # noqa: SLF001
+    serve._run(build_app(suite_args(args)), name=name, route_prefix=route_prefix,  # noqa: SLF001
                _blocking=False)
 
 

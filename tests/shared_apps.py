@@ -37,6 +37,10 @@ EXTRA_ARGS: dict[int, dict[str, Any]] = {
     4: {"data_channel": False},
 }
 
+# The product's session attention, compiled in place at bring-up (the suite's other apps take
+# the gather path, tests/conftest.py suite_args): the sessions tests check that it runs.
+PRODUCT_ATTENTION: dict[str, Any] = {"tunables": {"gang": {"session_attention": "auto"}}}
+
 
 def app_args(world_size: int, **extra: object) -> dict[str, Any]:
     """The builder arguments of the shared apps' family (random init, SEED, 0.25 CPU a rank)."""
@@ -67,7 +71,7 @@ class WorldSizeApps:
         if world_size not in self._ready:
             for ws in EXTRA_ARGS:
                 if ws not in self._submitted:
-                    submit(self.name(ws), f"/{self.name(ws)}", app_args(ws, **EXTRA_ARGS[ws]))
+                    submit(self.name(ws), f"/{self.name(ws)}", app_args(ws, **EXTRA_ARGS[ws], **PRODUCT_ATTENTION))
                     self._submitted.add(ws)
             name = self.name(world_size)
             self._ready[world_size] = wait_deployed(self._serve_url, name, f"/{name}")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from service.parallel.weights import random_weights
-from tests.conftest import deploy, local_yaml_args, undeploy
+from tests.conftest import deploy, local_yaml_args, suite_args, undeploy
 from tests.faults import (RequestLoop, driver_side_policy, gang_client_around_kill, gang_info, transport_used,
                           wait_for_new_gang)
 from tests.helpers import eventually, pid_alive, poll, rand, scrape, total
@@ -338,7 +338,7 @@ def test_redeploy_under_load_drains_and_loses_no_request(fault_url: str) -> None
     with RequestLoop(fault_url + "/infer", WEIGHTS, threads=4) as loop:
         loop.wait_answered(4)
         t0 = time.monotonic()
-        serve.run(build_app(args), name="faults", route_prefix="/faults", blocking=False)
+        serve.run(build_app(suite_args(args)), name="faults", route_prefix="/faults", blocking=False)
         eventually(redeployed, 150, "the app RUNNING again with a new gang serving (no old rank pid)", 0.5)
         redeployed_s = time.monotonic() - t0
         loop.wait_answered(4, after=time.monotonic())  # the new gang answers the load

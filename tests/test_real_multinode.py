@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import wait_ready
+from tests.conftest import suite_args, wait_ready
 from tests.helpers import eventually, scrape, total
 from tests.netns_cluster import NetnsCluster
 from tests.reference import dense_attention, notes_seed_weights, relative_error
@@ -89,7 +89,7 @@ def deploy(cluster: NetnsCluster, args: dict, timeout_s: float = 240, name: str 
         "import ray; from ray import serve; from service.app import build_app\n"
         f"ray.init(address='{cluster.head.ip}:6379', log_to_driver=False)\n"
         f"serve.start(http_options={{'host': '0.0.0.0', 'port': 8000}})\n"
-        f"serve.run(build_app({args!r}), name={name!r}, route_prefix={route_prefix!r}, blocking=False)\n",
+        f"serve.run(build_app({suite_args(args)!r}), name={name!r}, route_prefix={route_prefix!r}, blocking=False)\n",
         timeout_s=timeout_s,
     )
     return wait_ready(cluster.url + (route_prefix if route_prefix != "/" else ""), timeout_s)
