@@ -37,7 +37,7 @@ from service.gang.rank import RankInfo, RankWorker
 from service.gang.runner import Health, Members, StepRunner
 from service.gang.spare import WarmSpare
 from service.gang.steps import Forward
-from service.parallel.paged_kernel import KernelStatus
+from service.parallel.paged_kernel import KernelShape, KernelStatus
 from service.weights.record import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
@@ -80,6 +80,10 @@ class Lifecycle:
         self.last_bring_up: dict[str, Any] = {}
         # An idle rank process, adopted by a rebuild (service.gang.spare).
         self.spare = WarmSpare(gang, placement_group, RankActor, tunables, state_tunables)
+        # What the spare compiles before it counts as warm: the peers' in-place attention (None:
+        # they gather), and how long it may compile (the bring-up's own budget).
+        self._spare_kernel: KernelShape | None = None
+        self._compile_budget_s = min(tunables.session_compile_budget_s, gang.stage_timeout_s / 2)
         members.peers = self._new_peers([])
 
     @property
@@ -105,7 +109,7 @@ class Lifecycle:
         self.generation += 1
         self._health.set(GangState.READY, "ready")
         self.last_bring_up = {"ms": {**(prior or {}), **stages.ms}, "spare_adopted_as_rank": stages.adopted}
-        self.spare.start()  # after READY: its start never delays serving
+        self.spare.start(self._spare_kernel, self._compile_budget_s)  # after READY: never delays serving
         log.info(
             "gang ready (generation %d): world_size=%d backend=%s in %.1fs (stages, ms: %s); weights version %d "
             "(%s, %s); pids %s", self.generation, self.cfg.world_size, self.backend, time.monotonic() - started,
@@ -175,8 +179,7 @@ class Lifecycle:
         by tunables.gang.session_compile_budget_s), and one log line saying which path runs."""
         root, peers = self._members.require_root(), self._members.peers
         assert peers is not None
-        budget = min(self._t.session_compile_budget_s, self.cfg.stage_timeout_s / 2)
-        args = (pool.num_blocks, pool.block_size, self._t.session_attention, budget)
+        args = (pool.num_blocks, pool.block_size, self._t.session_attention, self._compile_budget_s)
         calls = peers.submit("warm_sessions", *args)
         ranks = [root.warm_sessions(*args), *peers.collect(calls, stage="compile")]
         paths = {r.path for r in ranks}
@@ -184,6 +187,7 @@ class Lifecycle:
         first = next((r for r in ranks if r.path != "in_place"), ranks[0])
         self.session_attention = KernelStatus(path, first.reason, max(r.compile_s for r in ranks),
                                               min(r.shapes for r in ranks))
+        self._spare_kernel = root.kernel_shape if path == "in_place" else None
         if path == "in_place":
             log.info("session attention: in place over the KV pool's blocks on every rank (%d shapes compiled, "
                      "%.1f s at most per rank)", self.session_attention.shapes, self.session_attention.compile_s)

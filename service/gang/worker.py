@@ -56,7 +56,7 @@ from service.parallel.model import (
     new_kv_pool,
     shard_dense,
 )
-from service.parallel.paged_kernel import InPlaceAttention, KernelStatus, compiler_problem
+from service.parallel.paged_kernel import InPlaceAttention, KernelShape, KernelStatus, compile_shape, compiler_problem
 from service.parallel.registry import ModelArgs, resolve
 from service.parallel.weights import checkpoint_causal
 from service.config.tunables import GangTunables, StateTunables
@@ -276,6 +276,28 @@ class Rank:
         self.info = replace(self.info, rank=rank)
         log.info("spare pid %d adopted as rank %d", self.info.pid, rank)
         return self.info
+
+    def prewarm_sessions(self, shape: KernelShape, budget_s: float) -> RankInfo:
+        """A warm spare (rank -1), before it is adopted: compile its gang's in-place attention
+        (`shape`, the peers' own) in this process, at most `budget_s` of compiling, so the
+        adopting rebuild's `warm_sessions` finds it compiled (milliseconds, not the seconds a
+        fresh process's compile takes). A failure is logged only: `warm_sessions` meets it again
+        and says which path runs."""
+        if self.rank != -1:
+            raise RuntimeError(f"rank {self.rank}: only an unused spare (rank -1) compiles ahead")
+        try:
+            status = compile_shape(shape, budget_s)
+            log.info("spare pid %d: in-place attention compiled ahead (%d shapes, %.1f s)", self.info.pid,
+                     status.shapes, status.compile_s)
+        except Exception as exc:  # noqa: BLE001 - the adopting bring-up's warm-up decides the path
+            log.warning("spare pid %d: compiling the in-place attention ahead failed (%s: %s)", self.info.pid,
+                        type(exc).__name__, first_line(exc)[:200])
+        return self.info
+
+    @property
+    def kernel_shape(self) -> KernelShape | None:
+        """The in-place attention this rank compiled at bring-up (None: its sessions gather)."""
+        return self._kernel.shape if self._kernel is not None else None
 
     def memory_stats(self) -> dict[str, int | str]:
         """This rank's device memory (CUDA only; {} on CPU): what the caching allocator holds

@@ -135,6 +135,31 @@ def _flex() -> Callable[..., torch.Tensor]:
     return _compiled
 
 
+@dataclass(frozen=True)
+class KernelShape:
+    """What one rank's in-place attention is compiled for: the pool's pages (num_blocks x
+    block_size), its K/V heads, the query heads reading it, the head width and the dtype. Every
+    peer of a gang has the same (heads split evenly), and a process compiles a shape once for
+    every pool of it (the one `_flex`): so a warm spare that compiled its gang's shape before it
+    is adopted warms up in milliseconds (`compile_shape`, service.gang.spare)."""
+
+    num_blocks: int
+    block_size: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def compile_shape(shape: KernelShape, budget_s: float) -> KernelStatus:
+    """Compile `shape`'s kernel in this process, over a scratch pool of one layer of zeros
+    (freed on return), at most `budget_s` of compiling (InPlaceAttention.warm)."""
+    pool_k = torch.zeros(shape.num_blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=shape.dtype)
+    kernel = InPlaceAttention(shape.num_blocks, shape.block_size, shape.q_heads, shape.kv_heads, shape.head_dim,
+                              shape.dtype)
+    return kernel.warm(pool_k, torch.zeros_like(pool_k), shape.head_dim ** -0.5, budget_s)
+
+
 class InPlaceAttention:
     """The compiled in-place attention for one pool: its pages (num_blocks x block_size), its
     K/V heads, head width and dtype, and the query heads of the model reading it."""
@@ -161,6 +186,10 @@ class InPlaceAttention:
         self.rows_in_place = rows_in_place and dtype == torch.float32  # module docstring: "Which rows"
         self._plan: object | None = None  # the step whose masks `_masks` holds (`_memo`)
         self._masks: dict[tuple, object] = {}
+
+    @property
+    def shape(self) -> KernelShape:
+        return KernelShape(self.num_blocks, self.block_size, self.q_heads, self.kv_heads, self.head_dim, self.dtype)
 
     def matches(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         return (q_heads, kv_heads, head_dim, dtype) == (self.q_heads, self.kv_heads, self.head_dim, self.dtype)
