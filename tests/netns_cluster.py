@@ -178,6 +178,8 @@ class NetnsCluster:
                     '--system-config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}']
         else:
             cmd += [f"--address={self.head.ip}:{HEAD_PORT}"]
+        if node.head:
+            self._start_front_door_log(node)
         for attempt in range(3):
             try:
                 self.run_in(node, cmd, timeout_s=120)
@@ -189,6 +191,41 @@ class NetnsCluster:
                     raise
                 self.kill_node(node)
         node.alive = True
+
+    @property
+    def front_door_log(self) -> Path:
+        return self.work / "front-door.log"
+
+    def _start_front_door_log(self, head: Node) -> None:
+        """HAProxy's access log on the head (Serve renders `log 127.0.0.1:514`, UDP syslog, in the
+        head's own namespace) appended to `front_door_log`, each line after its arrival's
+        wall-clock time: what the front door saw of a request a fault test finds unanswered.
+        The sink is one of the head's processes: a head kill stops it, a head start starts it."""
+        sink = ("import socket, sys, time\n"
+                "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('127.0.0.1', 514))\n"
+                "out = open(sys.argv[1], 'a', buffering=1)\n"
+                "while True:\n"
+                "    line = s.recv(65535).decode('utf-8', 'replace').strip()\n"
+                "    out.write(f'{time.time():.3f} {line}\\n')\n")
+        subprocess.Popen(["ip", "netns", "exec", head.name, sys.executable, "-c", sink, str(self.front_door_log)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def front_door_lines(self, since_wall: float, until_wall: float) -> list[str]:
+        """The front door's access-log lines that arrived in [since_wall, until_wall] (time.time())."""
+        try:
+            text = self.front_door_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        lines = []
+        for line in text.splitlines():
+            stamp, _, rest = line.partition(" ")
+            try:
+                at = float(stamp)
+            except ValueError:
+                continue
+            if since_wall <= at <= until_wall:
+                lines.append(rest)
+        return lines
 
     def restart_all(self, wipe_state: bool) -> None:
         """A full restart: every process of every node killed, then Ray started again on the
@@ -255,9 +292,12 @@ class NetnsCluster:
         shutil.rmtree(self.work, ignore_errors=True)
 
     def _keep_serve_logs(self) -> None:
-        """The head's Serve logs (the ingress's request lines, the replicas' warnings) outlive the
+        """The head's Serve logs (the ingress's request lines, the replicas' warnings) and the
+        front door's access log outlive the
         cluster in KEPT_LOGS, replaced by each run: a fault test's failure can be read after it."""
         logs = Path(self.nodes[0].temp_dir) / "session_latest" / "logs" / "serve" if self.nodes else None
         if logs is not None and logs.is_dir():
             shutil.rmtree(KEPT_LOGS, ignore_errors=True)
             shutil.copytree(logs, KEPT_LOGS, dirs_exist_ok=True)
+            if self.front_door_log.exists():
+                shutil.copy(self.front_door_log, KEPT_LOGS / self.front_door_log.name)

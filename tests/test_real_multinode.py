@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import threading
 import time
@@ -154,6 +155,7 @@ class Load:
 
     def __init__(self, url: str, threads: int = 2, timeout_s: float = 90.0) -> None:
         self.url, self.results, self._stop = url, [], threading.Event()
+        self.wall_offset = time.time() - time.monotonic()  # a start time's wall clock: t0 + wall_offset
         self.threads, self.timeout_s = threads, timeout_s
         self.body_at: dict[float, str] = {}  # every non-200 answer's body (or error), by its start time
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
@@ -204,6 +206,22 @@ class Load:
         """The n slowest requests as (status, latency s, started s after `since`, body if not 200)."""
         worst = sorted(self.results, key=lambda r: -r[1])[:n]
         return [(s, round(lat, 2), round(t0 - since, 2), self.body_at.get(t0, "")[:200]) for s, lat, t0 in worst]
+
+    def unanswered_story(self, cluster: NetnsCluster) -> list[str]:
+        """What the front door logged while each unanswered request waited (HAProxy's access
+        log and its servers' health changes: NetnsCluster.front_door_lines): lines that are
+        not a quick answer (Ta < 1 s, no queue, a normal end), at most 30."""
+        story = []
+        for status, _, t0 in list(self.results):
+            if status != -1:
+                continue
+            at = t0 + self.wall_offset
+            for line in cluster.front_door_lines(at - 0.5, at + self.timeout_s + 1.0):
+                timers = re.search(r" (-?\d+)/(-?\d+)/(-?\d+)/(-?\d+)/\+?(\d+) \d{3} .* ([-A-Za-z]{4}) ", line)
+                quick = timers is not None and int(timers[5]) < 1000 and int(timers[2]) <= 100 and timers[6] == "----"
+                if not quick and line not in story:
+                    story.append(line[:400])
+        return story[:30] or ["(nothing unusual in the front door's log)"]
 
     @property
     def bodies(self) -> dict[int, str]:
@@ -262,7 +280,8 @@ def test_partition_of_a_ranks_node_gives_bounded_errors_and_recovers(cluster: Ne
     # 1 s): a right 200, or our JSON 503/504. No request sat on the cut side: the ingress
     # replicas are on the head with the front door, and they bound their own call to the cut
     # gang by the request's deadline.
-    assert -1 not in statuses, f"unanswered within {CLIENT_WAIT_S} s: {load.slowest(cut_at)}"
+    assert -1 not in statuses, (f"unanswered within {CLIENT_WAIT_S} s: {load.slowest(cut_at)}; the front door "
+                                f"meanwhile: {load.unanswered_story(cluster)}")
     assert set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     assert not load.foreign_bodies(), load.foreign_bodies()
     assert recovered_at is not None, "not serving again within 120 s of the link coming back"
@@ -334,7 +353,8 @@ def test_losing_a_ranks_node_gives_503_with_the_reason_and_a_new_node_brings_the
     # from HAProxy or its backup (Serve's Python proxy).
     assert set(health) == {200}, health
     assert -200 not in statuses, "a 200 carried a wrong answer"
-    assert -1 not in statuses, f"unanswered within {CLIENT_WAIT_S} s: {load.slowest(killed_at)}"
+    assert -1 not in statuses, (f"unanswered within {CLIENT_WAIT_S} s: {load.slowest(killed_at)}; the front "
+                                f"door meanwhile: {load.unanswered_story(cluster)}")
     assert not load.foreign_bodies(), load.foreign_bodies()
     assert set(statuses) <= {200, 503, 504}, (statuses, load.bodies)
     # The gang noticed the lost peer itself (its group's error), without Ray's node health
