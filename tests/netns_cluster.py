@@ -70,6 +70,7 @@ class NetnsCluster:
     def __post_init__(self) -> None:
         self.subnet = f"198.18.{100 + os.getpid() % 150}"
         self.bridge = f"gsbr{self.tag}"
+        self.bridge_mac = f"02:67:73:00:{self.tag[:2]}:{self.tag[2:]}"  # locally administered, unicast
         self.token = secrets.token_hex(32)
         self.work = Path(tempfile.mkdtemp(prefix=f"gs-netns-{self.tag}-"))
         self.state_dir = self.work / "state"  # shared storage: every node sees this path
@@ -141,7 +142,13 @@ class NetnsCluster:
     def start(self, gpus_per_node: list[int], before_nodes: Callable[[], None] | None = None) -> "NetnsCluster":
         """Bridge, then `before_nodes()` (servers binding the gateway address, which exists
         from now on), then one node per entry of `gpus_per_node`."""
-        _ip("link", "add", self.bridge, "type", "bridge")
+        # A fixed MAC: a bridge without one takes the lowest MAC of its ports, so a node added
+        # later (add_node after a node loss) can change it, and every node's ARP entry for the
+        # gateway then names a MAC the bridge no longer answers to: their packets to the host
+        # (the tests' clients, PostgreSQL, S3) are dropped until that entry is resolved again,
+        # seconds later (the node-loss test's "held answers": logged as sent by HAProxy, never
+        # received). A bridge given its address keeps it.
+        _ip("link", "add", self.bridge, "address", self.bridge_mac, "type", "bridge")
         self._bridge_up = True
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
