@@ -205,6 +205,7 @@ class Sizes:
     stall_rounds: int = 12
     chunk_tokens: int | None = None  # None: the service's default (tunables.gang.session_prefill_chunk_tokens)
     attention: str = "auto"  # tunables.gang.session_attention ("gather": the path before item 2)
+    block_tokens: int | None = None  # session_block_tokens (the page size); None: the service's default
 
 
 @dataclass
@@ -315,7 +316,8 @@ def _app_args(stack: str, ws: int, sizes: Sizes, checkpoint: Path | None) -> dic
             "cpus_per_rank": cores / ws, "torch_threads_per_rank": max(1, cores // ws), "warm_spare": False,
             "collective_timeout_s": 300, "max_seq_len": max(4096, sizes.prefill_rows, grown),
             "max_session_tokens": max(4096, sizes.prefill_rows, grown), "max_batch_size": max(sizes.sessions),
-            "batch_wait_timeout_s": LINGER_S, "session_cache_bytes": tokens * per_token, "tunables": tunables}
+            "batch_wait_timeout_s": LINGER_S, "session_cache_bytes": tokens * per_token, "tunables": tunables,
+            **({"session_block_tokens": sizes.block_tokens} if sizes.block_tokens is not None else {})}
 
 
 def _llama_arch() -> dict[str, Any]:
@@ -478,6 +480,8 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=None, help="tunables.gang.session_prefill_chunk_tokens")
     parser.add_argument("--attention", choices=["auto", "gather"], default=d.attention,
                         help="tunables.gang.session_attention (gather: the path before the in-place kernel)")
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help="session_block_tokens, the KV pages' tokens (default: the service's)")
     parser.add_argument("--in-process", action="store_true",
                         help="first, without the service: each stack's ws1 step in this process, gather and "
                         "in place, at the same S and context (the rows bench/gpu reports for a GPU)")
@@ -487,7 +491,7 @@ def main() -> None:
                         "the widths before one call per session)")
     args = parser.parse_args()
     sizes = Sizes(tuple(args.sessions), args.context, tuple(args.world_sizes), tuple(args.stacks), args.rounds,
-                  args.prefill_rows, args.stall_rounds, args.chunk_tokens, args.attention)
+                  args.prefill_rows, args.stall_rounds, args.chunk_tokens, args.attention, args.block_tokens)
     local: list[StepRow] = []
     if args.in_process:
         torch.set_num_threads(os.cpu_count() or 1)  # as a ws1 rank here: every core
@@ -497,7 +501,8 @@ def main() -> None:
                 variants.append((True, tuple(args.compare_decode_buckets)))
             for in_place, buckets in variants:
                 local += in_process_steps(stack, sizes.sessions, sizes.context, torch.device("cpu"), torch.float32,
-                                          sizes.rounds, in_place=in_place, decode_buckets=buckets)
+                                          sizes.rounds, in_place=in_place, decode_buckets=buckets,
+                                          **({"block": sizes.block_tokens} if sizes.block_tokens else {}))
                 print_rows(local[-len(sizes.sessions):])
     run = Run(sizes) if args.no_served else bench_decode(sizes)
     run.rows = local + run.rows

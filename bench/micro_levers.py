@@ -15,7 +15,7 @@
   E768 stack's pool at world size 1, 12 heads of 64, 16-token pages scattered, every session at
   context 2048, one new row each) for S sessions, interleaved: the gather path, and the compiled
   in-place kernel as before (one call of 4 or 32), now (a call per session up to
-  DECODE_ALONE_UP_TO sessions, else one call of 4 or 32), and a call per session always:
+  DECODE_ALONE_UP_TO sessions, else calls padded to DECODE_BUCKETS), and a call per session always:
   where the gather and in place cross, and what batching and padding sessions in one call costs.
   `decode N [S ...]` runs it with N threads (1) and those numbers of sessions (1 2 4 8 16);
 - `warmup`: the in-place kernel's warm-up (a ws1 rank's, the 12-layer E768 stack's pool) in a
@@ -218,7 +218,8 @@ def decode(sessions: tuple[int, ...] = (1, 2, 4, 8, 16), rounds: int = 7, contex
     scale = head_dim ** -0.5
     kernels: dict[str, InPlaceAttention | None] = {"gather": None}
     variants = {"before: calls of 4/32": ((4, 32), 0),
-                f"now: alone up to {DECODE_ALONE_UP_TO}, else 4/32": (DECODE_BUCKETS, DECODE_ALONE_UP_TO),
+                f"now: alone up to {DECODE_ALONE_UP_TO}, else calls of {'/'.join(map(str, DECODE_BUCKETS[1:]))}":
+                    (DECODE_BUCKETS, DECODE_ALONE_UP_TO),
                 "a call per session": ((1,), 0)}
     for name, (buckets, alone) in variants.items():
         kernel = InPlaceAttention(num_blocks, block, heads, heads, head_dim, torch.float32, decode_buckets=buckets,

@@ -79,16 +79,16 @@ def _dense_last_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @pytest.mark.parametrize("path", ["gather", "in-place"])
 @pytest.mark.parametrize("heads", [(4, 4), (2, 1)], ids=["ws1-4-heads", "ws2-rank-of-4-over-2-kv-heads"])
-@pytest.mark.parametrize("sessions", [1, 2, 3, 5])
+@pytest.mark.parametrize("sessions", [1, 2, 3, 5, 17])
 def test_a_decode_step_of_s_sessions_matches_dense_causal_attention(path: str, heads: tuple[int, int],
                                                                     sessions: int) -> None:
     """One decode step (S one-row appends, sessions of different lengths over scattered blocks
     of one pool) through `paged_attention` equals torch's SDPA in float64 over each session's
     whole sequence, with S on both sides of where the decode path changes (1 and 2: a call per
-    session, paged_kernel.DECODE_ALONE_UP_TO; 3: one call padded to 4; 5: one call padded to
-    32), gathered and in place (the kernel as a rank warms it, its decode calls of the shapes
-    warm-up compiled). `heads`: a world-size-1 rank's query
-    and K/V heads, and a world-size-2 rank's share of a grouped-query model (what a rank's pool
+    session, paged_kernel.DECODE_ALONE_UP_TO; 3, 5 and 17: one call padded to 4, 8 and 32, the
+    sessions' block counts evened by the mask), gathered and in place (the kernel as a rank
+    warms it, its decode calls of the shapes warm-up compiled). `heads`: a world-size-1 rank's
+    query and K/V heads, and a world-size-2 rank's share of a grouped-query model (what a rank's pool
     holds: the attention of a rank is this function over its heads)."""
     h, kv = heads
     d, bs, num_blocks = 8, 4, 600  # 2,400 pool positions: the CPU decoding template's size (>= 512 per batch entry)

@@ -132,7 +132,7 @@ class GangTunables:
         "path runs and why."))
     session_compile_budget_s: float = knob(60.0, (
         "Most seconds one rank spends compiling the in-place attention's shapes at bring-up ("
-        "measured in bench/NOTES.md; 3 shapes). "
+        "measured in bench/NOTES.md; 5 decode shapes). "
         "Shapes left over are never compiled later: their calls take the gather path, so a user's append "
         "never waits for a compiler. Must stay well inside gang.stage_timeout_s, which bounds the stage."))
     session_prefill_chunk_tokens: int = knob(256, (

@@ -26,8 +26,8 @@ block holding the boundary is *partial*, and its mask is evaluated per element:
 Shapes are static (compiled once each, at warm-up): the kernel's dynamic-shape path in torch
 2.13 miscompiles (its C++ template renames the symbols `ks1`, `ks10` ... by plain string
 replacement, so `ks1` inside `ks10` is corrupted: a compile error or a division by zero at
-run time). So decode groups are padded to DECODE_BUCKETS sessions (a padding one has no block: the
-kernel skips it) and a session's rows to ROW_BUCKETS (padding rows are discarded); more
+run time). So decode groups are padded to DECODE_BUCKETS sessions (a padding entry's output is
+discarded) and a session's rows to ROW_BUCKETS (padding rows are discarded); more
 rows than the largest bucket are split, which changes nothing in the math (every row attends
 the pool, where this step's K/V are already written).
 
@@ -36,18 +36,22 @@ bucket of 1 in DECODE_BUCKETS): for one query row over a pool of at least 512 po
 entry, inductor's CPU template is its decoding kernel (torch 2.13,
 `cpp_flex_attention_template.py`: work split over the session's KV blocks in partitions of 128
 positions). It takes that split only when every batch entry has the same numbers of full and
-partial KV blocks; otherwise, and a padding entry (no block) or two sessions of different
-lengths are enough, it splits the *whole pool's* length into partitions and scans every block of
-the entry in each: work and tasks grow with the pool, not the session. A call of one session
-always takes the split by its own blocks. More sessions share one call (padded to 4 or 32): each
-call is a parallel region of its own, and on 2 threads of a shared machine 4 sessions' calls
-cost more than the one padded call. Measured (bench/micro_levers.py decode, 12 layers x 12 heads
-of 64 at context 2048, sessions of differing lengths, CPU time against the gather path's, one
-process, interleaved; bench/NOTES.md):
+partial KV blocks; otherwise it splits the *whole pool's* length into partitions and scans every
+block of the entry in each: work and tasks grow with the pool, not the session. A call of one
+session always takes the split by its own blocks. More sessions share one call (padded to the
+next of 4, 8, 16 or 32): each call is a parallel region of its own, and on 2 threads of a shared
+machine 4 sessions' calls cost more than the one padded call. A shared call's mask gives every
+entry the same block counts (`_decode_mask`: the fewest full blocks as full, the rest as partial
+blocks whose mask allows what the entry holds; a shorter session and a padding entry list filler
+blocks the mask refuses), so sessions of different lengths and padding entries keep the split.
+Measured (bench/micro_levers.py decode and bench/decode.py --in-process, 12 layers x 12 heads of
+64 at context 2048, CPU time against the gather path's, one process; bench/NOTES.md):
 
-    sessions                     1           2           4           32
-    one padded call (before)     1.44 / 1.39 1.25 / 1.22 1.06 / 1.01 0.77 / -     (1 / 2 threads)
-    a call per session           0.69 / 0.70 0.70 / 0.85 0.58 / 1.98 0.33 / -
+    sessions                           1     2     4     8     16    32    (1 thread, lengths differ)
+    one padded call of 4/32 (first)    1.44  1.25  1.06  -     -     0.77
+    a call per session                 0.69  0.70  0.58  -     -     0.33
+    uneven masks, calls of 1/4/32      0.84  0.87  1.91  1.15  -     0.76
+    even masks, calls of 1/4/8/16/32   0.86  -     0.73  0.30  0.29  0.29
 
 After warm-up every call runs under `torch.compiler.set_stance("fail_on_recompile")`: a
 shape that was not compiled raises (`NotWarmed`) instead of compiling on a user's request,
@@ -74,7 +78,7 @@ import torch
 log = logging.getLogger("gangserve.rank")
 
 # One-row appends per decode call (padded up: a padding row has no block); 1: a session alone.
-DECODE_BUCKETS = (1, 4, 32)
+DECODE_BUCKETS = (1, 4, 8, 16, 32)
 DECODE_ALONE_UP_TO = 2  # a step of at most this many one-row appends calls once per session (docstring)
 ROW_BUCKETS = (64,)  # query rows per rows call (padded up; more rows are split into calls of 64)
 Q_BLOCK = 64  # query rows per BlockMask row block in rows calls (the causal boundary's granularity)
@@ -243,27 +247,44 @@ class InPlaceAttention:
         return out
 
     def _decode_mask(self, tables: Sequence[Sequence[int]], lengths: Sequence[int], width: int) -> object:
+        """The mask of one decode call: `tables` and `lengths` of its sessions, padding entries up
+        to `width`. Every entry gets the same numbers of full and partial blocks, so the CPU
+        template takes its split by the entries' own blocks (module docstring):
+        - F full blocks each, F = the fewest full blocks of the call's sessions: an entry's first
+          F blocks (a padding entry reads any F blocks; its output is discarded);
+        - P partial blocks each, P = the widest session's block count - F: an entry's remaining
+          blocks, then blocks outside its own table (a block listed twice would be read twice)
+          up to P. `mask_mod` allows, per entry and physical block, the positions the entry
+          holds of it: B for a whole block, the rest for its last one, none for the fillers.
+        Sessions of one length (and a lone session) get exactly their own blocks; a shorter
+        session checks the mask on at most the widest's extra blocks."""
         from torch.nn.attention.flex_attention import BlockMask
 
         bs, n = self.block_size, self.num_blocks
-        partial_num = torch.zeros(width, 1, 1, dtype=torch.int32)
-        partial_idx = torch.zeros(width, 1, 1, n, dtype=torch.int32)
-        full_num = torch.zeros(width, 1, 1, dtype=torch.int32)
+        counts = [-(-length // bs) for length in lengths]
+        fulls = [count if length == count * bs else count - 1 for length, count in zip(lengths, counts)]
+        first, widest = min(fulls), max(counts)
+        partial = widest - first
         full_idx = torch.zeros(width, 1, 1, n, dtype=torch.int32)
-        tail = torch.zeros(width, dtype=torch.int32)  # allowed offsets in the partial block: kv % B < tail
-        for i, (table, length) in enumerate(zip(tables, lengths)):
-            nb = -(-length // bs)
-            rest = length - (nb - 1) * bs
-            full = nb if rest == bs else nb - 1
-            full_num[i, 0, 0] = full
-            full_idx[i, 0, 0, :full] = torch.tensor(table[:full], dtype=torch.int32)
-            if full < nb:
-                partial_num[i, 0, 0] = 1
-                partial_idx[i, 0, 0, 0] = table[nb - 1]
-                tail[i] = rest
+        partial_idx = torch.zeros(width, 1, 1, n, dtype=torch.int32)
+        allowed = torch.zeros(width, n, dtype=torch.int32)  # positions entry b may read of physical block k
+        for i, (table, length, count) in enumerate(zip(tables, lengths, counts)):
+            own = [int(b) for b in table[:count]]
+            full_idx[i, 0, 0, :first] = torch.tensor(own[:first], dtype=torch.int32)
+            rest = own[first:]
+            if rest:
+                allowed[i, rest] = bs
+                allowed[i, own[-1]] = length - (count - 1) * bs
+            mine = set(own)
+            fill = [b for b in range(n) if b not in mine][:partial - len(rest)] if len(rest) < partial else []
+            partial_idx[i, 0, 0, :partial] = torch.tensor(rest + fill, dtype=torch.int32)
+        full_idx[len(tables):, 0, 0, :first] = torch.arange(first, dtype=torch.int32)  # padding: discarded
+        partial_idx[len(tables):, 0, 0, :partial] = torch.arange(partial, dtype=torch.int32)  # allowed none
+        full_num = torch.full((width, 1, 1), first, dtype=torch.int32)
+        partial_num = torch.full((width, 1, 1), partial, dtype=torch.int32)
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return kv_idx % bs < tail[b]
+            return kv_idx % bs < allowed[b, kv_idx // bs]
 
         return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=(1, bs),
                                         mask_mod=mask_mod, seq_lengths=(1, n * bs))
