@@ -24,7 +24,7 @@ from service.parallel.paged_kernel import InPlaceAttention
 from service.parallel.weights import random_weights, shard_dense
 from service.sessions.registry import Limits, SessionRegistry, StepItem
 from tests.conftest import deploy, undeploy
-from tests.shared_apps import E, SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
+from tests.shared_apps import E, IN_PLACE_UP_TO_WORLD_SIZE, SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
 from tests.helpers import assert_error, eventually, npy_bytes, rand
 from tests.session_client import TOL, HttpSession
 from tests.reference import reference, relative_error
@@ -134,6 +134,9 @@ def test_interleaved_sessions_match_causal_mha(apps: Callable[[int], str], ws: i
     assert doc["session_id"] == b.id and doc["weights_version"] >= 1
     assert httpx.delete(f"{base}/sessions/{a.id}", timeout=30).status_code == 200
     assert_error(httpx.get(f"{base}/sessions/{a.id}", timeout=30), 404, "session_not_found")
+    # the path these answers came from (tests/shared_apps.py: in place at world sizes 1 and 2)
+    path = "in_place" if ws <= IN_PLACE_UP_TO_WORLD_SIZE else "gather"
+    assert gang(base)["sessions"]["attention"]["path"] == path
 
 
 @pytest.mark.ray
