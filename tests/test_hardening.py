@@ -48,7 +48,7 @@ from service.ingress.oip import codec as oip_codec
 from service.ingress.oip import routes as oip
 from service.ingress.oip.schemas import HEADER_LENGTH as OIP_HEADER_LENGTH
 from service.state.paths import state_dir
-from tests.conftest import TEST_API_TOKEN, local_yaml_args, undeploy, wait_ready
+from tests.conftest import TEST_API_TOKEN, local_yaml_args, suite_args, undeploy, wait_ready
 from tests.helpers import eventually, eventually_async, one_decode_slot_held
 from tests.reference import reference, relative_error
 
@@ -829,8 +829,8 @@ def hard_url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     checkpoint = tmp_path_factory.mktemp("hardening-weights") / "seed.safetensors"
     save_checkpoint(checkpoint, seed_weights(512), num_heads=8)
-    cfg = parse_args({**local_yaml_args(), "world_size": 1, "cpus_per_rank": 0.5, "checkpoint": str(checkpoint),
-                      "max_json_bytes": 1 << 20})
+    cfg = parse_args(suite_args({**local_yaml_args(), "world_size": 1, "cpus_per_rank": 0.5,
+                                 "checkpoint": str(checkpoint), "max_json_bytes": 1 << 20}))
     app = compose_app(cfg)
     # The same app, with GANGSERVE_INFER_TOKEN in the ingress's environment only.
     ingress = app._bound_deployment

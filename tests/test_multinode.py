@@ -16,7 +16,7 @@ from ray import serve
 
 from service.app import build_app, compose_app, parse_args
 from service.cluster.placement import GangUnschedulable
-from tests.conftest import deploy, local_yaml_args
+from tests.conftest import deploy, local_yaml_args, suite_args
 from tests.reference import dense_attention, notes_seed_weights, relative_error
 
 GPU_ARGS = {**local_yaml_args(), "use_gpu": True, "backend": "auto", "cpus_per_rank": 0.25}
@@ -106,7 +106,7 @@ def test_busy_cluster_waits_schedule_timeout_then_reports_and_recovers(serve_url
 
     hog = placement_group([{"GPU": 1}])  # one of the two GPUs is taken
     assert hog.wait(30)
-    cfg = parse_args({**GPU_ARGS, "world_size": 2, "placement_strategy": "PACK", "schedule_timeout_s": 4})
+    cfg = parse_args(suite_args({**GPU_ARGS, "world_size": 2, "placement_strategy": "PACK", "schedule_timeout_s": 4}))
     serve._run(compose_app(cfg), name="busy", route_prefix="/busy", _blocking=False)  # noqa: SLF001
     base = serve_url + "/busy"
     try:
