@@ -23,7 +23,7 @@ import torch
 from safetensors.numpy import save as st_save
 from safetensors.torch import load as st_load_torch
 
-from tests.conftest import TEST_API_TOKEN, local_yaml_args, undeploy, wait_ready
+from tests.conftest import TEST_API_TOKEN, local_yaml_args, suite_args, undeploy, wait_ready
 from tests.helpers import wait_done
 from tests.reference import dense_attention, relative_error
 from tests.s3 import MotoS3
@@ -70,7 +70,7 @@ def s3_app(serve_url: str, s3: MotoS3, tmp_path_factory: pytest.TempPathFactory)
     state = tmp_path_factory.mktemp("s3-app-state")
     env = {**s3.env(f"s3://{BUCKET}/{ROOT}"), "GANGSERVE_STATE_DIR": str(state)}
     args = {**local_yaml_args(), "world_size": 2, "cpus_per_rank": 0.25}
-    serve.run(with_env(build_app(args), env), name=APP, route_prefix=PREFIX, blocking=False)
+    serve.run(with_env(build_app(suite_args(args)), env), name=APP, route_prefix=PREFIX, blocking=False)
     try:
         yield wait_ready(serve_url + PREFIX, 240, f"app {APP}"), state
     finally:
