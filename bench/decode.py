@@ -206,6 +206,7 @@ class Sizes:
     chunk_tokens: int | None = None  # None: the service's default (tunables.gang.session_prefill_chunk_tokens)
     attention: str = "auto"  # tunables.gang.session_attention ("gather": the path before item 2)
     block_tokens: int | None = None  # session_block_tokens (the page size); None: the service's default
+    threads_per_rank: int | None = None  # torch_threads_per_rank; None: the cores over the world size
 
 
 @dataclass
@@ -313,7 +314,8 @@ def _app_args(stack: str, ws: int, sizes: Sizes, checkpoint: Path | None) -> dic
         k: v for k, v in local_yaml_args().items() if k not in ("embed_dim", "num_heads", "init", "seed")}
     weights = {"init": "random", "seed": 0} if stack == "transformer" else {}
     return {**base, **arch, **weights, "world_size": ws,
-            "cpus_per_rank": cores / ws, "torch_threads_per_rank": max(1, cores // ws), "warm_spare": False,
+            "cpus_per_rank": cores / ws, "torch_threads_per_rank": sizes.threads_per_rank or max(1, cores // ws),
+            "warm_spare": False,
             "collective_timeout_s": 300, "max_seq_len": max(4096, sizes.prefill_rows, grown),
             "max_session_tokens": max(4096, sizes.prefill_rows, grown), "max_batch_size": max(sizes.sessions),
             "batch_wait_timeout_s": LINGER_S, "session_cache_bytes": tokens * per_token, "tunables": tunables,
@@ -482,6 +484,8 @@ def main() -> None:
                         help="tunables.gang.session_attention (gather: the path before the in-place kernel)")
     parser.add_argument("--block-tokens", type=int, default=None,
                         help="session_block_tokens, the KV pages' tokens (default: the service's)")
+    parser.add_argument("--threads-per-rank", type=int, default=None,
+                        help="torch_threads_per_rank of the served gangs (default: the cores over the world size)")
     parser.add_argument("--in-process", action="store_true",
                         help="first, without the service: each stack's ws1 step in this process, gather and "
                         "in place, at the same S and context (the rows bench/gpu reports for a GPU)")
@@ -491,7 +495,8 @@ def main() -> None:
                         "the widths before one call per session)")
     args = parser.parse_args()
     sizes = Sizes(tuple(args.sessions), args.context, tuple(args.world_sizes), tuple(args.stacks), args.rounds,
-                  args.prefill_rows, args.stall_rounds, args.chunk_tokens, args.attention, args.block_tokens)
+                  args.prefill_rows, args.stall_rounds, args.chunk_tokens, args.attention, args.block_tokens,
+                  args.threads_per_rank)
     local: list[StepRow] = []
     if args.in_process:
         torch.set_num_threads(os.cpu_count() or 1)  # as a ws1 rank here: every core
