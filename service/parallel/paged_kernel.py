@@ -71,6 +71,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from itertools import islice
 from typing import Callable, Sequence
 
 import torch
@@ -276,7 +277,9 @@ class InPlaceAttention:
                 allowed[i, rest] = bs
                 allowed[i, own[-1]] = length - (count - 1) * bs
             mine = set(own)
-            fill = [b for b in range(n) if b not in mine][:partial - len(rest)] if len(rest) < partial else []
+            # the first blocks outside the entry's table, found lazily: a step's mask is built on the
+            # request path, and scanning the whole pool per session cost O(S x num_blocks) there
+            fill = list(islice((b for b in range(n) if b not in mine), partial - len(rest)))
             partial_idx[i, 0, 0, :partial] = torch.tensor(rest + fill, dtype=torch.int32)
         full_idx[len(tables):, 0, 0, :first] = torch.arange(first, dtype=torch.int32)  # padding: discarded
         partial_idx[len(tables):, 0, 0, :partial] = torch.arange(partial, dtype=torch.int32)  # allowed none
