@@ -19,6 +19,8 @@ from service.contract.errors import GangServeError
 from service.state.artifacts import ArtifactStore, open_store
 from service.training.jobs import Jobs
 from service.training.lifecycle import ActorDied, Answered, Observation, TimedOut
+from service.training.run_snapshot import EpochEntry, FinalCheckpoint, LogLine, Progress, ResumeState, RunSnapshot
+from service.training.status import JobStatus
 from service.config.builder_args import TrainingLimits
 from service.training.run_actors import RunActors
 from service.training.store import JobRecord, JobStore
@@ -60,14 +62,16 @@ class FakeRuns(RunActors):
 
     def __init__(self) -> None:
         super().__init__("no-node")
-        self.launched: list[tuple[str, str | None, str | None, dict[str, Any] | None]] = []
+        self.launched: list[tuple[str, str | None, str | None, ResumeState | None]] = []
+        self.epochs: dict[str, int] = {}  # job -> its spec's epochs (what a real run's progress says)
         self.alive: set[str] = set()
         self.killed: list[str] = []
         self.answer: dict[str, Observation] = {}
 
     async def launch(self, job_id: str, spec: dict[str, Any], dataset_path: str | None,
-                     init_key: str | None, resume: dict[str, Any] | None = None) -> Any:
+                     init_key: str | None, resume: ResumeState | None = None) -> Any:
         self.launched.append((job_id, dataset_path, init_key, resume))
+        self.epochs[job_id] = int(spec.get("epochs") or 1)
         self.alive.add(job_id)
         return job_id  # the handle
 
@@ -76,7 +80,9 @@ class FakeRuns(RunActors):
 
     async def poll(self, handle: Any, log_seq: int, history_seq: int,  # type: ignore[override]
                    timeout_s: float) -> Observation:
-        return self.answer.get(handle, Answered({"status": "PENDING"}))
+        # A run not yet started: a whole snapshot, as a real run sends it.
+        return self.answer.get(handle, Answered(RunSnapshot(JobStatus.PENDING,
+                                                            progress=Progress(epochs=self.epochs.get(handle, 1)))))
 
     async def kill(self, handle: Any) -> None:  # type: ignore[override]
         self.killed.append(handle)
@@ -117,9 +123,12 @@ def world(tmp_path: Path) -> Iterator[World]:
     store.close()
 
 
-def running(**kw: Any) -> Answered:
-    return Answered({"status": "RUNNING", "started_at": 1_000_001.0, "attempts": 1,
-                     "progress": {"epoch": 1, "epochs": 2, "step": 4, "loss": 0.5}, **kw})
+RUNNING = RunSnapshot(JobStatus.RUNNING, started_at=1_000_001.0, attempts=1, progress=Progress(1, 2, 4, 0.5))
+
+
+def running(**moved: Any) -> Answered:
+    """A run in its first attempt after epoch 1 of 2, with `moved` on top."""
+    return Answered(dataclasses.replace(RUNNING, **moved))
 
 
 def test_a_job_is_admitted_polled_and_ends_with_its_runs_outcome(world: World) -> None:
@@ -129,16 +138,16 @@ def test_a_job_is_admitted_polled_and_ends_with_its_runs_outcome(world: World) -
     assert world.record(job["id"]).owner == world.jobs.manager_id
     assert world.lines(job["id"])[0].startswith(f"submitted by {world.jobs.manager_id}: ")
 
-    world.runs.answer[job["id"]] = running(logs=[[1, 1_000_001.0, "[rank 0] epoch 1"]], history_seq=1,
-                                           history=[{"epoch": 1, "loss": 0.5, "eval_loss": 0.6}])
+    world.runs.answer[job["id"]] = running(logs=(LogLine(1, 1_000_001.0, "[rank 0] epoch 1"),), history_seq=1,
+                                           history=(EpochEntry(1, 0.5, 0.6, 1_000_002.0),))
     world.run(world.jobs.poll_round())
     record = world.record(job["id"])
     assert record.status == "RUNNING" and record.reason is None and record.attempts == 1
     assert record.history == [{"epoch": 1, "loss": 0.5, "eval_loss": 0.6}]
     assert "[rank 0] epoch 1" in world.lines(job["id"])
 
-    world.runs.answer[job["id"]] = Answered({"status": "SUCCEEDED", "finished_at": 1_000_009.0,
-                                             "checkpoint": {"path": f"checkpoints/{job['id']}.safetensors"}})
+    world.runs.answer[job["id"]] = running(status=JobStatus.SUCCEEDED, finished_at=1_000_009.0, checkpoint=FinalCheckpoint(
+        path=f"checkpoints/{job['id']}.safetensors", url=f"/train/{job['id']}/checkpoint", format="linear", bytes=64))
     world.run(world.jobs.poll_round())
     assert world.record(job["id"]).status == "SUCCEEDED"
     assert world.runs.killed == [job["id"]]  # its outcome is recorded: the actor is released
@@ -167,8 +176,8 @@ def test_a_dead_run_is_resumed_then_failed_past_max_resumes(world: World) -> Non
     world.run(world.jobs.poll_round())
     record = world.record(job_id)
     assert record.status == "RUNNING" and record.resumes == 1
-    assert world.runs.launched[-1] == (job_id, None, None, {
-        "attempts": 1, "started_at": 1_000_001.0, "progress": record.progress, "resumed_from_epoch": None})
+    assert world.runs.launched[-1] == (job_id, None, None, ResumeState(
+        attempts=1, started_at=1_000_001.0, progress=Progress(1, 2, 4, 0.5), resumed_from_epoch=None))
     assert any("the run's actor died (ActorDiedError) while the job was RUNNING" in line
                and "(resume 1/1)" in line for line in world.lines(job_id))
 
@@ -232,7 +241,8 @@ def test_cancel_delete_and_what_post_weights_loads(world: World) -> None:
         world.run(world.jobs.resolve_weights(job_id=attention))
     assert refused.value.code == "no_checkpoint" and "status PENDING" in refused.value.message
     key = f"checkpoints/{attention}.safetensors"
-    world.runs.answer[attention] = Answered({"status": "SUCCEEDED", "checkpoint": {"path": key}})
+    world.runs.answer[attention] = running(status=JobStatus.SUCCEEDED, checkpoint=FinalCheckpoint(
+        path=key, url=f"/train/{attention}/checkpoint", format="dense-attention", bytes=7))
     world.run(world.jobs.poll_round())
     with pytest.raises(GangServeError) as refused:
         world.run(world.jobs.checkpoint_key(attention))

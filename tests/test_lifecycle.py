@@ -3,6 +3,7 @@ is a job record and what the cluster says about its run, and the decision the ru
 Pure functions: no Ray, no database, no clock."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -32,7 +33,11 @@ from service.training.lifecycle import (
     settle_gone_run,
     snapshot_changes,
 )
+from service.training.run_snapshot import (
+    EpochEntry, FinalCheckpoint, LogLine, Progress, ResumeState, RunSnapshot, WorkerEntry,
+)
 from service.training.spec import JobSpec
+from service.training.status import JobStatus
 from service.training.store import JobRecord
 from service.config.tunables import TrainingTunables
 
@@ -46,7 +51,19 @@ T0 = 1_000.0  # every job below was submitted at T0
 def job(status: str = "RUNNING", *, owner: str | None = ME, **kw: Any) -> JobRecord:
     spec = kw.pop("spec", {})
     return JobRecord(id="job-0", status=status, spec=spec, created_at=T0, updated_at=T0,
-                     progress=kw.pop("progress", {"epoch": 2, "epochs": 5, "step": 7}), owner=owner, **kw)
+                     progress=kw.pop("progress", {"epoch": 2, "epochs": 5, "step": 7, "loss": None}), owner=owner, **kw)
+
+
+def snapshot_of(record: JobRecord, **moved: Any) -> RunSnapshot:
+    """The whole snapshot a run of `record` answers when only `moved` changed since the record
+    was written (a run always sends every field)."""
+    p = record.progress
+    return dataclasses.replace(RunSnapshot(
+        status=JobStatus(record.status), error=record.error, started_at=record.started_at,
+        finished_at=record.finished_at, progress=Progress(p["epoch"], p["epochs"], p["step"], p["loss"]),
+        workers=tuple(WorkerEntry(**w) for w in record.workers), attempts=record.attempts,
+        resumed_from_epoch=record.resumed_from_epoch,
+        checkpoint=FinalCheckpoint(**record.checkpoint) if record.checkpoint else None), **moved)
 
 
 def test_the_rules_default_to_the_tunables() -> None:
@@ -91,12 +108,12 @@ def test_the_runtime_limit_is_the_jobs_own_never_above_the_services(
 # ---- after_poll: what the run said ---------------------------------------------------------------
 
 @pytest.mark.parametrize(("seen", "missed", "decision"), [
-    (Answered({"status": "RUNNING"}), 0, Apply()),
-    (Answered({"status": "RUNNING"}), 2, Apply()),                   # an answer resets the count (the caller)
-    (Answered({"status": "PENDING"}), 0, Apply(check_pending=True)),
-    (Answered({"status": "SUCCEEDED"}), 0, Apply(release=True)),
-    (Answered({"status": "FAILED"}), 0, Apply(release=True)),
-    (Answered({"status": "CANCELLED"}), 0, Apply(release=True)),
+    (Answered(RunSnapshot(JobStatus.RUNNING)), 0, Apply()),
+    (Answered(RunSnapshot(JobStatus.RUNNING)), 2, Apply()),          # an answer resets the count (the caller)
+    (Answered(RunSnapshot(JobStatus.PENDING)), 0, Apply(check_pending=True)),
+    (Answered(RunSnapshot(JobStatus.SUCCEEDED)), 0, Apply(release=True)),
+    (Answered(RunSnapshot(JobStatus.FAILED)), 0, Apply(release=True)),
+    (Answered(RunSnapshot(JobStatus.CANCELLED)), 0, Apply(release=True)),
     (TimedOut(), 0, Missed(1)),
     (TimedOut(), 1, Missed(2)),
     (TimedOut(), 2, Fail("the run actor did not answer 3 polls in a row; stopped it")),
@@ -131,21 +148,47 @@ def test_pending_check(reason: str | None, placement: Placement, waited: float, 
 
 # ---- snapshot_changes: what a snapshot writes ----------------------------------------------------
 
-@pytest.mark.parametrize(("record", "snapshot", "changes"), [
-    (job("RUNNING", attempts=1), {"status": "RUNNING", "attempts": 1}, Changes({})),
-    (job("RUNNING", attempts=1), {"status": "RUNNING", "attempts": 2, "logs": [], "history": []},
+CHECKPOINT = FinalCheckpoint(path="checkpoints/job-0.safetensors", url="/train/job-0/checkpoint",
+                             format="dense-attention", bytes=1234)
+
+
+@pytest.mark.parametrize(("record", "moved", "changes"), [
+    (job("RUNNING", attempts=1), {}, Changes({})),
+    (job("RUNNING", attempts=1),
+     {"attempts": 2, "logs": (LogLine(1, T0, "x"),), "history": (EpochEntry(1, 0.5),), "history_seq": 1},
      Changes({"attempts": 2})),                                          # only fields that changed, only record fields
-    (job("PENDING", reason=WAITING), {"status": "RUNNING", "started_at": 5.0},
+    (job("RUNNING"), {"progress": Progress(3, 5, 9, 0.25)},
+     Changes({"progress": {"epoch": 3, "epochs": 5, "step": 9, "loss": 0.25}})),  # as the record stores it
+    (job("PENDING", reason=WAITING), {"status": JobStatus.RUNNING, "started_at": 5.0},
      Changes({"status": "RUNNING", "started_at": 5.0, "reason": None})),  # no longer waiting
-    (job("PENDING", reason=WAITING), {"status": "PENDING"}, Changes({})),
-    (job("RUNNING", reason="resumed"), {"status": "SUCCEEDED", "checkpoint": {"path": "c"}},
-     Changes({"status": "SUCCEEDED", "checkpoint": {"path": "c"}})),     # a reason that is not "waiting" stays
-    (job("RUNNING", attempts=1), {"status": "PENDING", "attempts": 2},
+    (job("PENDING", reason=WAITING), {}, Changes({})),
+    (job("RUNNING", reason="resumed"), {"status": JobStatus.SUCCEEDED, "checkpoint": CHECKPOINT},
+     Changes({"status": "SUCCEEDED", "checkpoint": dataclasses.asdict(CHECKPOINT)})),  # a reason not "waiting" stays
+    (job("RUNNING", attempts=1), {"status": JobStatus.PENDING, "attempts": 2},
      Changes({"attempts": 2}, refused="PENDING")),                       # RUNNING never returns to PENDING
-    (job("CANCELLED"), {"status": "SUCCEEDED", "error": None}, Changes({}, refused="SUCCEEDED")),
+    (job("CANCELLED"), {"status": JobStatus.SUCCEEDED}, Changes({}, refused="SUCCEEDED")),
 ])
-def test_snapshot_changes(record: JobRecord, snapshot: dict[str, Any], changes: Changes) -> None:
-    assert snapshot_changes(record, snapshot) == changes
+def test_snapshot_changes(record: JobRecord, moved: dict[str, Any], changes: Changes) -> None:
+    assert snapshot_changes(record, snapshot_of(record, **moved)) == changes
+
+
+def test_a_result_json_reads_back_as_the_snapshot_written() -> None:
+    """The outcome a run leaves in its run dir (to_json) is what a manager reads (from_json),
+    every field; one written with the log lines as lists (the earlier layout) reads too."""
+    full = RunSnapshot(
+        status=JobStatus.SUCCEEDED, error=None, started_at=T0 + 1, finished_at=T0 + 9,
+        progress=Progress(2, 2, 8, 0.125), history=(EpochEntry(1, 0.5, 0.6, T0 + 4), EpochEntry(2, 0.125, None, T0 + 8)),
+        history_seq=2, workers=(WorkerEntry(0, 11, "node-a", "10.0.0.1", "eth0", 1),
+                                WorkerEntry(1, 12, "node-b", None, None, 1)),
+        attempts=1, resumed_from_epoch=None, checkpoint=CHECKPOINT, logs=(LogLine(1, T0 + 2, "run started"),))
+    assert RunSnapshot.from_json(full.to_json()) == full
+    earlier = (b'{"status": "FAILED", "error": "boom", "progress": {"epoch": 1, "epochs": 3, "step": 5, "loss": 1.0},'
+               b' "logs": [[3, 1000.5, "training failed"]], "attempts": 1}')
+    assert RunSnapshot.from_json(earlier) == RunSnapshot(
+        status=JobStatus.FAILED, error="boom", progress=Progress(1, 3, 5, 1.0), attempts=1,
+        logs=(LogLine(3, 1000.5, "training failed"),))
+    with pytest.raises(ValueError, match="not a run snapshot"):
+        RunSnapshot.from_json(b'{"error": "no status"}')
 
 
 # ---- adoption and runs that are gone ---------------------------------------------------------------
@@ -170,8 +213,8 @@ def test_settle_gone_run(current: JobRecord | None, decision: Any) -> None:
 
 def test_a_resumed_run_starts_from_the_records_progress() -> None:
     record = job("RUNNING", attempts=2, started_at=T0 + 1, resumed_from_epoch=1)
-    assert resume_state(record) == {"attempts": 2, "started_at": T0 + 1, "progress": record.progress,
-                                    "resumed_from_epoch": 1}
+    assert resume_state(record) == ResumeState(attempts=2, started_at=T0 + 1, progress=Progress(2, 5, 7, None),
+                                               resumed_from_epoch=1)
 
 
 def test_the_rules_are_pure() -> None:
@@ -184,5 +227,5 @@ def test_the_rules_are_pure() -> None:
     tree = ast.parse(Path(rules.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
         n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert imported == {"__future__", "dataclasses", "typing", "service.training.spec", "service.training.status",
-                        "service.training.store", "service.config.tunables"}, imported
+    assert imported == {"__future__", "dataclasses", "typing", "service.training.run_snapshot", "service.training.spec",
+                        "service.training.status", "service.training.store", "service.config.tunables"}, imported

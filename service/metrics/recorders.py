@@ -3,7 +3,7 @@ drops, rebuilds and gauges, and the JobManager's epoch times and job figures."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Iterable
 
 from service.metrics.process import MetricSet, process_metrics
 from service.contract.gang_status import GangStatus, SessionStats
@@ -25,9 +25,9 @@ class EpochClock:
         metrics.declare("gangserve_training_epoch_seconds")
         self._last: dict[str, tuple[int, float]] = {}  # job -> (epoch, at) of its last report
 
-    def observe(self, job_id: str, started_at: float | None, entries: Iterable[dict[str, Any]]) -> None:
-        for e in entries:
-            epoch, at = int(e.get("epoch", 0)), e.get("at")
+    def observe(self, job_id: str, started_at: float | None, epochs: Iterable[tuple[int, float | None]]) -> None:
+        """`epochs`: the newly reported (epoch, when it was recorded) pairs, in report order."""
+        for epoch, at in epochs:
             if at is None:
                 continue
             prev_epoch, prev_at = self._last.get(job_id, (0, started_at))

@@ -60,6 +60,7 @@ from service.training.kept_writes import KeptWrites
 from service.config.builder_args import TrainingLimits
 from service.training.limits import ActiveUsage, check_job_alone, check_job_fits
 from service.training.run import final_checkpoint_key, read_result, run_prefix
+from service.training.run_snapshot import ResumeState, RunSnapshot
 from service.training.run_actors import RunActors
 from service.training.spec import JobSpec, UploadedDataset
 from service.training.status import JobStatus, can_move
@@ -212,7 +213,7 @@ class Jobs:
         return record.to_public()
 
     async def _launch(self, record: JobRecord, dataset_path: str | None,
-                      resume: dict[str, Any] | None = None) -> None:
+                      resume: ResumeState | None = None) -> None:
         """Create the job's run actor and poll it. `resume`: continue a run that died."""
         handle = await self._actors.launch(record.id, record.spec, dataset_path,
                                            init_from.init_key(record.id) if record.init_from else None, resume)
@@ -440,23 +441,23 @@ class Jobs:
             elif decision.check_pending:
                 await self._check_pending(record, run)
 
-    async def _apply(self, record: JobRecord, snap: dict[str, Any], run: _Run | None) -> None:
+    async def _apply(self, record: JobRecord, snap: RunSnapshot, run: _Run | None) -> None:
         """Persist a run snapshot (only the fields that changed: lifecycle.snapshot_changes),
         its newly reported epochs and its new log lines."""
         changes = lifecycle.snapshot_changes(record, snap)
         if changes.refused is not None:
             log.warning("job %s: run reported %s while the job is %s; the status stays", record.id,
                         changes.refused, record.status)
-        logs = snap.get("logs") or []
-        if logs:
-            await self._io(self._store.append_logs, record.id, [tuple(e) for e in logs])
+        if snap.logs:
+            await self._io(self._store.append_logs, record.id, [(e.seq, e.at, e.line) for e in snap.logs])
             if run is not None:
-                run.log_seq = max(run.log_seq, max(e[0] for e in logs))
-        if snap.get("history"):
-            await self._io(self._store.put_history, record.id, snap["history"])
-            self._epochs.observe(record.id, snap.get("started_at") or record.started_at, snap["history"])
-        if run is not None and "history_seq" in snap:
-            run.history_seq = max(run.history_seq, int(snap["history_seq"]))
+                run.log_seq = max(run.log_seq, max(e.seq for e in snap.logs))
+        if snap.history:
+            await self._io(self._store.put_history, record.id, snap.history_rows())
+            self._epochs.observe(record.id, snap.started_at or record.started_at,
+                                 [(h.epoch, h.at) for h in snap.history])
+        if run is not None:
+            run.history_seq = max(run.history_seq, snap.history_seq)
         if changes.fields:
             await self._io(self._store.update_job, record.id, **changes.fields)
 

@@ -25,14 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.training.run_snapshot import Progress, ResumeState, RunSnapshot
 from service.training.spec import JobSpec
 from service.training.status import TERMINAL, JobStatus, can_move
 from service.training.store import JobRecord
 from service.config.tunables import TrainingTunables
-
-# The run snapshot's fields the manager copies into the record when they changed.
-SNAPSHOT_FIELDS = ("status", "error", "started_at", "finished_at", "progress", "workers",
-                   "attempts", "checkpoint", "resumed_from_epoch")
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,7 @@ class Rules:
 class Answered:
     """The run actor answered the poll with this snapshot (service.training.run.TrainRun.snapshot)."""
 
-    snapshot: dict[str, Any]
+    snapshot: RunSnapshot
 
 
 @dataclass(frozen=True)
@@ -188,7 +185,7 @@ def after_poll(observation: Observation, missed_polls: int, rules: Rules) -> App
         return Missed(missed)
     if isinstance(observation, ActorDied):
         return RunGone(f"the run's actor died ({observation.error})")
-    status = observation.snapshot["status"]
+    status = observation.snapshot.status
     return Apply(release=status in TERMINAL, check_pending=status == JobStatus.PENDING)
 
 
@@ -205,17 +202,16 @@ def pending_check(record: JobRecord, spec: JobSpec, placement: Placement, now: f
     return Keep()
 
 
-def snapshot_changes(record: JobRecord, snapshot: dict[str, Any]) -> Changes:
+def snapshot_changes(record: JobRecord, snapshot: RunSnapshot) -> Changes:
     """The record fields `snapshot` (a poll's, or a finished run's result.json) changes. A
     status move the table refuses (e.g. RUNNING back to PENDING) is dropped and named in
     `refused` (the store would refuse the whole update); a job no longer PENDING loses its
     "waiting ..." reason."""
-    fields = {key: snapshot[key] for key in SNAPSHOT_FIELDS
-              if key in snapshot and snapshot[key] != getattr(record, key)}
+    fields = {key: value for key, value in snapshot.record_fields().items() if value != getattr(record, key)}
     refused = None
     if "status" in fields and not can_move(record.status, fields["status"]):
         refused = fields.pop("status")
-    if snapshot["status"] != JobStatus.PENDING and record.reason and record.reason.startswith("waiting"):
+    if snapshot.status != JobStatus.PENDING and record.reason and record.reason.startswith("waiting"):
         fields["reason"] = None
     return Changes(fields, refused)
 
@@ -236,7 +232,10 @@ def settle_gone_run(current: JobRecord | None, manager: str, why: str, rules: Ru
     return Resume(current.resumes + 1)
 
 
-def resume_state(record: JobRecord) -> dict[str, Any]:
+def resume_state(record: JobRecord) -> ResumeState:
     """What a resumed run starts from (service.training.run.TrainRun's `resume`)."""
-    return {"attempts": record.attempts, "started_at": record.started_at, "progress": record.progress,
-            "resumed_from_epoch": record.resumed_from_epoch}
+    progress = record.progress
+    return ResumeState(attempts=record.attempts, started_at=record.started_at,
+                       progress=Progress(epoch=int(progress.get("epoch") or 0), epochs=int(progress.get("epochs") or 0),
+                                         step=int(progress.get("step") or 0), loss=progress.get("loss")),
+                       resumed_from_epoch=record.resumed_from_epoch)

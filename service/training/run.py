@@ -33,7 +33,8 @@ history entries reported after `since_history_seq`.
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
+import logging
 import os
 import threading
 import time
@@ -46,12 +47,16 @@ import ray
 from service.state import artifacts
 
 from service.training.checkpoints import MODEL_FILE
+from service.training.run_snapshot import (
+    EpochEntry, FinalCheckpoint, LogLine, Progress, ResumeState, RunSnapshot, WorkerEntry,
+)
 from service.training.spec import JobSpec
 from service.training.status import JobStatus, check_transition
 from service.training.worker_reports import EpochReport, WorkerLoop
 from service.config.tunables import Tunables
 
 RUN_NAMESPACE = "gangserve"
+log = logging.getLogger("gangserve.training")
 RESULT_FILE = "result.json"
 
 
@@ -68,11 +73,17 @@ def final_checkpoint_key(job_id: str) -> str:
     return f"checkpoints/{job_id}.safetensors"
 
 
-def read_result(store: artifacts.ArtifactStore, job_id: str) -> dict[str, Any] | None:
-    """The outcome a run wrote when it ended, or None (StorageUnavailable if the store is down)."""
+def read_result(store: artifacts.ArtifactStore, job_id: str) -> RunSnapshot | None:
+    """The outcome a run wrote when it ended, or None: none written, or not a snapshot (a run
+    killed mid-write; logged) (StorageUnavailable if the store is down)."""
     try:
-        return json.loads(store.read_bytes(f"{run_prefix(job_id)}/{RESULT_FILE}"))
-    except (FileNotFoundError, ValueError):
+        data = store.read_bytes(f"{run_prefix(job_id)}/{RESULT_FILE}")
+    except FileNotFoundError:
+        return None
+    try:
+        return RunSnapshot.from_json(data)
+    except ValueError as exc:
+        log.warning("job %s: its %s is unreadable (%s); treated as absent", job_id, RESULT_FILE, exc)
         return None
 
 
@@ -91,12 +102,12 @@ class TrainRun:
     """Live state of one run; `fit()` runs on a daemon thread started in __init__."""
 
     def __init__(self, job_id: str, spec: dict[str, Any], dataset_key: str | None,
-                 init_key: str | None = None, resume: dict[str, Any] | None = None,
+                 init_key: str | None = None, resume: ResumeState | None = None,
                  tunables: Tunables | None = None) -> None:
         """`dataset_key`: the uploaded dataset's artifact key (or a legacy absolute path).
         `init_key`: the job's copy of its init_from weights (loaded on a fresh start only).
-        `resume`: {"attempts", "started_at", "progress"} of the job's record when this run
-        continues one that died with the service (None: the job's first run).
+        `resume`: the job record's state when this run continues one that died with the
+        service (None: the job's first run).
         `tunables`: the app's (its training section bounds this actor's logs and linger; the
         whole travels to the workers); default, the defaults."""
         self._tunables = tunables or Tunables()
@@ -112,11 +123,11 @@ class TrainRun:
         self._epoch = 0
         self._step = 0
         self._current_loss: float | None = None
-        self._history: list[dict[str, Any]] = []
-        # Each history entry's report number ("seq", never sent): snapshots carry the suffix
+        # Each history entry with its report number (never sent): snapshots carry the suffix
         # of the history reported after the caller's since_history_seq.
+        self._history: list[tuple[int, EpochEntry]] = []
         self._history_seq = 0
-        self._workers: dict[int, dict[str, Any]] = {}
+        self._workers: dict[int, WorkerEntry] = {}
         self._attempts = 0
         self._ranks_this_attempt: set[int] = set()
         self._new_attempt = True  # the next worker to start opens an attempt
@@ -125,15 +136,14 @@ class TrainRun:
         if resume:
             # Continue the record: attempts count on, and the job stays RUNNING (with its
             # progress) while the new worker group comes up, if it had started before.
-            self._attempts = int(resume.get("attempts") or 0)
-            self._started_at = resume.get("started_at")
+            self._attempts = resume.attempts
+            self._started_at = resume.started_at
             if self._started_at is not None:
                 self._status = JobStatus.RUNNING
-            progress = resume.get("progress") or {}
-            self._epoch, self._step = int(progress.get("epoch") or 0), int(progress.get("step") or 0)
-            self._current_loss = progress.get("loss")
-            self._resumed_from_epoch = resume.get("resumed_from_epoch")
-        self._checkpoint: dict[str, Any] | None = None
+            self._epoch, self._step = resume.progress.epoch, resume.progress.step
+            self._current_loss = resume.progress.loss
+            self._resumed_from_epoch = resume.resumed_from_epoch
+        self._checkpoint: FinalCheckpoint | None = None
         self._logs: collections.deque[tuple[int, float, str]] = collections.deque(maxlen=self._tunables.training.max_run_log_lines)
         self._log_seq = 0
         self._last_poll = time.monotonic()
@@ -187,12 +197,9 @@ class TrainRun:
             with result.checkpoint.as_directory() as d:
                 # Atomic (temp + rename locally, one PUT on S3): a reader never sees half of it.
                 nbytes, _ = self._store.put_file(final, Path(d) / MODEL_FILE)
-            checkpoint = {
-                "path": final,  # an artifact key: relative to the storage root
-                "url": f"/train/{self._job_id}/checkpoint",
-                "format": f"dense-{spec.model.kind}" if spec.model.kind != "linear" else "linear",
-                "bytes": nbytes,
-            }
+            checkpoint = FinalCheckpoint(
+                path=final, url=f"/train/{self._job_id}/checkpoint",
+                format=f"dense-{spec.model.kind}" if spec.model.kind != "linear" else "linear", bytes=nbytes)
             with self._lock:
                 self._checkpoint = checkpoint
             self._finish(JobStatus.SUCCEEDED, None)
@@ -215,10 +222,10 @@ class TrainRun:
         finished_at = time.time()
         took = finished_at - (self._started_at or finished_at)
         self._log(f"run {status}" + (f": {error}" if error else "") + f" ({took:.1f}s after the first worker started)")
-        outcome = {**self.snapshot(0, touch=False), "status": status.value, "error": error,
-                   "finished_at": finished_at}
+        outcome = dataclasses.replace(self.snapshot(0, touch=False), status=status, error=error,
+                                      finished_at=finished_at)
         try:
-            self._store.write_bytes(f"{run_prefix(self._job_id)}/{RESULT_FILE}", json.dumps(outcome).encode())
+            self._store.write_bytes(f"{run_prefix(self._job_id)}/{RESULT_FILE}", outcome.to_json())
         except Exception as exc:  # noqa: BLE001 - the live status below still reaches the manager
             self._log(f"could not write {RESULT_FILE}: {type(exc).__name__}: {exc}")
         with self._lock:
@@ -248,8 +255,8 @@ class TrainRun:
                 self._resumed_from_epoch = int(resumed_epoch)
             if self._status == JobStatus.PENDING:
                 self._status, self._started_at = JobStatus.RUNNING, time.time()
-            self._workers[rank] = {"rank": rank, "pid": pid, "node_id": node_id, "node_ip": node_ip,
-                                   "iface": iface, "attempt": self._attempts}
+            self._workers[rank] = WorkerEntry(rank=rank, pid=pid, node_id=node_id, node_ip=node_ip, iface=iface,
+                                              attempt=self._attempts)
             attempt = self._attempts
         where = (f"resuming from the checkpoint after epoch {resumed_epoch}" if resumed_epoch is not None
                  else "from the init_from weights" if self._init_key else "from scratch")
@@ -275,10 +282,10 @@ class TrainRun:
     def epoch_done(self, report: EpochReport) -> None:
         with self._lock:
             # A resumed attempt re-reports epochs after its checkpoint: keep one entry per epoch.
-            self._history = [h for h in self._history if h["epoch"] < report.epoch]
+            self._history = [(seq, h) for seq, h in self._history if h.epoch < report.epoch]
             self._history_seq += 1
-            self._history.append({"epoch": report.epoch, "loss": report.loss, "eval_loss": report.eval_loss,
-                                  "at": time.time(), "seq": self._history_seq})
+            self._history.append((self._history_seq, EpochEntry(epoch=report.epoch, loss=report.loss,
+                                                                eval_loss=report.eval_loss, at=time.time())))
             self._epoch, self._step, self._current_loss = report.epoch, report.step, report.loss
         self._log(f"epoch {report.epoch}/{self._spec.epochs}: loss {report.loss:.6g}"
                   + (f", eval_loss {report.eval_loss:.6g}" if report.eval_loss is not None else "")
@@ -290,7 +297,7 @@ class TrainRun:
 
     # ---- called by the JobManager -------------------------------------------------------
 
-    def snapshot(self, since_log_seq: int, touch: bool = True, since_history_seq: int = 0) -> dict[str, Any]:
+    def snapshot(self, since_log_seq: int, touch: bool = True, since_history_seq: int = 0) -> RunSnapshot:
         """Everything the manager persists; log lines with seq > since_log_seq and the
         history entries reported after since_history_seq (always a suffix of the history,
         in epoch order: storing each one as "this epoch, and nothing after it" rebuilds
@@ -298,22 +305,16 @@ class TrainRun:
         with self._lock:
             if touch:
                 self._last_poll = time.monotonic()
-            return {
-                "status": self._status.value,
-                "error": self._error,
-                "started_at": self._started_at,
-                "finished_at": self._finished_at,
-                "progress": {"epoch": self._epoch, "epochs": self._spec.epochs, "step": self._step,
-                             "loss": self._current_loss},
-                "history": [{k: v for k, v in h.items() if k != "seq"} for h in self._history
-                            if h["seq"] > since_history_seq],
-                "history_seq": self._history_seq,
-                "workers": [self._workers[r] for r in sorted(self._workers)],
-                "attempts": self._attempts,
-                "resumed_from_epoch": self._resumed_from_epoch,
-                "checkpoint": self._checkpoint,
-                "logs": [entry for entry in self._logs if entry[0] > since_log_seq],
-            }
+            return RunSnapshot(
+                status=self._status, error=self._error, started_at=self._started_at, finished_at=self._finished_at,
+                progress=Progress(epoch=self._epoch, epochs=self._spec.epochs, step=self._step,
+                                  loss=self._current_loss),
+                history=tuple(h for seq, h in self._history if seq > since_history_seq),
+                history_seq=self._history_seq,
+                workers=tuple(self._workers[r] for r in sorted(self._workers)),
+                attempts=self._attempts, resumed_from_epoch=self._resumed_from_epoch, checkpoint=self._checkpoint,
+                logs=tuple(LogLine(seq, at, line) for seq, at, line in self._logs if seq > since_log_seq),
+            )
 
     def _log(self, *lines: str) -> None:
         with self._lock:

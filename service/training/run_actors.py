@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.training.lifecycle import ActorDied, Answered, Observation, TimedOut
 from service.training.run import RUN_NAMESPACE, TrainRun, run_actor_name
+from service.training.run_snapshot import ResumeState
 from service.config.tunables import Tunables
 
 _RemoteTrainRun = ray.remote(TrainRun)
@@ -32,7 +33,7 @@ class RunActors:
         self._tunables = tunables or Tunables()
 
     async def launch(self, job_id: str, spec: dict[str, Any], dataset_path: str | None,
-                     init_key: str | None, resume: dict[str, Any] | None = None) -> Any:
+                     init_key: str | None, resume: ResumeState | None = None) -> Any:
         """Create the job's run actor (TrainRun's arguments); its handle. `resume`: continue a run that died."""
         # Creating a named actor registers the name with the GCS synchronously: off the loop.
         return await asyncio.to_thread(_RemoteTrainRun.options(
