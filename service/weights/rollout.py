@@ -32,6 +32,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Protocol
 
+from service.cluster.own_thread import in_own_thread
 from service.config.builder_args import ModelConfig
 from service.contract.errors import Conflict, ErrorCode, GangServeError, GangStartupError, NotFound
 from service.contract.gang_status import FleetView, GangState
@@ -110,10 +111,10 @@ class Rollout:
     async def weights_at_start(self) -> ServedWeights:
         """The version this replica must serve: the app's record, unless its config changed.
         GangStartupError (`weights_record_broken`) when the recorded file is gone or altered."""
-        config = await asyncio.to_thread(_describe_config_weights, self._model)
+        config = await in_own_thread(_describe_config_weights, self._model)
         weights: ServedWeights = await self._ask("reconcile_weights", config, timeout_s=self._t.controller_timeout_s)
         try:
-            await asyncio.to_thread(verify_recorded_file, weights, self._artifacts)
+            await in_own_thread(verify_recorded_file, weights, self._artifacts)
         except WeightsRecordError as exc:
             raise GangStartupError(
                 f"{exc}. Restore the file, or start the app with a different weights config "
@@ -142,9 +143,9 @@ class Rollout:
             try:
                 # A local copy (downloaded once, hashed), its header checked, then the
                 # immutable copy: I/O, off the event loop.
-                local, sha = await asyncio.to_thread(self._artifacts.fetch, checkpoint)
-                await asyncio.to_thread(_check_checkpoint, local, current)
-                stored, sha = await asyncio.to_thread(store_immutable_copy, local, self._artifacts, sha)
+                local, sha = await in_own_thread(self._artifacts.fetch, checkpoint)
+                await in_own_thread(_check_checkpoint, local, current)
+                stored, sha = await in_own_thread(store_immutable_copy, local, self._artifacts, sha)
             except (ValueError, OSError) as exc:
                 raise Conflict(str(exc), code=ErrorCode.CHECKPOINT_MISMATCH) from None
             description = f"job {job_id}" if job_id else f"checkpoint {checkpoint.rsplit('/', 1)[-1]}"
@@ -175,7 +176,7 @@ class Rollout:
                 )
             if target.checkpoint is not None:
                 try:
-                    local = await asyncio.to_thread(self._artifacts.materialize, target.checkpoint, target.sha256)
+                    local = await in_own_thread(self._artifacts.materialize, target.checkpoint, target.sha256)
                 except artifacts.ArtifactCorrupt as exc:
                     raise Conflict(f"weights version {version} ({target.description}): {exc}",
                                    code=ErrorCode.WEIGHTS_VERSION_UNAVAILABLE) from None
@@ -183,7 +184,7 @@ class Rollout:
                     raise Conflict(f"weights version {version} ({target.description}): its file cannot be read: "
                                    f"{getattr(exc, 'strerror', None) or exc}", code=ErrorCode.WEIGHTS_VERSION_UNAVAILABLE) from None
                 try:
-                    await asyncio.to_thread(_check_checkpoint, local, self._model)
+                    await in_own_thread(_check_checkpoint, local, self._model)
                 except (ValueError, OSError) as exc:
                     raise Conflict(f"weights version {version} ({target.description}): {exc}",
                                    code=ErrorCode.CHECKPOINT_MISMATCH) from None
