@@ -234,8 +234,5 @@ def settle_gone_run(current: JobRecord | None, manager: str, why: str, rules: Ru
 
 def resume_state(record: JobRecord) -> ResumeState:
     """What a resumed run starts from (service.training.run.TrainRun's `resume`)."""
-    progress = record.progress
-    return ResumeState(attempts=record.attempts, started_at=record.started_at,
-                       progress=Progress(epoch=int(progress.get("epoch") or 0), epochs=int(progress.get("epochs") or 0),
-                                         step=int(progress.get("step") or 0), loss=progress.get("loss")),
+    return ResumeState(attempts=record.attempts, started_at=record.started_at, progress=Progress.of(record.progress),
                        resumed_from_epoch=record.resumed_from_epoch)

@@ -26,6 +26,13 @@ class Progress:
     step: int = 0
     loss: float | None = None
 
+    @classmethod
+    def of(cls, doc: dict[str, Any] | None) -> Progress:
+        """The progress a record's JSON column (or a result.json) holds; a key it lacks is unknown."""
+        doc = doc or {}
+        return cls(epoch=int(doc.get("epoch") or 0), epochs=int(doc.get("epochs") or 0),
+                   step=int(doc.get("step") or 0), loss=doc.get("loss"))
+
 
 @dataclass(frozen=True)
 class EpochEntry:
@@ -115,7 +122,7 @@ class RunSnapshot:
             checkpoint = doc.get("checkpoint")
             return cls(
                 status=JobStatus(doc["status"]), error=doc.get("error"), started_at=doc.get("started_at"),
-                finished_at=doc.get("finished_at"), progress=Progress(**(doc.get("progress") or {})),
+                finished_at=doc.get("finished_at"), progress=Progress.of(doc.get("progress")),
                 history=tuple(EpochEntry(**h) for h in doc.get("history") or ()),
                 history_seq=int(doc.get("history_seq") or 0),
                 workers=tuple(WorkerEntry(**w) for w in doc.get("workers") or ()),
