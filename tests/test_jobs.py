@@ -188,6 +188,30 @@ def test_a_dead_run_is_resumed_then_failed_past_max_resumes(world: World) -> Non
         "resumed 1 time(s) (limit 1)")
 
 
+def test_a_resumed_run_restores_its_checkpoints_epochs_and_each_epoch_is_timed_once(world: World) -> None:
+    """A resumed run first reports again the epochs its checkpoint holds (the runner's
+    history_restored), then the epochs it trains: the record's history is every epoch once,
+    and gangserve_training_epoch_seconds counts each epoch once."""
+    def timed() -> int:
+        snap = world.run(world.jobs.metrics())["gangserve_training_epoch_seconds"]
+        return sum(int(hist["c"]) for _, hist in snap)
+
+    job_id = world.run(world.jobs.submit({**LINEAR, "epochs": 3}))["id"]
+    first, second, third = (EpochEntry(1, 0.5, None, 1_000_003.0), EpochEntry(2, 0.25, None, 1_000_005.0),
+                            EpochEntry(3, 0.125, None, 1_000_009.0))
+    before = timed()
+    world.runs.answer[job_id] = running(history=(first, second), history_seq=2)
+    world.run(world.jobs.poll_round())
+    assert timed() == before + 2
+    world.runs.answer[job_id] = ActorDied("ActorDiedError")
+    world.run(world.jobs.poll_round())
+    assert world.record(job_id).resumes == 1
+    world.runs.answer[job_id] = running(history=(first, second, third), history_seq=3, attempts=2)
+    world.run(world.jobs.poll_round())
+    assert [h["epoch"] for h in world.record(job_id).history] == [1, 2, 3]
+    assert timed() == before + 3  # epoch 3 only: epochs 1 and 2 were timed when first reported
+
+
 def test_past_max_runtime_or_schedule_timeout_the_job_is_stopped_and_failed(world: World) -> None:
     late = world.run(world.jobs.submit(LINEAR))["id"]  # schedule_timeout_s 60
     world.clock.advance(61)

@@ -18,26 +18,32 @@ log = logging.getLogger("gangserve.metrics")
 
 class EpochClock:
     """Epoch wall times from the reported history: epoch e took at(e) - at(e-1), the first
-    one at(1) - the run's start. Kept by the JobManager (the only reader of the runs)."""
+    one at(1) - the run's start. Each epoch is timed once: a resumed attempt reports again
+    the epochs its checkpoint holds and redoes those after it, and only an epoch beyond every
+    one timed so far is timed (against the entry reported just before it). Kept by the
+    JobManager (the only reader of the runs)."""
 
     def __init__(self, metrics: MetricSet) -> None:
         self._metrics = metrics
         metrics.declare("gangserve_training_epoch_seconds")
         self._last: dict[str, tuple[int, float]] = {}  # job -> (epoch, at) of its last report
+        self._timed: dict[str, int] = {}  # job -> the highest epoch timed
 
     def observe(self, job_id: str, started_at: float | None, epochs: Iterable[tuple[int, float | None]]) -> None:
-        """`epochs`: the newly reported (epoch, when it was recorded) pairs, in report order."""
+        """`epochs`: the newly reported (epoch, when it ended) pairs, in report order."""
         for epoch, at in epochs:
             if at is None:
                 continue
             prev_epoch, prev_at = self._last.get(job_id, (0, started_at))
-            # A resumed attempt re-reports from its checkpoint: only a next epoch is timed.
-            if prev_at is not None and epoch == prev_epoch + 1 and at >= prev_at:
+            if (prev_at is not None and epoch == prev_epoch + 1 and at >= prev_at
+                    and epoch > self._timed.get(job_id, 0)):
                 self._metrics.observe("gangserve_training_epoch_seconds", at - prev_at)
+                self._timed[job_id] = epoch
             self._last[job_id] = (epoch, float(at))
 
     def forget(self, job_id: str) -> None:
         self._last.pop(job_id, None)
+        self._timed.pop(job_id, None)
 
 
 def training_snapshot(all_statuses: Iterable[str], status_counts: dict[str, int], losses: dict[str, float],

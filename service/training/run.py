@@ -279,13 +279,28 @@ class TrainRun:
             self._step = step
             self._current_loss = loss
 
+    def history_restored(self, entries: list[EpochEntry], step: int) -> None:
+        """A resumed worker group's checkpoint: the job's epochs 1..c it stands on (c its epoch)
+        and the step count there. They replace the history, reported anew, so the manager's
+        "epoch e replaces e and what follows" rebuilds the record's history as 1..c, epochs a
+        run that died never recorded included; the attempt goes on from c + 1."""
+        if not entries:
+            return
+        with self._lock:
+            self._history = []
+            for entry in entries:
+                self._history_seq += 1
+                self._history.append((self._history_seq, entry))
+            last = entries[-1]
+            self._epoch, self._step, self._current_loss = last.epoch, step, last.loss
+        self._log(f"history of epochs 1..{last.epoch} restored from the checkpoint")
+
     def epoch_done(self, report: EpochReport) -> None:
         with self._lock:
             # A resumed attempt re-reports epochs after its checkpoint: keep one entry per epoch.
             self._history = [(seq, h) for seq, h in self._history if h.epoch < report.epoch]
             self._history_seq += 1
-            self._history.append((self._history_seq, EpochEntry(epoch=report.epoch, loss=report.loss,
-                                                                eval_loss=report.eval_loss, at=time.time())))
+            self._history.append((self._history_seq, report.entry()))
             self._epoch, self._step, self._current_loss = report.epoch, report.step, report.loss
         self._log(f"epoch {report.epoch}/{self._spec.epochs}: loss {report.loss:.6g}"
                   + (f", eval_loss {report.eval_loss:.6g}" if report.eval_loss is not None else "")

@@ -4,7 +4,8 @@
     prepare_data_loader-> DistributedSampler (set_epoch every epoch, so shuffles differ)
     ray.train.report   -> every epoch, on every rank (it is a barrier); rank 0 attaches the
                           checkpoint: model.safetensors (the dense serving format for
-                          attention) + train_state.pt (epoch, step, optimizer state)
+                          attention) + train_state.pt (epoch, step, optimizer state,
+                          and the job's history up to that epoch)
     ray.train.get_checkpoint -> after a worker failure, Ray Train restarts the worker group
                           and the loop resumes from the last reported checkpoint.
 
@@ -21,6 +22,12 @@ The worker's own stdout/stderr (each rank prints one line per epoch; anything el
 torch or Ray print in this process too) is captured by `worker_output.OutputCapture` and
 sent to the run actor after every epoch, at most every training.output_interval_s within one, and
 when the loop ends: the job's logs show it tagged by rank ("[rank 1] ...").
+
+A checkpoint carries the history: every epoch's entry up to its own (this attempt's and those
+it resumed from). A resumed worker group's rank 0 hands them to the run actor
+(`history_restored`) before its first step, so the job's history holds every epoch the
+checkpoint stands on even when the run that finished one died before recording it (a killed
+run's workers can finish an epoch and register its checkpoint after their run actor is gone).
 
 Initial weights: a fresh start (no Ray Train checkpoint) loads `init_key` (the job's copy of
 its `init_from` weights, an artifact key) when given, else the seeded random init.
@@ -70,6 +77,7 @@ from service.state import artifacts
 from service.training.checkpoints import MODEL_FILE
 from service.training.datasets import Samples, load_uploaded, split, synthetic
 from service.training.models import build_model, load_model, load_tensors, save_model
+from service.training.run_snapshot import EpochEntry
 from service.training.spec import JobSpec, ModelSpecT, SyntheticDataset
 from service.training.worker_output import OutputCapture
 from service.training.worker_reports import EpochReport, WorkerLoop
@@ -126,6 +134,7 @@ class _Start:
     step: int
     optimizer_state: dict[str, Any] | None
     resumed: bool  # from Ray Train's checkpoint (a restarted worker group, or a run resumed after a restart)
+    history: tuple[EpochEntry, ...] = ()  # the checkpoint's epochs 1..epoch (none in one written before it kept them)
 
 
 def _start(model: nn.Module, loop: WorkerLoop) -> _Start:
@@ -137,15 +146,21 @@ def _start(model: nn.Module, loop: WorkerLoop) -> _Start:
     if restored is not None:
         with restored.as_directory() as d:
             load_model(model, spec.model, Path(d) / MODEL_FILE)
-            # map_location: the optimizer state was saved from whichever cuda:N that worker had;
-            # load it on the CPU (load_state_dict moves it to the parameters' device).
-            state = torch.load(Path(d) / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
-        return _Start(int(state["epoch"]), int(state["step"]), state["optimizer"], resumed=True)
+            return read_train_state(Path(d) / TRAIN_STATE_FILE)
     if loop.init_key:
         # Fine-tuning: the job's own copy of its init_from weights (shapes checked at submit).
         store = artifacts.store(loop.tunables.state)
         load_tensors(model, spec.model, st_load_torch(store.read_bytes(loop.init_key)))
     return _Start(0, 0, None, resumed=False)
+
+
+def read_train_state(path: Path) -> _Start:
+    """Where a checkpoint's train_state.pt (CheckpointWriter.write) resumes the run."""
+    # map_location: the optimizer state was saved from whichever cuda:N that worker had;
+    # load it on the CPU (load_state_dict moves it to the parameters' device).
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    history = tuple(EpochEntry(**entry) for entry in state.get("history", ()))
+    return _Start(int(state["epoch"]), int(state["step"]), state["optimizer"], resumed=True, history=history)
 
 
 def _optimizer(model: nn.Module, spec: JobSpec, state: dict[str, Any] | None) -> torch.optim.Optimizer:
@@ -194,6 +209,8 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
         resumed_epoch=start.epoch if start.resumed else None,
         node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
     ), timeout=t.ack_timeout_s)
+    if rank == 0 and start.history:
+        ray.get(loop.reporter.history_restored.remote(list(start.history), start.step), timeout=t.ack_timeout_s)
 
     train, val = load_samples(spec, loop.dataset_path, artifacts.store(loop.tunables.state))
     loader = prepare_data_loader(DataLoader(
@@ -209,6 +226,7 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
     writer = CheckpointWriter(spec.model, t.checkpoint_wait_s)
     progress = _Progress(loop, rank, capture)
     step = start.step
+    history = list(start.history)  # rank 0's: what each checkpoint carries
     for epoch in range(start.epoch, spec.epochs):
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
@@ -240,15 +258,18 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
         print(f"epoch {epoch + 1}/{spec.epochs}: local loss {local_sum / max(local_n, 1):.6g} over {local_n} "
               f"samples in {epoch_steps} steps, {epoch_s:.2f}s; all ranks {epoch_loss:.6g}"
               + (f", eval {eval_loss:.6g}" if eval_loss is not None else ""), flush=True)
-        report = EpochReport(epoch=epoch + 1, loss=epoch_loss, step=step, epoch_s=epoch_s, eval_loss=eval_loss)
-        _end_epoch(loop, rank, report, writer, bare, optimizer, progress, last=epoch + 1 == spec.epochs)
+        report = EpochReport(epoch=epoch + 1, loss=epoch_loss, step=step, epoch_s=epoch_s, eval_loss=eval_loss,
+                             at=time.time())
+        history.append(report.entry())
+        _end_epoch(loop, rank, report, writer, bare, optimizer, progress, history, last=epoch + 1 == spec.epochs)
 
 
 def _end_epoch(loop: WorkerLoop, rank: int, report: EpochReport, writer: CheckpointWriter, bare: nn.Module,
-               optimizer: torch.optim.Optimizer, progress: _Progress, last: bool) -> None:
+               optimizer: torch.optim.Optimizer, progress: _Progress, history: list[EpochEntry], last: bool) -> None:
     """Reports the epoch to Ray Train on every rank (it is a barrier) and sends the rank's
     output; rank 0 attaches the epoch's checkpoint and then has the run actor acknowledge the
-    epoch (after its output, so the job's log shows the rank's line first)."""
+    epoch (after its output, so the job's log shows the rank's line first). `history`: rank 0's
+    epochs so far, this one included (the checkpoint carries them)."""
     if rank != 0:
         ray.train.report(report.metrics(), checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
         progress.flush()
@@ -257,7 +278,7 @@ def _end_epoch(loop: WorkerLoop, rank: int, report: EpochReport, writer: Checkpo
     # checkpoint must be this epoch's), so uploads never hold the steps back.
     checkpoint = None
     if last or not writer.busy():
-        checkpoint = writer.write(bare, optimizer, report.epoch, report.step)
+        checkpoint = writer.write(bare, optimizer, report.epoch, report.step, history)
         report = dataclasses.replace(report, checkpoint_s=writer.write_s, checkpoint_wait_s=writer.wait_s)
     ray.train.report(report.metrics(), checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
                      delete_local_checkpoint_after_upload=True)
@@ -331,13 +352,17 @@ class CheckpointWriter:
         self.wait_s = 0.0   # the last write's wait for the previous upload
         self.write_s = 0.0  # the last write's own time (local files)
 
-    def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int) -> ray.train.Checkpoint:
+    def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int,
+              history: list[EpochEntry]) -> ray.train.Checkpoint:
+        """The epoch's checkpoint dir: the model, and the train state (epoch, step, optimizer,
+        `history`: the job's epochs up to this one)."""
         t0 = time.monotonic()
         self.wait()
         t1 = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f"{CHECKPOINT_DIR_PREFIX}{os.getpid()}-e{epoch}-"))
         save_model(model, self._spec, tmp / MODEL_FILE)
-        torch.save({"epoch": epoch, "step": step, "optimizer": optimizer.state_dict()}, tmp / TRAIN_STATE_FILE)
+        torch.save({"epoch": epoch, "step": step, "optimizer": optimizer.state_dict(),
+                    "history": [dataclasses.asdict(entry) for entry in history]}, tmp / TRAIN_STATE_FILE)
         self._pending = tmp
         self.wait_s, self.write_s = t1 - t0, time.monotonic() - t1
         return ray.train.Checkpoint.from_directory(str(tmp))

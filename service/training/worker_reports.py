@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config.tunables import Tunables
+from service.training.run_snapshot import EpochEntry
 from service.training.spec import JobSpec
 
 # Ray Train's `train_loop_config` is a dict: it holds the one typed object under this key.
@@ -19,7 +20,7 @@ class WorkerLoop:
     uploaded dataset and its init_from weights are (artifact keys), and the app's tunables."""
 
     spec: JobSpec
-    reporter: Any  # the run actor's ActorHandle (TrainRun's methods: worker_started, step, epoch_done, ...)
+    reporter: Any  # the run actor's ActorHandle (TrainRun's methods: worker_started, history_restored, step, epoch_done, ...)
     dataset_path: str | None  # an uploaded dataset's artifact key; None for a synthetic one
     init_key: str | None  # the job's copy of its init_from weights, loaded on a fresh start only
     tunables: Tunables
@@ -46,9 +47,14 @@ class EpochReport:
     step: int  # optimizer steps so far, this run's attempts together
     epoch_s: float  # the epoch's steps, on rank 0's clock
     eval_loss: float | None  # mean over every held-out vector; None without held-out samples
+    at: float  # rank 0's wall clock (epoch seconds) when the epoch ended: the history entry's time
     checkpoint_s: float | None = None  # rank 0 writing the epoch's local files; None: no checkpoint this epoch
     checkpoint_wait_s: float | None = None  # rank 0 waiting for the previous upload
 
     def metrics(self) -> dict[str, float | int | None]:
         """Ray Train's `report` takes a dict of metrics."""
         return dataclasses.asdict(self)
+
+    def entry(self) -> EpochEntry:
+        """The epoch as the job's history keeps it."""
+        return EpochEntry(epoch=self.epoch, loss=self.loss, eval_loss=self.eval_loss, at=self.at)
