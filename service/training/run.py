@@ -308,7 +308,7 @@ class TrainRun:
                   + (f" (+{report.checkpoint_s * 1000:.0f} ms writing its checkpoint, "
                      f"+{(report.checkpoint_wait_s or 0) * 1000:.0f} ms waiting for the previous upload)"
                      if report.checkpoint_s is not None
-                     else " (no checkpoint: the previous one is still uploading)"))
+                     else f" (no checkpoint: {report.no_checkpoint})"))
 
     # ---- called by the JobManager -------------------------------------------------------
 

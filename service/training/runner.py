@@ -2,10 +2,11 @@
 
     prepare_model      -> DistributedDataParallel (gloo on CPU, NCCL on GPUs)
     prepare_data_loader-> DistributedSampler (set_epoch every epoch, so shuffles differ)
-    ray.train.report   -> every epoch, on every rank (it is a barrier); rank 0 attaches the
-                          checkpoint: model.safetensors (the dense serving format for
-                          attention) + train_state.pt (epoch, step, optimizer state,
-                          and the job's history up to that epoch)
+    ray.train.report   -> the epochs that carry a checkpoint, on every rank (it is a barrier);
+                          rank 0 attaches the checkpoint: model.safetensors (the dense
+                          serving format for attention) + train_state.pt (epoch, step,
+                          optimizer state, and the job's history up to that epoch). See
+                          "Reports" below.
     ray.train.get_checkpoint -> after a worker failure, Ray Train restarts the worker group
                           and the loop resumes from the last reported checkpoint.
 
@@ -42,12 +43,24 @@ memory-speed write of the model and optimizer state) and reports them with
 `CheckpointUploadMode.ASYNC`: Ray Train's single upload thread copies them to storage while
 the next epoch trains, then deletes the temp dir. At most one upload is in flight: an epoch
 that ends while the previous upload still runs reports no checkpoint (the steps never wait
-for storage), except the last epoch, which waits for it (at most training.checkpoint_wait_s) and
-writes the final one. Bound on lost work: a crash loses the epochs since the newest
-uploaded checkpoint, at most ceil(upload time / epoch time) + 1 epochs. Each epoch's
+for storage), nor one within REPORT_INTERVAL_S of the previous (see "Reports"), except the
+last epoch, which waits for the upload (at most training.checkpoint_wait_s) and writes the
+final one. Bound on lost work: a crash loses the epochs since the newest uploaded
+checkpoint, at most ceil(max(upload time, REPORT_INTERVAL_S) / epoch time) + 1 epochs. Each epoch's
 metrics carry rank 0's time on the step path: `checkpoint_s` writing the local files and
 `checkpoint_wait_s` waiting for the previous upload (non-zero only at the last epoch),
-both None for an epoch without a checkpoint.
+both None for an epoch without a checkpoint (`no_checkpoint` says why).
+
+Reports: Ray Train's controller takes one report per worker each time it looks at its workers
+(every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default), and a run ends only once every
+report was taken. A report per epoch kept a run of short epochs alive for about epochs x
+interval after its last step (a 16-epoch job of 0.1 s epochs: 7 s at a 0.5 s interval, ~30 s
+at the default), and each report is a barrier through Ray Train's synchronization actor. So
+the ranks report to Ray Train only the epochs that carry a checkpoint, and rank 0 writes one
+at most once per interval (`REPORT_INTERVAL_S`; always the first epoch of an attempt and the
+last epoch): at most one report is queued at the end. The epochs' progress reaches the run
+actor as before (`epoch_done`, every epoch). Every rank must call report alike, so rank 0's
+decision travels in the epoch's loss all-reduce (a third element, only rank 0's non-zero).
 """
 from __future__ import annotations
 
@@ -81,6 +94,10 @@ from service.training.run_snapshot import EpochEntry
 from service.training.spec import JobSpec, ModelSpecT, SyntheticDataset
 from service.training.worker_output import OutputCapture
 from service.training.worker_reports import EpochReport, WorkerLoop
+
+# How often Ray Train's controller takes a report (see "Reports" in the module docstring): its
+# own environment variable and default, which Ray Train hands to its workers.
+REPORT_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
 
 TRAIN_STATE_FILE = "train_state.pt"
 
@@ -233,8 +250,9 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
         model.train()
         t0 = time.monotonic()
         epoch_steps = 0
-        # [sum of loss * vectors, vectors], on the model's device: NCCL reduces CUDA tensors only.
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+        # [sum of loss * vectors, vectors, rank 0's "this epoch checkpoints"], on the model's
+        # device: NCCL reduces CUDA tensors only.
+        loss_sum = torch.zeros(3, dtype=torch.float64, device=device)
         for batch in loader:
             xb, yb, mb = _batch(batch)
             out = model(xb) if mb is None else model(xb, mb)
@@ -249,9 +267,13 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
             loss_sum[1] += n
             progress.step(epoch, step, loss)
         local_sum, local_n = loss_sum[0].item(), int(loss_sum[1].item())
+        last = epoch + 1 == spec.epochs
+        if rank == 0:
+            loss_sum[2] = float(writer.due(last))
         if world > 1 and dist.is_initialized():
-            dist.all_reduce(loss_sum)  # every rank's samples count once
+            dist.all_reduce(loss_sum)  # every rank's samples count once; rank 0's decision reaches all
         epoch_loss = float(loss_sum[0].item() / max(loss_sum[1].item(), 1.0))
+        checkpointed = bool(loss_sum[2].item())
         epoch_s = time.monotonic() - t0
         eval_loss = evaluate(bare, val, rank, world, spec.batch_size, device)
         # This rank's own view of the epoch, on its stdout (captured for the job's logs).
@@ -261,27 +283,29 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
         report = EpochReport(epoch=epoch + 1, loss=epoch_loss, step=step, epoch_s=epoch_s, eval_loss=eval_loss,
                              at=time.time())
         history.append(report.entry())
-        _end_epoch(loop, rank, report, writer, bare, optimizer, progress, history, last=epoch + 1 == spec.epochs)
+        _end_epoch(loop, rank, report, writer, bare, optimizer, progress, history, checkpointed)
 
 
 def _end_epoch(loop: WorkerLoop, rank: int, report: EpochReport, writer: CheckpointWriter, bare: nn.Module,
-               optimizer: torch.optim.Optimizer, progress: _Progress, history: list[EpochEntry], last: bool) -> None:
-    """Reports the epoch to Ray Train on every rank (it is a barrier) and sends the rank's
-    output; rank 0 attaches the epoch's checkpoint and then has the run actor acknowledge the
-    epoch (after its output, so the job's log shows the rank's line first). `history`: rank 0's
-    epochs so far, this one included (the checkpoint carries them)."""
+               optimizer: torch.optim.Optimizer, progress: _Progress, history: list[EpochEntry],
+               checkpointed: bool) -> None:
+    """An epoch that checkpoints (rank 0's decision, the same on every rank) is reported to Ray
+    Train on every rank (it is a barrier), rank 0 attaching the checkpoint; then every rank
+    sends its output, and rank 0 has the run actor acknowledge the epoch (after its output, so
+    the job's log shows the rank's line first). `history`: rank 0's epochs so far, this one
+    included (the checkpoint carries them)."""
     if rank != 0:
-        ray.train.report(report.metrics(), checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
+        if checkpointed:
+            ray.train.report(report.metrics(), checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
         progress.flush()
         return
-    # Skipped while the previous upload still runs (never the last epoch's: the final
-    # checkpoint must be this epoch's), so uploads never hold the steps back.
-    checkpoint = None
-    if last or not writer.busy():
+    if checkpointed:
         checkpoint = writer.write(bare, optimizer, report.epoch, report.step, history)
         report = dataclasses.replace(report, checkpoint_s=writer.write_s, checkpoint_wait_s=writer.wait_s)
-    ray.train.report(report.metrics(), checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-                     delete_local_checkpoint_after_upload=True)
+        ray.train.report(report.metrics(), checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
+    else:
+        report = dataclasses.replace(report, no_checkpoint=writer.skip_reason())
     progress.flush()
     # Acknowledged (bounded), so the run has the epoch before fit() can return. Its checkpoint
     # may still be uploading: a restart then resumes from the epoch before and reports this one
@@ -349,6 +373,7 @@ class CheckpointWriter:
         self._spec = spec
         self._wait_bound_s = wait_bound_s
         self._pending: Path | None = None  # the previous epoch's dir until its upload deletes it
+        self._written_at = -float("inf")  # monotonic time of the last write
         self.wait_s = 0.0   # the last write's wait for the previous upload
         self.write_s = 0.0  # the last write's own time (local files)
 
@@ -363,13 +388,28 @@ class CheckpointWriter:
         save_model(model, self._spec, tmp / MODEL_FILE)
         torch.save({"epoch": epoch, "step": step, "optimizer": optimizer.state_dict(),
                     "history": [dataclasses.asdict(entry) for entry in history]}, tmp / TRAIN_STATE_FILE)
-        self._pending = tmp
+        self._pending, self._written_at = tmp, time.monotonic()
         self.wait_s, self.write_s = t1 - t0, time.monotonic() - t1
         return ray.train.Checkpoint.from_directory(str(tmp))
 
     def busy(self) -> bool:
         """Whether the previous checkpoint is still being uploaded."""
         return self._pending is not None and self._pending.exists()
+
+    def due(self, last: bool) -> bool:
+        """Whether this epoch writes a checkpoint: the last epoch always (it waits for the
+        previous upload); another when no upload is in flight and the previous checkpoint is
+        at least REPORT_INTERVAL_S old (the first of this writer always)."""
+        if last:
+            return True
+        return not self.busy() and time.monotonic() - self._written_at >= REPORT_INTERVAL_S
+
+    def skip_reason(self) -> str:
+        """Why `due` said no (for the epoch's log line)."""
+        if self.busy():
+            return "the previous one is still uploading"
+        return (f"the previous one is {time.monotonic() - self._written_at:.1f}s old; one per "
+                f"{REPORT_INTERVAL_S:g}s, Ray Train's look at its workers")
 
     def wait(self) -> None:
         """Until the previous upload finished (Ray Train deletes the dir after uploading it)."""

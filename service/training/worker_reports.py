@@ -40,7 +40,8 @@ class WorkerLoop:
 
 @dataclass(frozen=True)
 class EpochReport:
-    """One finished epoch, as rank 0 reports it to Ray Train and to the run actor."""
+    """One finished epoch, as rank 0 reports it to the run actor (and to Ray Train when it
+    carries a checkpoint)."""
 
     epoch: int  # the epoch just finished, 1-based
     loss: float  # mean loss over every training vector of every rank (all-reduced)
@@ -50,6 +51,7 @@ class EpochReport:
     at: float  # rank 0's wall clock (epoch seconds) when the epoch ended: the history entry's time
     checkpoint_s: float | None = None  # rank 0 writing the epoch's local files; None: no checkpoint this epoch
     checkpoint_wait_s: float | None = None  # rank 0 waiting for the previous upload
+    no_checkpoint: str | None = None  # why this epoch has none (CheckpointWriter.skip_reason); None: it has one
 
     def metrics(self) -> dict[str, float | int | None]:
         """Ray Train's `report` takes a dict of metrics."""
