@@ -5,7 +5,8 @@ Llama stack), each world size p and each S sessions at `context` cached rows:
 
 - **the step**: the S sessions append one row each, together, in `rounds` rounds. The batcher
   lingers `LINGER_S` for company, so a round is one gang step (the steps are counted: GET /gang
-  `sessions.batching`, and reported as appends per step). The step's time is the `compute` part
+  `sessions.batching`, and reported as appends per step; `max_batch_size` is S + 1, so the prefill
+  goal's prefilling session fits a step beside S decoding ones). The step's time is the `compute` part
   of each append's Server-Timing (rank 0's layers, service.metrics.timeline; at p = 2 the
   `all_reduce` part is beside it), median over the rounds;
 - **the floor**, per rank: (W/p + sum_i KV_i/p) / B. W/p is rank 0's parameter bytes (GET /gang
@@ -207,6 +208,8 @@ class Sizes:
     attention: str = "auto"  # tunables.gang.session_attention ("gather": the path before item 2)
     block_tokens: int | None = None  # session_block_tokens (the page size); None: the service's default
     threads_per_rank: int | None = None  # torch_threads_per_rank; None: the cores over the world size
+    chunk_linger_s: float | None = None  # None: the service's default (tunables.gang.session_prefill_chunk_linger_s)
+    batch_wait_s: float = LINGER_S  # batch_wait_timeout_s (0: the service's default, no wait for company)
 
 
 @dataclass
@@ -309,6 +312,8 @@ def _app_args(stack: str, ws: int, sizes: Sizes, checkpoint: Path | None) -> dic
     tunables: dict[str, Any] = {"gang": {"session_attention": sizes.attention}}
     if sizes.chunk_tokens is not None:
         tunables["gang"]["session_prefill_chunk_tokens"] = sizes.chunk_tokens
+    if sizes.chunk_linger_s is not None:
+        tunables["gang"]["session_prefill_chunk_linger_s"] = sizes.chunk_linger_s
     # The Llama stack's width, heads and weights come from its checkpoint (bench/llama.py's), not the yaml's.
     base = local_yaml_args() if stack == "transformer" else {
         k: v for k, v in local_yaml_args().items() if k not in ("embed_dim", "num_heads", "init", "seed")}
@@ -317,8 +322,8 @@ def _app_args(stack: str, ws: int, sizes: Sizes, checkpoint: Path | None) -> dic
             "cpus_per_rank": cores / ws, "torch_threads_per_rank": sizes.threads_per_rank or max(1, cores // ws),
             "warm_spare": False,
             "collective_timeout_s": 300, "max_seq_len": max(4096, sizes.prefill_rows, grown),
-            "max_session_tokens": max(4096, sizes.prefill_rows, grown), "max_batch_size": max(sizes.sessions),
-            "batch_wait_timeout_s": LINGER_S, "session_cache_bytes": tokens * per_token, "tunables": tunables,
+            "max_session_tokens": max(4096, sizes.prefill_rows, grown), "max_batch_size": max(sizes.sessions) + 1,
+            "batch_wait_timeout_s": sizes.batch_wait_s, "session_cache_bytes": tokens * per_token, "tunables": tunables,
             **({"session_block_tokens": sizes.block_tokens} if sizes.block_tokens is not None else {})}
 
 
@@ -480,6 +485,10 @@ def main() -> None:
     parser.add_argument("--prefill-rows", type=int, default=d.prefill_rows, help="the prefill goal's rows; 0: skip")
     parser.add_argument("--stall-rounds", type=int, default=d.stall_rounds, help="rounds of appends alone")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="tunables.gang.session_prefill_chunk_tokens")
+    parser.add_argument("--chunk-linger-s", type=float, default=None,
+                        help="tunables.gang.session_prefill_chunk_linger_s (0: a chunk never waits)")
+    parser.add_argument("--batch-wait-s", type=float, default=LINGER_S,
+                        help="batch_wait_timeout_s: the batcher's wait for company (0: the service's default)")
     parser.add_argument("--attention", choices=["auto", "gather"], default=d.attention,
                         help="tunables.gang.session_attention (gather: the path before the in-place kernel)")
     parser.add_argument("--block-tokens", type=int, default=None,
@@ -496,7 +505,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = Sizes(tuple(args.sessions), args.context, tuple(args.world_sizes), tuple(args.stacks), args.rounds,
                   args.prefill_rows, args.stall_rounds, args.chunk_tokens, args.attention, args.block_tokens,
-                  args.threads_per_rank)
+                  args.threads_per_rank, args.chunk_linger_s, args.batch_wait_s)
     local: list[StepRow] = []
     if args.in_process:
         torch.set_num_threads(os.cpu_count() or 1)  # as a ws1 rank here: every core

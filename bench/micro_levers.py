@@ -170,8 +170,8 @@ def batcher(wait_s: float = 0.005) -> None:
         inline = StepBatcher(step, BatchPolicy(max_batch_size=64, wait_s=wait_s))
         queued = StepBatcher(step, BatchPolicy(max_batch_size=64, wait_s=wait_s))
         # The path a lone request took before: queued for the drainer, which lingers wait_s.
-        queued._queue = BatchQueue(queued._take_group, queued._step, queued._queue._words, wait_s=wait_s,
-                                   company=lambda q: True, inline_when_idle=False)
+        queued._queue = BatchQueue(queued._take_group, queued._step, queued._queue._words,
+                                   linger=lambda q: wait_s, inline_when_idle=False)
         no_linger = StepBatcher(step, BatchPolicy(max_batch_size=64))
         no_linger._queue = BatchQueue(no_linger._take_group, no_linger._step, no_linger._queue._words)
         for name, b in (("lone request now (inline at once)", inline),

@@ -50,13 +50,13 @@ class LocalGang:
         return step.commit(out)
 
 
-def setup(chunk: int, num_blocks: int = 64) -> tuple[SessionRegistry, LocalGang, AppendBatcher]:
+def setup(chunk: int, num_blocks: int = 64, chunk_linger_s: float = 0.0) -> tuple[SessionRegistry, LocalGang, AppendBatcher]:
     registry = SessionRegistry(Limits(num_blocks=num_blocks, block_size=BLOCK, max_sessions=16, max_session_tokens=512,
                                       idle_timeout_s=600, bytes_per_token=8), owner="gangA")
     gang = LocalGang(registry, random_weights(E, 3))
     batcher = AppendBatcher(gang.run_step, max_sessions_per_step=8, max_rows_per_step=4096,
                             num_blocks=num_blocks, blocks_for=registry.limits.blocks_for, chunk_rows=chunk,
-                            abandon=registry.abandon)
+                            chunk_linger_s=chunk_linger_s, abandon=registry.abandon)
     return registry, gang, batcher
 
 
@@ -140,6 +140,56 @@ def test_one_row_appends_of_another_session_complete_while_a_long_prefill_is_in_
     assert len(shared) >= 5, gang.steps  # B's five appends each rode with one of A's chunks
     assert all(max(step.values()) <= 8 for step in gang.steps)  # no step computed more than a chunk
     assert [step[a_id] for step in gang.steps if a_id in step] == [8] * 8
+
+
+def test_a_chunk_waits_for_the_sessions_of_the_step_before_and_no_longer_than_its_bound() -> None:
+    """Sessions B and C decode (one row each, their next append a client round trip after the
+    answer) while A prefills 64 rows in chunks of 8. With the chunk linger, every chunk after
+    the first shares its step with both; without it, chunks also run steps alone (what the
+    appends then wait behind). A chunk whose sessions do not come back runs alone once its
+    linger's bound passes, and the prefill completes."""
+    round_trip_s = 0.005
+    for linger in (30.0, 0.0):
+        registry, gang, batcher = setup(8, chunk_linger_s=linger)
+
+        async def decode(s: Session, seed: int) -> None:
+            await batcher.submit(s, rows(1, seed), None)
+            await asyncio.sleep(round_trip_s)
+
+        async def run() -> str:
+            a, b, c = registry.open(), registry.open(), registry.open()
+            await asyncio.gather(batcher.submit(b, rows(2, 60), None), batcher.submit(c, rows(2, 61), None))
+            prefill = asyncio.create_task(batcher.submit(a, rows(64, 62), None))
+            seed = 100
+            while not prefill.done():
+                await asyncio.gather(decode(b, seed), decode(c, seed + 1))
+                seed += 2
+            _, info = await prefill
+            assert info["length"] == 64
+            return a.id
+
+        a_id = asyncio.run(run())
+        chunk_steps = [step for step in gang.steps if a_id in step]
+        assert [step[a_id] for step in chunk_steps] == [8] * 8
+        alone = sum(1 for step in chunk_steps[1:] if len(step) == 1)
+        if linger:
+            assert alone == 0, gang.steps
+        else:
+            assert alone >= 3, gang.steps  # what the linger is for: chunks alone between the decoders' steps
+
+    registry, gang, batcher = setup(8, chunk_linger_s=0.2)
+
+    async def stops() -> str:
+        b, d = registry.open(), registry.open()
+        prefill = asyncio.create_task(batcher.submit(d, rows(24, 70), None))
+        await asyncio.sleep(0)
+        await batcher.submit(b, rows(1, 71), None)  # shares a step with a chunk, then B stops
+        _, info = await prefill
+        assert info["length"] == 24
+        return d.id
+
+    d_id = asyncio.run(stops())
+    assert [step for step in gang.steps if d_id in step][-1] == {d_id: 8}, gang.steps
 
 
 def test_a_session_s_next_append_waits_for_its_chunked_one() -> None:

@@ -140,9 +140,20 @@ class GangTunables:
         "computed this many rows per step, each step shared with other sessions' appends, so their one-row "
         "appends do not wait behind a long prefill; its answer comes when its last chunk is done, and it is "
         "applied only then (a failure between chunks appends nothing). Measured on the 12-layer E768 stack "
-        "at world size 1 (bench/NOTES.md): a step of 256 rows beside a one-row append took 4.5x a "
-        "one-row step at 8.5 ms a prefill row; 128 rows 3.7x at 14 ms a row, 512 rows 5.9x at 5.6 ms a row. "
+        "at world size 1 (bench/NOTES.md, bench/decode.py's prefill goal): 8 decoding sessions' one-row "
+        "appends beside a 4,096-row prefill had a p99 of 2.7-2.8x their p50 alone at 256 rows, the "
+        "prefill taking 9.0-9.3 s; at 128 rows 2.3x and 15.1 s. "
         "0: no chunking."))
+    session_prefill_chunk_linger_s: float = knob(0.05, (
+        "The longest a prefill chunk waits, before its step, for the sessions whose appends the step "
+        "before answered (service.sessions.batcher): their next appends arrive a client round trip after "
+        "their answers, and a chunk taken at once would run a step alone that they then wait behind. The "
+        "wait ends as soon as they are all queued; it costs at most this much per chunk when a session "
+        "stopped appending. Measured (bench/NOTES.md; 8 decoding sessions beside a 4,096-row prefill, "
+        "the 12-layer E768 stack, world size 1, no batch_wait_timeout_s): 0 -> 0.05 s, the appends' p99 "
+        "1,280 -> 820-880 ms and p50 910 -> 545-575 ms, twice the appends during the prefill, the "
+        "prefill 8.3 -> 9.8-10.1 s; 0.02 s is too short for 8 appends to arrive through one ingress "
+        "here. 0: a chunk never waits."))
 
     def header_spin_us(self, device_type: str) -> float:
         """How long a peer on a `device_type` ("cpu", "cuda") rank polls for the next header."""

@@ -23,8 +23,8 @@ requests that arrive while they run form the next batch, so under load batches g
 themselves. A request that finds the batcher idle never waits: it runs its step in its own
 task at once, at no cost over calling the step directly, whatever `wait_s` says. `wait_s` > 0
 lingers for company only for requests queued behind a running step (when its slot frees and
-fewer than max_batch_size rows are queued): a lone request on an idle gang has no company to
-wait for, while concurrent ones still gather.
+fewer than max_batch_size rows are queued; the linger ends early once they are): a lone
+request on an idle gang has no company to wait for, while concurrent ones still gather.
 
 Deadlines: each request may carry a `time.monotonic()` deadline. One that passes while
 the request is still queued drops it (never computed) and fails it at that instant with
@@ -101,17 +101,19 @@ class BatchQueue(Generic[Q]):
     Deadlines: a timer per queued call answers it at its deadline (queued: dropped and
     never computed; taken: DeadlineExceeded now, its step's other members unaffected).
     A caller that goes away while queued is dropped. At most `max_in_flight` steps run at
-    once; calls that arrive meanwhile form the next group. With `inline_when_idle`, a call
-    that finds the queue idle runs its step in its own task at once (no linger: `wait_s` is
+    once; calls that arrive meanwhile form the next group. Before taking a group, the queue
+    lingers `linger(queued)` seconds for company (0: none), re-asked at every arrival: it
+    ends once `linger` says 0 or the first answer's time is up. With `inline_when_idle`, a
+    call that finds the queue idle runs its step in its own task at once (no linger: it is
     for calls queued behind a running step), at no cost over calling it."""
 
     def __init__(self, take: Callable[[list[Q]], list[Q]], run: Callable[[list[Q], "float | None"], Awaitable[None]],
-                 words: DeadlineWords, *, max_in_flight: int = 1, wait_s: float = 0.0,
-                 company: Callable[[list[Q]], bool] = lambda queued: False, inline_when_idle: bool = False,
+                 words: DeadlineWords, *, max_in_flight: int = 1,
+                 linger: Callable[[list[Q]], float] = lambda queued: 0.0, inline_when_idle: bool = False,
                  on_drop: DropObserver | None = None) -> None:
         self._take, self._run, self._words = take, run, words
-        self._wait_s = wait_s  # linger this long for company while `company(queued)` says more may come
-        self._company = company
+        self._linger = linger  # seconds to wait for company, given what is queued
+        self._arrived = asyncio.Event()  # set by every submit that queues: the linger asks again
         self._inline = inline_when_idle
         self._on_drop = on_drop
         self._slots = asyncio.Semaphore(max_in_flight)
@@ -138,12 +140,13 @@ class BatchQueue(Generic[Q]):
             # Idle: nobody to batch with and a slot free. Run the step in the caller's own
             # task at once (no drainer or group task, no extra loop iterations, and no linger:
             # lingering would only delay a lone request); calls that arrive meanwhile queue
-            # as usual and form the next group, lingering `wait_s` for company.
+            # as usual and form the next group, lingering for company as `linger` says.
             await self._slots.acquire()  # free, so this does not yield
             self.inline_steps += 1
             await self._run_group([item])
             return item.future.result()
         self.pending.append(item)
+        self._arrived.set()
         if item.deadline is not None:
             item.timer = loop.call_at(_loop_time(loop, item.deadline), self._expire, item)
         if self._drainer is None or self._drainer.done():
@@ -198,8 +201,7 @@ class BatchQueue(Generic[Q]):
         loop = asyncio.get_running_loop()
         while self.pending:
             await self._slots.acquire()  # calls keep queueing while every slot is busy
-            if self._wait_s > 0 and self._company(self.pending):
-                await asyncio.sleep(self._wait_s)
+            await self._linger_for_company(loop)
             self.pending = [q for q in self.pending if not q.future.done()]
             self._drop_late(self.pending)  # before `take`: a late call takes no room in the group
             group = self._take(self.pending) if self.pending else []
@@ -211,6 +213,19 @@ class BatchQueue(Generic[Q]):
             task = loop.create_task(self._run_group(group))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+
+    async def _linger_for_company(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait while `linger(queued)` asks for company, at most its first answer's seconds."""
+        wait = self._linger(self.pending)
+        if wait <= 0:
+            return
+        until = loop.time() + wait
+        while (left := until - loop.time()) > 0 and self._linger(self.pending) > 0:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
 
     async def _run_group(self, group: list[Q]) -> None:
         """One step for `group` (holding one slot); late members are answered uncomputed."""
@@ -253,7 +268,7 @@ class StepBatcher:
         self._max_padding = policy.max_padding_fraction
         self._queue: BatchQueue[_Pending] = BatchQueue(
             self._take_group, self._step, _REQUEST_DEADLINE, max_in_flight=policy.max_in_flight,
-            wait_s=policy.wait_s, company=lambda queued: sum(p.rows for p in queued) < self._max_rows,
+            linger=lambda queued: policy.wait_s if sum(p.rows for p in queued) < self._max_rows else 0.0,
             inline_when_idle=True, on_drop=on_drop)
         self.steps = 0  # counters for /gang and the benchmark
         self.requests = 0
