@@ -42,9 +42,10 @@ SPECS: dict[str, dict[str, Any]] = {
     # The serving shape (E=512, H=8), trained briefly, for POST /weights.
     "serve": {**SMALL, "dataset": {"samples": 64, "seq_len": 4, "seed": 2}, "epochs": 1, "optimizer": "adam",
               "lr": 0.001},
-    # Long enough to kill a worker after its first checkpoint. The restart test runs the same
-    # spec again and stops it mid-run with the service: both must end where the other did.
-    "kill": {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 4000}, "epochs": 16,
+    # Long enough to kill a worker after its first checkpoint, with seconds to spare (epochs of
+    # ~0.3 s here: a record's progress lags its run by up to a poll). The restart test runs the
+    # same spec again and stops it mid-run with the service: both must end where the other did.
+    "kill": {**SMALL, "model": {"kind": "linear"}, "dataset": {"samples": 12000}, "epochs": 10,
              "max_failures": 1},
 }
 
@@ -304,7 +305,7 @@ def test_infeasible_job_fails_fast_with_numbers(app_url: str) -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_worker_killed_mid_run_resumes_from_checkpoint(app_url: str, jobs: dict[str, str]) -> None:
-    """The first test of the submitted jobs: the kill job (about a second an epoch) must be
+    """The first test of the submitted jobs: the kill job (~0.3 s an epoch, 10 epochs) must be
     caught mid-run, so this test waits on it from its submission on; later in the module it
     may have ended already."""
     job_id = jobs["kill"]
@@ -788,7 +789,7 @@ def test_restart_keeps_every_record_and_resumes_runs_that_died_with_it(app_url: 
                  and registered_checkpoint(job_id), 240, "reached epoch 2 with a registered checkpoint")
         # A head restart takes every actor at once and abruptly: the manager's replica and its
         # run, within a millisecond of each other, so that neither sees the other go (a live
-        # manager resumes a run it sees die: another path) and the job, 14 epochs from its end,
+        # manager resumes a run it sees die: another path) and the job, 8 epochs from its end,
         # cannot finish in between (a graceful `serve.delete` first takes up to its shutdown
         # timeout, long enough for the job to end).
         run = ray.get_actor(run_actor_name(job_id), namespace=RUN_NAMESPACE)
