@@ -191,6 +191,18 @@ def test_a_chunk_waits_for_the_sessions_of_the_step_before_and_no_longer_than_it
     d_id = asyncio.run(stops())
     assert [step for step in gang.steps if d_id in step][-1] == {d_id: 8}, gang.steps
 
+    # Only a chunk waits: one-row appends with no prefill in progress never linger for the
+    # sessions of the step before (the 30 s bound would show as the 10 s guard's timeout).
+    registry, gang, batcher = setup(8, chunk_linger_s=30.0)
+
+    async def decoders() -> None:
+        b, c = registry.open(), registry.open()
+        await asyncio.gather(batcher.submit(b, rows(1, 80), None), batcher.submit(c, rows(1, 81), None))
+        for seed in range(3):  # C stopped: B's appends go on alone
+            await asyncio.wait_for(batcher.submit(b, rows(1, 90 + seed), None), 10)
+
+    asyncio.run(decoders())
+
 
 def test_a_session_s_next_append_waits_for_its_chunked_one() -> None:
     """Two appends of one session queued together: the second is planned only after the first's

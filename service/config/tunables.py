@@ -151,9 +151,9 @@ class GangTunables:
         "wait ends as soon as they are all queued; it costs at most this much per chunk when a session "
         "stopped appending. Measured (bench/NOTES.md; 8 decoding sessions beside a 4,096-row prefill, "
         "the 12-layer E768 stack, world size 1, no batch_wait_timeout_s): 0 -> 0.05 s, the appends' p99 "
-        "1,280 -> 820-880 ms and p50 910 -> 545-575 ms, twice the appends during the prefill, the "
-        "prefill 8.3 -> 9.8-10.1 s; 0.02 s is too short for 8 appends to arrive through one ingress "
-        "here. 0: a chunk never waits."))
+        "1,115-1,209 -> 778-814 ms and p50 764-860 -> 540-556 ms, twice the appends during the prefill, "
+        "the prefill 7.2-7.8 -> 9.4-9.5 s; 0.02 s was too short for 8 appends to arrive through one "
+        "ingress here. 0: a chunk never waits."))
 
     def header_spin_us(self, device_type: str) -> float:
         """How long a peer on a `device_type` ("cpu", "cuda") rank polls for the next header."""

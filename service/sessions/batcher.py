@@ -34,9 +34,10 @@ run a step alone and those appends would wait behind it and then share the next 
 another chunk: two chunks' time per append. So a queue that holds a chunk but not yet
 every session whose append the last step answered lingers for them, at most `chunk_linger_s`
 (ending as soon as they are all queued): each decoding session's append then meets one
-chunk per step. Measured (bench/NOTES.md): 8 decoding sessions beside a 4,096-row prefill in
-256-row chunks, no batch wait, a 50 ms bound: their appends' p99 1,280 -> 820-880 ms, p50
-910 -> 545-575 ms, the prefill 18 % slower.
+chunk per step. Only a chunk after an append's first waits: one-row appends with no prefill in
+progress are batched as `wait_s` says. Measured (bench/NOTES.md): 8 decoding sessions beside a
+4,096-row prefill in 256-row chunks, no batch wait, a 50 ms bound: their appends' p99
+1,115-1,209 -> 778-814 ms, p50 764-860 -> 540-556 ms, the prefill about 25 % slower.
 
 Idempotency keys: a keyed append's claim (service.sessions.registry.Claim) rides with it
 into its step (StepItem.claim), where the registry settles it; its caller withdraws it once
@@ -113,9 +114,13 @@ class AppendBatcher:
         sessions = {q.session.id for q in queued}
         if len(sessions) >= self._max_sessions:
             return 0.0
-        if self._chunk_linger_s > 0 and self._answered - sessions and any(q.chunking is not None for q in queued):
+        if self._chunk_linger_s > 0 and self._answered - sessions and any(self._between_chunks(q) for q in queued):
             return max(self._chunk_linger_s, self._wait_s)
         return self._wait_s
+
+    def _between_chunks(self, q: _Queued) -> bool:
+        """Whether `q` is the next chunk of an append whose earlier chunks were computed."""
+        return q.chunking is not None and self._chunked.get(q.session.id) is q.chunking
 
     def stats(self) -> SessionBatchingStats:
         return SessionBatchingStats(
