@@ -128,7 +128,7 @@ def stack_def(stack: str) -> Any:
 
 def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device: torch.device, dtype: torch.dtype,
                      repeats: int, block: int = 16, copy_bytes: int = GIB, in_place: bool = False,
-                     decode_buckets: tuple[int, ...] | None = None) -> list[StepRow]:
+                     decode_buckets: tuple[int, ...] | None = None, varlen: bool = False) -> list[StepRow]:
     """The world-size-1 stack's step of S one-row appends for each S in `sessions`, each session
     at `context` cached rows (random K/V, scattered blocks of one pool sized for the largest S),
     without the service: median of `repeats` synchronized `append` calls, against the floor with
@@ -136,7 +136,9 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
     CUDA rank's), or with `in_place` the compiled kernel over the pool's blocks, warmed first as
     a CPU rank warms it at bring-up (service.parallel.paged_kernel), with its decode calls'
     `decode_buckets` (None: the kernel's own, DECODE_BUCKETS and DECODE_ALONE_UP_TO; given: those
-    calls only, no session alone)."""
+    calls only, no session alone). `varlen`: a CUDA rank's in-place path instead
+    (service.parallel.paged_varlen, bf16/fp16, `block` a multiple of 256), checked at warm-up as a
+    rank checks it; where the check refuses, the rows say why and use the gather path."""
     from service.parallel.group import ParallelGroup
     from service.parallel.kv_cache import AppendPlan
     from service.parallel.model import kv_bytes_per_token, kv_heads_per_rank, new_kv_pool, shard_dense
@@ -166,6 +168,16 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
         with torch.inference_mode():
             kernel.warm(pool.k[0], pool.v[0], model_def.head_dim ** -0.5, budget_s=600)
         pool.attention, path = kernel, f"in place, decode calls of {'/'.join(map(str, buckets))}"
+    elif varlen:
+        from service.parallel.paged_varlen import VarlenAttention
+
+        kernel_v = VarlenAttention(num_blocks, block, query_heads_per_rank(model_def, 1), kv_heads_per_rank(model_def, 1),
+                                   model_def.head_dim, dtype)
+        status = kernel_v.warm(device, model_def.head_dim ** -0.5)
+        if status.path == "varlen":
+            pool.attention, path = kernel_v, f"varlen, pages of {block}"
+        else:
+            path = f"gather (varlen refused: {status.reason})"
     timed: list[tuple[int, float]] = []
     for s in sessions:
         x = torch.randn(s, model_def.embed_dim, device=device, dtype=dtype)

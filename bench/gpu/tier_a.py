@@ -10,7 +10,9 @@ sweep; the real rank's root_step at world size 1 (pinned staging; the shortest p
 a real NCCL process group of world size 1 (init, all_reduce, broadcast); the caching
 allocator's reserve over 200 mixed shapes with and without expandable segments (each in
 its own process, since the allocator reads its setting once); the decode step against the
-memory floor (bench/decode.py's in-process rows: both stacks, S = 1, 8, 32 at context 2048).
+memory floor (bench/decode.py's in-process rows: both stacks, S = 1, 8, 32 at context 2048);
+a CUDA rank's in-place session attention (varlen_attn over the pool's pages): its warm-up
+check, parity against float64, its decode step against the gather path.
 
 GPU_CHECK_DRY_RUN=1 runs the parts that run on a CPU (parity, the stack, the rank's
 root_step, the world-size-1 group on gloo) there and prints one row for each CUDA-only
@@ -316,11 +318,72 @@ def decode_floor() -> None:
             torch.cuda.empty_cache()
 
 
+def _dense_causal_tail(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 reference: the last n rows of causal attention over one session's L positions,
+    q [n, h, d] (at positions L - n .. L - 1), keys/values [L, kv, d] -> [n, h, d]."""
+    n, h, _ = q.shape
+    length, kv = keys.shape[0], keys.shape[1]
+    k = keys.double().transpose(0, 1).repeat_interleave(h // kv, dim=0)  # [h, L, d]
+    v = values.double().transpose(0, 1).repeat_interleave(h // kv, dim=0)
+    allowed = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]  # [n, L]
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=allowed.to(k.device),
+                                          scale=scale).transpose(0, 1)
+
+
+def paged_varlen() -> None:
+    """A CUDA rank's in-place session attention (service.parallel.paged_varlen: varlen_attn over
+    the pool's pages): the rank's warm-up check, then parity against float64 dense causal
+    attention for a step of decode rows and chunks (pages out of order, grouped-query heads too),
+    then the decode step of both stacks in bf16 at pages of 256, gather vs varlen, same run."""
+    from bench.decode import in_process_steps
+    from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
+    from service.parallel.paged_varlen import VarlenAttention
+
+    b, d, scale = 256, 64, 64 ** -0.5
+    gen = torch.Generator().manual_seed(3)
+    plan = AppendPlan(12, b, (1, 1, 7, 300), (0, 700, 2 * b - 3, 100),
+                      ((5,), (9, 2, 11), (0, 7, 3), (1, 4)))
+    for dtype in (torch.bfloat16, torch.float16):
+        for q_heads, kv_heads in ((12, 12), (16, 4)):
+            name = f"{str(dtype)[6:]} {q_heads} query heads over {kv_heads} K/V"
+            kernel = VarlenAttention(12, b, q_heads, kv_heads, d, dtype)
+            status = kernel.warm(DEV, scale)
+            row(f"paged varlen warm-up, {name}", f"{status.path} ({status.reason}; {status.compile_s:.3f} s)")
+            if status.path != "varlen":
+                continue
+            pool = PagedKVPool(12, b, kv_heads, d, dtype, DEV)
+            pool.k.normal_()
+            pool.v.normal_()
+            pool.attention = kernel
+            q = torch.randn(plan.rows, q_heads, d, generator=gen).to(DEV, dtype)
+            k = torch.randn(plan.rows, kv_heads, d, generator=gen).to(DEV, dtype)
+            v = torch.randn(plan.rows, kv_heads, d, generator=gen).to(DEV, dtype)
+            with torch.inference_mode():
+                got = paged_attention(pool, 0, q, k, v, plan, scale).double()
+            worst, at = 0.0, 0
+            for n, c, table in zip(plan.new_rows, plan.cached, plan.tables):
+                ids = torch.tensor(table, device=DEV)
+                keys = pool.k[0][ids].reshape(-1, kv_heads, d)[:c + n]
+                values = pool.v[0][ids].reshape(-1, kv_heads, d)[:c + n]
+                want = _dense_causal_tail(keys, values, q[at:at + n], scale)
+                worst = max(worst, float((got[at:at + n] - want).abs().max() / want.abs().max()))
+                at += n
+            row(f"paged varlen vs float64 dense causal, {name}: max |difference| / max |output|", f"{worst:.2e}")
+    for stack in ("transformer", "llama"):
+        with section(f"decode {stack} bf16, pages of 256: gather vs varlen"):
+            for varlen in (False, True):
+                for r in in_process_steps(stack, (1, 8, 32), 2048, DEV, torch.bfloat16, repeats=10, block=256,
+                                          varlen=varlen):
+                    row(f"decode step {stack} ws1 S={r.sessions} ctx 2048 bf16 pages 256 ({r.where}): step ms / "
+                        "floor ms", f"{r.compute_ms:.3f} / {r.floor_ms:.3f} = {r.ratio:.2f}")
+        torch.cuda.empty_cache()
+
+
 # (name, part, runs on a CPU): the dry run runs the parts that do, and says which it skipped.
 PARTS = (("parity", parity, True), ("12-layer stack", stack, True), ("tf32", tf32, False),
          ("sdpa backends", sdpa_backends, False), ("copies and step", copies_and_step, False),
          ("rank root_step", rank_root_step, True), ("ws1 group", ws1_group, True), ("mixed shapes", mixed_shapes, False),
-         ("decode floor", decode_floor, False))
+         ("decode floor", decode_floor, False), ("paged varlen", paged_varlen, False))
 
 
 def main() -> int:

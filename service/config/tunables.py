@@ -126,8 +126,10 @@ class GangTunables:
     session_attention: Literal["auto", "gather"] = knob("auto", (
         "How a session step's attention reads the KV pool (service.parallel.paged_kernel): `auto` compiles "
         "torch's flex_attention over the pool's blocks in place at bring-up (the `compile` stage of "
-        "last_bring_up, before the gang is ready) where a C++ compiler is found (CPU ranks), else the "
-        "gather path, said in one log line; `gather` always copies each session's blocks first (the "
+        "last_bring_up, before the gang is ready) where a C++ compiler is found (CPU ranks); a CUDA rank in "
+        "bfloat16/float16 with session_block_tokens a multiple of 256 reads the pool through torch's "
+        "varlen_attn instead (service.parallel.paged_varlen), once a warm-up step equals the gather path; "
+        "else the gather path, said in one log line; `gather` always copies each session's blocks first (the "
         "path before, ~3x the K/V bytes of a one-row append). GET /gang `sessions.attention` says which "
         "path runs and why."))
     session_compile_budget_s: float = knob(60.0, (

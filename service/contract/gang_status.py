@@ -173,10 +173,12 @@ class SessionAttention(_Closed):
     """How a session step's attention reads the KV pool (service.parallel.paged_kernel), and the
     chunked prefill's size (service.sessions.batcher)."""
 
-    path: Literal["in_place", "gather", "mixed"] = Field(
-        description="`in_place`: compiled flex_attention reads the pool's blocks where they lie; `gather`: each "
-        "session's blocks are copied first (no C++ compiler, a non-CPU device, or tunables.gang.session_attention"
-        "=gather); `mixed`: ranks differ (each is still exact).")
+    path: Literal["in_place", "varlen", "gather", "mixed"] = Field(
+        description="`in_place`: compiled flex_attention reads the pool's blocks where they lie (CPU ranks); "
+        "`varlen`: torch's varlen_attn reads them through a block table (CUDA ranks in bfloat16/float16 with "
+        "session_block_tokens a multiple of 256, checked against the gather path at bring-up); `gather`: each "
+        "session's blocks are copied first (no C++ compiler, a device or dtype neither kernel serves, or "
+        "tunables.gang.session_attention=gather); `mixed`: ranks differ (each is still exact).")
     reason: str = Field(description="Why this path, in words.")
     compile_s: float = Field(description="Seconds the slowest rank spent compiling at bring-up (0: none).")
     compiled_shapes: int = Field(description="Shapes compiled on every rank (calls of other shapes gather).")

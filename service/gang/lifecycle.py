@@ -184,16 +184,17 @@ class Lifecycle:
         ranks = [root.warm_sessions(*args), *peers.collect(calls, stage="compile")]
         paths = {r.path for r in ranks}
         path = paths.pop() if len(paths) == 1 else "mixed"
-        first = next((r for r in ranks if r.path != "in_place"), ranks[0])
+        first = next((r for r in ranks if not r.in_place), ranks[0])
         self.session_attention = KernelStatus(path, first.reason, max(r.compile_s for r in ranks),
                                               min(r.shapes for r in ranks))
         self._spare_kernel = root.kernel_shape if path == "in_place" else None
-        if path == "in_place":
-            log.info("session attention: in place over the KV pool's blocks on every rank (%d shapes compiled, "
-                     "%.1f s at most per rank)", self.session_attention.shapes, self.session_attention.compile_s)
+        if self.session_attention.in_place:
+            log.info("session attention: %s over the KV pool's blocks on every rank (%s; %d shapes compiled, "
+                     "%.1f s at most per rank)", path, first.reason, self.session_attention.shapes,
+                     self.session_attention.compile_s)
         else:
             log.warning("session attention: the gather path (%s) on ranks %s: %s", path,
-                        [i for i, r in enumerate(ranks) if r.path != "in_place"], first.reason)
+                        [i for i, r in enumerate(ranks) if not r.in_place], first.reason)
 
     def rebuild(self, weights: ServedWeights) -> None:
         stages = _StageClock()

@@ -57,6 +57,7 @@ from service.parallel.model import (
     shard_dense,
 )
 from service.parallel.paged_kernel import InPlaceAttention, KernelShape, KernelStatus, compile_shape, compiler_problem
+from service.parallel.paged_varlen import VarlenAttention
 from service.parallel.registry import ModelArgs, resolve
 from service.parallel.weights import checkpoint_causal
 from service.config.tunables import GangTunables, StateTunables
@@ -239,9 +240,10 @@ class Rank:
         # Sessions' K/V for this rank's heads (service.parallel.kv_cache), allocated on the
         # first append step with the shape rank 0's plan names; gone with this object.
         self.kv_pool: PagedKVPool | None = None
-        # The compiled in-place attention over that pool (service.parallel.paged_kernel), made by
-        # `warm_sessions` at bring-up, and which path session steps use and why (GET /gang).
-        self._kernel: InPlaceAttention | None = None
+        # The in-place attention over that pool (service.parallel.paged_kernel on CPU,
+        # service.parallel.paged_varlen on CUDA), made by `warm_sessions` at bring-up, and which
+        # path session steps use and why (GET /gang).
+        self._kernel: InPlaceAttention | VarlenAttention | None = None
         self.session_attention = KernelStatus("gather", "not warmed up (no session pool at bring-up)")
 
     def _prepare_cuda(self) -> None:
@@ -296,8 +298,9 @@ class Rank:
 
     @property
     def kernel_shape(self) -> KernelShape | None:
-        """The in-place attention this rank compiled at bring-up (None: its sessions gather)."""
-        return self._kernel.shape if self._kernel is not None else None
+        """The in-place attention this rank compiled at bring-up (None: its sessions gather, or
+        read the pool through varlen_attn, which compiles nothing)."""
+        return self._kernel.shape if isinstance(self._kernel, InPlaceAttention) else None
 
     def memory_stats(self) -> dict[str, int | str]:
         """This rank's device memory (CUDA only; {} on CPU): what the caching allocator holds
@@ -548,19 +551,26 @@ class Rank:
         """Bring-up, before the first session step (no collective: each rank alone): allocate
         this rank's KV pool in the sessions' shape and compile the in-place attention over it
         (service.parallel.paged_kernel), at most `budget_s` of compiling (shapes left over take
-        the gather path). `mode`: tunables.gang.session_attention ("auto" | "gather"). Returns
-        which path session steps use and why; without a C++ compiler that is the gather path."""
+        the gather path); a CUDA rank instead checks varlen_attn over the pool's pages
+        (service.parallel.paged_varlen: bf16/fp16, pages of a multiple of 256) against the
+        gather path. `mode`: tunables.gang.session_attention ("auto" | "gather"). Returns which
+        path session steps use and why; without a C++ compiler on CPU that is the gather path."""
         arch = self.model_def
         if arch is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
         pool = self.kv_pool_for(AppendPlan(num_blocks, block_size, (), (), ()))
+        q_heads, kv = query_heads_per_rank(arch, self.world_size), kv_heads_per_rank(arch, self.world_size)
+        if mode != "gather" and self.device.type == "cuda":
+            varlen = VarlenAttention(num_blocks, block_size, q_heads, kv, arch.head_dim, self.dtype)
+            self.session_attention = varlen.warm(self.device, arch.head_dim ** -0.5)
+            if self.session_attention.path == "varlen":
+                self._kernel = pool.attention = varlen
+            return self.session_attention
         problem = "tunables.gang.session_attention is 'gather'" if mode == "gather" else compiler_problem(self.device)
         if problem is not None:
             self.session_attention = KernelStatus("gather", problem)
             return self.session_attention
-        kv = kv_heads_per_rank(arch, self.world_size)
-        kernel = InPlaceAttention(num_blocks, block_size, query_heads_per_rank(arch, self.world_size), kv,
-                                  arch.head_dim, self.dtype)
+        kernel = InPlaceAttention(num_blocks, block_size, q_heads, kv, arch.head_dim, self.dtype)
         try:
             status = kernel.warm(pool.k[0], pool.v[0], arch.head_dim ** -0.5, budget_s)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not build leaves today's path

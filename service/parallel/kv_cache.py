@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from service.parallel.paged_kernel import InPlaceAttention, NotWarmed
+from service.parallel.paged_varlen import VarlenAttention
 
 log = logging.getLogger("gangserve.rank")
 
@@ -123,9 +124,10 @@ class PagedKVPool:
         self.layers, self.num_blocks, self.block_size = layers, num_blocks, block_size
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # The compiled in-place attention over this pool (service.parallel.paged_kernel), set by
-        # the rank at warm-up; None: `paged_attention` gathers the blocks (the fallback path).
-        self.attention: InPlaceAttention | None = None
+        # The in-place attention over this pool, set by the rank at warm-up: compiled flex_attention
+        # on a CPU rank (service.parallel.paged_kernel), varlen_attn on a CUDA rank in bf16/fp16
+        # (service.parallel.paged_varlen); None: `paged_attention` gathers the blocks.
+        self.attention: InPlaceAttention | VarlenAttention | None = None
 
     @property
     def nbytes(self) -> int:
@@ -174,6 +176,8 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
     kernel = pool.attention
     if kernel is None or not kernel.matches(h, kv, d, q.dtype):
         return gather_attention(pool_k, pool_v, q, plan, scale)
+    if isinstance(kernel, VarlenAttention):  # one call for the whole step, every row count alike
+        return kernel.attend(pool_k, pool_v, q, plan, scale)
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=q.device)  # [T, h_l, d]
     starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
     # One-row appends (decode) share one call over the pool in place (a lone one a call of its

@@ -71,7 +71,8 @@ torch's fused SDPA over the copy beat the rows kernel's 64 x 16 tiles (measured,
 6 heads, 100 rows at context 1500: 92 ms gathered, 185 ms in place; bench/NOTES.md, issue 52).
 `rows_in_place=True` reads them in place too (the parity tests run it: same math). In bf16/fp16
 the CPU kernel would also pack the *whole* K (every pool position) for 64 or more query rows.
-CUDA: not used (untested here: no GPU); `compiler_problem` says so.
+CUDA: not used (a CUDA rank in bf16/fp16 reads its pool through varlen_attn instead:
+service.parallel.paged_varlen); `compiler_problem` says so.
 """
 from __future__ import annotations
 
@@ -103,17 +104,24 @@ class NotWarmed(RuntimeError):
 class KernelStatus:
     """Which attention a rank's session steps use, and why (GET /gang `sessions.attention`)."""
 
-    path: str  # "in_place" (compiled flex_attention over the pool) | "gather" (today's copy)
+    # "in_place" (compiled flex_attention over the pool, CPU) | "varlen" (varlen_attn over the
+    # pool's pages, CUDA: service.parallel.paged_varlen) | "gather" (each session's blocks copied)
+    path: str
     reason: str  # why this path, in words
-    compile_s: float = 0.0  # seconds the warm-up's compilation took (0: none)
-    shapes: int = 0  # compiled shapes
+    compile_s: float = 0.0  # seconds the warm-up's compilation (or check) took (0: none)
+    shapes: int = 0  # compiled shapes (varlen: the warm-up steps it was checked on)
+
+    @property
+    def in_place(self) -> bool:
+        """Steps read the pool where it lies (no per-step copy of a session's K/V)."""
+        return self.path in ("in_place", "varlen")
 
 
 def compiler_problem(device: torch.device) -> str | None:
     """Why the in-place kernel cannot run on `device` (None: it can)."""
     if device.type != "cpu":
-        return (f"the in-place kernel is built and tested for CPU only; {device.type} keeps the gather path "
-                "(flex_attention on CUDA is untested here)")
+        return (f"the compiled in-place kernel is built and tested for CPU only; {device.type} keeps the gather "
+                "path (flex_attention on CUDA is untested here; CUDA in bf16/fp16: service.parallel.paged_varlen)")
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 
