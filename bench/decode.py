@@ -169,11 +169,12 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
             kernel.warm(pool.k[0], pool.v[0], model_def.head_dim ** -0.5, budget_s=600)
         pool.attention, path = kernel, f"in place, decode calls of {'/'.join(map(str, buckets))}"
     elif varlen:
+        from service.parallel.kv_cache import warm_varlen
         from service.parallel.paged_varlen import VarlenAttention
 
         kernel_v = VarlenAttention(num_blocks, block, query_heads_per_rank(model_def, 1), kv_heads_per_rank(model_def, 1),
                                    model_def.head_dim, dtype)
-        status = kernel_v.warm(device, model_def.head_dim ** -0.5)
+        status = warm_varlen(kernel_v, device, model_def.head_dim ** -0.5)
         if status.path == "varlen":
             pool.attention, path = kernel_v, f"varlen, pages of {block}"
         else:

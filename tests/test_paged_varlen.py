@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import service.parallel.paged_varlen as paged_varlen
-from service.parallel.kv_cache import AppendPlan
+import service.parallel.kv_cache as kv_cache
+from service.parallel.kv_cache import AppendPlan, warm_varlen
 from service.parallel.paged_varlen import VarlenArgs, VarlenAttention, varlen_problem
 
 pytestmark = pytest.mark.unit
@@ -93,10 +93,10 @@ def test_a_kernel_that_refuses_its_warm_up_step_leaves_the_gather_path_and_says_
     a kernel that raises (here: torch's CPU build has no FlashAttention) gives the gather path
     with the kernel's own words, as a GPU whose FlashAttention refuses would."""
     kernel = VarlenAttention(5, 256, 4, 2, 64, torch.bfloat16)
-    status = kernel.warm(torch.device("cpu"), 64 ** -0.5)
+    status = warm_varlen(kernel, torch.device("cpu"), 64 ** -0.5)
     assert (status.path, status.reason) == ("gather", "varlen_attn runs on CUDA only, this rank is on cpu")
-    monkeypatch.setattr(paged_varlen, "varlen_problem", lambda device, dtype, block_size: None)
-    status = kernel.warm(torch.device("cpu"), 64 ** -0.5)
+    monkeypatch.setattr(kv_cache, "varlen_problem", lambda device, dtype, block_size: None)
+    status = warm_varlen(kernel, torch.device("cpu"), 64 ** -0.5)
     assert status.path == "gather" and not status.in_place
     assert status.reason.startswith("varlen_attn failed its warm-up step (NotImplementedError: "), status.reason
     assert "_flash_attention_forward" in status.reason, status.reason

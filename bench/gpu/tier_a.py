@@ -336,7 +336,7 @@ def paged_varlen() -> None:
     attention for a step of decode rows and chunks (pages out of order, grouped-query heads too),
     then the decode step of both stacks in bf16 at pages of 256, gather vs varlen, same run."""
     from bench.decode import in_process_steps
-    from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
+    from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention, warm_varlen
     from service.parallel.paged_varlen import VarlenAttention
 
     b, d, scale = 256, 64, 64 ** -0.5
@@ -347,7 +347,7 @@ def paged_varlen() -> None:
         for q_heads, kv_heads in ((12, 12), (16, 4)):
             name = f"{str(dtype)[6:]} {q_heads} query heads over {kv_heads} K/V"
             kernel = VarlenAttention(12, b, q_heads, kv_heads, d, dtype)
-            status = kernel.warm(DEV, scale)
+            status = warm_varlen(kernel, DEV, scale)
             row(f"paged varlen warm-up, {name}", f"{status.path} ({status.reason}; {status.compile_s:.3f} s)")
             if status.path != "varlen":
                 continue

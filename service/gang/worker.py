@@ -44,7 +44,7 @@ from service.gang.staging import PinnedStaging
 from service.gang.stepclock import StepClock
 from service.gang.steps import KINDS
 from service.parallel import ParallelGroup
-from service.parallel.kv_cache import AppendPlan, PagedKVPool
+from service.parallel.kv_cache import AppendPlan, PagedKVPool, warm_varlen
 from service.parallel.model import (
     ModelDef,
     RankModel,
@@ -562,7 +562,7 @@ class Rank:
         q_heads, kv = query_heads_per_rank(arch, self.world_size), kv_heads_per_rank(arch, self.world_size)
         if mode != "gather" and self.device.type == "cuda":
             varlen = VarlenAttention(num_blocks, block_size, q_heads, kv, arch.head_dim, self.dtype)
-            self.session_attention = varlen.warm(self.device, arch.head_dim ** -0.5)
+            self.session_attention = warm_varlen(varlen, self.device, arch.head_dim ** -0.5)
             if self.session_attention.path == "varlen":
                 self._kernel = pool.attention = varlen
             return self.session_attention

@@ -42,14 +42,15 @@ over its own heads. `paged_attention` is the attention part; the models
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from service.parallel.paged_kernel import InPlaceAttention, NotWarmed
-from service.parallel.paged_varlen import VarlenAttention
+from service.parallel.paged_kernel import InPlaceAttention, KernelStatus, NotWarmed
+from service.parallel.paged_varlen import CHECK_TOLERANCE, VarlenAttention, varlen_problem
 
 log = logging.getLogger("gangserve.rank")
 
@@ -203,6 +204,47 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
         _note_fallback(exc)
         return gather_attention(pool_k, pool_v, q, plan, scale)
     return ctx
+
+
+def warm_varlen(kernel: VarlenAttention, device: torch.device, scale: float) -> KernelStatus:
+    """A CUDA rank's warm-up of `kernel` (service.parallel.paged_varlen): where the device, dtype,
+    page size and torch allow it, run two steps on a scratch pool of 5 pages and compare each with
+    the gather path on the same inputs. KernelStatus("varlen", ...) when they agree within
+    CHECK_TOLERANCE, else KernelStatus("gather", why). The steps: a decode step (one row each at
+    lengths 1 and B + 3, the longer over pages out of order: FlashAttention takes another route
+    for one query row, grouped-query heads folded into rows) and a mixed step (the same two rows
+    and a chunk of 5 rows after B - 2 cached positions, crossing a page)."""
+    problem = varlen_problem(device, kernel.dtype, kernel.block_size)
+    if problem is not None:
+        return KernelStatus("gather", problem)
+    started = time.monotonic()
+    b, gen = kernel.block_size, torch.Generator(device="cpu").manual_seed(0)
+    plans = (AppendPlan(5, b, (1, 1), (0, b + 2), ((4,), (3, 0))),
+             AppendPlan(5, b, (1, 1, 5), (0, b + 2, b - 2), ((4,), (3, 0), (1, 2))))
+    scratch_k, scratch_v = (torch.randn(5, b, kernel.kv_heads, kernel.head_dim, generator=gen).to(device, kernel.dtype)
+                            for _ in range(2))
+    error = 0.0
+    try:
+        for plan in plans:
+            q = torch.randn(plan.rows, kernel.q_heads, kernel.head_dim, generator=gen).to(device, kernel.dtype)
+            with torch.inference_mode():
+                got = kernel.attend(scratch_k, scratch_v, q, plan, scale).float()
+                want = gather_attention(scratch_k, scratch_v, q, plan, scale).float()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # a kernel's launch error surfaces here, inside the check
+            error = max(error, float((got - want).abs().max() / want.abs().max().clamp_min(1e-6)))
+    except Exception as exc:  # noqa: BLE001 - any refusal of the kernel leaves the gather path
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return KernelStatus("gather", f"varlen_attn failed its warm-up step ({type(exc).__name__}: {first})")
+    finally:
+        kernel.forget_step()
+    tolerance = CHECK_TOLERANCE[kernel.dtype]
+    if not error <= tolerance:
+        return KernelStatus("gather", f"varlen_attn disagreed with the gather path at warm-up: max |difference| "
+                                      f"{error:.2e} of the largest output (at most {tolerance:g})")
+    return KernelStatus("varlen", f"varlen_attn (FlashAttention) over the pool's pages, checked against the gather "
+                                  f"path at warm-up (max |difference| {error:.1e})",
+                        round(time.monotonic() - started, 3), len(plans))
 
 
 _fallbacks_logged: set[str] = set()

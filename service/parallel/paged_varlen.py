@@ -23,7 +23,8 @@ than keys: row j of session i's n_i rows attends keys 0 .. L_i - n_i + j = c_i +
 position c_i + j attending its own session's positions up to itself, softmax(q K^T * scale) V;
 query head h reads K/V head h // (h_l / kv_l) (`enable_gqa`).
 
-Where it applies is decided on the device, once, at warm-up (`varlen_problem`, then `warm`):
+Where it applies is decided on the device, once, at warm-up (`varlen_problem`, then
+service.parallel.kv_cache.warm_varlen, beside the gather path it is checked against):
 a CUDA device, bfloat16 or float16, a torch whose `varlen_attn` takes `block_table`,
 `seqused_k` and `window_size`, pages of a multiple of 256 positions (torch's FlashAttention 2
 refuses other paged layouts: "Paged KV cache block size must be divisible by 256", so
@@ -39,23 +40,18 @@ float64 and its decode step against the gather path on the first GPU lent.
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
-
-from service.parallel.paged_kernel import KernelStatus
-
-if TYPE_CHECKING:
-    from service.parallel.kv_cache import AppendPlan
 
 # torch's FlashAttention 2 (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp)
 # checks `page_block_size % 256 == 0` for a paged K/V.
 PAGE_MULTIPLE = 256
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)  # FlashAttention's dtypes
-# The warm-up's check against the gather path: the largest |difference| allowed, relative to the
-# largest |output| (both computed from the same bf16/fp16 inputs; bf16 keeps 8 bits of mantissa).
+# The warm-up's check against the gather path (service.parallel.kv_cache.warm_varlen): the largest
+# |difference| allowed, relative to the largest |output| (both from the same bf16/fp16 inputs;
+# bf16 keeps 8 bits of mantissa).
 CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 _NEEDED_ARGUMENTS = ("block_table", "seqused_k", "window_size")
 
@@ -82,6 +78,19 @@ def varlen_problem(device: torch.device, dtype: torch.dtype, block_size: int) ->
         return (f"varlen_attn reads a paged K/V in pages of a multiple of {PAGE_MULTIPLE} positions, "
                 f"session_block_tokens is {block_size}")
     return _varlen_attn()[1]
+
+
+class StepSessions(Protocol):
+    """What the kernel reads of a step's plan (service.parallel.kv_cache.AppendPlan)."""
+
+    @property
+    def new_rows(self) -> tuple[int, ...]: ...
+
+    @property
+    def cached(self) -> tuple[int, ...]: ...
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]: ...
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,8 @@ class VarlenArgs:
 
 class VarlenAttention:
     """A CUDA rank's in-place attention over its pool: one varlen_attn call per cached layer of a
-    step (module docstring). Nothing is compiled; `warm` checks it against the gather path."""
+    step (module docstring). Nothing is compiled; service.parallel.kv_cache.warm_varlen checks it
+    against the gather path before a rank uses it."""
 
     def __init__(self, num_blocks: int, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
@@ -121,13 +131,13 @@ class VarlenAttention:
             raise ValueError(f"query heads ({q_heads}) must be a multiple of the pool's K/V heads ({kv_heads})")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.q_heads, self.kv_heads, self.head_dim, self.dtype = q_heads, kv_heads, head_dim, dtype
-        self._plan: object | None = None  # the step whose arguments `_args` holds (built once per step)
+        self._plan: StepSessions | None = None  # the step whose arguments `_args` holds (built once per step)
         self._args: VarlenArgs | None = None
 
     def matches(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         return (q_heads, kv_heads, head_dim, dtype) == (self.q_heads, self.kv_heads, self.head_dim, self.dtype)
 
-    def attend(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, plan: "AppendPlan",
+    def attend(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, plan: StepSessions,
                scale: float) -> torch.Tensor:
         """q [T, h_l, d] of the plan's rows (their K/V already written into the pool layer
         pool_k/pool_v [num_blocks, B, kv_l, d]) -> ctx [T, h_l, d]. The step's arguments are
@@ -142,42 +152,6 @@ class VarlenAttention:
                            window_size=(-1, 0), enable_gqa=self.q_heads != self.kv_heads, seqused_k=a.seqused_k,
                            block_table=a.block_table)
 
-    def warm(self, device: torch.device, scale: float) -> KernelStatus:
-        """Run two steps on a scratch pool of 5 pages and compare each with the gather path on the
-        same inputs: KernelStatus("varlen", ...) when they agree within CHECK_TOLERANCE, else
-        KernelStatus("gather", why). A decode step (one row each at lengths 1 and B + 3, the
-        longer over pages out of order: FlashAttention takes another route for one query row,
-        with grouped-query heads folded into rows) and a mixed step (the same two rows and a
-        chunk of 5 rows after B - 2 cached positions, crossing a page)."""
-        from service.parallel.kv_cache import AppendPlan, gather_attention  # kv_cache imports this module
-
-        problem = varlen_problem(device, self.dtype, self.block_size)
-        if problem is not None:
-            return KernelStatus("gather", problem)
-        started = time.monotonic()
-        b, gen = self.block_size, torch.Generator(device="cpu").manual_seed(0)
-        plans = (AppendPlan(5, b, (1, 1), (0, b + 2), ((4,), (3, 0))),
-                 AppendPlan(5, b, (1, 1, 5), (0, b + 2, b - 2), ((4,), (3, 0), (1, 2))))
-        scratch_k, scratch_v = (torch.randn(5, b, self.kv_heads, self.head_dim, generator=gen).to(device, self.dtype)
-                                for _ in range(2))
-        error = 0.0
-        try:
-            for plan in plans:
-                q = torch.randn(plan.rows, self.q_heads, self.head_dim, generator=gen).to(device, self.dtype)
-                with torch.inference_mode():
-                    got = self.attend(scratch_k, scratch_v, q, plan, scale).float()
-                    want = gather_attention(scratch_k, scratch_v, q, plan, scale).float()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # a kernel's launch error surfaces here, inside the check
-                error = max(error, float((got - want).abs().max() / want.abs().max().clamp_min(1e-6)))
-        except Exception as exc:  # noqa: BLE001 - any refusal of the kernel leaves the gather path
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            return KernelStatus("gather", f"varlen_attn failed its warm-up step ({type(exc).__name__}: {first})")
-        finally:
-            self._plan = self._args = None  # the scratch steps' arguments are not a real step's
-        if not error <= CHECK_TOLERANCE[self.dtype]:
-            return KernelStatus("gather", f"varlen_attn disagreed with the gather path at warm-up: max |difference| "
-                                          f"{error:.2e} of the largest output (at most {CHECK_TOLERANCE[self.dtype]:g})")
-        return KernelStatus("varlen", f"varlen_attn (FlashAttention) over the pool's pages, checked against the gather "
-                                      f"path at warm-up (max |difference| {error:.1e})",
-                            round(time.monotonic() - started, 3), len(plans))
+    def forget_step(self) -> None:
+        """Drop the arguments kept for the last step (a check's scratch steps are not a real one)."""
+        self._plan = self._args = None
