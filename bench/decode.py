@@ -223,6 +223,7 @@ class Sizes:
     threads_per_rank: int | None = None  # torch_threads_per_rank; None: the cores over the world size
     chunk_linger_s: float | None = None  # None: the service's default (tunables.gang.session_prefill_chunk_linger_s)
     batch_wait_s: float = LINGER_S  # batch_wait_timeout_s (0: the service's default, no wait for company)
+    step_ratio: float | None = None  # None: the service's default (tunables.gang.session_prefill_step_ratio)
 
 
 @dataclass
@@ -327,6 +328,8 @@ def _app_args(stack: str, ws: int, sizes: Sizes, checkpoint: Path | None) -> dic
         tunables["gang"]["session_prefill_chunk_tokens"] = sizes.chunk_tokens
     if sizes.chunk_linger_s is not None:
         tunables["gang"]["session_prefill_chunk_linger_s"] = sizes.chunk_linger_s
+    if sizes.step_ratio is not None:
+        tunables["gang"]["session_prefill_step_ratio"] = sizes.step_ratio
     # The Llama stack's width, heads and weights come from its checkpoint (bench/llama.py's), not the yaml's.
     base = local_yaml_args() if stack == "transformer" else {
         k: v for k, v in local_yaml_args().items() if k not in ("embed_dim", "num_heads", "init", "seed")}
@@ -500,6 +503,8 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=None, help="tunables.gang.session_prefill_chunk_tokens")
     parser.add_argument("--chunk-linger-s", type=float, default=None,
                         help="tunables.gang.session_prefill_chunk_linger_s (0: a chunk never waits)")
+    parser.add_argument("--step-ratio", type=float, default=None,
+                        help="tunables.gang.session_prefill_step_ratio (0: every chunk --chunk-tokens rows)")
     parser.add_argument("--batch-wait-s", type=float, default=LINGER_S,
                         help="batch_wait_timeout_s: the batcher's wait for company (0: the service's default)")
     parser.add_argument("--attention", choices=["auto", "gather"], default=d.attention,
@@ -518,7 +523,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = Sizes(tuple(args.sessions), args.context, tuple(args.world_sizes), tuple(args.stacks), args.rounds,
                   args.prefill_rows, args.stall_rounds, args.chunk_tokens, args.attention, args.block_tokens,
-                  args.threads_per_rank, args.chunk_linger_s, args.batch_wait_s)
+                  args.threads_per_rank, args.chunk_linger_s, args.batch_wait_s, args.step_ratio)
     local: list[StepRow] = []
     if args.in_process:
         torch.set_num_threads(os.cpu_count() or 1)  # as a ws1 rank here: every core

@@ -50,13 +50,27 @@ class LocalGang:
         return step.commit(out)
 
 
-def setup(chunk: int, num_blocks: int = 64, chunk_linger_s: float = 0.0) -> tuple[SessionRegistry, LocalGang, AppendBatcher]:
+class TimedGang(LocalGang):
+    """A LocalGang whose steps take as long as a real stack's would, in shape: a fixed part
+    (FIXED_S: the weights read, what a step of one-row appends costs) plus ROW_S for every row of
+    a several-row item (a chunk's compute), slept after the step is computed."""
+
+    FIXED_S, ROW_S = 0.1, 0.01
+
+    async def run_step(self, items: list[StepItem], deadline: float | None) -> list[tuple[Any, Any]]:
+        answers = await super().run_step(items, deadline)
+        await asyncio.sleep(self.FIXED_S + self.ROW_S * sum(n for n in self.steps[-1].values() if n > 1))
+        return answers
+
+
+def setup(chunk: int, num_blocks: int = 64, chunk_linger_s: float = 0.0, step_ratio: float = 0.0,
+          gang_type: type[LocalGang] = LocalGang) -> tuple[SessionRegistry, LocalGang, AppendBatcher]:
     registry = SessionRegistry(Limits(num_blocks=num_blocks, block_size=BLOCK, max_sessions=16, max_session_tokens=512,
                                       idle_timeout_s=600, bytes_per_token=8), owner="gangA")
-    gang = LocalGang(registry, random_weights(E, 3))
+    gang = gang_type(registry, random_weights(E, 3))
     batcher = AppendBatcher(gang.run_step, max_sessions_per_step=8, max_rows_per_step=4096,
                             num_blocks=num_blocks, blocks_for=registry.limits.blocks_for, chunk_rows=chunk,
-                            chunk_linger_s=chunk_linger_s, abandon=registry.abandon)
+                            chunk_linger_s=chunk_linger_s, chunk_step_ratio=step_ratio, abandon=registry.abandon)
     return registry, gang, batcher
 
 
@@ -140,6 +154,45 @@ def test_one_row_appends_of_another_session_complete_while_a_long_prefill_is_in_
     assert len(shared) >= 5, gang.steps  # B's five appends each rode with one of A's chunks
     assert all(max(step.values()) <= 8 for step in gang.steps)  # no step computed more than a chunk
     assert [step[a_id] for step in gang.steps if a_id in step] == [8] * 8
+
+
+def test_with_a_step_ratio_a_shared_chunk_shrinks_to_fit_beside_the_decoders_and_the_prefill_stays_exact() -> None:
+    """tunables.gang.session_prefill_step_ratio = 2.5 over steps shaped as a real stack's
+    (TimedGang: 100 ms fixed, 10 ms a chunk row): two sessions decode (their first step alone
+    teaches the budget a decode step's time) while a third prefills 200 rows in chunks of at
+    most 64. Its first chunk beside them computes 64 rows (no row cost known yet); from the
+    second on, a chunk beside them computes about (2.5 - 1) x 100 ms / 10 ms = 15 rows, never the
+    64 a fixed chunk would; a chunk alone keeps 64. Every answer is the dense reference's."""
+    registry, gang, batcher = setup(64, num_blocks=128, step_ratio=2.5, gang_type=TimedGang)
+
+    async def run() -> str:
+        a, b, p = registry.open(), registry.open(), registry.open()
+        seqs = {a.id: rows(1, 41), b.id: rows(1, 42)}
+        await asyncio.gather(batcher.submit(a, seqs[a.id], None), batcher.submit(b, seqs[b.id], None))
+        xp = rows(200, 43)
+        prefill = asyncio.create_task(batcher.submit(p, xp, None))
+
+        async def decode(s: Session, seed: int) -> None:
+            while not prefill.done():
+                x = rows(1, seed)
+                seed += 2
+                out, _ = await batcher.submit(s, x, None)
+                seqs[s.id] = np.concatenate([seqs[s.id], x])
+                assert relative_error(torch.from_numpy(out), want(seqs[s.id])[-1:]) <= TOL
+
+        await asyncio.gather(decode(a, 100), decode(b, 101))
+        out, info = await prefill
+        assert info["length"] == 200 and relative_error(torch.from_numpy(out), want(xp)) <= TOL
+        return p.id
+
+    p_id = asyncio.run(run())
+    shared = [step[p_id] for step in gang.steps if p_id in step and len(step) > 1]
+    alone = [step[p_id] for step in gang.steps if p_id in step and len(step) == 1]
+    assert shared[0] == 64 and len(shared) >= 4, gang.steps
+    # the rule gives 15; the slack is the measured steps' scheduling delays (a slower loop adds
+    # to both the decode step and the chunk's, which only moves the rows up a little)
+    assert all(4 <= n <= 40 for n in shared[1:-1]), shared
+    assert all(n == 64 for n in alone[:-1]), alone  # the last chunk of either kind is what is left
 
 
 def test_a_chunk_waits_for_the_sessions_of_the_step_before_and_no_longer_than_its_bound() -> None:

@@ -182,7 +182,8 @@ class SessionAttention(_Closed):
     reason: str = Field(description="Why this path, in words.")
     compile_s: float = Field(description="Seconds the slowest rank spent compiling at bring-up (0: none).")
     compiled_shapes: int = Field(description="Shapes compiled on every rank (calls of other shapes gather).")
-    prefill_chunk_tokens: int = Field(description="Rows per step of a long append (0: not chunked).")
+    prefill_chunk_tokens: int = Field(description="Rows per step of a long append, at most (fewer beside other "
+                                      "appends: tunables.gang.session_prefill_step_ratio; 0: not chunked).")
 
 
 class SessionBatchingStats(_Closed):

@@ -19,8 +19,10 @@ answers 504 at once, and the append still completes (GET /sessions/{id} shows th
 a retry with the same idempotency key gets its answer, service.sessions.registry).
 
 Chunked prefill (issue 52, as vLLM's): an append whose work (its rows, and the session's kept
-rows when they must be recomputed) is longer than `chunk_rows` runs as several queue items,
-one chunk of `chunk_rows` rows each: after each chunk's step the append is queued again, at
+rows when they must be recomputed) is longer than a chunk runs as several queue items, one chunk
+each: at most `chunk_rows` rows, fewer in a step shared with other appends, sized so that the step
+takes at most `chunk_step_ratio` times their step alone (service.sessions.chunk_budget, from the
+steps' measured durations); after each chunk's step the append is queued again, at
 the back, so the appends of other sessions queued meanwhile share the next step with its next
 chunk, instead of waiting for the whole prefill. Its answer (every own row's output) comes with
 its last chunk, whose commit alone applies it (service.sessions.registry.Chunking); the
@@ -46,6 +48,7 @@ done (service.sessions.service), so one never planned is never appended.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -54,6 +57,7 @@ import numpy as np
 from service.contract.gang_status import SessionBatchingStats
 from service.gang.batching import BatchQueue, DeadlineWords, Queued
 from service.metrics import timeline
+from service.sessions.chunk_budget import ChunkBudget
 from service.sessions.registry import Chunking, Claim, Session, StepItem
 
 # (items of one step, latest deadline or None) -> [(rows or None, info or error)] in item order
@@ -84,15 +88,19 @@ class AppendBatcher:
 
     def __init__(self, run_step: RunStep, *, max_sessions_per_step: int, max_rows_per_step: int,
                  num_blocks: int, blocks_for: Callable[[int], int], wait_s: float = 0.0, chunk_rows: int = 0,
-                 chunk_linger_s: float = 0.0,
+                 chunk_linger_s: float = 0.0, chunk_step_ratio: float = 0.0,
                  abandon: Callable[[Session, Chunking, Claim | None], None] | None = None) -> None:
         """`wait_s`: linger for company while fewer than a full step's sessions are queued;
-        `chunk_rows`: chunked prefill's rows per step (0: none); `chunk_linger_s`: the longest a
-        chunk waits for the sessions of the step before (module docstring; 0: never);
-        `abandon`: the registry's, told when a chunked append's caller gives up after a chunk
-        was computed."""
+        `chunk_rows`: chunked prefill's rows per step, at most (0: none); `chunk_linger_s`: the
+        longest a chunk waits for the sessions of the step before (module docstring; 0: never);
+        `chunk_step_ratio`: a step that carries a chunk and other appends should take at most this
+        many times a step of one-row appends alone: its chunk's rows shrink to fit
+        (service.sessions.chunk_budget; 0: every chunk `chunk_rows`); `abandon`: the registry's,
+        told when a chunked append's caller gives up after a chunk was computed."""
         self._run_step = run_step
         self._chunk = chunk_rows
+        self._budget = ChunkBudget(chunk_rows, chunk_step_ratio, min_rows=max(1, chunk_rows // 16)) \
+            if chunk_rows > 0 else None
         self._wait_s = wait_s
         self._chunk_linger_s = chunk_linger_s
         self._answered: set[str] = set()  # sessions whose append the last step answered
@@ -164,9 +172,10 @@ class AppendBatcher:
         all_reduce, to_numpy: service.gang.runner), as a stateless request's does."""
         # queue: arrival (or the previous chunk's end) -> this step starts
         batch = timeline.BatchStep([q.request_timeline for q in group if q.request_timeline is not None])
+        items = [StepItem(q.session, q.x, q.expect_length, claim=q.claim, chunking=q.chunking) for q in group]
+        started = time.monotonic()
         try:
-            results = await self._run_step([StepItem(q.session, q.x, q.expect_length, claim=q.claim,
-                                                      chunking=q.chunking) for q in group], deadline)
+            results = await self._run_step(items, deadline)
         except BaseException as exc:  # noqa: BLE001 - every member gets the step's error
             for q in group:
                 if not q.future.done():
@@ -177,6 +186,9 @@ class AppendBatcher:
         finally:
             batch.end()
         batch.hand_over()
+        if self._budget is not None:  # the step as its appends waited for it; items' rows as planned
+            self._budget.observe(sum(i.rows for i in items if i.rows > 1), sum(1 for i in items if i.rows == 1),
+                                 time.monotonic() - started)
         self.steps += 1
         self.appends += sum(1 for _, info in results if not isinstance(info, Chunking))
         self._answered = {q.session.id for q, (_, info) in zip(group, results)
@@ -206,8 +218,8 @@ class AppendBatcher:
             n = int(q.x.shape[0])
             # rows it brings: n, or its whole length again if it will be recomputed; a chunk at most
             mine = n if q.session.cached == q.session.length else q.session.length + n
-            if q.chunking is not None:
-                mine = min(q.chunking.chunk, max(1, mine - q.chunking.done))
+            if q.chunking is not None:  # counted at the most a chunk computes (`_size_chunks` may shrink it)
+                mine = min(self._chunk, max(1, mine - q.chunking.done))
             need = self._blocks_for(q.session.length + n)
             if group and (len(group) >= self._max_sessions or rows + mine > self._max_rows
                           or blocks + need > self._num_blocks):
@@ -215,4 +227,16 @@ class AppendBatcher:
             group.append(q)
             rows += mine
             blocks += need
+        self._size_chunks(group)
         return group
+
+    def _size_chunks(self, group: list[_Queued]) -> None:
+        """This step's rows for each long append in `group`: the chunk budget's, shared with the
+        group's other appends or alone (service.sessions.chunk_budget); a chunk only shrinks from
+        the `chunk_rows` the group was counted at."""
+        if self._budget is None:
+            return
+        chunk = self._budget.rows(shared=len(group) > 1)
+        for q in group:
+            if q.chunking is not None:
+                q.chunking.chunk = chunk

@@ -99,7 +99,8 @@ class SessionService:
             self._step, max_sessions_per_step=cfg.batching.max_batch_size, max_rows_per_step=cfg.serving.max_tokens_per_request,
             num_blocks=self.limits.num_blocks, blocks_for=self.limits.blocks_for, wait_s=cfg.batching.batch_wait_timeout_s,
             chunk_rows=max(0, cfg.tunables.gang.session_prefill_chunk_tokens),
-            chunk_linger_s=max(0.0, cfg.tunables.gang.session_prefill_chunk_linger_s), abandon=self.registry.abandon)
+            chunk_linger_s=max(0.0, cfg.tunables.gang.session_prefill_chunk_linger_s),
+            chunk_step_ratio=cfg.tunables.gang.session_prefill_step_ratio, abandon=self.registry.abandon)
         self._latency: dict[str, deque[float]] = {}
         self._sweeper: asyncio.Task | None = None
 

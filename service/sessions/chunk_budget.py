@@ -1,0 +1,68 @@
+"""How many rows a prefill chunk computes in a step it shares with other sessions' appends
+(chunked prefill, service.sessions.batcher).
+
+Why not a fixed count: a chunk's cost grows with its position (its rows attend every position
+before them), so a fixed count sized for the first chunks of a long prefill makes its last ones
+the slowest steps, and the decoding sessions that share them wait longest exactly there. Measured
+(bench/NOTES.md, 8 one-row appends beside a 4,096-row prefill, 12 layers E=768, one 2-core rank):
+fixed 256-row chunks: the steps' p99 955 ms against 267 ms for the appends' step alone (3.5x);
+fixed 96: 2.7x, and the prefill 1.7x slower because its early chunks were needlessly small.
+
+The rule: a step that carries a chunk should take at most `step_ratio` times the step of the
+other appends alone. With d the seconds of a recent step of one-row appends alone (an average of
+such steps) and r the seconds one chunk row added to the latest steps that carried at least
+`min_rows` rows of chunks (an average leaning on the latest: (that step - d) / its chunk rows; d
+is taken off a chunk alone too, as most of a step's fixed part),
+
+    rows = clamp(floor((step_ratio - 1) * d / r), min_rows, max_rows)
+
+for a chunk that shares its step with other appends; a chunk alone, or with no estimate yet,
+computes `max_rows` (tunables.gang.session_prefill_chunk_tokens). `step_ratio` 0 turns the
+rule off (every chunk `max_rows`). Each step corrects the estimate the next one uses, so the
+chunks shrink as the prefill moves on, and on a device where a chunk row is cheap against a
+decode step (a GPU's decode step reads memory, a chunk computes) they stay at `max_rows`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_EWMA = 0.5  # weight of the newest observation (a chunk's cost moves with its position: follow it)
+
+
+@dataclass
+class ChunkBudget:
+    """The rule above, fed every step's duration (`observe`), asked before every step (`rows`)."""
+
+    max_rows: int
+    step_ratio: float
+    min_rows: int = 16
+    decode_s: float | None = None  # d: a step of one-row appends alone, seconds (moving average)
+    row_s: float | None = None  # r: one chunk row's added seconds, at the latest chunk
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1 or not (self.step_ratio == 0 or self.step_ratio > 1) or self.min_rows < 1:
+            raise ValueError(f"chunked prefill needs tunables.gang.session_prefill_step_ratio 0 (off) or above 1 "
+                             f"(got {self.step_ratio}), at least 1 row per chunk (got {self.max_rows}) and "
+                             f"min_rows >= 1 (got {self.min_rows})")
+        self.min_rows = min(self.min_rows, self.max_rows)
+
+    def rows(self, shared: bool) -> int:
+        """Rows for the next chunk; `shared`: other sessions' appends are in its step."""
+        if self.step_ratio == 0 or not shared or self.decode_s is None or self.row_s is None:
+            return self.max_rows
+        room = (self.step_ratio - 1) * self.decode_s
+        return max(self.min_rows, min(self.max_rows, int(room / self.row_s)))
+
+    def observe(self, chunk_rows: int, others: int, seconds: float) -> None:
+        """A step ended: `chunk_rows` rows of chunks (0: none) beside `others` other appends'
+        items, in `seconds` (the step as its appends waited for it)."""
+        if chunk_rows == 0:
+            if others:
+                self.decode_s = seconds if self.decode_s is None else _EWMA * seconds + (1 - _EWMA) * self.decode_s
+            return
+        if chunk_rows < self.min_rows or (others and self.decode_s is None):
+            return  # a few rows' step is mostly its fixed part; or nothing tells the chunk's part apart
+        # Beside others, their step alone is the rest; alone, a step's fixed part (reading the
+        # weights, the hand-offs) is still most of a decode step's, so it is taken off too.
+        added = max(seconds - (self.decode_s or 0.0), 1e-6) / chunk_rows
+        self.row_s = added if self.row_s is None else _EWMA * added + (1 - _EWMA) * self.row_s

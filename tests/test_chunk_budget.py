@@ -1,0 +1,54 @@
+"""The chunk budget (service.sessions.chunk_budget): how many rows a prefill chunk computes in a
+step it shares with other sessions' appends, so that the step takes at most `step_ratio` times
+their step alone. The rule is fed step durations; here they are given (the numbers a real step
+would take), and the expected rows come from the rule as documented, worked by hand."""
+from __future__ import annotations
+
+import pytest
+
+from service.sessions.chunk_budget import ChunkBudget
+
+pytestmark = pytest.mark.unit
+
+
+def test_off_alone_or_without_estimates_a_chunk_computes_its_most_rows() -> None:
+    off = ChunkBudget(256, 0.0)
+    off.observe(0, 8, 0.25)
+    off.observe(256, 8, 0.95)
+    assert off.rows(shared=True) == 256
+    budget = ChunkBudget(256, 2.5)
+    assert budget.rows(shared=True) == 256  # nothing measured yet
+    budget.observe(0, 8, 0.25)
+    assert budget.rows(shared=True) == 256  # a decode step, but no chunk's cost yet
+    budget.observe(256, 8, 0.95)
+    assert budget.rows(shared=False) == 256  # alone, a chunk delays no one
+
+
+def test_a_shared_chunk_gets_the_rows_that_fit_the_ratio_and_follows_the_growing_cost() -> None:
+    budget = ChunkBudget(256, 2.5)
+    budget.observe(0, 8, 0.25)  # 8 one-row appends alone: 250 ms
+    budget.observe(256, 8, 0.95)  # a 256-row chunk beside them: 700 ms more, 2.734 ms a row
+    # room (2.5 - 1) x 250 ms = 375 ms; 375 / 2.734 = 137.1
+    assert budget.rows(shared=True) == 137
+    budget.observe(137, 8, 0.25 + 137 * 0.004)  # later chunks cost 4 ms a row: the average moves halfway
+    # row cost 0.5 x 4 + 0.5 x 2.734 = 3.367 ms; 375 / 3.367 = 111.4
+    assert budget.rows(shared=True) == 111
+    for _ in range(20):
+        budget.observe(16, 8, 0.25 + 16 * 0.2)  # a pathological 200 ms a row: the floor holds
+    assert budget.rows(shared=True) == 16  # the floor, min_rows
+
+
+def test_small_appends_and_chunks_alone_teach_the_row_cost_without_the_step_s_fixed_part() -> None:
+    budget = ChunkBudget(256, 2.0)
+    budget.observe(3, 0, 0.3)  # a 3-row append alone: under the 16-row floor, its step is mostly fixed cost
+    assert budget.row_s is None
+    budget.observe(0, 4, 0.1)  # 4 one-row appends: 100 ms
+    budget.observe(200, 0, 0.5)  # a chunk alone: 400 ms beyond the fixed part, 2 ms a row
+    # room (2 - 1) x 100 ms = 100 ms: 50 rows
+    assert budget.rows(shared=True) == 50
+
+
+def test_a_ratio_between_0_and_1_is_refused_with_the_tunable_named() -> None:
+    with pytest.raises(ValueError, match="tunables.gang.session_prefill_step_ratio 0 \\(off\\) or above 1 \\(got 0.5\\)"):
+        ChunkBudget(256, 0.5)
+    assert ChunkBudget(8, 3.0).min_rows == 8  # a floor above the most rows is the most rows
