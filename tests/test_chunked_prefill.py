@@ -159,17 +159,17 @@ def test_one_row_appends_of_another_session_complete_while_a_long_prefill_is_in_
 def test_with_a_step_ratio_a_shared_chunk_shrinks_to_fit_beside_the_decoders_and_the_prefill_stays_exact() -> None:
     """tunables.gang.session_prefill_step_ratio = 2.5 over steps shaped as a real stack's
     (TimedGang: 100 ms fixed, 10 ms a chunk row): two sessions decode (their first step alone
-    teaches the budget a decode step's time) while a third prefills 200 rows in chunks of at
-    most 64. Its first chunk beside them computes 64 rows (no row cost known yet); from the
+    teaches the budget a decode step's time) while a third prefills 300 rows in chunks of at
+    most 128. Its first chunk beside them computes 128 rows (no row cost known yet); from the
     second on, a chunk beside them computes about (2.5 - 1) x 100 ms / 10 ms = 15 rows, never the
-    64 a fixed chunk would; a chunk alone keeps 64. Every answer is the dense reference's."""
-    registry, gang, batcher = setup(64, num_blocks=128, step_ratio=2.5, gang_type=TimedGang)
+    128 a fixed chunk would; a chunk alone keeps 128. Every answer is the dense reference's."""
+    registry, gang, batcher = setup(128, num_blocks=128, step_ratio=2.5, gang_type=TimedGang)
 
     async def run() -> str:
         a, b, p = registry.open(), registry.open(), registry.open()
         seqs = {a.id: rows(1, 41), b.id: rows(1, 42)}
         await asyncio.gather(batcher.submit(a, seqs[a.id], None), batcher.submit(b, seqs[b.id], None))
-        xp = rows(200, 43)
+        xp = rows(300, 43)
         prefill = asyncio.create_task(batcher.submit(p, xp, None))
 
         async def decode(s: Session, seed: int) -> None:
@@ -182,17 +182,19 @@ def test_with_a_step_ratio_a_shared_chunk_shrinks_to_fit_beside_the_decoders_and
 
         await asyncio.gather(decode(a, 100), decode(b, 101))
         out, info = await prefill
-        assert info["length"] == 200 and relative_error(torch.from_numpy(out), want(xp)) <= TOL
+        assert info["length"] == 300 and relative_error(torch.from_numpy(out), want(xp)) <= TOL
         return p.id
 
     p_id = asyncio.run(run())
     shared = [step[p_id] for step in gang.steps if p_id in step and len(step) > 1]
     alone = [step[p_id] for step in gang.steps if p_id in step and len(step) == 1]
-    assert shared[0] == 64 and len(shared) >= 4, gang.steps
-    # the rule gives 15; the slack is the measured steps' scheduling delays (a slower loop adds
-    # to both the decode step and the chunk's, which only moves the rows up a little)
-    assert all(4 <= n <= 40 for n in shared[1:-1]), shared
-    assert all(n == 64 for n in alone[:-1]), alone  # the last chunk of either kind is what is left
+    assert shared[0] == 128 and len(shared) >= 4, gang.steps
+    # The rule gives 15. A busy machine delays the slept steps: a delay of the decode step the
+    # budget learnt from adds room (at 0.5 s, 90 rows), one of a chunk's step takes it away
+    # (down to the floor, 128 / 16): never the fixed 128, and about 15 on most.
+    assert all(8 <= n < 128 for n in shared[1:-1]), shared
+    assert sorted(shared[1:-1])[len(shared[1:-1]) // 2] <= 40, shared
+    assert all(n == 128 for n in alone[:-1]), alone  # the last chunk of either kind is what is left
 
 
 def test_a_chunk_waits_for_the_sessions_of_the_step_before_and_no_longer_than_its_bound() -> None:

@@ -147,16 +147,16 @@ class GangTunables:
         "appends beside a 4,096-row prefill (fixed chunks, session_prefill_step_ratio 0) had a p99 of "
         "2.7-3.9x their p50 alone at 256 rows, the prefill taking 9.0-11 s; at 128 rows 2.3-3.1x and 15-20 s. "
         "0: no chunking."))
-    session_prefill_step_ratio: float = knob(2.5, (
+    session_prefill_step_ratio: float = knob(2.0, (
         "A step that carries a prefill chunk beside other sessions' appends should take at most this many "
         "times a step of one-row appends alone (service.sessions.chunk_budget): the chunk's rows shrink "
         "to fit, estimated from the steps before (a chunk's cost grows with its position, so a long "
         "prefill's later chunks get fewer rows), at least session_prefill_chunk_tokens / 16; a chunk "
         "alone computes session_prefill_chunk_tokens. Measured (bench/NOTES.md; 8 decoding sessions' "
         "one-row appends beside a 4,096-row prefill, the 12-layer E768 stack, world size 1, the default "
-        "batching, two runs each): 2.5: their p99 2.86 and 3.13x their p50 alone, the prefill 21.5 and 13.4 s; "
-        "0 (256-row chunks): 3.93 and 3.88x, 10.6 and 11.0 s: the decoders' latency is bought with the "
-        "prefill's. 0: every chunk session_prefill_chunk_tokens rows. Else above 1."))
+        "batching, back to back): 2.0: their p99 3.00 and 2.26x their p50 alone, the prefill 19.8 and 20.4 s; "
+        "2.5: 3.30x, 16.6 s; 0 (fixed 256-row chunks): 3.54-3.93x, 10.6-12.4 s: the decoders' latency is "
+        "bought with the prefill's. 0: every chunk session_prefill_chunk_tokens rows. Else above 1."))
     session_prefill_chunk_linger_s: float = knob(0.05, (
         "The longest a prefill chunk waits, before its step, for the sessions whose appends the step "
         "before answered (service.sessions.batcher): their next appends arrive a client round trip after "

@@ -236,7 +236,7 @@ class AppendBatcher:
         the `chunk_rows` the group was counted at."""
         if self._budget is None:
             return
-        chunk = self._budget.rows(shared=len(group) > 1)
+        chunk = self._budget.rows(others=sum(1 for q in group if q.x.shape[0] == 1))
         for q in group:
             if q.chunking is not None:
                 q.chunking.chunk = chunk

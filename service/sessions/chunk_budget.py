@@ -9,8 +9,8 @@ fixed 256-row chunks: the steps' p99 955 ms against 267 ms for the appends' step
 fixed 96: 2.7x, and the prefill 1.7x slower because its early chunks were needlessly small.
 
 The rule: a step that carries a chunk should take at most `step_ratio` times the step of the
-other appends alone. With d the seconds of a recent step of one-row appends alone (an average of
-such steps) and r the seconds one chunk row added to the latest steps that carried at least
+other appends alone. With d the seconds of a recent step of as many one-row appends alone (an
+average of such steps; `decode_estimate` when no step of that many was seen) and r the seconds one chunk row added to the latest steps that carried at least
 `min_rows` rows of chunks (an average leaning on the latest: (that step - d) / its chunk rows; d
 is taken off a chunk alone too, as most of a step's fixed part),
 
@@ -24,7 +24,7 @@ decode step (a GPU's decode step reads memory, a chunk computes) they stay at `m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _EWMA = 0.5  # weight of the newest observation (a chunk's cost moves with its position: follow it)
 
@@ -36,8 +36,10 @@ class ChunkBudget:
     max_rows: int
     step_ratio: float
     min_rows: int = 16
-    decode_s: float | None = None  # d: a step of one-row appends alone, seconds (moving average)
-    row_s: float | None = None  # r: one chunk row's added seconds, at the latest chunk
+    # d by the number of one-row appends in the step (moving averages): a step of 8 costs more
+    # than one of 4, and a chunk's step must be held against its own decoders' step alone
+    decode_s: dict[int, float] = field(default_factory=dict)
+    row_s: float | None = None  # r: one chunk row's added seconds, at the latest chunks
 
     def __post_init__(self) -> None:
         if self.max_rows < 1 or not (self.step_ratio == 0 or self.step_ratio > 1) or self.min_rows < 1:
@@ -46,23 +48,38 @@ class ChunkBudget:
                              f"min_rows >= 1 (got {self.min_rows})")
         self.min_rows = min(self.min_rows, self.max_rows)
 
-    def rows(self, shared: bool) -> int:
-        """Rows for the next chunk; `shared`: other sessions' appends are in its step."""
-        if self.step_ratio == 0 or not shared or self.decode_s is None or self.row_s is None:
+    def decode_estimate(self, others: int) -> float | None:
+        """d for a step of `others` one-row appends: measured, else from the nearest count measured,
+        k, as d(k) x max(1, others / k). d grows with the count and has a fixed part (the weights
+        read), so that is never below the true d: too much room for a chunk, never too little
+        (an underestimate would starve the prefill). None: no step of one-row appends seen yet."""
+        if others in self.decode_s:
+            return self.decode_s[others]
+        if not self.decode_s:
+            return None
+        k = min(self.decode_s, key=lambda known: (abs(known - others), -known))
+        return self.decode_s[k] * max(1.0, others / k)
+
+    def rows(self, others: int) -> int:
+        """Rows for the next chunk, whose step holds `others` one-row appends of other sessions."""
+        decode_s = self.decode_estimate(others) if others else None
+        if self.step_ratio == 0 or decode_s is None or self.row_s is None:
             return self.max_rows
-        room = (self.step_ratio - 1) * self.decode_s
+        room = (self.step_ratio - 1) * decode_s
         return max(self.min_rows, min(self.max_rows, int(room / self.row_s)))
 
     def observe(self, chunk_rows: int, others: int, seconds: float) -> None:
-        """A step ended: `chunk_rows` rows of chunks (0: none) beside `others` other appends'
-        items, in `seconds` (the step as its appends waited for it)."""
+        """A step ended: `chunk_rows` rows of several-row items (chunks; 0: none) beside `others`
+        one-row appends, in `seconds` (the step as its appends waited for it)."""
         if chunk_rows == 0:
             if others:
-                self.decode_s = seconds if self.decode_s is None else _EWMA * seconds + (1 - _EWMA) * self.decode_s
+                last = self.decode_s.get(others)
+                self.decode_s[others] = seconds if last is None else _EWMA * seconds + (1 - _EWMA) * last
             return
-        if chunk_rows < self.min_rows or (others and self.decode_s is None):
-            return  # a few rows' step is mostly its fixed part; or nothing tells the chunk's part apart
         # Beside others, their step alone is the rest; alone, a step's fixed part (reading the
-        # weights, the hand-offs) is still most of a decode step's, so it is taken off too.
-        added = max(seconds - (self.decode_s or 0.0), 1e-6) / chunk_rows
+        # weights, the hand-offs) is still most of a one-row step's, so it is taken off too.
+        base = self.decode_estimate(max(others, 1))
+        if chunk_rows < self.min_rows or (others and base is None):
+            return  # a few rows' step is mostly its fixed part; or nothing tells the chunk's part apart
+        added = max(seconds - (base or 0.0), 1e-6) / chunk_rows
         self.row_s = added if self.row_s is None else _EWMA * added + (1 - _EWMA) * self.row_s
