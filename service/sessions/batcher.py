@@ -236,7 +236,9 @@ class AppendBatcher:
         the `chunk_rows` the group was counted at."""
         if self._budget is None:
             return
-        chunk = self._budget.rows(others=sum(1 for q in group if q.x.shape[0] == 1))
+        # the step's one-row appends (a one-row append whose session is recomputed brings more rows)
+        decoders = sum(1 for q in group if q.x.shape[0] == 1 and q.session.cached == q.session.length)
+        chunk = self._budget.rows(others=decoders)
         for q in group:
             if q.chunking is not None:
                 q.chunking.chunk = chunk
