@@ -34,8 +34,9 @@ def _varlen_reference(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tenso
     """FlashAttention's paged varlen forward as documented (torch.nn.attention.varlen.varlen_attn,
     window (-1, 0)), in float64, one loop per sequence: sequence i's query rows are
     q[cu_seq_q[i] : cu_seq_q[i+1]] (n of them), its keys the first seqused_k[i] = L positions of
-    its pages block_table[i] laid end to end, and causal attention aligned at the bottom right:
-    query row j attends keys 0 .. L - n + j. Query head h reads K/V head h // (heads / kv heads)."""
+    its pages block_table[i] laid end to end, and causal attention aligned at the bottom right
+    (window (-1, 0)): query row j attends keys 0 .. L - n + j; with no window, (-1, -1), every
+    key. Query head h reads K/V head h // (heads / kv heads)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     _, page, kv, d = pool_k.shape
     h = q.shape[1]
@@ -46,21 +47,29 @@ def _varlen_reference(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tenso
         values = pool_v[pages].reshape(-1, kv, d)[:length].double().repeat_interleave(h // kv, dim=1)
         n = hi - lo
         for j in range(n):
-            scores = torch.einsum("hd,lhd->hl", q[lo + j].double(), keys[:length - n + j + 1]) * scale
-            out[lo + j] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values[:length - n + j + 1])
+            last = length if args.window == (-1, -1) else length - n + j + 1
+            scores = torch.einsum("hd,lhd->hl", q[lo + j].double(), keys[:last]) * scale
+            out[lo + j] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values[:last])
     return out
 
 
+DECODE_PLAN = AppendPlan(16, 4, (1, 1, 1), (0, 9, 6), ((3,), (7, 0, 12), (2, 15)))
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["4-heads", "4-over-2-kv-heads"])
-def test_a_steps_arguments_make_each_row_attend_its_own_sessions_positions_up_to_itself(heads: tuple[int, int]) -> None:
+@pytest.mark.parametrize("plan", [
+    AppendPlan(16, 4, (1, 1, 5, 6), (0, 9, 6, 0), ((3,), (7, 0, 12), (2, 15, 9), (5, 11))), DECODE_PLAN],
+    ids=["mixed", "decode-only"])
+def test_a_steps_arguments_make_each_row_attend_its_own_sessions_positions_up_to_itself(
+        heads: tuple[int, int], plan: AppendPlan) -> None:
     """Decode rows of uneven lengths, a chunk after cached positions crossing a page, a prefill
-    from nothing, pages out of order: through the arguments `VarlenArgs.of` builds, each new row
-    at position c + j equals row c + j of dense causal attention over its session's sequence
-    (torch's SDPA, float64, over the session's K/V laid out in order: an independent layout)."""
+    from nothing, pages out of order; and a step of one-row appends only, which passes no window:
+    through the arguments `VarlenArgs.of` builds, each new row at position c + j equals row c + j
+    of dense causal attention over its session's sequence (torch's SDPA, float64, over the
+    session's K/V laid out in order: an independent layout)."""
     q_heads, kv_heads = heads
     page, d, scale = 4, 8, 8 ** -0.5
     gen = torch.Generator().manual_seed(0)
-    plan = AppendPlan(16, page, (1, 1, 5, 6), (0, 9, 6, 0), ((3,), (7, 0, 12), (2, 15, 9), (5, 11)))
     plan.check()
     sequences = [torch.randn(c + n, 2, kv_heads, d, generator=gen, dtype=torch.float64)
                  for n, c in zip(plan.new_rows, plan.cached)]  # each session's K and V in order
@@ -73,7 +82,7 @@ def test_a_steps_arguments_make_each_row_attend_its_own_sessions_positions_up_to
 
     args = VarlenArgs.of(plan.new_rows, plan.cached, plan.tables, torch.device("cpu"))
     assert args.block_table.dtype == args.cu_seq_q.dtype == args.seqused_k.dtype == torch.int32  # the kernel's
-    assert (args.max_q, args.max_k) == (6, 11)
+    assert (args.max_q, args.max_k, args.window) == ((6, 11, (-1, 0)) if plan is not DECODE_PLAN else (1, 10, (-1, -1)))
     got = _varlen_reference(q, pool_k, pool_v, args, scale)
 
     at = 0

@@ -21,7 +21,10 @@ Math (exactly the gather path's, service.parallel.kv_cache): causal attention wi
 (-1, 0), which FlashAttention aligns at the bottom right when a sequence has fewer query rows
 than keys: row j of session i's n_i rows attends keys 0 .. L_i - n_i + j = c_i + j, which is
 position c_i + j attending its own session's positions up to itself, softmax(q K^T * scale) V;
-query head h reads K/V head h // (h_l / kv_l) (`enable_gqa`).
+query head h reads K/V head h // (h_l / kv_l) (`enable_gqa`). A step of one-row appends only
+(decode) passes no window, (-1, -1): each row is its session's last position and attends all of
+it either way, and without a window FlashAttention may fold a K/V head's query heads into rows
+(its `seqlenq_ngroups_swapped` route for one query row and grouped-query heads).
 
 Where it applies is decided on the device, once, at warm-up (`varlen_problem`, then
 service.parallel.kv_cache.warm_varlen, beside the gather path it is checked against):
@@ -103,6 +106,7 @@ class VarlenArgs:
     block_table: torch.Tensor
     max_q: int
     max_k: int
+    window: tuple[int, int]  # (-1, 0): causal at the bottom right; (-1, -1) when every session has one row
 
     @classmethod
     def of(cls, new_rows: Sequence[int], cached: Sequence[int], tables: Sequence[Sequence[int]],
@@ -117,7 +121,7 @@ class VarlenArgs:
         cu_k = torch.zeros(len(new_rows) + 1, dtype=torch.int32)
         cu_k[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         return cls(cu_q.to(device), cu_k.to(device), torch.tensor(lengths, dtype=torch.int32).to(device),
-                   table.to(device), max(new_rows), max(lengths))
+                   table.to(device), max(new_rows), max(lengths), (-1, 0) if max(new_rows) > 1 else (-1, -1))
 
 
 class VarlenAttention:
@@ -149,7 +153,7 @@ class VarlenAttention:
             self._plan, self._args = plan, VarlenArgs.of(plan.new_rows, plan.cached, plan.tables, q.device)
         a = self._args
         return varlen_attn(q, pool_k, pool_v, a.cu_seq_q, a.cu_seq_k, a.max_q, a.max_k, scale=scale,
-                           window_size=(-1, 0), enable_gqa=self.q_heads != self.kv_heads, seqused_k=a.seqused_k,
+                           window_size=a.window, enable_gqa=self.q_heads != self.kv_heads, seqused_k=a.seqused_k,
                            block_table=a.block_table)
 
     def forget_step(self) -> None:
