@@ -42,6 +42,7 @@ float64 and its decode step against the gather path on the first GPU lent.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -59,8 +60,10 @@ CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 _NEEDED_ARGUMENTS = ("block_table", "seqused_k", "window_size")
 
 
+@functools.cache
 def _varlen_attn() -> tuple[Callable[..., torch.Tensor] | None, str | None]:
-    """torch's varlen_attn, or why this torch has none that reads a paged pool."""
+    """torch's varlen_attn, or why this torch has none that reads a paged pool (looked up once:
+    `attend` asks on every layer of every step)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError as exc:
