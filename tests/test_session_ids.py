@@ -74,3 +74,53 @@ def test_every_caller_of_an_app_gets_one_key_and_each_app_its_own(ray_cluster: A
         t.join(timeout=120)
     assert len(keys) == 4 and len(set(keys)) == 1 and len(keys[0]) == 32
     assert app_key(one) == keys[0] and app_key(two) != keys[0]
+
+
+@pytest.mark.ray
+def test_the_key_outlives_the_placement_group_of_the_gang_that_asked_first(ray_cluster: Any) -> None:
+    """A gang's Serve replica runs in the gang's placement group, child tasks captured (Serve's
+    `placement_group_bundles`). The keeper that replica starts must live outside that group: else
+    it dies with the gang, the app's next gang makes another key, and an earlier gang's ids answer
+    404 instead of 410. A keeper of this test's own name, so the suite's apps' keys are untouched."""
+    import time
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from service.sessions.ids import KEEPER_NAMESPACE
+
+    keeper, app = f"test-keeper-{secrets.token_hex(4)}", f"test-ids-{secrets.token_hex(4)}"
+
+    @ray.remote(num_cpus=0.01, max_restarts=0)
+    class FirstGang:
+        def key(self) -> bytes:
+            return app_key(app, keeper_name=keeper)
+
+    group = placement_group([{"CPU": 0.01}])
+    ray.get(group.ready(), timeout=120)
+    gang = FirstGang.options(scheduling_strategy=PlacementGroupSchedulingStrategy(  # type: ignore[attr-defined]
+        group, placement_group_capture_child_tasks=True)).remote()
+    try:
+        key = ray.get(gang.key.remote(), timeout=120)
+        remove_placement_group(group)  # the gang's replica stops: its group goes, with what ran in it
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                ray.get(gang.key.remote(), timeout=10)
+            except ray.exceptions.RayActorError:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the first gang's actor outlived its placement group by 60 s")
+        # Asked again for 2 s: a keeper that died with the group answers an error or a new key.
+        asked_until = time.monotonic() + 2
+        while time.monotonic() < asked_until:
+            assert app_key(app, timeout_s=60, keeper_name=keeper) == key
+            time.sleep(0.2)
+    finally:
+        ray.kill(gang, no_restart=True)
+        try:
+            ray.kill(ray.get_actor(keeper, namespace=KEEPER_NAMESPACE), no_restart=True)
+        except ValueError:  # never started, or already gone
+            pass

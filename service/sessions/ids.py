@@ -106,23 +106,30 @@ class SessionKeyKeeper:
         return self._keys.setdefault(app_name, secrets.token_bytes(KEY_BYTES))
 
 
-def app_key(app_name: str, timeout_s: float = KEEPER_ANSWER_S) -> bytes:
+def app_key(app_name: str, timeout_s: float = KEEPER_ANSWER_S, keeper_name: str = KEEPER_NAME) -> bytes:
     """The app's session-id key (32 random bytes made by the first gang of the app that asks,
-    read by every other) from the cluster's SessionKeyKeeper, started by the first caller
-    (this process must be connected to Ray). Bounded by `timeout_s`.
+    read by every other) from the cluster's SessionKeyKeeper (named `keeper_name`; a test names
+    one of its own), started by the first caller (this process must be connected to Ray) outside
+    any placement group, so it outlives the gang that started it. Bounded by `timeout_s`.
 
     The keeper lives as long as the cluster, like Ray's own key-value store: if its node
     is lost, a new keeper makes new keys, and an id minted before, once its gang is gone,
     answers 404 `session_not_found` instead of 410 `session_lost` (as an id from before tags)."""
+    # scheduling_strategy "DEFAULT": outside the caller's placement group. The caller is a gang's
+    # Serve replica, which Serve places in the gang's placement group with child tasks captured;
+    # a keeper started there was placed in that group and died when the gang's replica stopped,
+    # and the next gang of the app made a new key (an earlier gang's ids then answered 404, not
+    # 410), once per gang that stopped.
     keeper = SessionKeyKeeper.options(  # type: ignore[attr-defined]
-        name=KEEPER_NAME, namespace=KEEPER_NAMESPACE, lifetime="detached", get_if_exists=True).remote()
+        name=keeper_name, namespace=KEEPER_NAMESPACE, lifetime="detached", get_if_exists=True,
+        scheduling_strategy="DEFAULT").remote()
     try:
         key = ray.get(keeper.key_of.remote(app_name), timeout=timeout_s)
     except GetTimeoutError:
         raise RuntimeError(f"the session-id key of app {app_name!r} needs an answer from the cluster's "
-                           f"{KEEPER_NAME!r} actor (namespace {KEEPER_NAMESPACE!r}); none came within "
+                           f"{keeper_name!r} actor (namespace {KEEPER_NAMESPACE!r}); none came within "
                            f"{timeout_s:g}s") from None
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise RuntimeError(f"the session-id key of app {app_name!r} must be {KEY_BYTES} bytes; the "
-                           f"{KEEPER_NAME!r} actor answered {type(key).__name__} of length {len(key)}")
+                           f"{keeper_name!r} actor answered {type(key).__name__} of length {len(key)}")
     return key
