@@ -8,6 +8,7 @@ graceful_shutdown_timeout_s for the GangServer replica that never started
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,3 +41,12 @@ def test_deleting_an_app_whose_gang_was_never_placed_returns_at_once(serve_url: 
     print(f"serve.delete of an app with an unplaced gang: {took:.1f} s (GangServer grace {GRACE_S:g} s)")
     assert took < GRACE_S / 2, f"serve.delete took {took:.1f} s; the never-placed gang waited out Serve's grace"
     assert "unplaced" not in serve.status().applications
+
+    # The app's JobManager stopped its poll loop in Serve's graceful shutdown, before its
+    # replica's thread pool closed under it (each late round logged "job poll failed").
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"  # noqa: SLF001
+    manager_logs = [p.read_text(errors="replace") for p in logs.glob("replica_unplaced_JobManager_*.log")]
+    assert manager_logs, f"no JobManager log of the app among {sorted(p.name for p in logs.glob('replica_unplaced_*'))}"
+    assert all("stopped polling" in text and "job poll failed" not in text for text in manager_logs), manager_logs

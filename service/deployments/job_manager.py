@@ -69,3 +69,11 @@ class JobManager(Jobs):
         )
         await self.open()
         log.info("job manager %s on state dir %s", self.manager_id, state)
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown (redeploy, scale-down, app delete) awaits this: the poll loop
+        stops before the replica's event loop and its thread pool do, instead of failing its next
+        round against a closed pool (an ERROR line at every stop). The runs keep running; the
+        app's next manager adopts them."""
+        if getattr(self, "_poller", None) is not None:  # set once __init__ got that far
+            await self.close()

@@ -149,6 +149,8 @@ class Jobs:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        log.info("job manager %s stopped polling; its runs go on, for the app's next manager to adopt",
+                 self._id)
 
     # ---- jobs ---------------------------------------------------------------------------
 
