@@ -200,6 +200,62 @@ def test_request_id_is_echoed_or_assigned_and_logged_as_json(obs_url: str, ray_c
     assert ours, "the service's own log lines do not reach the replica's JSON log"
 
 
+def _json_records(logs: Path, pattern: str) -> list[dict[str, Any]]:
+    """Every JSON record of the replica logs matching `pattern` (JSON encoding: one object a line)."""
+    return [json.loads(line) for path in logs.glob(pattern)
+            for line in path.read_text(errors="replace").splitlines() if line.startswith("{")]
+
+
+@pytest.mark.unit
+def test_serves_failed_call_line_keeps_its_traceback_for_internal_and_foreign_errors() -> None:
+    """The other side of the test below, on real log records: a 5xx we state is one WARNING
+    line; an `internal` error and an exception that is not ours keep Serve's ERROR and traceback."""
+    import logging
+    import sys
+
+    from service.contract.errors import GangServeError, GangUnavailable
+    from service.metrics.logs import SERVE_CALL_FAILED, AnsweredErrors
+
+    def record_of(exc: Exception) -> logging.LogRecord:
+        try:
+            raise exc
+        except Exception:  # noqa: BLE001 - a real exc_info, as logger.exception makes it
+            return logging.LogRecord("ray.serve", logging.ERROR, "replica.py", 1, SERVE_CALL_FAILED, None,
+                                     sys.exc_info())
+
+    rebuilding = record_of(GangUnavailable("gang is rebuilding"))
+    assert AnsweredErrors().filter(rebuilding)
+    assert (rebuilding.levelname, rebuilding.exc_info) == ("WARNING", None)
+    assert rebuilding.getMessage() == "call answered 503 gang_unavailable: gang is rebuilding"
+    for kept in (record_of(GangServeError("unexpected")), record_of(ValueError("a bug"))):
+        assert AnsweredErrors().filter(kept)
+        assert kept.levelname == "ERROR" and kept.exc_info is not None and kept.getMessage() == SERVE_CALL_FAILED
+
+
+@pytest.mark.ray
+def test_an_error_a_handle_call_answers_is_one_line_not_a_traceback(obs_url: str, ray_cluster: Any) -> None:
+    """The JobManager raises `job_not_found` through its handle call; Serve logs any exception
+    raised there as ERROR "Request failed." with a traceback. Ours are answers: one INFO line
+    with the status, the code and the message, and no traceback (service.metrics.logs)."""
+    import ray
+
+    missing = f"job-{uuid.uuid4().hex[:12]}"
+    mine = f"obs-{uuid.uuid4().hex}"
+    reply = httpx.get(f"{obs_url}/train/{missing}", headers={**AUTH, "X-Request-Id": mine}, timeout=30)
+    assert reply.status_code == 404 and reply.json()["code"] == "job_not_found", reply.text
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"  # noqa: SLF001
+    ours: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not ours:
+        ours = [r for r in _json_records(logs, "replica_obs_JobManager_*.log") if r.get("request_id") == mine]
+        time.sleep(0.5)
+    answered = [r for r in ours if r.get("message", "").startswith("call answered")]
+    assert len(answered) == 1, ours
+    assert answered[0]["levelname"] == "INFO" and missing in answered[0]["message"], answered
+    assert answered[0]["message"].startswith("call answered 404 job_not_found: "), answered
+    assert not any("Traceback" in json.dumps(r) or r.get("message") == "Request failed." for r in ours), ours
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_finished_training_job_is_counted(obs_url: str) -> None:
