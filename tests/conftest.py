@@ -137,22 +137,50 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 # Wall time per test module (setup + call + teardown of its tests, its module fixtures
 # included; the session's cluster start counts to the first module that needs it), printed
-# at the end of the run beside --durations: where the suite's minutes go (issue 33, item 8).
+# at the end of the run beside --durations: where the suite's minutes go. Beside it, how busy
+# the machine's CPUs were meanwhile (every process, Ray's included, from /proc/stat between
+# reports): a module far below 100 % waits (timeouts, restarts), one near it computes.
 _MODULE_SECONDS: dict[str, float] = {}
+_MODULE_CPU: dict[str, list[int]] = {}  # module -> [busy jiffies, all jiffies] of every CPU
+_LAST_CPU: list[int] = []
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, all) jiffies of every CPU since boot; None where /proc/stat is not Linux's."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # user .. steal; guest is inside user
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     module = report.nodeid.split("::", 1)[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    now = _cpu_jiffies()
+    if now is not None:
+        if _LAST_CPU:
+            spent = _MODULE_CPU.setdefault(module, [0, 0])
+            spent[0] += now[0] - _LAST_CPU[0]
+            spent[1] += now[1] - _LAST_CPU[1]
+        _LAST_CPU[:] = now
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _MODULE_SECONDS:
         return
     total = sum(_MODULE_SECONDS.values())
-    terminalreporter.write_sep("=", f"slowest 15 modules (of {len(_MODULE_SECONDS)}, {total:.0f} s in all)")
+    terminalreporter.write_sep("=", f"slowest 15 modules (of {len(_MODULE_SECONDS)}, {total:.0f} s in all; "
+                                    "CPUs busy meanwhile)")
     for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
-        terminalreporter.write_line(f"{seconds:8.1f}s  {100 * seconds / total:4.1f}%  {module}")
+        busy, every = _MODULE_CPU.get(module, [0, 0])
+        cpu = f"{100 * busy / every:5.0f} %" if every else "      "
+        terminalreporter.write_line(f"{seconds:8.1f}s  {100 * seconds / total:4.1f}%  {cpu}  {module}")
+    busy, every = (sum(v[i] for v in _MODULE_CPU.values()) for i in (0, 1))
+    if every:
+        terminalreporter.write_line(f"CPUs busy through the run: {100 * busy / every:.0f} %")
 
 
 @pytest.fixture(scope="session")
