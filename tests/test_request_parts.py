@@ -161,6 +161,46 @@ def test_the_policy_makes_one_key_before_the_first_try_and_sends_it_on_every_try
     assert replica.sent("session_open") == [None] and policy.retries == 1
 
 
+class _Rebuilding(_Replica):
+    """A one-gang replica whose gang broke: `describe` says rebuilding `describes` times, then
+    ready again; a session append is refused with gang_rebuilding until then."""
+
+    def __init__(self, describes: int, out: Any) -> None:
+        super().__init__(gang_report("rebuilding", "rebuilding after: rank 1 died"))
+        self.describes, self.out = describes, out
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None, deadline: float | None = None,
+                   **kwargs: Any) -> Any:
+        self.calls.append((method, kwargs.get("idempotency_key")))
+        if method == "describe":
+            self.describes -= 1
+            if self.describes < 0:
+                self.status = gang_report()
+            return self.status
+        if self.status.state is not GangState.READY:
+            raise _rebuilding()
+        return self.out
+
+
+def test_with_one_gang_a_session_call_waits_for_the_rebuild_instead_of_sending_it_again_and_again() -> None:
+    """The retry table's premise for one gang: a call is sent again once the gang is ready
+    again. An append refused by a rebuilding gang waits, reading the gang's status every
+    `wait_poll_s`, and is sent once more when the status says ready (it used to be re-sent at
+    every backoff step, each answered 503 again)."""
+    out = (np.zeros((1, 4), np.float32), {"length": 1})
+    replica = _Rebuilding(describes=6, out=out)
+    policy = _policy(replica)
+
+    async def scenario() -> Any:
+        return await policy.session_call(GangMethod.SESSION_APPEND, np.zeros((1, 4), np.float32), None,
+                                         session_id="r1-abc", deadline=time.monotonic() + 10)
+
+    assert asyncio.run(scenario()) is out
+    appends = replica.sent("session_append")
+    assert replica.describes < 0 and len(appends) <= 2, replica.calls  # the first try, then one once ready
+    assert len(set(appends)) == 1  # one key on every try
+
+
 # -- the status view ------------------------------------------------------------------------
 def _view(replica: _Replica) -> tuple[GangStatusView, GangLink]:
     link = _link(replica)

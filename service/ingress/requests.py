@@ -110,7 +110,10 @@ class RequestPolicy:
                                                        idempotency_key=idempotency_key, deadline=deadline)
             return await self._calls.call(method.value, *args, deadline=deadline, **kwargs)
 
-        return await self._with_retries(method, send, deadline, wait_for_gang=False,
+        # One gang: the session's, so a call waits while it is not ready (as an inference
+        # does) instead of being sent again at every backoff step to a gang that refuses it.
+        # Several: the status read is one gang's, maybe not the session's; the retries decide.
+        return await self._with_retries(method, send, deadline, wait_for_gang=self._single_gang,
                                         has_key=idempotency_key is not None)
 
     async def describe(self) -> GangAnswer:
