@@ -44,6 +44,7 @@ from service.gang.staging import PinnedStaging
 from service.gang.stepclock import StepClock
 from service.gang.steps import KINDS
 from service.parallel import ParallelGroup
+from service.parallel import linear
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, warm_varlen
 from service.parallel.model import (
     ModelDef,
@@ -190,6 +191,8 @@ class Rank:
                  gpu_ids: list[str] | None = None, torch_threads: int = 1, device_how: str = "",
                  tunables: GangTunables = GangTunables(), state_tunables: StateTunables = StateTunables()) -> None:
         torch.set_num_threads(torch_threads)
+        if device.type == "cpu":
+            log.info("rank %d: float32 matmuls: %s", rank, linear.configure(tunables.cpu_matmul))
         self.tunables = tunables  # the gang section: exit grace, leave-group bound, timings kept
         self.state_tunables = state_tunables  # the artifact store's waits (checkpoint downloads)
         self.rank = rank

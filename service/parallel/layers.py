@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.parallel.linear import linear
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.model import load_shard_into
@@ -53,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y_local = F.linear(x, self.weight, self.bias)  # [..., out/p]
+        y_local = linear(x, self.weight, self.bias)  # [..., out/p]
         if self.gather_output:
             return self.group.all_gather_last_dim(y_local)  # [..., out]
         return y_local
@@ -90,7 +91,7 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x_local, self.weight)  # [..., out], this rank's share
+        partial = linear(x_local, self.weight)  # [..., out], this rank's share
         self.group.all_reduce_(partial)  # [..., out], sum over ranks
         return partial.add_(self.bias)
 
@@ -225,7 +226,7 @@ class TensorParallelAttention(nn.Module):
         """This rank's share of the output before the all_reduce, with no collective at all:
         runs (and so loads) the kernels a step of this shape, mask and dtype uses, on one
         rank alone (a warmup that cannot desynchronise the group)."""
-        return F.linear(self._context(x, key_mask, causal), self.out_proj.weight)  # [batch, seq, E], partial
+        return linear(self._context(x, key_mask, causal), self.out_proj.weight)  # [batch, seq, E], partial
 
     def _context(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """q/k/v of this rank's heads and their attention: [batch, seq, heads_local * head_dim]."""

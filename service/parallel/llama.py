@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import service.parallel.model as seam
+from service.parallel.linear import linear
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.layers import head_attention
@@ -178,7 +179,7 @@ class _Slice(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class _RankAttention(nn.Module):
@@ -234,7 +235,7 @@ class LlamaShard(nn.Module):
         """x + the block's MLP over rmsnorm(x) (its all_reduce)."""
         mlp, a = block.mlp, self.arch
         h = rms_norm(x, block.post_attention_layernorm.weight, a.rms_norm_eps)
-        partial = F.linear(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h), mlp.down_proj.weight)
+        partial = linear(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h), mlp.down_proj.weight)
         return x + self._reduce(partial, mlp.down_proj.bias)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
@@ -250,7 +251,7 @@ class LlamaShard(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim,
                                                                cos, sin))  # [b, h_l / kv_l, s, d]
             ctx = head_attention(q, k, v, key_mask, True, self.scale)  # [b, s, h_l * d]
-            x = x + self._reduce(F.linear(ctx, attn.o_proj.weight), attn.o_proj.bias)
+            x = x + self._reduce(linear(ctx, attn.o_proj.weight), attn.o_proj.bias)
             x = self._mlp(block, x)
         x = rms_norm(x, self.norm.weight, a.rms_norm_eps)
         return x if key_mask is None else x.masked_fill(~key_mask[..., None], 0.0)
@@ -265,7 +266,7 @@ class LlamaShard(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim,
                                                            cos[:, :, None], sin[:, :, None]))
         ctx = head_attention(q, k, v, key_mask, True, self.scale)
-        return F.linear(ctx, attn.o_proj.weight) + F.linear(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h),
+        return linear(ctx, attn.o_proj.weight) + linear(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h),
                                                             mlp.down_proj.weight)
 
     def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool) -> torch.Tensor:
@@ -280,7 +281,7 @@ class LlamaShard(nn.Module):
             h = rms_norm(x, block.input_layernorm.weight, a.rms_norm_eps)
             q, k, v = rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim, cos, sin)  # [T, h_l / kv_l, d]
             ctx = paged_attention(pool, i, q, k, v, plan, self.scale)  # [T, h_l, d]
-            x = x + self._reduce(F.linear(ctx.reshape(rows, -1), attn.o_proj.weight), attn.o_proj.bias)
+            x = x + self._reduce(linear(ctx.reshape(rows, -1), attn.o_proj.weight), attn.o_proj.bias)
             x = self._mlp(block, x)
         return rms_norm(x, self.norm.weight, a.rms_norm_eps)
 

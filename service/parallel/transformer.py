@@ -41,6 +41,7 @@ from torch import nn
 
 import service.parallel.model as seam
 from service.models.transformer import TransformerArch
+from service.parallel.linear import linear
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.layers import ColumnParallelLinear, RowParallelLinear, attention_bias_mask, head_attention
@@ -65,7 +66,7 @@ class _ParallelSelfAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., E] -> q, k, v [..., h_l, d] (one fused GEMM)."""
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # [..., 3 * h_l * d]
+        qkv = linear(x, self.in_proj_weight, self.in_proj_bias)  # [..., 3 * h_l * d]
         q, k, v = qkv.view(*x.shape[:-1], 3, self.heads_local, self.head_dim).unbind(-3)
         return q, k, v
 
@@ -187,7 +188,7 @@ class ParallelEncoder(nn.Module):
             return layer.fused(x, None if key_mask is None else padding_bias(key_mask, x.dtype))
         attn = layer.self_attn
         ctx = attn.context(layer.norm1(x), key_mask, causal)
-        return F.linear(ctx, attn.out_proj.weight) + F.linear(layer.act(layer.linear1(x)), layer.linear2.weight)
+        return linear(ctx, attn.out_proj.weight) + linear(layer.act(layer.linear1(x)), layer.linear2.weight)
 
     def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,125 @@
+"""y = x W^T + b for a rank's weight matrices: oneDNN's packed matmul on CPU in float32, else
+`F.linear` (torch's BLAS, MKL in the CPU wheels).
+
+Why: for the few rows of a decode step or a small request, MKL's float32 GEMV/GEMM ran the
+12-layer E=768 stack's weights at 14.8 GB/s on a 2-core AMD EPYC (copy bandwidth 20-24 GB/s),
+and 2 rows cost twice 1 row (a compute-bound path). oneDNN's matmul over a weight reordered once
+into its blocked layout ran the same matrices 1.4-1.7x faster at 1 row, 2.5-3.5x at 4 rows,
+~2x at 32 and 1.2-1.4x at 256 (bench/NOTES.md, session 23): an S = 1 decode step in process
+went from ~50 to ~41 ms. These are the ops inductor's freezing uses for CPU linears
+(`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`).
+
+Contract: `linear(x, weight, bias)` equals `F.linear(x, weight, bias)` up to float32 rounding
+(the order of a dot product's additions differs). The packed copy of `weight` is made on its
+first use and made again whenever the weight changed in place (its version counter, bumped by
+`copy_`: a weights swap) or its storage was replaced, so it never serves stale weights. It is
+a second copy of each matrix (the dense one stays: the fused encoder path, the checks and the
+swaps read it): `configure` turns it off for a process (tunables.gang.cpu_matmul).
+
+Where it applies is decided once per process, by `configure` (a rank at bring-up) or on the
+first call: CPU float32 tensors, the ops present in this torch, and a probe matmul that equals
+F.linear's. Anything else (CUDA, bf16/fp16, autograd) takes `F.linear`.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("gangserve.rank")
+
+CpuMatmul = Literal["onednn", "blas"]
+
+_PROBE_TOLERANCE = 1e-5  # relative max error of the probe against F.linear (float32 rounding: ~1e-7)
+
+
+class _Packed:
+    """The process's choice and its packed weights (one owner: this module)."""
+
+    def __init__(self) -> None:
+        self.enabled: bool | None = None  # None: not decided yet (decided on the first call)
+        self.reason = "not decided"
+        # id(weight) -> (the weight, weakly; (storage pointer, version); packed), dropped with the
+        # weight (a WeakKeyDictionary would compare tensors with ==, elementwise)
+        self.weights: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], torch.Tensor]] = {}
+
+
+_STATE = _Packed()
+
+
+def configure(mode: CpuMatmul = "onednn") -> str:
+    """Decide for this process (`mode` "blas": always F.linear); returns which and why, in
+    words (the rank logs it)."""
+    if mode == "blas":
+        _STATE.enabled, _STATE.reason = False, "tunables.gang.cpu_matmul is 'blas': torch's BLAS (F.linear)"
+    else:
+        problem = _onednn_problem()
+        _STATE.enabled = problem is None
+        _STATE.reason = (problem or "oneDNN's packed matmul (weights reordered once; a second copy of each "
+                                    "weight matrix)")
+    _STATE.weights.clear()
+    return _STATE.reason
+
+
+def chosen() -> str:
+    """Which matmul CPU float32 weights use in this process, and why (after `configure` or the
+    first call; "not decided" before)."""
+    return _STATE.reason
+
+
+def _onednn_problem() -> str | None:
+    """Why oneDNN's packed matmul cannot serve here (None: it can): its ops, then a probe of a
+    few shapes against F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch has no oneDNN (mkldnn): torch's BLAS (F.linear)"
+    try:
+        reorder, matmul = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for rows, (out_f, in_f) in ((1, (48, 32)), (5, (32, 48)), (70, (40, 24))):
+                w = torch.randn(out_f, in_f, generator=generator)
+                b = torch.randn(out_f, generator=generator)
+                x = torch.randn(rows, in_f, generator=generator)
+                want = F.linear(x, w, b)
+                got = matmul(x, reorder(w), b, "none", [], "")
+                error = float((got - want).abs().max() / want.abs().max())
+                if tuple(got.shape) != tuple(want.shape) or not error <= _PROBE_TOLERANCE:
+                    return (f"oneDNN's packed matmul disagreed with F.linear on a probe ({rows} x {in_f} @ "
+                            f"{in_f} x {out_f}: relative error {error:.2e}, shape {tuple(got.shape)}): torch's BLAS")
+    except Exception as exc:  # noqa: BLE001 - any failure of private ops means: not here
+        return f"oneDNN's packed matmul is unavailable ({type(exc).__name__}: {str(exc)[:160]}): torch's BLAS"
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T + bias [out] -> [..., out] (see the module docstring)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32
+            or weight.requires_grad or x.requires_grad or weight.dim() != 2):
+        return F.linear(x, weight, bias)
+    if _STATE.enabled is None:
+        configure()
+        log.info("float32 matmuls on CPU: %s", _STATE.reason)
+    if not _STATE.enabled:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, _packed(weight), bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered for oneDNN, made again when the weight changed since (a swap copies
+    into it in place, bumping its version) or its storage was replaced."""
+    stamp = (weight.data_ptr(), weight._version)
+    key = id(weight)
+    held = _STATE.weights.get(key)
+    if held is not None and held[0]() is weight and held[1] == stamp:
+        return held[2]
+    with torch.inference_mode():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    if held is None or held[0]() is not weight:
+        weakref.finalize(weight, _STATE.weights.pop, key, None)
+    _STATE.weights[key] = (weakref.ref(weight), stamp, packed)
+    return packed
