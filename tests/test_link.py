@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.contract.gang_status import DataChannelStatus, GangStatus, SynthesizedStatus
+from service.contract.gang_status import AnyGangStatus, DataChannelStatus, GangStatus, SynthesizedStatus
 from service.transport import channel, shm
 from service.transport.channel import ChannelServer
 from service.transport.link import GangLink
@@ -72,6 +72,18 @@ def _status(listening: bool = True, rank0_node: str = HERE, replica_id: str = "r
     return gang_report(state=state, replica_id=replica_id, ranks=ranks, generation=generation,
                        data_channel=DataChannelStatus(listening=listening, requests=0, refused_overloaded=0,
                                                       disconnected=0, in_flight=0))
+
+
+_ONE_GANG = frozenset({"<the status's own>"})
+
+
+def _observe(link: GangLink, status: AnyGangStatus, rank0_nodes: frozenset[str] | None = _ONE_GANG) -> None:
+    """`link.observe` as the status view calls it with one gang: the gang's own rank-0 node
+    (`rank0_nodes` given: as with several gangs, the fleet view's, None when not current)."""
+    if rank0_nodes is _ONE_GANG:
+        rank0_nodes = (frozenset() if isinstance(status, SynthesizedStatus) or not status.ranks
+                       else frozenset({status.ranks[0].node_id}))
+    link.observe(status, rank0_nodes)
 
 
 def _link(rank0: _Rank0, channel_enabled: bool = True, shm_enabled: bool = True) -> GangLink:
@@ -142,7 +154,7 @@ def test_a_ready_gang_with_rank_0_here_is_served_over_the_channel_inline_and_sha
         server = await _serve_channel()
         link = _link(rank0)
         try:
-            link.observe(_status())
+            _observe(link, _status())
             deadline = time.monotonic() + 10
             return [await link.infer(small, None, None, deadline), await link.infer(big, None, None, deadline)]
         finally:
@@ -168,7 +180,7 @@ def test_a_channel_that_went_down_falls_back_to_the_handle_and_is_not_retried_at
         server = await _serve_channel()
         link = _link(rank0)
         try:
-            link.observe(_status())
+            _observe(link, _status())
             deadline = time.monotonic() + 10
             first = await link.infer(x, None, None, deadline)  # over the channel
             await server.drain(1.0)  # the gang server goes away: its connections close unanswered
@@ -202,7 +214,7 @@ def test_without_a_usable_channel_requests_take_the_handle(status: GangStatus) -
         server = await _serve_channel()  # listening, but not the route for this status
         link = _link(rank0)
         try:
-            link.observe(status)
+            _observe(link, status)
             return await link.infer(x, None, None, time.monotonic() + 10)
         finally:
             link.close()
@@ -220,7 +232,7 @@ def test_the_handle_path_hands_big_tensors_over_shared_memory_and_leaves_no_file
 
     async def main() -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         link = _link(rank0, channel_enabled=False)
-        link.observe(_status())
+        _observe(link, _status())
         deadline = time.monotonic() + 10
         return await link.infer(big, None, None, deadline), await link.infer(small, None, None, deadline), _counts(link)
 
@@ -232,6 +244,29 @@ def test_the_handle_path_hands_big_tensors_over_shared_memory_and_leaves_no_file
     assert _shm_files() <= before
 
 
+@pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
+def test_with_several_gangs_shared_memory_only_when_every_gangs_rank_0_is_on_this_node() -> None:
+    """Several gangs: Serve's router picks the gang of a handle call, so a big tensor goes
+    through /dev/shm only when rank 0 of every gang is on this node; one gang elsewhere, or a
+    fleet view not current (None), and it goes by value, never a hand-off that fails there."""
+    big = rand(2, 16, 64, seed=11)
+    rank0 = _Rank0()
+
+    async def main() -> list[dict[str, int]]:
+        link = _link(rank0, channel_enabled=False)  # several gangs: no data channel
+        counts = []
+        for nodes in (frozenset({HERE, "node9"}), None, frozenset({HERE})):
+            _observe(link, _status(), nodes)
+            np.testing.assert_array_equal(await link.infer(big, None, None, time.monotonic() + 10), expected(big))
+            counts.append(_counts(link))
+        return counts
+
+    elsewhere, unknown, all_here = asyncio.run(main())
+    assert rank0.calls == ["infer", "infer", "infer_shared"], rank0.calls
+    assert (elsewhere["object_store"], unknown["object_store"], all_here["shared_memory"]) == (1, 2, 1)
+    assert all_here["shared_memory_fallbacks"] == 0
+
+
 def test_a_failed_shared_memory_hand_off_sends_tensors_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm, "SHM_DIR", Path("/nonexistent-shm-dir"))  # as if /dev/shm were gone or full
     big = rand(2, 16, 64, seed=7)
@@ -239,7 +274,7 @@ def test_a_failed_shared_memory_hand_off_sends_tensors_by_value(monkeypatch: pyt
 
     async def main() -> tuple[list[np.ndarray], dict[str, int]]:
         link = _link(rank0, channel_enabled=False)
-        link.observe(_status())
+        _observe(link, _status())
         deadline = time.monotonic() + 10
         return [await link.infer(big, None, None, deadline), await link.infer(big, None, None, deadline)], _counts(link)
 
@@ -262,12 +297,12 @@ def test_a_gang_that_cannot_answer_drops_the_channel_and_a_new_replica_gets_its_
         link = _link(rank0)
         try:
             deadline = time.monotonic() + 10
-            link.observe(_status(replica_id="replica1"))
+            _observe(link, _status(replica_id="replica1"))
             np.testing.assert_array_equal(await link.infer(x, None, None, deadline), expected(x))
-            link.observe(SynthesizedStatus(state="scheduling", code="gang_scheduling", reason="waiting for CPUs"))
+            _observe(link, SynthesizedStatus(state="scheduling", code="gang_scheduling", reason="waiting for CPUs"))
             np.testing.assert_array_equal(await link.infer(x, None, None, deadline), expected(x))  # the handle
             await first.drain(1.0)  # the old replica is gone; the new one listens
-            link.observe(_status(replica_id="replica2", generation=1))
+            _observe(link, _status(replica_id="replica2", generation=1))
             np.testing.assert_array_equal(await link.infer(x, None, None, deadline), expected(x))
             assert second.requests == 1 and first.requests == 1
             return _counts(link)
@@ -291,7 +326,7 @@ def test_session_appends_take_the_channel_then_the_handle_when_it_fails() -> Non
         server = await _serve_channel(keys=channel_keys)
         link = _link(rank0)
         try:
-            link.observe(_status())
+            _observe(link, _status())
             deadline = time.monotonic() + 10
             first = await link.session_append(rows[:3], 0, session_id="s-1", idempotency_key="key-1",
                                               deadline=deadline)

@@ -112,6 +112,15 @@ class FleetClient:
         if self._handle is not None and (self._follower is None or self._follower.done()):
             self._follower = asyncio.get_running_loop().create_task(self._follow())
 
+    def rank0_nodes(self) -> frozenset[str] | None:
+        """The nodes of every gang's rank 0 in the pushed view while it is current (a gang the
+        fleet cannot reach included: Serve's router may still send it a call), None when the
+        view is not current: the nodes a handle call's gang may be on."""
+        view = self._pushed
+        if view is None or time.monotonic() - self.pushed_at > self._follow_fresh_s:
+            return None
+        return frozenset(row.ranks[0].node_id for row in view.gangs if row.ranks)
+
     def pushed_gang(self, single_gang: bool) -> GangRow | None:
         """The status a request acts on, from the pushed view while it is current: a ready gang
         if any (with several, Serve's router picks among the ready ones); with one gang, that

@@ -25,7 +25,7 @@ class StatusObserver(Protocol):
 
     route_lost_at: float
 
-    def observe(self, status: AnyGangStatus) -> None: ...
+    def observe(self, status: AnyGangStatus, rank0_nodes: frozenset[str] | None) -> None: ...
 
 
 class GangStatusView:
@@ -99,8 +99,17 @@ class GangStatusView:
         return status
 
     def _adopt(self, status: AnyGangStatus) -> None:
-        """`status` is the gang's status from now on (the observer chooses its route from it)."""
-        self._observer.observe(status)
+        """`status` is the gang's status from now on (the observer chooses its route from it,
+        and from where rank 0 of every gang a handle call may reach is: with one gang, this
+        one's; with several, the fleet view's, None when it is not current)."""
+        nodes: frozenset[str] | None
+        if not self._single_gang:
+            nodes = self._fleet.rank0_nodes()
+        elif isinstance(status, SynthesizedStatus) or not status.ranks:
+            nodes = frozenset()
+        else:
+            nodes = frozenset({status.ranks[0].node_id})
+        self._observer.observe(status, nodes)
         if status.state is GangState.READY:
             self._diagnosis.saw_ready()
         self._status = status

@@ -74,28 +74,34 @@ class GangLink:
         self._channel_enabled = channel_enabled
         self._shm_enabled = shm_enabled
         self._calls = calls
-        self._seen: tuple[str | None, int | None, str] | None = None  # (replica, generation, state) last observed
+        # (replica, generation, state, rank-0 nodes) last observed
+        self._seen: tuple[str | None, int | None, str, frozenset[str] | None] | None = None
         self._channel: ChannelClient | None = None  # the current gang's socket, when the channel is the route
         self._channel_replica: str | None = None
         self._rank0_here = False
+        self._every_rank0_here = False  # rank 0 of every gang a handle call may reach is on this node
         self._channel_retry_at = 0.0
         self._shm_retry_at = 0.0
         self.route_lost_at = 0.0  # time.monotonic() of the last channel failure (the replica may have changed)
         self._counts = _Counters()
 
-    def observe(self, status: AnyGangStatus) -> None:
+    def observe(self, status: AnyGangStatus, rank0_nodes: frozenset[str] | None) -> None:
         """A fresh status of the gang: choose the route again if its replica, generation or
-        state changed (no gang server answering: handle calls, by value)."""
+        state changed (no gang server answering: handle calls, by value), or where rank 0 of
+        the gangs a handle call may reach is (`rank0_nodes`; None: not known). Shared memory
+        through a handle call needs every one of them on this node: with several gangs Serve's
+        router picks the gang, and a gang on another node cannot map this node's pages."""
         if isinstance(status, SynthesizedStatus):
-            key: tuple[str | None, int | None, str] = (None, None, status.state)
+            key: tuple[str | None, int | None, str, frozenset[str] | None] = (None, None, status.state, rank0_nodes)
             ranks, listening, replica = [], False, None
         else:
-            key = (status.replica_id, status.generation, status.state)
+            key = (status.replica_id, status.generation, status.state, rank0_nodes)
             ranks, listening, replica = status.ranks, status.data_channel.listening, status.replica_id
         if key == self._seen:
             return
         self._seen = key
         self._rank0_here = bool(ranks) and ranks[0].node_id == self._node_id
+        self._every_rank0_here = self._rank0_here and rank0_nodes is not None and rank0_nodes <= {self._node_id}
         use_channel = (self._channel_enabled and status.state == "ready" and replica is not None
                        and self._rank0_here and listening)
         if not use_channel or replica is None:
@@ -186,8 +192,9 @@ class GangLink:
         return view  # [batch, seq, E] float32, written by the gang
 
     def _can_share(self, x: np.ndarray) -> bool:
-        """Shared memory pays only for tensors Ray would not inline, and needs rank 0 on this node."""
-        return (self._shm_enabled and self._rank0_here and x.size * 4 >= self._t.min_shared_bytes
+        """Shared memory pays only for tensors Ray would not inline, and needs rank 0 on this node
+        (of every gang a handle call may reach: `observe`)."""
+        return (self._shm_enabled and self._every_rank0_here and x.size * 4 >= self._t.min_shared_bytes
                 and time.monotonic() >= self._shm_retry_at)
 
     def _channel_failed(self, exc: Exception) -> None:
