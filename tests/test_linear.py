@@ -15,7 +15,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(params=["onednn", "blas"])
-def mode(request: pytest.FixtureRequest) -> Iterator[str]:
+def reason(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each way a process may choose; the reason `configure` gave for it."""
     reason = linear.configure(request.param)
     yield reason
     linear.configure("onednn")  # the process default, for the tests after
@@ -32,7 +33,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("shape", [(1, 768), (4, 768), (70, 768), (3, 5, 768)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_it_is_x_w_transposed_plus_b(mode: str, shape: tuple[int, ...], bias: bool) -> None:
+def test_it_is_x_w_transposed_plus_b(reason: str, shape: tuple[int, ...], bias: bool) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(3072, 768, generator=g) / 28, requires_grad=False)
     b = torch.nn.Parameter(torch.randn(3072, generator=g), requires_grad=False) if bias else None
@@ -40,10 +41,10 @@ def test_it_is_x_w_transposed_plus_b(mode: str, shape: tuple[int, ...], bias: bo
     with torch.inference_mode():
         got = linear.linear(x, w, b)
     assert got.shape == (*shape[:-1], 3072) and got.dtype == torch.float32
-    assert _relative(got, _reference(x, w, b)) < 1e-6, mode
+    assert _relative(got, _reference(x, w, b)) < 1e-6, reason
 
 
-def test_a_weight_changed_in_place_is_packed_again(mode: str) -> None:
+def test_a_weight_changed_in_place_is_packed_again(reason: str) -> None:
     """A weights swap copies into the same parameter: the next call multiplies by the new
     values (the packed copy follows the weight's version), and by the replaced storage too."""
     g = torch.Generator().manual_seed(2)
@@ -63,7 +64,7 @@ def test_a_weight_changed_in_place_is_packed_again(mode: str) -> None:
     assert _relative(replaced, _reference(x, w.detach(), None)) < 1e-6
 
 
-def test_other_dtypes_and_autograd_take_f_linear(mode: str) -> None:
+def test_other_dtypes_and_autograd_take_f_linear(reason: str) -> None:
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(32, 16, generator=g), torch.randn(4, 16, generator=g)
     for dtype in (torch.bfloat16, torch.float64):
@@ -73,9 +74,9 @@ def test_other_dtypes_and_autograd_take_f_linear(mode: str) -> None:
     assert trained.grad is not None and torch.allclose(trained.grad, x.sum(0).expand(32, 16))
 
 
-def test_the_process_says_which_and_why(mode: str) -> None:
-    assert linear.chosen() == mode
-    if "blas" in mode:
-        assert "tunables.gang.cpu_matmul is 'blas'" in mode
+def test_the_process_says_which_and_why(reason: str) -> None:
+    assert linear.chosen() == reason
+    if "blas" in reason:
+        assert "tunables.gang.cpu_matmul is 'blas'" in reason
     else:
-        assert mode.startswith("oneDNN's packed matmul") or "torch's BLAS" in mode  # a torch without the ops says so
+        assert reason.startswith("oneDNN's packed matmul") or "torch's BLAS" in reason  # a torch without the ops says so

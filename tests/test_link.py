@@ -74,16 +74,10 @@ def _status(listening: bool = True, rank0_node: str = HERE, replica_id: str = "r
                                                       disconnected=0, in_flight=0))
 
 
-_ONE_GANG = frozenset({"<the status's own>"})
-
-
-def _observe(link: GangLink, status: AnyGangStatus, rank0_nodes: frozenset[str] | None = _ONE_GANG) -> None:
-    """`link.observe` as the status view calls it with one gang: the gang's own rank-0 node
-    (`rank0_nodes` given: as with several gangs, the fleet view's, None when not current)."""
-    if rank0_nodes is _ONE_GANG:
-        rank0_nodes = (frozenset() if isinstance(status, SynthesizedStatus) or not status.ranks
-                       else frozenset({status.ranks[0].node_id}))
-    link.observe(status, rank0_nodes)
+def _observe(link: GangLink, status: AnyGangStatus, fleet_rank0_nodes: frozenset[str] | None = frozenset()) -> None:
+    """`link.observe` as the status view calls it: with one gang no other nodes (given: as with
+    several gangs, the fleet view's rank-0 nodes, None when it is not current)."""
+    link.observe(status, fleet_rank0_nodes)
 
 
 def _link(rank0: _Rank0, channel_enabled: bool = True, shm_enabled: bool = True) -> GangLink:

@@ -112,14 +112,18 @@ class FleetClient:
         if self._handle is not None and (self._follower is None or self._follower.done()):
             self._follower = asyncio.get_running_loop().create_task(self._follow())
 
+    def _current(self) -> FleetView | None:
+        """The pushed view while it is current (the Controller's long poll can still answer)."""
+        if self._pushed is None or time.monotonic() - self.pushed_at > self._follow_fresh_s:
+            return None
+        return self._pushed
+
     def rank0_nodes(self) -> frozenset[str] | None:
         """The nodes of every gang's rank 0 in the pushed view while it is current (a gang the
         fleet cannot reach included: Serve's router may still send it a call), None when the
         view is not current: the nodes a handle call's gang may be on."""
-        view = self._pushed
-        if view is None or time.monotonic() - self.pushed_at > self._follow_fresh_s:
-            return None
-        return frozenset(row.ranks[0].node_id for row in view.gangs if row.ranks)
+        view = self._current()
+        return None if view is None else frozenset(row.ranks[0].node_id for row in view.gangs if row.ranks)
 
     def pushed_gang(self, single_gang: bool) -> GangRow | None:
         """The status a request acts on, from the pushed view while it is current: a ready gang
@@ -127,8 +131,8 @@ class FleetClient:
         gang in any state it reported. None when the view is not current, or names no gang to
         show: a row the Controller could not confirm (`unreachable`) is not shown, and the gang
         server's own answer decides then (it may well reach this ingress)."""
-        view = self._pushed
-        if view is None or time.monotonic() - self.pushed_at > self._follow_fresh_s:
+        view = self._current()
+        if view is None:
             return None
         ready = [row for row in view.gangs if row.state is GangState.READY]
         if ready:

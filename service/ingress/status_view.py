@@ -25,7 +25,7 @@ class StatusObserver(Protocol):
 
     route_lost_at: float
 
-    def observe(self, status: AnyGangStatus, rank0_nodes: frozenset[str] | None) -> None: ...
+    def observe(self, status: AnyGangStatus, fleet_rank0_nodes: frozenset[str] | None) -> None: ...
 
 
 class GangStatusView:
@@ -100,16 +100,9 @@ class GangStatusView:
 
     def _adopt(self, status: AnyGangStatus) -> None:
         """`status` is the gang's status from now on (the observer chooses its route from it,
-        and from where rank 0 of every gang a handle call may reach is: with one gang, this
-        one's; with several, the fleet view's, None when it is not current)."""
-        nodes: frozenset[str] | None
-        if not self._single_gang:
-            nodes = self._fleet.rank0_nodes()
-        elif isinstance(status, SynthesizedStatus) or not status.ranks:
-            nodes = frozenset()
-        else:
-            nodes = frozenset({status.ranks[0].node_id})
-        self._observer.observe(status, nodes)
+        and, with several gangs, from where the fleet view has every gang's rank 0: None when
+        the view is not current; with one gang, the status is all there is: no other nodes)."""
+        self._observer.observe(status, frozenset() if self._single_gang else self._fleet.rank0_nodes())
         if status.state is GangState.READY:
             self._diagnosis.saw_ready()
         self._status = status

@@ -115,11 +115,8 @@ def app_key(app_name: str, timeout_s: float = KEEPER_ANSWER_S, keeper_name: str 
     The keeper lives as long as the cluster, like Ray's own key-value store: if its node
     is lost, a new keeper makes new keys, and an id minted before, once its gang is gone,
     answers 404 `session_not_found` instead of 410 `session_lost` (as an id from before tags)."""
-    # scheduling_strategy "DEFAULT": outside the caller's placement group. The caller is a gang's
-    # Serve replica, which Serve places in the gang's placement group with child tasks captured;
-    # a keeper started there was placed in that group and died when the gang's replica stopped,
-    # and the next gang of the app made a new key (an earlier gang's ids then answered 404, not
-    # 410), once per gang that stopped.
+    # "DEFAULT": not the caller's placement group. The caller is a gang's Serve replica, placed in
+    # the gang's group with child tasks captured: a keeper placed there died with the gang.
     keeper = SessionKeyKeeper.options(  # type: ignore[attr-defined]
         name=keeper_name, namespace=KEEPER_NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy="DEFAULT").remote()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Protocol, TypeVar
+from typing import Any, Awaitable, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -64,6 +64,15 @@ class _Counters:
     object_store: int = 0  # handle calls by value
 
 
+class _Seen(NamedTuple):
+    """What a route was last chosen from (`GangLink.observe`)."""
+
+    replica: str | None
+    generation: int | None
+    state: str
+    fleet_rank0_nodes: frozenset[str] | None
+
+
 class GangLink:
     """The route from this ingress replica to the gang's rank 0 (see the module docstring)."""
 
@@ -74,8 +83,7 @@ class GangLink:
         self._channel_enabled = channel_enabled
         self._shm_enabled = shm_enabled
         self._calls = calls
-        # (replica, generation, state, rank-0 nodes) last observed
-        self._seen: tuple[str | None, int | None, str, frozenset[str] | None] | None = None
+        self._seen: _Seen | None = None  # the last status observed
         self._channel: ChannelClient | None = None  # the current gang's socket, when the channel is the route
         self._channel_replica: str | None = None
         self._rank0_here = False
@@ -85,23 +93,25 @@ class GangLink:
         self.route_lost_at = 0.0  # time.monotonic() of the last channel failure (the replica may have changed)
         self._counts = _Counters()
 
-    def observe(self, status: AnyGangStatus, rank0_nodes: frozenset[str] | None) -> None:
+    def observe(self, status: AnyGangStatus, fleet_rank0_nodes: frozenset[str] | None) -> None:
         """A fresh status of the gang: choose the route again if its replica, generation or
-        state changed (no gang server answering: handle calls, by value), or where rank 0 of
-        the gangs a handle call may reach is (`rank0_nodes`; None: not known). Shared memory
-        through a handle call needs every one of them on this node: with several gangs Serve's
-        router picks the gang, and a gang on another node cannot map this node's pages."""
+        state changed (no gang server answering: handle calls, by value), or where the fleet
+        view has the rank 0 of the app's gangs (`fleet_rank0_nodes`: empty with one gang, None
+        when several and no current view). Shared memory through a handle call needs every one
+        of them on this node: with several gangs Serve's router picks the gang, and a gang on
+        another node cannot map this node's pages."""
         if isinstance(status, SynthesizedStatus):
-            key: tuple[str | None, int | None, str, frozenset[str] | None] = (None, None, status.state, rank0_nodes)
+            key = _Seen(None, None, status.state, fleet_rank0_nodes)
             ranks, listening, replica = [], False, None
         else:
-            key = (status.replica_id, status.generation, status.state, rank0_nodes)
+            key = _Seen(status.replica_id, status.generation, status.state, fleet_rank0_nodes)
             ranks, listening, replica = status.ranks, status.data_channel.listening, status.replica_id
         if key == self._seen:
             return
         self._seen = key
         self._rank0_here = bool(ranks) and ranks[0].node_id == self._node_id
-        self._every_rank0_here = self._rank0_here and rank0_nodes is not None and rank0_nodes <= {self._node_id}
+        self._every_rank0_here = (self._rank0_here and fleet_rank0_nodes is not None
+                                  and fleet_rank0_nodes <= {self._node_id})
         use_channel = (self._channel_enabled and status.state == "ready" and replica is not None
                        and self._rank0_here and listening)
         if not use_channel or replica is None:
