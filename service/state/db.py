@@ -44,6 +44,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Sequence
 
@@ -195,22 +196,50 @@ def open_sqlite(path: str | Path, busy_timeout_s: float) -> tuple[sqlite3.Connec
     explicit `BEGIN IMMEDIATE`s), usable from any thread (callers serialize their use),
     busy wait `busy_timeout_s` (the state tunable sqlite_busy_timeout_s).
 
-    Raises StateUnavailable naming the file if it cannot be opened or set up."""
+    Raises StateUnavailable naming the file if it cannot be opened or set up within
+    `busy_timeout_s`."""
     path = Path(path)
+    deadline = time.monotonic() + busy_timeout_s
+    pause_s = 0.005
+    while True:
+        try:
+            return _open_sqlite_once(path, busy_timeout_s)
+        except sqlite3.Error as exc:
+            # Setting the journal mode answers SQLITE_BUSY at once, without SQLite's busy
+            # handler, while another connection is closing the file (the last one out
+            # checkpoints the WAL under an exclusive lock) or running its recovery: stores
+            # opening and closing together meet it about once in a few thousand opens.
+            # Waiting it out is what the busy timeout would have done.
+            busy = isinstance(exc, sqlite3.OperationalError) and _is_busy(exc)
+            if not busy or time.monotonic() + pause_s > deadline:
+                raise StateUnavailable(
+                    f"cannot open the state database sqlite://{path}: {type(exc).__name__}: {exc}"
+                    + (f" (still busy after {busy_timeout_s:g}s)" if busy else "")
+                    + f" (the directory must exist and be writable; set {DATABASE_URL_ENV} to use another database)"
+                ) from None
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 0.1)
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY or SQLITE_LOCKED, extended codes included (the primary code is the low byte)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _open_sqlite_once(path: Path, busy_timeout_s: float) -> tuple[sqlite3.Connection, str]:
+    """One try of `open_sqlite`; sqlite3.Error as SQLite raised it (the connection closed)."""
+    conn = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
     try:
-        conn = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None,
-                               check_same_thread=False)
         wanted, why = journal_mode_for(path)
         got = str(conn.execute(f"PRAGMA journal_mode={wanted.upper()}").fetchone()[0]).lower()
         if got != wanted:  # e.g. another connection holds the file in WAL mode right now
             log.warning("state database %s: asked for journal_mode %s (%s), SQLite kept %s", path, wanted, why, got)
         # NORMAL is durable in WAL mode; the rollback journal needs FULL not to lose commits.
         conn.execute("PRAGMA synchronous=" + ("NORMAL" if got == "wal" else "FULL"))
-    except sqlite3.Error as exc:
-        raise StateUnavailable(
-            f"cannot open the state database sqlite://{path}: {type(exc).__name__}: {exc} "
-            f"(the directory must exist and be writable; set {DATABASE_URL_ENV} to use another database)"
-        ) from None
+    except BaseException:
+        conn.close()
+        raise
     log.debug("state database %s: journal_mode %s (%s)", path, got, why)
     return conn, got
 
