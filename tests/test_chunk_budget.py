@@ -17,11 +17,24 @@ def test_off_alone_or_without_estimates_a_chunk_computes_its_most_rows() -> None
     off.observe(256, 8, 0.95)
     assert off.rows(others=8) == 256
     budget = ChunkBudget(256, 2.5)
-    assert budget.rows(others=8) == 256  # nothing measured yet
-    budget.observe(0, 8, 0.25)
-    assert budget.rows(others=8) == 256  # a decode step, but no chunk's cost yet
+    assert budget.rows(others=8) == 256  # nothing measured yet: no decoders' step to hold it to
+    budget.observe(256, 8, 0.95)  # ... and that step teaches nothing (no d to take off)
+    assert budget.row_s is None and budget.rows(others=8) == 256
     budget.observe(256, 8, 0.95)
     assert budget.rows(others=0) == 256  # alone, a chunk delays no one
+
+
+def test_the_first_chunk_beside_decoders_is_a_probe_of_the_fewest_rows_and_teaches_the_row_cost() -> None:
+    """Their step alone known, a chunk's cost not yet: sized blind at the most rows, that step
+    would be the decoders' slowest (3.5x their step alone in a bench run); a probe of min_rows
+    costs a few rows, and its step sizes the next chunk."""
+    budget = ChunkBudget(256, 2.0)
+    budget.observe(0, 8, 0.2)  # 8 one-row appends alone: 200 ms
+    assert budget.rows(others=8) == 16  # the probe, min_rows
+    assert budget.rows(others=0) == 256  # alone it still takes the most
+    budget.observe(16, 8, 0.2 + 16 * 0.002)  # the probe's step: 2 ms a row beyond the decoders'
+    # room (2 - 1) x 200 ms = 200 ms; 200 / 2 ms = 100 rows
+    assert budget.row_s == pytest.approx(0.002) and budget.rows(others=8) == 100
 
 
 def test_a_shared_chunk_gets_the_rows_that_fit_the_ratio_and_follows_the_growing_cost() -> None:

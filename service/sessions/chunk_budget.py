@@ -16,9 +16,13 @@ is taken off a chunk alone too, as most of a step's fixed part),
 
     rows = clamp(floor((step_ratio - 1) * d / r), min_rows, max_rows)
 
-for a chunk that shares its step with other appends; a chunk alone, or with no estimate yet,
-computes `max_rows` (tunables.gang.session_prefill_chunk_tokens). `step_ratio` 0 turns the
-rule off (every chunk `max_rows`). Each step corrects the estimate the next one uses, so the
+for a chunk that shares its step with other appends; a chunk alone computes `max_rows`
+(tunables.gang.session_prefill_chunk_tokens). The first chunk that shares a step before any
+chunk's cost was seen (d known, r not) is a probe of `min_rows`: sized blind at `max_rows`, that
+one step took 3.5x the decoders' step alone in one of two bench runs (bench/NOTES.md), and its
+appends were the p99. With d not known either, a chunk computes `max_rows` (a probe could not
+be told apart from its decoders' share, and nothing would ever size the chunks up again).
+`step_ratio` 0 turns the rule off (every chunk `max_rows`). Each step corrects the estimate the next one uses, so the
 chunks shrink as the prefill moves on, and on a device where a chunk row is cheap against a
 decode step (a GPU's decode step reads memory, a chunk computes) they stay at `max_rows`.
 """
@@ -63,8 +67,10 @@ class ChunkBudget:
     def rows(self, others: int) -> int:
         """Rows for the next chunk, whose step holds `others` one-row appends of other sessions."""
         decode_s = self.decode_estimate(others) if others else None
-        if self.step_ratio == 0 or decode_s is None or self.row_s is None:
+        if self.step_ratio == 0 or decode_s is None:
             return self.max_rows
+        if self.row_s is None:
+            return self.min_rows  # a probe: its step teaches r at the cost of a few rows
         room = (self.step_ratio - 1) * decode_s
         return max(self.min_rows, min(self.max_rows, int(room / self.row_s)))
 
