@@ -9,7 +9,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -27,6 +27,25 @@ def _job(i: int, **kw: Any) -> Any:
 
 
 # ---- the URL ---------------------------------------------------------------------------------
+
+def errors_of_threads(target: Callable[[int], object], count: int, timeout_s: float) -> list[BaseException]:
+    """`target(i)` run in threads i = 0 .. count - 1 at once (each joined within `timeout_s`):
+    what they raised."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:  # noqa: BLE001 - the caller reports them
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    return errors
+
 
 def test_the_url_defaults_to_sqlite_in_the_state_dir_and_the_env_var_wins(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,27 +140,19 @@ def test_connections_opening_a_fresh_sqlite_file_together_all_open(tmp_path: Pat
     clear error that says so, in bounded time."""
     from service.state.db import StateUnavailable, open_sqlite
 
-    errors: list[BaseException] = []
     for trial in range(150):
         path = tmp_path / f"fresh-{trial}.sqlite"
         start = threading.Barrier(4)
 
-        def open_and_close(path: Path = path, start: threading.Barrier = start) -> None:
+        def open_and_close(_: int, path: Path = path, start: threading.Barrier = start) -> None:
             start.wait(timeout=10)
             for _ in range(3):
-                try:
-                    conn, mode = open_sqlite(path, busy_timeout_s=10.0)
-                    assert mode == "wal"
-                    conn.close()
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
+                conn, mode = open_sqlite(path, busy_timeout_s=10.0)
+                assert mode == "wal"
+                conn.close()
 
-        threads = [threading.Thread(target=open_and_close) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors, f"fresh file {trial}: {errors[:3]}"
+        errors = errors_of_threads(open_and_close, 4, timeout_s=60)
+        assert not errors, f"fresh file {trial}: {errors}"
 
     held = tmp_path / "held.sqlite"
     holder = sqlite3.connect(str(held), isolation_level=None)
@@ -270,19 +281,7 @@ def test_stores_opening_at_once_run_each_step_once_and_a_newer_schema_is_refused
     from service.state.db import SchemaTooNew, connect
     from service.training.store import JobStore
 
-    errors: list[BaseException] = []
-
-    def open_store() -> None:
-        try:
-            JobStore(store_url).close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=open_store) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    errors = errors_of_threads(lambda _: JobStore(store_url).close(), 3, timeout_s=120)
     assert not errors, errors
     db = connect(store_url)
     assert db.schema_version("jobs") == 2 and db.schema_version("served_weights") == 0
@@ -314,28 +313,20 @@ def test_one_store_used_from_many_threads_at_once(store_url: str) -> None:
     store = JobStore(store_url)
     limits = TrainingLimits(max_active_jobs=40, max_training_workers=80)
     refused: list[str] = []
-    errors: list[BaseException] = []
 
     def worker(t: int) -> None:
-        try:
-            for i in range(10):
-                job_id = f"{t}-{i}"
-                try:
-                    store.create_job(_job_named(job_id), lambda usage: check_job_fits(limits, usage, 1, False))
-                except QuotaExceeded:
-                    refused.append(job_id)
-                    continue
-                got = store.get_job(job_id)
-                assert got is not None and got.id == job_id
-                assert store.update_job(job_id, progress={"epoch": 1, "epochs": 1, "step": i})
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(10):
+            job_id = f"{t}-{i}"
+            try:
+                store.create_job(_job_named(job_id), lambda usage: check_job_fits(limits, usage, 1, False))
+            except QuotaExceeded:
+                refused.append(job_id)
+                continue
+            got = store.get_job(job_id)
+            assert got is not None and got.id == job_id
+            assert store.update_job(job_id, progress={"epoch": 1, "epochs": 1, "step": i})
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    errors = errors_of_threads(worker, 8, timeout_s=120)
     assert not errors, errors
     jobs, _ = store.list_jobs(200)
     assert len(jobs) == 40 and len(refused) == 40  # the quota held exactly
