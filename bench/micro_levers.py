@@ -20,7 +20,8 @@
   `decode N [S ...]` runs it with N threads (1) and those numbers of sessions (1 2 4 8 16);
 - `paged_cpp`: a candidate for the CPU decode attention, not in the service: a hand-written C++
   kernel (`_PAGED_DECODE_CPP`, built with torch's `load_inline`: one session's query heads over
-  its pages where they lie, the pages split between the threads, an online softmax per page,
+  its pages where they lie, the pages split between the threads, per page each token's K row
+  read once for every head's score, an online softmax per page, then each token's V row once;
   the threads' partial results merged) against the compiled flex kernel (`paged_attention` as a
   rank runs it) and the gather path, 12 layers of the 12-layer E768 pool at context 2048, one
   session; checked against the gather path first. `paged_cpp N` runs it with N threads (2);
@@ -274,7 +275,7 @@ _PAGED_DECODE_CPP = r'''
 #include <algorithm>
 #include <limits>
 
-// q [H, D]; k, v [NB, B, KVH, D] (one layer of the pool); table int64 [pages]; `length` positions attended.
+// Token-major: each token's K row (all heads, contiguous) is read once, scoring every head.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
                            int64_t length, double scale_d) {
   const int64_t H = q.size(0), D = q.size(1), B = k.size(1), KVH = k.size(2), G = H / KVH;
@@ -286,33 +287,40 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pages));
   std::vector<float> M(chunks * H, -std::numeric_limits<float>::infinity()), L(chunks * H, 0.f), ACC(chunks * H * D, 0.f);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> s(B);
+    std::vector<float> s(B * H), w(B * H);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t p0 = pages * c / chunks, p1 = pages * (c + 1) / chunks;
       float* m = &M[c * H]; float* l = &L[c * H]; float* acc = &ACC[c * H * D];
       for (int64_t p = p0; p < p1; ++p) {
         const float* kpage = kp + tp[p] * page_stride; const float* vpage = vp + tp[p] * page_stride;
         const int64_t ntok = std::min(B, length - p * B);
-        for (int64_t h = 0; h < H; ++h) {
-          const int64_t g = h / G; const float* qh = qp + h * D;
-          float mx = m[h];
-          for (int64_t t = 0; t < ntok; ++t) {
-            const float* kr = kpage + t * tok_stride + g * D; float dot = 0.f;
+        for (int64_t t = 0; t < ntok; ++t) {
+          const float* krow = kpage + t * tok_stride;
+          for (int64_t h = 0; h < H; ++h) {
+            const float* kr = krow + (h / G) * D; const float* qh = qp + h * D; float dot = 0.f;
             #pragma omp simd reduction(+:dot)
             for (int64_t d = 0; d < D; ++d) dot += qh[d] * kr[d];
-            s[t] = dot * scale; mx = std::max(mx, s[t]);
+            s[h * B + t] = dot * scale;
           }
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          float mx = m[h];
+          for (int64_t t = 0; t < ntok; ++t) mx = std::max(mx, s[h * B + t]);
           const float corr = std::exp(m[h] - mx);
-          float* a = acc + h * D; float lsum = l[h] * corr;
+          float lsum = l[h] * corr;
+          for (int64_t t = 0; t < ntok; ++t) { const float e = std::exp(s[h * B + t] - mx); w[h * B + t] = e; lsum += e; }
+          float* a = acc + h * D;
           #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] *= corr;
-          for (int64_t t = 0; t < ntok; ++t) {
-            const float w = std::exp(s[t] - mx); lsum += w;
-            const float* vr = vpage + t * tok_stride + g * D;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
-          }
           m[h] = mx; l[h] = lsum;
+        }
+        for (int64_t t = 0; t < ntok; ++t) {
+          const float* vrow = vpage + t * tok_stride;
+          for (int64_t h = 0; h < H; ++h) {
+            const float* vr = vrow + (h / G) * D; float* a = acc + h * D; const float wt = w[h * B + t];
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += wt * vr[d];
+          }
         }
       }
     }
@@ -324,8 +332,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
     float tot = 0.f;
     for (int64_t d = 0; d < D; ++d) op[h * D + d] = 0.f;
     for (int64_t c = 0; c < chunks; ++c) {
-      const float w = std::exp(M[c * H + h] - mx); tot += L[c * H + h] * w;
-      for (int64_t d = 0; d < D; ++d) op[h * D + d] += ACC[(c * H + h) * D + d] * w;
+      const float wc = std::exp(M[c * H + h] - mx); tot += L[c * H + h] * wc;
+      for (int64_t d = 0; d < D; ++d) op[h * D + d] += ACC[(c * H + h) * D + d] * wc;
     }
     for (int64_t d = 0; d < D; ++d) op[h * D + d] /= tot;
   }
@@ -346,7 +354,7 @@ def paged_cpp(threads: int = 2, context: int = 2048, rounds: int = 15) -> None:
     from service.parallel.paged_kernel import DECODE_ALONE_UP_TO, DECODE_BUCKETS, InPlaceAttention
 
     t0 = time.perf_counter()
-    ext = load_inline("paged_decode_candidate", cpp_sources=_PAGED_DECODE_CPP, functions=["paged_decode"],
+    ext = load_inline("paged_decode_candidate_tokens", cpp_sources=_PAGED_DECODE_CPP, functions=["paged_decode"],
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"])
     print(f"paged_cpp: build {time.perf_counter() - t0:.1f} s", flush=True)
     torch.set_num_threads(threads)
