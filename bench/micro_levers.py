@@ -278,6 +278,11 @@ _PAGED_DECODE_CPP = r'''
 // Token-major: each token's K row (all heads, contiguous) is read once, scoring every head.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
                            int64_t length, double scale_d) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "float32 q, k, v expected");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && table.is_contiguous(),
+              "contiguous q, k, v and table expected");
+  TORCH_CHECK(q.size(0) % k.size(2) == 0, "query heads ", q.size(0), " not a multiple of K/V heads ", k.size(2));
   const int64_t H = q.size(0), D = q.size(1), B = k.size(1), KVH = k.size(2), G = H / KVH;
   const int64_t pages = (length + B - 1) / B;
   const float* qp = q.data_ptr<float>(); const float* kp = k.data_ptr<float>(); const float* vp = v.data_ptr<float>();
@@ -387,22 +392,23 @@ def paged_cpp(threads: int = 2, context: int = 2048, rounds: int = 15) -> None:
         fresh = dataclasses.replace(plan)  # a served step's plan is a new object
         return [paged_attention(pool, layer, q, k, v, fresh, scale) for layer in range(layers)]
 
-    times: dict[str, list[float]] = {"gather": [], "flex (the service's)": [], "cpp": []}
+    labels = {"gather": "gather", "flex": "flex (the service's)", "cpp": "cpp"}
+    times: dict[str, list[float]] = {name: [] for name in labels}
     with torch.inference_mode():
         ref, got = step("gather"), step("cpp")
         err = max(float((g.reshape(-1) - r.reshape(-1)).abs().max()) for g, r in zip(got, ref))
         print(f"paged_cpp: max |cpp - gather| over the 12 layers' outputs {err:.2e}", flush=True)
         for _ in range(3):
             for name in times:
-                step(name.split()[0])
+                step(name)
         for _ in range(rounds):
             for name in times:
                 t1 = time.perf_counter()
-                step(name.split()[0])
+                step(name)
                 times[name].append((time.perf_counter() - t1) * 1000)
     kv_bytes = 2 * layers * (context + 1) * heads * head_dim * 4
     print(f"paged_cpp: one session at {context}, {threads} thread(s), load {os.getloadavg()[0]:.1f}: " + "; ".join(
-        f"{name} {statistics.median(ts):.2f} ms ({kv_bytes / statistics.median(ts) / 1e6:.1f} GB/s of K/V)"
+        f"{labels[name]} {statistics.median(ts):.2f} ms ({kv_bytes / statistics.median(ts) / 1e6:.1f} GB/s of K/V)"
         for name, ts in times.items()), flush=True)
 
 

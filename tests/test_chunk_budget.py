@@ -20,7 +20,8 @@ def test_off_alone_or_without_estimates_a_chunk_computes_its_most_rows() -> None
     assert budget.rows(others=8) == 256  # nothing measured yet: no decoders' step to hold it to
     budget.observe(256, 8, 0.95)  # ... and that step teaches nothing (no d to take off)
     assert budget.row_s is None and budget.rows(others=8) == 256
-    budget.observe(256, 8, 0.95)
+    budget.observe(0, 8, 0.25)
+    budget.observe(16, 8, 0.25 + 16 * 0.003)  # d and r known now
     assert budget.rows(others=0) == 256  # alone, a chunk delays no one
 
 

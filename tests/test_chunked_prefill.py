@@ -161,8 +161,9 @@ def test_with_a_step_ratio_a_shared_chunk_shrinks_to_fit_beside_the_decoders_and
     (TimedGang: 100 ms fixed, 10 ms a chunk row): two sessions decode (their first step alone
     teaches the budget a decode step's time) while a third prefills 300 rows in chunks of at
     most 128. Its first chunk beside them is a probe of 128 / 16 = 8 rows (no row cost known
-    yet: sized blind, it would be their slowest step); from the second on, a chunk beside them computes about (2.5 - 1) x 100 ms / 10 ms = 15 rows, never the
-    128 a fixed chunk would; a chunk alone keeps 128. Every answer is the dense reference's."""
+    yet: sized blind, it would be their slowest step); from the second on, a chunk beside them
+    computes about (2.5 - 1) x 100 ms / 10 ms = 15 rows, never the 128 a fixed chunk would; a
+    chunk alone keeps 128. Every answer is the dense reference's."""
     registry, gang, batcher = setup(128, num_blocks=128, step_ratio=2.5, gang_type=TimedGang)
 
     async def run() -> str:

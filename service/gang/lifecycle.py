@@ -193,7 +193,7 @@ class Lifecycle:
                      "%.1f s at most per rank)", path, first.reason, self.session_attention.shapes,
                      self.session_attention.compile_s)
         else:
-            # Asked for by the setting it is the service's choice, not a fault worth a warning.
+            # Asked for by the setting, it is the service's choice, not a fault worth a warning.
             level = logging.INFO if self._t.session_attention == "gather" else logging.WARNING
             log.log(level, "session attention: the gather path (%s) on ranks %s: %s", path,
                     [i for i, r in enumerate(ranks) if not r.in_place], first.reason)

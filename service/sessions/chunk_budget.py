@@ -18,12 +18,12 @@ is taken off a chunk alone too, as most of a step's fixed part),
 
 for a chunk that shares its step with other appends; a chunk alone computes `max_rows`
 (tunables.gang.session_prefill_chunk_tokens). The first chunk that shares a step before any
-chunk's cost was seen (d known, r not) is a probe of `min_rows`: sized blind at `max_rows`, that
-one step took 3.5x the decoders' step alone in one of two bench runs (bench/NOTES.md), and its
+chunk's cost was seen (d known, r not) is a probe of `min_rows`: sized blind at `max_rows`,
+that one step took 3.5x the decoders' step alone in one bench run (bench/NOTES.md), and its
 appends were the p99. With d not known either, a chunk computes `max_rows` (a probe could not
 be told apart from its decoders' share, and nothing would ever size the chunks up again).
-`step_ratio` 0 turns the rule off (every chunk `max_rows`). Each step corrects the estimate the next one uses, so the
-chunks shrink as the prefill moves on, and on a device where a chunk row is cheap against a
+`step_ratio` 0 turns the rule off (every chunk `max_rows`). Each step corrects the estimate
+the next one uses, so the chunks shrink as the prefill moves on, and on a device where a chunk row is cheap against a
 decode step (a GPU's decode step reads memory, a chunk computes) they stay at `max_rows`.
 """
 from __future__ import annotations

@@ -86,7 +86,6 @@ class GangLink:
         self._seen: _Seen | None = None  # the last status observed
         self._channel: ChannelClient | None = None  # the current gang's socket, when the channel is the route
         self._channel_replica: str | None = None
-        self._rank0_here = False
         self._every_rank0_here = False  # rank 0 of every gang a handle call may reach is on this node
         self._channel_retry_at = 0.0
         self._shm_retry_at = 0.0
@@ -109,11 +108,10 @@ class GangLink:
         if key == self._seen:
             return
         self._seen = key
-        self._rank0_here = bool(ranks) and ranks[0].node_id == self._node_id
-        self._every_rank0_here = (self._rank0_here and fleet_rank0_nodes is not None
-                                  and fleet_rank0_nodes <= {self._node_id})
+        rank0_here = bool(ranks) and ranks[0].node_id == self._node_id
+        self._every_rank0_here = rank0_here and fleet_rank0_nodes is not None and fleet_rank0_nodes <= {self._node_id}
         use_channel = (self._channel_enabled and status.state == "ready" and replica is not None
-                       and self._rank0_here and listening)
+                       and rank0_here and listening)
         if not use_channel or replica is None:
             self._drop_channel()
         elif replica != self._channel_replica:  # a new gang server: its socket, a fresh start
