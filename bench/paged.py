@@ -1,5 +1,5 @@
 """Issue 52 items 2 and 3 in one process (no Serve): the sessions' attention over the KV pool
-gathered (the path before) against read in place (compiled flex_attention), and chunked prefill.
+gathered (the path before) against read in place (the C++ decode kernel), and chunked prefill.
 
 On the 12-layer E768 stack (GPT-2 small's shape, `model=transformer`), float32, a session of
 2048 cached rows:
@@ -8,8 +8,8 @@ On the 12-layer E768 stack (GPT-2 small's shape, `model=transformer`), float32, 
   world size 1 (12 heads) and 2 (6), gather vs in place: median ms, and the K/V bytes each path
   moves (gather: read the blocks, write the copy, read the copy; in place: read the blocks);
 - `append`: the whole world-size-1 stack's one-row append (`ParallelEncoder.append`), both paths;
-- `cold_start`: compiling the kernel's shapes (`InPlaceAttention.warm`) in a fresh process, with
-  an empty inductor cache and again with the cache it left;
+- `cold_start`: the kernel's warm-up (`InPlaceAttention.warm`: build, load, check) in a fresh
+  process, with an empty kernel directory and again with the library it left;
 - `chunks`: the ws1 stack's step time for a chunk of C rows of a 2048-row prefill plus one other
   session's one-row append (what that append waits for), and the whole prefill's time, by C.
 
@@ -75,8 +75,7 @@ def one_row(n: int = 30) -> dict[str, Any]:
         pool.attention = None
         gather_ms = _median_ms(layers, n)
         pool.attention = kernel
-        with torch.inference_mode():
-            kernel.warm(pool.k[0], pool.v[0], d ** -0.5, budget_s=600)
+        kernel.warm(budget_s=600)
         in_place_ms = _median_ms(layers, n)
         kv_bytes = 2 * (CONTEXT + 1) * heads * d * 4 * STACK.num_layers  # K and V of the session, every layer
         padded = 2 * len(table) * BLOCK * heads * d * 4 * STACK.num_layers  # the gather copies whole blocks
@@ -109,8 +108,7 @@ def append(n: int = 10) -> dict[str, float]:
 
     gather_ms = _median_ms(step, n)
     pool.attention = kernel
-    with torch.inference_mode():
-        kernel.warm(pool.k[0], pool.v[0], STACK.head_dim ** -0.5, budget_s=600)
+    kernel.warm(budget_s=600)
     in_place_ms = _median_ms(step, n)
     weights = model.parameter_bytes()
     return {"gather_ms": gather_ms, "in_place_ms": in_place_ms, "weight_bytes": weights}
@@ -128,8 +126,7 @@ def chunks(sizes: tuple[int, ...] = (0, 128, 256, 512)) -> dict[str, dict[str, f
     plan0 = AppendPlan(NUM_BLOCKS, BLOCK, (1,), (0,), ((table[0],),))
     pool = new_kv_pool(STACK, 1, plan0, torch.float32, torch.device("cpu"))
     kernel = InPlaceAttention(NUM_BLOCKS, BLOCK, STACK.num_heads, STACK.num_heads, STACK.head_dim, torch.float32)
-    with torch.inference_mode():
-        kernel.warm(pool.k[0], pool.v[0], STACK.head_dim ** -0.5, budget_s=600)
+    kernel.warm(budget_s=600)
     pool.attention = kernel
     out: dict[str, dict[str, float]] = {}
     for chunk in sizes:
@@ -152,23 +149,22 @@ def chunks(sizes: tuple[int, ...] = (0, 128, 256, 512)) -> dict[str, dict[str, f
 _COLD = """
 import json, time, torch
 from bench.paged import NUM_BLOCKS, BLOCK, STACK
-from service.parallel.kv_cache import PagedKVPool
 from service.parallel.paged_kernel import InPlaceAttention
 torch.set_num_threads(1)
 heads = STACK.num_heads // 2
-pool = PagedKVPool(NUM_BLOCKS, BLOCK, heads, STACK.head_dim, torch.float32, torch.device("cpu"))
-status = InPlaceAttention(NUM_BLOCKS, BLOCK, heads, heads, STACK.head_dim, torch.float32).warm(
-    pool.k[0], pool.v[0], STACK.head_dim ** -0.5, budget_s=600)
+status = InPlaceAttention(NUM_BLOCKS, BLOCK, heads, heads, STACK.head_dim, torch.float32).warm(budget_s=600)
 print(json.dumps({"compile_s": status.compile_s, "shapes": status.shapes}))
 """
 
 
 def cold_start() -> dict[str, dict[str, float]]:
-    """A rank's warm-up (ws2's shapes) in a fresh process: with an empty inductor cache, then
-    with the cache the first left (what a rebuilt or restarted gang on the same node pays)."""
+    """A rank's warm-up (ws2's heads) in a fresh process: with an empty kernel directory (the
+    build), then with the library the first left (what every later rank on the node pays)."""
+    from service.parallel.paged_kernel import KERNEL_DIR_ENV
+
     out = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        env = {**os.environ, KERNEL_DIR_ENV: cache}
         for label in ("empty_cache", "warm_cache"):
             started = time.monotonic()
             done = subprocess.run([sys.executable, "-c", _COLD], env=env, capture_output=True, text=True,
@@ -207,10 +203,9 @@ def print_paged(d: dict[str, Any]) -> dict[str, float]:
         print(f"| {c if c != '0' else 'off'} | {r['steps']} | {r['step_ms_median']:.0f} | {r['step_ms_max']:.0f} | "
               f"{r['prefill_ms']:.0f} |")
     cs = d["cold_start"]
-    print(f"\ncold start of the compilation (a ws2 rank's shapes, fresh process): empty inductor cache "
-          f"{cs['empty_cache']['compile_s']:.1f} s for {cs['empty_cache']['shapes']} shapes "
-          f"({cs['empty_cache']['process_s']:.1f} s with the process); with the cache it left "
-          f"{cs['warm_cache']['compile_s']:.1f} s")
+    print(f"\ncold start of the in-place kernel (a ws2 rank's warm-up, fresh process): empty kernel directory "
+          f"{cs['empty_cache']['compile_s']:.2f} s (build, load, check; {cs['empty_cache']['process_s']:.1f} s with "
+          f"the process); with the library it left {cs['warm_cache']['compile_s']:.3f} s")
     ratios["cold start s, empty cache"] = cs["empty_cache"]["compile_s"]
     ratios["cold start s, warm cache"] = cs["warm_cache"]["compile_s"]
     return {k: round(v, 3) for k, v in ratios.items()}

@@ -1243,8 +1243,8 @@ def print_models(d: dict[str, Any]) -> dict[str, float]:
             a = s.get("attention", {})
             print(f"| one-row append at context {g['context']}, attention gathered (before issue 52) | "
                   f"{g['append_ms_p50']:.1f} | {g['appends']} |")
-            print(f"\n(the first row's attention: {a.get('path', '?')}, compiled at bring-up in "
-                  f"{a.get('compile_s', 0):.1f} s, {a.get('compiled_shapes', 0)} shapes)")
+            print(f"\n(the first row's attention: {a.get('path', '?')}, warmed at bring-up in "
+                  f"{a.get('compile_s', 0):.2f} s to build or load and check)")
             ratios["one-row append at 2048: gathered / in place, p50"] = g["append_ms_p50"] / s["append_ms_p50"]
     return {k: round(v, 3) for k, v in ratios.items()}
 

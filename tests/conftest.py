@@ -262,18 +262,12 @@ def deploy(serve_url: str, name: str, route_prefix: str, args: dict[str, Any]) -
 
 
 def suite_args(args: dict[str, Any]) -> dict[str, Any]:
-    """`args` with the suite's two defaults where `args` does not set them, each a cost the
-    product pays at every gang bring-up for a feature most tests are not about:
-    - no warm spare rank (`warm_spare`, default on in the product): a spare is one more torch
-      process per gang, and on this 2-core machine the suite's ~30 apps would start them all
-      for nothing; the fault tests that are about it (tests/test_gang_faults.py) turn it on;
-    - the gather path for session attention (`tunables.gang.session_attention: gather`; the
-      product's `auto` compiles the in-place kernel at every bring-up and rebuild, 3-8 s of
-      both cores a gang here: ~590 s summed over one suite's ~100 bring-ups). The apps of the
-      sessions tests (tests/shared_apps.py) ask for `auto`, and check that it runs."""
-    tunables = dict(args.get("tunables", {}))
-    tunables["gang"] = {"session_attention": "gather", **tunables.get("gang", {})}
-    return {"warm_spare": False, **args, "tunables": tunables}
+    """`args` with the suite's default where `args` does not set it, a cost the product pays at
+    every gang bring-up for a feature most tests are not about: no warm spare rank
+    (`warm_spare`, default on in the product): a spare is one more torch process per gang, and
+    on this 2-core machine the suite's ~30 apps would start them all for nothing; the fault
+    tests that are about it (tests/test_gang_faults.py) turn it on."""
+    return {"warm_spare": False, **args}
 
 
 def submit(name: str, route_prefix: str, args: dict[str, Any]) -> None:

@@ -37,20 +37,6 @@ EXTRA_ARGS: dict[int, dict[str, Any]] = {
     4: {"data_channel": False},
 }
 
-# The product's session attention, compiled in place at bring-up, at world sizes 1 and 2 (the
-# suite's other apps take the gather path, tests/conftest.py suite_args): the sessions tests
-# check that it runs and matches the dense reference. Not at 4: each rank compiles every decode
-# shape (~2-5 s each here, more on a cold inductor cache), and four ranks doing it at once on two
-# cores made these apps' start 92 s; a 4-rank pool's in-place math is tests/test_models.py's and
-# tests/test_paged_kernel.py's (a rank's share of the heads, in process).
-IN_PLACE_UP_TO_WORLD_SIZE = 2
-
-
-def attention_args(world_size: int) -> dict[str, Any]:
-    path = "auto" if world_size <= IN_PLACE_UP_TO_WORLD_SIZE else "gather"
-    return {"tunables": {"gang": {"session_attention": path}}}
-
-
 def app_args(world_size: int, **extra: object) -> dict[str, Any]:
     """The builder arguments of the shared apps' family (random init, SEED, 0.25 CPU a rank)."""
     return {**local_yaml_args(), "init": "random", "seed": SEED, "world_size": world_size,
@@ -80,7 +66,7 @@ class WorldSizeApps:
         if world_size not in self._ready:
             for ws in EXTRA_ARGS:
                 if ws not in self._submitted:
-                    submit(self.name(ws), f"/{self.name(ws)}", app_args(ws, **EXTRA_ARGS[ws], **attention_args(ws)))
+                    submit(self.name(ws), f"/{self.name(ws)}", app_args(ws, **EXTRA_ARGS[ws]))
                     self._submitted.add(ws)
             name = self.name(world_size)
             self._ready[world_size] = wait_deployed(self._serve_url, name, f"/{name}")

@@ -37,8 +37,7 @@ ALLOWED = {200, 503, 504}
 def fault_url(serve_url: str) -> str:
     args = {**local_yaml_args(), "init": "random", "seed": SEED, "cpus_per_rank": 0.25,
             "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-            "warm_spare": True,  # the product's default, which the kill tests are about
-            "tunables": {"gang": {"session_attention": "auto"}}}  # and its compiled session attention
+            "warm_spare": True}  # the product's default, which the kill tests are about
     base = deploy(serve_url, "faults", "/faults", args)
     yield base
     undeploy("faults")

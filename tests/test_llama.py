@@ -120,15 +120,10 @@ def _same_rows_padded_left_and_right() -> tuple[torch.Tensor, torch.Tensor, torc
     return lx, lm, rx, rm
 
 
-# The session read from the pool in place (compiled flex_attention) runs at world size 1: there a
-# rank's pool holds all 4 query heads over 1, 2 and 4 K/V heads, every grouping these stacks
-# have; a larger gang's rank reads the same kernel over fewer heads of the same pool contents
-# (its K/V equal the gather path's, checked at every world size). Each spawned rank compiles
-# its kernel shapes (about 25 s of CPU a rank on the 2-core test machine, 6 ranks more at world
-# sizes 2 and 4); the kernel's own groupings are tests/test_paged_kernel.py's.
-IN_PLACE_WORLD_SIZES = (1,)
-# (new rows, cached, block table), blocks of 4; 18 and 3 rows take the in-place kernel's rows path, 1 its decode path
-SESSION_STEPS = [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2))]
+# (new rows, cached, block table), blocks of 4: the one-row appends take the in-place kernel where
+# the pool has one (the second crosses into a block of its own, the last fills it); 18 and 3 rows gather
+SESSION_STEPS = [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2)),
+                 (1, 22, (3, 0, 5, 1, 6, 2)), (1, 23, (3, 0, 5, 1, 6, 2))]
 
 
 def run_rank(rank: int, world_size: int, workdir: str) -> None:
@@ -162,13 +157,10 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
                         out[f"{name}-session"] = torch.cat(appended)
                         out[f"{name}-pool-bytes"] = pool.nbytes
                         out[f"{name}-param-bytes"] = model.parameter_bytes()
-                        if world_size not in IN_PLACE_WORLD_SIZES:
-                            continue
-                        # again with the attention read from the pool in place (grouped-query included)
+                        # again with the one-row appends read in place (grouped-query included)
                         pool = new_kv_pool(arch, world_size, plans[0], dtype, torch.device("cpu"))
                         pool.attention = InPlaceAttention(8, 4, arch.arch.num_heads // world_size,
-                                                          kv_heads_per_rank(arch, world_size), arch.head_dim, dtype,
-                                                          rows_in_place=True)
+                                                          kv_heads_per_rank(arch, world_size), arch.head_dim, dtype)
                         appended, at = [], 0
                         for plan in plans:
                             appended.append(model.append(inputs["session"][at:at + plan.rows], plan, pool))
@@ -195,7 +187,7 @@ def gang_outputs(stacks: tuple[Path, dict[str, LlamaModel]],
             work = tmp_path_factory.mktemp(f"llama-ws{world_size}")
             for name in STACKS:
                 (work / name).symlink_to(root / name)
-            session = torch.randn(22, WIDTH, generator=torch.Generator().manual_seed(4))
+            session = torch.randn(24, WIDTH, generator=torch.Generator().manual_seed(4))
             (work / "inputs.pkl").write_bytes(pickle.dumps(
                 {"cases": _inputs(), "pair": _same_rows_padded_left_and_right(), "session": session}))
             mp.start_processes(run_rank, args=(world_size, str(work)), nprocs=world_size, start_method="spawn")
@@ -236,10 +228,11 @@ def test_left_and_right_padding_give_the_same_real_rows(gang_outputs: Callable, 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_session_appends_equal_hugging_face_incremental_decode(stacks: tuple[Path, dict[str, LlamaModel]],
                                                                gang_outputs: Callable, world_size: int) -> None:
-    """A prefill of 18, one row, then 3 rows: each append's outputs equal LlamaModel run on the
-    same rows with its own past_key_values (positions continue from the session's length)."""
+    """A prefill of 18, one row, 3 rows, then one row twice: each append's outputs equal
+    LlamaModel run on the same rows with its own past_key_values (positions continue from the
+    session's length), gathered and with the one-row appends read in place, at every world size."""
     _, models = stacks
-    rows = torch.randn(22, WIDTH, generator=torch.Generator().manual_seed(4)).double()
+    rows = torch.randn(24, WIDTH, generator=torch.Generator().manual_seed(4)).double()
     for name, model in models.items():
         cache, want, at = _hf().DynamicCache(config=model.config), [], 0
         with torch.no_grad():
@@ -251,11 +244,8 @@ def test_session_appends_equal_hugging_face_incremental_decode(stacks: tuple[Pat
         kv_heads = STACKS[name][0]
         for out in gang_outputs(world_size):
             assert relative_error(out[f"{name}-session"], want_all) <= TOL, name
-            if world_size in IN_PLACE_WORLD_SIZES:  # the pool in place
-                assert relative_error(out[f"{name}-session-in-place"], want_all) <= TOL, name
-                assert relative_error(out[f"{name}-session-in-place"], out[f"{name}-session"]) <= 1e-6, name
-            else:
-                assert f"{name}-session-in-place" not in out
+            assert relative_error(out[f"{name}-session-in-place"], want_all) <= TOL, name  # the pool in place
+            assert relative_error(out[f"{name}-session-in-place"], out[f"{name}-session"]) <= 1e-6, name
             # the pool caches this rank's own K/V heads: kv/p, or one when K/V heads are replicated
             per_rank = max(kv_heads // world_size, 1)
             arch = LlamaDef.from_directory(stacks[0] / name)

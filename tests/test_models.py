@@ -54,18 +54,12 @@ def _cases() -> dict[str, dict[str, Any]]:
     return cases
 
 
-# The session read from the pool in place (compiled flex_attention) runs at world size 1 only:
-# a larger gang's rank reads the same kernel over fewer heads of a pool whose contents the
-# gather path checks at every world size, and each spawned rank compiles its kernel shapes
-# (about 25 s of CPU a rank on the 2-core test machine); the kernel's groupings are
-# tests/test_paged_kernel.py's.
-IN_PLACE_WORLD_SIZES = (1,)
-
-
 def _session_steps() -> list[tuple[int, int, tuple[int, ...]]]:
-    """Three append steps of one session: (new rows, cached before, block table), blocks of 4.
-    18 and 3 rows take the in-place kernel's rows path (rows_in_place), 1 its decode path."""
-    return [(18, 0, (3, 0, 5, 1, 6)), (1, 18, (3, 0, 5, 1, 6)), (3, 19, (3, 0, 5, 1, 6, 2))]
+    """Five append steps of one session: (new rows, cached before, block table), blocks of 4.
+    The one-row appends take the in-place kernel where the pool has one (the second crosses
+    into a block of its own, the last fills it); 18 and 3 rows gather."""
+    table = (3, 0, 5, 1, 6, 2)
+    return [(18, 0, table[:5]), (1, 18, table[:5]), (3, 19, table), (1, 22, table), (1, 23, table)]
 
 
 def run_rank(rank: int, world_size: int, workdir: str) -> None:
@@ -100,12 +94,11 @@ def run_rank(rank: int, world_size: int, workdir: str) -> None:
         pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
         out["session"] = session(pool)
         out["pool_bytes"] = torch.tensor(pool.nbytes)
-        if world_size in IN_PLACE_WORLD_SIZES:
-            # The same appends with the attention read from the pool in place (compiled flex_attention).
-            pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
-            kv = kv_heads_per_rank(arch, world_size)
-            pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32, rows_in_place=True)
-            out["session-in-place"] = session(pool)
+        # The same appends with the one-row appends read from the pool in place (the C++ kernel).
+        pool = new_kv_pool(arch, world_size, plans[0], torch.float32, torch.device("cpu"))
+        kv = kv_heads_per_rank(arch, world_size)
+        pool.attention = InPlaceAttention(8, 4, kv, kv, arch.head_dim, torch.float32)
+        out["session-in-place"] = session(pool)
         torch.save(out, work / f"rank{rank}.pt")
 
 
@@ -122,7 +115,8 @@ def gang_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], li
                 save_file({k: v.contiguous() for k, v in torch_encoder(arch, arch.init_weights("random", 5))
                            .float().state_dict().items()}, str(work / f"{arch.num_layers}-{arch.activation}.safetensors"))
             (work / "cases.pkl").write_bytes(pickle.dumps(cases))
-            (work / "session.pkl").write_bytes(pickle.dumps(torch.randn(22, 64, generator=torch.Generator().manual_seed(2))))
+            session = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
+            (work / "session.pkl").write_bytes(pickle.dumps(session))
             mp.start_processes(run_rank, args=(world_size, str(work)), nprocs=world_size, start_method="spawn")
             runs[world_size] = [torch.load(work / f"rank{r}.pt") for r in range(world_size)]
         return runs[world_size]
@@ -150,18 +144,16 @@ def test_transformer_stack_matches_torch_encoder_at_every_world_size(gang_output
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_session_appends_equal_the_causal_stack_over_the_whole_sequence(gang_outputs: Callable,
                                                                          world_size: int) -> None:
-    """A prefill of 18, one row, then 3 rows: each append's outputs are torch's causal stack's rows
-    at those positions over the whole sequence (every layer reads its own cached K/V)."""
+    """A prefill of 18, one row, 3 rows, then one row twice: each append's outputs are torch's
+    causal stack's rows at those positions over the whole sequence (every layer reads its own
+    cached K/V), gathered and with the one-row appends read in place, at every world size."""
     arch = STACKS["post-relu"]
-    rows = torch.randn(22, 64, generator=torch.Generator().manual_seed(2))
+    rows = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
     want = torch_reference(torch_encoder(arch, arch.init_weights("random", 5)), rows[None], None, True)[0]
     for out in gang_outputs(world_size):
         assert relative_error(out["session"], want) <= TOL
-        if world_size in IN_PLACE_WORLD_SIZES:
-            assert relative_error(out["session-in-place"], want) <= TOL  # the pool read in place
-            assert relative_error(out["session-in-place"], out["session"]) <= 1e-6  # = the gather path
-        else:
-            assert "session-in-place" not in out
+        assert relative_error(out["session-in-place"], want) <= TOL  # the pool read in place
+        assert relative_error(out["session-in-place"], out["session"]) <= 1e-6  # = the gather path
         # the pool: 2 (K, V) x 3 layers x E/p x 4 bytes a token, 8 blocks of 4 tokens
         assert int(out["pool_bytes"]) == 8 * 4 * kv_bytes_per_token(arch, world_size, 4) == 8 * 4 * 2 * 3 * 64 // world_size * 4
 

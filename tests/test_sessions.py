@@ -24,7 +24,7 @@ from service.parallel.paged_kernel import InPlaceAttention
 from service.parallel.weights import random_weights, shard_dense
 from service.sessions.registry import Limits, SessionRegistry, StepItem
 from tests.conftest import deploy, undeploy
-from tests.shared_apps import E, IN_PLACE_UP_TO_WORLD_SIZE, SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
+from tests.shared_apps import E, SMALL_CACHE_TOKENS, WEIGHTS, WorldSizeApps, app_args
 from tests.helpers import assert_error, eventually, npy_bytes, rand
 from tests.session_client import TOL, HttpSession
 from tests.reference import reference, relative_error
@@ -38,13 +38,13 @@ from tests.reference import reference, relative_error
 def test_attention_append_matches_causal_mha_over_the_whole_sequence(in_place: bool) -> None:
     """Two sessions of different lengths interleaved in one pool, prefill then decode and
     multi-row appends, each step's rows equal to causal MHA's rows over the session so far;
-    with the pool gathered (the fallback) and read in place (compiled flex_attention)."""
+    with the pool gathered (the fallback) and its one-row appends read in place (the C++ kernel)."""
     w = random_weights(64, 3)
     model = TensorParallelAttention(64, 4, ParallelGroup.single())
     model.load_shard(shard_dense(w, 0, 1))
     pool = PagedKVPool(16, 4, 4, 16, torch.float32, torch.device("cpu"))
     if in_place:
-        pool.attention = InPlaceAttention(16, 4, 4, 4, 16, torch.float32, rows_in_place=True)
+        pool.attention = InPlaceAttention(16, 4, 4, 4, 16, torch.float32)
     rng = np.random.default_rng(0)
     seqs = [np.zeros((0, 64), np.float32), np.zeros((0, 64), np.float32)]
     tables: list[list[int]] = [[], []]
@@ -134,9 +134,9 @@ def test_interleaved_sessions_match_causal_mha(apps: Callable[[int], str], ws: i
     assert doc["session_id"] == b.id and doc["weights_version"] >= 1
     assert httpx.delete(f"{base}/sessions/{a.id}", timeout=30).status_code == 200
     assert_error(httpx.get(f"{base}/sessions/{a.id}", timeout=30), 404, "session_not_found")
-    # the path these answers came from (tests/shared_apps.py: in place at world sizes 1 and 2)
-    path = "in_place" if ws <= IN_PLACE_UP_TO_WORLD_SIZE else "gather"
-    assert gang(base)["sessions"]["attention"]["path"] == path
+    # the path these answers came from: the product's default, the decode kernel in place
+    attention = gang(base)["sessions"]["attention"]
+    assert (attention["path"], attention["compiled_shapes"]) == ("in_place", 1), attention
 
 
 @pytest.mark.ray

@@ -132,19 +132,19 @@ class GangTunables:
         "about twice their memory; `blas` is torch's own F.linear (MKL), no copy. CUDA ranks and bfloat16 "
         "weights always use F.linear. The rank logs which one runs and why."))
     session_attention: Literal["auto", "gather"] = knob("auto", (
-        "How a session step's attention reads the KV pool (service.parallel.paged_kernel): `auto` compiles "
-        "torch's flex_attention over the pool's blocks in place at bring-up (the `compile` stage of "
-        "last_bring_up, before the gang is ready) where a C++ compiler is found (CPU ranks); a CUDA rank in "
-        "bfloat16/float16 with session_block_tokens a multiple of 256 reads the pool through torch's "
-        "varlen_attn instead (service.parallel.paged_varlen), once a warm-up step equals the gather path; "
-        "else the gather path, said in one log line; `gather` always copies each session's blocks first (the "
-        "path before, ~3x the K/V bytes of a one-row append). GET /gang `sessions.attention` says which "
-        "path runs and why."))
+        "How a session step's attention reads the KV pool (service.parallel.paged_kernel): `auto` builds a "
+        "C++ decode kernel (once per machine, ~1 s; later processes load it) and checks it at bring-up (the "
+        "`compile` stage of last_bring_up, before the gang is ready) where a C++ compiler is found (CPU ranks): "
+        "one-row appends then read each session's blocks where they lie; a CUDA rank in bfloat16/float16 with "
+        "session_block_tokens a multiple of 256 reads the pool through torch's varlen_attn instead "
+        "(service.parallel.paged_varlen), once a warm-up step equals the gather path; else the gather path, "
+        "said in one log line; `gather` always copies each session's blocks first (~3x the K/V bytes of a "
+        "one-row append). GET /gang `sessions.attention` says which path runs and why."))
     session_compile_budget_s: float = knob(60.0, (
-        "Most seconds one rank spends compiling the in-place attention's shapes at bring-up ("
-        "measured in bench/NOTES.md; 5 decode shapes). "
-        "Shapes left over are never compiled later: their calls take the gather path, so a user's append "
-        "never waits for a compiler. Must stay well inside gang.stage_timeout_s, which bounds the stage."))
+        "Most seconds one rank spends building the in-place decode kernel at bring-up (~1 s measured, "
+        "bench/NOTES.md); a build that takes longer is stopped and the gang keeps the gather path, so a "
+        "user's append never waits for a compiler. Must stay well inside gang.stage_timeout_s, which bounds "
+        "the stage."))
     session_prefill_chunk_tokens: int = knob(256, (
         "Chunked prefill (service.sessions.batcher): an append (or a recompute) longer than a chunk is "
         "computed a chunk per step, a chunk being at most this many rows (fewer beside other appends: "

@@ -174,14 +174,17 @@ class SessionAttention(_Closed):
     chunked prefill's size (service.sessions.batcher)."""
 
     path: Literal["in_place", "varlen", "gather", "mixed"] = Field(
-        description="`in_place`: compiled flex_attention reads the pool's blocks where they lie (CPU ranks); "
+        description="`in_place`: a C++ decode kernel, built at bring-up, reads the pool's blocks where they lie "
+        "for one-row appends (CPU ranks; appends of several rows gather); "
         "`varlen`: torch's varlen_attn reads them through a block table (CUDA ranks in bfloat16/float16 with "
         "session_block_tokens a multiple of 256, checked against the gather path at bring-up); `gather`: each "
         "session's blocks are copied first (no C++ compiler, a device or dtype neither kernel serves, or "
         "tunables.gang.session_attention=gather); `mixed`: ranks differ (each is still exact).")
     reason: str = Field(description="Why this path, in words.")
-    compile_s: float = Field(description="Seconds the slowest rank spent compiling at bring-up (0: none).")
-    compiled_shapes: int = Field(description="Shapes compiled on every rank (calls of other shapes gather).")
+    compile_s: float = Field(description="Seconds the slowest rank spent building (or loading) and checking its "
+                             "kernel at bring-up (0: none).")
+    compiled_shapes: int = Field(description="Warm-up steps every rank checked its kernel on against a reference "
+                                 "(`in_place`: 1; `varlen`: 2; 0: none).")
     prefill_chunk_tokens: int = Field(description="Rows per step of a long append, at most (fewer beside other "
                                       "appends: tunables.gang.session_prefill_step_ratio; 0: not chunked).")
 

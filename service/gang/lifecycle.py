@@ -157,7 +157,7 @@ class Lifecycle:
         stages.done("load")
 
         # Stage 3b: compile (sessions). Each rank alone, no collective: allocate its KV pool
-        # and compile the in-place attention over it, so no user's append ever compiles.
+        # and build (or load) and check the in-place attention, so no user's append waits for it.
         if self._session_pool is not None:
             self._warm_sessions(self._session_pool)
             stages.done("compile")
@@ -189,9 +189,8 @@ class Lifecycle:
                                               min(r.shapes for r in ranks))
         self._spare_kernel = root.kernel_shape if path == "in_place" else None
         if self.session_attention.in_place:
-            log.info("session attention: %s over the KV pool's blocks on every rank (%s; %d shapes compiled, "
-                     "%.1f s at most per rank)", path, first.reason, self.session_attention.shapes,
-                     self.session_attention.compile_s)
+            log.info("session attention: %s over the KV pool's blocks on every rank (%s; %.1f s at most per rank "
+                     "to build or load and check)", path, first.reason, self.session_attention.compile_s)
         else:
             # Asked for by the setting, it is the service's choice, not a fault worth a warning.
             level = logging.INFO if self._t.session_attention == "gather" else logging.WARNING

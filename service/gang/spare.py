@@ -7,8 +7,9 @@ resources of its own: Ray still pins it to the bundle's node, and the bundle's C
 by the placement group either way, so the adopted rank uses the lost rank's share.
 
 A gang whose sessions read the KV pool in place (service.parallel.paged_kernel) has its spare
-compile the peers' kernel before it counts as warm: a fresh process's compile is most of a
-rebuild otherwise (3-8 s here against ~0.1 s for the rest of an adopting rebuild).
+load and check the peers' kernel before it counts as warm, so an adopting rebuild does no
+more of it than a lookup (the kernel's library is built once per machine, ~1 s, and loaded
+by every later process).
 
 Owned by the gang's sequencer thread (start, take, drop); `status()` is read from the event
 loop without a Ray call (the spare's describe() is kept as a concurrent future).

@@ -174,7 +174,7 @@ def query_heads_per_rank(model: ModelDef, world_size: int) -> int:
     """The query heads one rank computes per cached layer: the architecture's `num_heads`
     (the built-in attention and transformer; a Llama's `arch.num_heads`) / p; a model that names
     neither is taken to have as many query heads as K/V heads. Only the in-place kernel's
-    warm-up needs it (its compiled shapes): a wrong guess costs the gather path, never a
+    warm-up needs it (the heads it is built for): a wrong guess costs the gather path, never a
     wrong answer (service.parallel.paged_kernel: `matches`)."""
     heads = getattr(model, "num_heads", None) or getattr(getattr(model, "arch", None), "num_heads", None)
     return int(heads) // world_size if heads else kv_heads_per_rank(model, world_size)
@@ -283,26 +283,25 @@ class Rank:
         return self.info
 
     def prewarm_sessions(self, shape: KernelShape, budget_s: float) -> RankInfo:
-        """A warm spare (rank -1), before it is adopted: compile its gang's in-place attention
-        (`shape`, the peers' own) in this process, at most `budget_s` of compiling, so the
-        adopting rebuild's `warm_sessions` finds it compiled (milliseconds, not the seconds a
-        fresh process's compile takes). A failure is logged only: `warm_sessions` meets it again
-        and says which path runs."""
+        """A warm spare (rank -1), before it is adopted: load and check its gang's in-place
+        attention (`shape`, the peers' own) in this process, at most `budget_s` of building, so
+        the adopting rebuild's `warm_sessions` finds it loaded. A failure is logged only:
+        `warm_sessions` meets it again and says which path runs."""
         if self.rank != -1:
             raise RuntimeError(f"rank {self.rank}: only an unused spare (rank -1) compiles ahead")
         try:
             status = compile_shape(shape, budget_s)
-            log.info("spare pid %d: in-place attention compiled ahead (%d shapes, %.1f s)", self.info.pid,
-                     status.shapes, status.compile_s)
+            log.info("spare pid %d: in-place attention loaded ahead (%s, %.1f s)", self.info.pid, status.path,
+                     status.compile_s)
         except Exception as exc:  # noqa: BLE001 - the adopting bring-up's warm-up decides the path
-            log.warning("spare pid %d: compiling the in-place attention ahead failed (%s: %s)", self.info.pid,
+            log.warning("spare pid %d: loading the in-place attention ahead failed (%s: %s)", self.info.pid,
                         type(exc).__name__, first_line(exc)[:200])
         return self.info
 
     @property
     def kernel_shape(self) -> KernelShape | None:
-        """The in-place attention this rank compiled at bring-up (None: its sessions gather, or
-        read the pool through varlen_attn, which compiles nothing)."""
+        """The in-place attention this rank warmed at bring-up (None: its sessions gather, or
+        read the pool through varlen_attn, which builds nothing)."""
         return self._kernel.shape if isinstance(self._kernel, InPlaceAttention) else None
 
     def memory_stats(self) -> dict[str, int | str]:
@@ -533,7 +532,7 @@ class Rank:
 
     def kv_pool_for(self, plan: AppendPlan) -> PagedKVPool:
         """This rank's KV pool, (re)allocated when `plan` needs another shape than it has; a new
-        pool of the warmed-up shape gets the compiled in-place attention (`warm_sessions`)."""
+        pool of the warmed-up shape gets the in-place attention (`warm_sessions`)."""
         arch = self.model_def
         if arch is None:
             raise RuntimeError(f"rank {self.rank}: not ready (no weights loaded)")
@@ -552,9 +551,9 @@ class Rank:
 
     def warm_sessions(self, num_blocks: int, block_size: int, mode: str, budget_s: float) -> KernelStatus:
         """Bring-up, before the first session step (no collective: each rank alone): allocate
-        this rank's KV pool in the sessions' shape and compile the in-place attention over it
-        (service.parallel.paged_kernel), at most `budget_s` of compiling (shapes left over take
-        the gather path); a CUDA rank instead checks varlen_attn over the pool's pages
+        this rank's KV pool in the sessions' shape and build (or load) and check the in-place
+        decode kernel over it (service.parallel.paged_kernel), at most `budget_s` of building;
+        a CUDA rank instead checks varlen_attn over the pool's pages
         (service.parallel.paged_varlen: bf16/fp16, pages of a multiple of 256) against the
         gather path. `mode`: tunables.gang.session_attention ("auto" | "gather"). Returns which
         path session steps use and why; without a C++ compiler on CPU that is the gather path."""
@@ -573,14 +572,15 @@ class Rank:
         if problem is not None:
             self.session_attention = KernelStatus("gather", problem)
             return self.session_attention
-        kernel = InPlaceAttention(num_blocks, block_size, q_heads, kv, arch.head_dim, self.dtype)
         try:
-            status = kernel.warm(pool.k[0], pool.v[0], arch.head_dim ** -0.5, budget_s)
+            kernel = InPlaceAttention(num_blocks, block_size, q_heads, kv, arch.head_dim, self.dtype)
+            status = kernel.warm(budget_s)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not build leaves today's path
             self.session_attention = KernelStatus(
-                "gather", f"compiling the in-place attention failed ({type(exc).__name__}: {first_line(exc)[:200]})")
+                "gather", f"building the in-place attention failed ({type(exc).__name__}: {first_line(exc)[:200]})")
             return self.session_attention
-        self._kernel = pool.attention = kernel
+        if status.in_place:
+            self._kernel = pool.attention = kernel
         self.session_attention = status
         return status
 

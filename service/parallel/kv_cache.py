@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from service.parallel.paged_kernel import InPlaceAttention, KernelStatus, NotWarmed
+from service.parallel.paged_kernel import InPlaceAttention, KernelStatus
 from service.parallel.paged_varlen import CHECK_TOLERANCE, VarlenAttention, varlen_problem
 
 log = logging.getLogger("gangserve.rank")
@@ -125,7 +125,7 @@ class PagedKVPool:
         self.layers, self.num_blocks, self.block_size = layers, num_blocks, block_size
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # The in-place attention over this pool, set by the rank at warm-up: compiled flex_attention
+        # The in-place attention over this pool, set by the rank at warm-up: the C++ decode kernel
         # on a CPU rank (service.parallel.paged_kernel), varlen_attn on a CUDA rank in bf16/fp16
         # (service.parallel.paged_varlen); None: `paged_attention` gathers the blocks.
         self.attention: InPlaceAttention | VarlenAttention | None = None
@@ -164,9 +164,10 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
 
     Writes k/v into `pool` layer `layer` at the plan's positions, then attends each new row over
     its session's cached positions and the earlier new rows (module docstring). Where the pool
-    has a compiled in-place kernel (`pool.attention`, service.parallel.paged_kernel: set by the
-    rank at warm-up) the attention reads the pool's blocks where they lie; otherwise, and for a
-    call the kernel was not compiled for, it gathers them (`gather_attention`, the same math).
+    has an in-place kernel (`pool.attention`, set by the rank at warm-up: the C++ decode kernel
+    of service.parallel.paged_kernel on CPU, varlen_attn on CUDA) the one-row appends' attention
+    reads the pool's blocks where they lie (varlen: every row); the other rows, and every row
+    without a kernel, gather them (`gather_attention`, the same math).
     """
     rows, h, d = q.shape
     kv = k.shape[1]
@@ -179,30 +180,19 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
         return gather_attention(pool_k, pool_v, q, plan, scale)
     if isinstance(kernel, VarlenAttention):  # one call for the whole step, every row count alike
         return kernel.attend(pool_k, pool_v, q, plan, scale)
-    ctx = torch.empty(rows, h, d, dtype=q.dtype, device=q.device)  # [T, h_l, d]
-    starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
-    # One-row appends (decode) share one call over the pool in place (a lone one a call of its
-    # own: paged_kernel's module docstring, measured); appends of several rows take the rows
-    # kernel where the kernel reads them in place, else gather (paged_kernel: "Which rows").
     single = [i for i, n in enumerate(plan.new_rows) if n == 1]
-    try:
-        if single:
-            at = torch.from_numpy(starts[single]).to(q.device)
-            ctx[at] = kernel.decode(pool_k, pool_v, q[at], [plan.tables[i] for i in single],
-                                    [plan.cached[i] + 1 for i in single], scale, plan)
-        for i, n in enumerate(plan.new_rows):
-            if n == 1:
-                continue
-            start = int(starts[i])
-            if kernel.rows_in_place:
-                ctx[start:start + n] = kernel.rows(pool_k, pool_v, q[start:start + n], plan.tables[i],
-                                                   plan.cached[i], scale, plan, i)
-            else:
-                ctx[start:start + n] = _gather_rows(pool_k, pool_v, q[start:start + n], plan.tables[i],
-                                                    plan.cached[i], scale)
-    except NotWarmed as exc:
-        _note_fallback(exc)
+    if not single:  # appends of several rows gather (paged_kernel: "Which rows")
         return gather_attention(pool_k, pool_v, q, plan, scale)
+    # One-row appends (decode) share one call of the kernel over the pool in place; the rest,
+    # if any, gather (gather_attention computes only the sessions of several rows then).
+    starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
+    at = torch.from_numpy(starts[single]).to(q.device)
+    decoded = kernel.decode(pool_k, pool_v, q[at], [plan.tables[i] for i in single],
+                            [plan.cached[i] + 1 for i in single], scale, plan)
+    if len(single) == plan.sessions:
+        return decoded
+    ctx = gather_attention(pool_k, pool_v, q, plan, scale, skip_single=True)
+    ctx[at] = decoded
     return ctx
 
 
@@ -247,30 +237,20 @@ def warm_varlen(kernel: VarlenAttention, device: torch.device, scale: float) -> 
                         round(time.monotonic() - started, 3), len(plans))
 
 
-_fallbacks_logged: set[str] = set()
-
-
-def _note_fallback(exc: NotWarmed) -> None:
-    """One log line per distinct shape that had to take the gather path after warm-up."""
-    why = str(exc)
-    if why not in _fallbacks_logged:
-        _fallbacks_logged.add(why)
-        log.warning("%s; this call used the gather path", why)
-
-
 def gather_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, plan: AppendPlan,
-                     scale: float) -> torch.Tensor:
+                     scale: float, skip_single: bool = False) -> torch.Tensor:
     """The gather path (the pool's K/V already hold the step's rows): sessions of one new row
     (decode steps) share one batched attention over their block tables gathered and padded to
     the longest; sessions of several rows (a prefill, a recompute) get one causal attention each
-    over their gathered positions. q [T, h_l, d], pool_k/v [num_blocks, B, kv_l, d] -> [T, h_l, d]."""
+    over their gathered positions. q [T, h_l, d], pool_k/v [num_blocks, B, kv_l, d] -> [T, h_l, d].
+    `skip_single`: leave the one-row appends' rows unset (the caller attends them in place)."""
     rows, h, d = q.shape
     kv = pool_k.shape[2]
     bs, device = plan.block_size, q.device
     gqa = kv != h  # SDPA broadcasts each K/V head over its h_l / kv_l query heads
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=device)  # [T, h_l, d]
     starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
-    single = [i for i, n in enumerate(plan.new_rows) if n == 1]
+    single = [] if skip_single else [i for i, n in enumerate(plan.new_rows) if n == 1]
     if single:
         widest = max(len(plan.tables[i]) for i in single)
         tables = torch.tensor([list(plan.tables[i]) + [0] * (widest - len(plan.tables[i])) for i in single],

@@ -2,8 +2,8 @@
 `torch.nn.attention.varlen.varlen_attn` (FlashAttention's variable-length kernel) reading the
 pool's pages through a block table (issue 52, item 2: "CUDA with bf16/fp16").
 
-Why: a CUDA rank has no in-place kernel otherwise (service.parallel.paged_kernel compiles
-flex_attention for CPU ranks only), so its session steps gather: every one-row append copies its
+Why: a CUDA rank has no in-place kernel otherwise (service.parallel.paged_kernel builds its
+C++ decode kernel for CPU ranks only), so its session steps gather: every one-row append copies its
 session's whole K/V, pool -> copy -> attention, about 3x the K/V bytes a step must read.
 
 Layout: one layer of the pool, [num_blocks, B, kv_l, d], *is* the kernel's paged layout
