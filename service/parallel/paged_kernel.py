@@ -21,14 +21,15 @@ maxima. Accumulation is in float32 for every dtype (float32, bfloat16, float16).
 
 Which rows: one-row appends (decode) read in place: there the gather's copy is the cost.
 Appends of several rows (prefill chunks, recomputes, multi-row appends) gather: the copy is 1/n
-of their work per row, and torch's fused SDPA over the copy is a tuned kernel (measured against
-an in-place rows kernel: 92 ms gathered, 185 ms in place for 100 rows at context 1500;
-bench/NOTES.md).
+of their work per row, and torch's fused SDPA over the copy is a tuned kernel (against the
+compiled flex_attention rows kernel this module held before: 92 ms gathered, 185 ms in place for
+100 rows at context 1500; bench/NOTES.md).
 
 The build (`load_library`): the system's C++ compiler ($CXX, else g++, c++ or clang++ on PATH:
 `compiler_problem`) in child processes bounded by the warm-up's budget, `-O3 -march=native
--ffast-math -fopenmp` (COMPILE_FLAGS says why the link goes without it), into a per-user cache directory under a name that hashes the source, the flags, the
-compiler and the CPU's feature flags; written to a temporary name and renamed into place, so
+-ffast-math -fopenmp` (COMPILE_FLAGS says why the link goes without it), into a per-user cache
+directory under a name that hashes the source, the flags, the compiler and the CPU's feature
+flags; written to a temporary name and renamed into place, so
 ranks building at once on one node never wait on a lock (torch's `load_inline` waits on its
 lock file without a bound: a rank killed mid-build would hang every later one) and a later
 process loads the file in milliseconds. The library links `libgomp.so.1`, the soname torch's
@@ -63,7 +64,8 @@ SOURCE = Path(__file__).with_name("paged_decode.cpp")
 # would lose denormals.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
-COMPILERS = ("g++", "c++", "clang++")  # searched on PATH in this order when $CXX is not set
+COMPILER_ENV = "CXX"  # the compiler to use, if set
+COMPILERS = ("g++", "c++", "clang++")  # else the first of these on PATH
 KERNEL_DIR_ENV = "GANGSERVE_KERNEL_DIR"  # where built kernels are kept (default: a per-user temp dir)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # paged_decode.cpp's `dtype`
 # Chunks of a step's pages per thread, and a chunk's fewest pages: enough chunks that a thread
@@ -109,8 +111,8 @@ def compiler_problem(device: torch.device) -> str | None:
 
 
 def _compiler() -> str:
-    """The C++ compiler: $CXX if set, else the first of COMPILERS on PATH (its full path)."""
-    wanted = os.environ.get("CXX")
+    """The C++ compiler's full path: $CXX if set, else the first of COMPILERS on PATH."""
+    wanted = os.environ.get(COMPILER_ENV)
     for name in [wanted] if wanted else COMPILERS:
         found = shutil.which(name)
         if found:
