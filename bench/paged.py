@@ -160,7 +160,7 @@ print(json.dumps({"compile_s": status.compile_s, "shapes": status.shapes}))
 def cold_start() -> dict[str, dict[str, float]]:
     """A rank's warm-up (ws2's heads) in a fresh process: with an empty kernel directory (the
     build), then with the library the first left (what every later rank on the node pays)."""
-    from service.parallel.paged_kernel import KERNEL_DIR_ENV
+    from service.parallel.native import KERNEL_DIR_ENV
 
     out = {}
     with tempfile.TemporaryDirectory() as cache:

@@ -15,7 +15,7 @@ from gangserve_client import tokens
 from service.cluster.front_door import FRONT_DOOR_ENV
 from service.cluster.netif import SOCKET_IFNAME_VARS
 from service.gang.failpoints import FAILPOINTS_ENV
-from service.parallel.paged_kernel import COMPILER_ENV, COMPILERS, KERNEL_DIR_ENV
+from service.parallel.native import COMPILER_ENV, COMPILERS, KERNEL_DIR_ENV
 from service.state.artifacts import ENDPOINT_ENVS, STORAGE_URL_ENV
 from service.state.db import DATABASE_URL_ENV, JOURNAL_ENV
 from service.state.paths import DEFAULT_STATE_DIR, STATE_DIR_ENV
@@ -56,13 +56,15 @@ VARIABLES: tuple[Variable, ...] = (
              "$GANGSERVE_STATE_DIR/api_token (mode 0600)."),
     Variable(tokens.INFER_TOKEN_ENV, "Tokens", "service.ingress.auth, gangserve_client",
              "When set, inference needs this token (or the API token); unset, inference is open."),
-    Variable(KERNEL_DIR_ENV, "Sessions", "service.parallel.paged_kernel",
-             "Where a CPU rank keeps the sessions' decode kernel it builds (one small library per source, "
-             "compiler and CPU type; later processes load it). Default: gangserve_kernels_<uid> in the "
-             "temporary directory; a directory another user owns is not used."),
-    Variable(COMPILER_ENV, "Sessions", "service.parallel.paged_kernel",
-             f"The C++ compiler that builds that kernel. Default: the first of {', '.join(COMPILERS)} on PATH; "
-             "with none, a CPU gang's sessions gather their K/V blocks (slower, the same answers)."),
+    Variable(KERNEL_DIR_ENV, "Kernels", "service.parallel.native",
+             "Where a CPU rank keeps the C++ kernels it builds (the sessions' decode attention, the few-row "
+             "matmul: one small library each per source, compiler and CPU type; later processes load them). "
+             "Default: gangserve_kernels_<uid> in the temporary directory; a directory another user owns is "
+             "not used."),
+    Variable(COMPILER_ENV, "Kernels", "service.parallel.native",
+             f"The C++ compiler that builds them. Default: the first of {', '.join(COMPILERS)} on PATH; with "
+             "none, a CPU gang's sessions gather their K/V blocks and its matmuls use torch's (slower, the "
+             "same answers)."),
     Variable(FAILPOINTS_ENV, "Testing", "service.gang.failpoints",
              "1 enables the fault-injection points of the gang (tests only; never in production)."),
     *(Variable(name, "Ray Serve", "service.cluster.front_door",

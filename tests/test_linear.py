@@ -1,6 +1,6 @@
 """A rank's weight matmul (service.parallel.linear) against x W^T + b computed in float64,
-both ways a process may choose (oneDNN's packed weights, torch's BLAS), and a weight changed in
-place (a swap) seen at the next call. The models' own parity tests (test_models, test_llama,
+every way a process may choose (the C++ few-row kernel beside oneDNN's packed weights, oneDNN
+alone, torch's BLAS), and a weight changed in place (a swap) seen at the next call. The models' own parity tests (test_models, test_llama,
 test_parallel_numerics, the served ones) run through it too."""
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from service.parallel import linear
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(params=["onednn", "blas"])
+@pytest.fixture(params=["native", "onednn", "blas"])
 def reason(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each way a process may choose; the reason `configure` gave for it."""
     reason = linear.configure(request.param)
     yield reason
-    linear.configure("onednn")  # the process default, for the tests after
+    linear.configure("native")  # the process default, for the tests after
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -31,16 +31,17 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize("shape", [(1, 768), (4, 768), (70, 768), (3, 5, 768)])
+@pytest.mark.parametrize("shape", [(1, 768), (2, 768), (1, 1, 768), (2, 1, 3072), (4, 768), (70, 768), (3, 5, 768)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_it_is_x_w_transposed_plus_b(reason: str, shape: tuple[int, ...], bias: bool) -> None:
     g = torch.Generator().manual_seed(1)
-    w = torch.nn.Parameter(torch.randn(3072, 768, generator=g) / 28, requires_grad=False)
-    b = torch.nn.Parameter(torch.randn(3072, generator=g), requires_grad=False) if bias else None
+    out_f = 3072 if shape[-1] == 768 else 768  # [3072, 768] and [768, 3072]: a layer's two shapes
+    w = torch.nn.Parameter(torch.randn(out_f, shape[-1], generator=g) / 28, requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(out_f, generator=g), requires_grad=False) if bias else None
     x = torch.randn(*shape, generator=g)
     with torch.inference_mode():
         got = linear.linear(x, w, b)
-    assert got.shape == (*shape[:-1], 3072) and got.dtype == torch.float32
+    assert got.shape == (*shape[:-1], out_f) and got.dtype == torch.float32
     assert _relative(got, _reference(x, w, b)) < 1e-6, reason
 
 
@@ -78,5 +79,27 @@ def test_the_process_says_which_and_why(reason: str) -> None:
     assert linear.chosen() == reason
     if "blas" in reason:
         assert "tunables.gang.cpu_matmul is 'blas'" in reason
+    elif reason.startswith("1-2 rows"):  # native: this machine has a compiler
+        assert reason.startswith("1-2 rows: the C++ kernel over the dense weights (gemv.cpp); more rows: oneDNN")
     else:
         assert reason.startswith("oneDNN's packed matmul") or "torch's BLAS" in reason  # a torch without the ops says so
+
+
+def test_without_a_compiler_the_few_rows_take_onednn() -> None:
+    """A process that cannot build the kernel says so and multiplies every row count with oneDNN
+    (a fresh interpreter: a process that loaded the kernel keeps it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from service.parallel import linear; import torch; print(linear.configure('native')); "
+            "w = torch.randn(8, 4); x = torch.randn(1, 4); "
+            "print(float((linear.linear(x, w) - x.double().float() @ w.T).abs().max()) < 1e-6)")
+    env = {**os.environ, "CXX": "no-such-c++-compiler", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    reason, right = done.stdout.strip().splitlines()[-2:]
+    assert reason.startswith("1-2 rows: oneDNN too, the C++ kernel is unavailable ($CXX='no-such-c++-compiler' "
+                             "is not on PATH); more rows: oneDNN's packed matmul"), reason
+    assert right == "True"

@@ -123,14 +123,18 @@ class GangTunables:
         "session's own rows, so at most its kept inputs' bytes again) plus about 2 KiB each for the key, "
         "digest and state: 16 one-row appends at E=512 hold about 64 KiB. At least 1 (checked when the "
         "gang server starts)."))
-    cpu_matmul: Literal["onednn", "blas"] = knob("onednn", (
-        "How a CPU rank multiplies by its float32 weight matrices (service.parallel.linear): `onednn` "
-        "reorders each matrix once into oneDNN's blocked layout and multiplies with oneDNN (1.4-3.5x "
-        "torch's MKL for the few rows of a decode step or a small request on the machine measured, "
-        "bench/NOTES.md), where this torch has the ops and a probe matmul at start equals F.linear's; it "
-        "holds a second, packed copy of each weight matrix (the dense one stays), so a rank's weights take "
-        "about twice their memory; `blas` is torch's own F.linear (MKL), no copy. CUDA ranks and bfloat16 "
-        "weights always use F.linear. The rank logs which one runs and why."))
+    cpu_matmul: Literal["native", "onednn", "blas"] = knob("native", (
+        "How a CPU rank multiplies by its float32 weight matrices (service.parallel.linear): `native` "
+        "sends one or two rows (a decode step of one or two appends, a one-row request) through this "
+        "package's C++ kernel over the dense weights (built once per machine, ~1 s; 1.5x oneDNN at one "
+        "row on the machine measured, bench/NOTES.md) and more rows through oneDNN, as `onednn` does for "
+        "every row count; `onednn` reorders each matrix once into oneDNN's blocked layout and multiplies "
+        "with oneDNN (1.4-3.5x torch's MKL for the few rows of a decode step or a small request), where "
+        "this torch has the ops and a probe matmul at start equals F.linear's; it holds a second, packed "
+        "copy of each weight matrix (the dense one stays), so a rank's weights take about twice their "
+        "memory; `blas` is torch's own F.linear (MKL), no copy. Each falls back to the next where it "
+        "cannot serve (no compiler, no oneDNN). CUDA ranks and bfloat16 weights always use F.linear. The "
+        "rank logs which one runs and why."))
     session_attention: Literal["auto", "gather"] = knob("auto", (
         "How a session step's attention reads the KV pool (service.parallel.paged_kernel): `auto` builds a "
         "C++ decode kernel (once per machine, ~1 s; later processes load it) and checks it at bring-up (the "

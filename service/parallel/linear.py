@@ -1,5 +1,6 @@
-"""y = x W^T + b for a rank's weight matrices: oneDNN's packed matmul on CPU in float32, else
-`F.linear` (torch's BLAS, MKL in the CPU wheels).
+"""y = x W^T + b for a rank's weight matrices: on CPU in float32, one or two rows through this
+package's C++ kernel (gemv.cpp) and more through oneDNN's packed matmul; else `F.linear` (torch's
+BLAS, MKL in the CPU wheels).
 
 Why: for the few rows of a decode step or a small request, MKL's float32 GEMV/GEMM ran the
 12-layer E=768 stack's weights at 14.8 GB/s on a 2-core AMD EPYC (copy bandwidth 20-24 GB/s),
@@ -7,21 +8,27 @@ and 2 rows cost twice 1 row (a compute-bound path). oneDNN's matmul over a weigh
 into its blocked layout ran the same matrices 1.4-1.7x faster at 1 row, 2.5-3.5x at 4 rows,
 ~2x at 32 and 1.2-1.4x at 256 (bench/NOTES.md, session 23): an S = 1 decode step in process
 went from ~50 to ~41 ms. These are the ops inductor's freezing uses for CPU linears
-(`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`).
+(`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`). For one or two rows (a decode step of one or two appends, a
+one-row request) a plain pass over the dense weight reads it faster still: gemv.cpp, 10.1 against
+oneDNN's 15.0 ms at one row over the same 340 MB (33.6 against 22.6 GB/s; 2 rows 14.3 against
+17.5 ms, 4 rows even), built once per machine (service.parallel.native).
 
 Contract: `linear(x, weight, bias)` equals `F.linear(x, weight, bias)` up to float32 rounding
 (the order of a dot product's additions differs). The packed copy of `weight` is made on its
 first use and made again whenever the weight changed in place (its version counter, bumped by
 `copy_`: a weights swap) or its storage was replaced, so it never serves stale weights. It is
 a second copy of each matrix (the dense one stays: the fused encoder path, the checks and the
-swaps read it): `configure` turns it off for a process (tunables.gang.cpu_matmul).
+swaps read it): `configure` turns it off for a process (tunables.gang.cpu_matmul). The few-row
+kernel reads the dense weight itself, so it never serves stale weights either.
 
-Where it applies is decided once per process, by `configure` (a rank at bring-up) or on the
-first call: CPU float32 tensors, the ops present in this torch, and a probe matmul that equals
-F.linear's. Anything else (CUDA, bf16/fp16, autograd) takes `F.linear`.
+Where each applies is decided once per process, by `configure` (a rank at bring-up) or on the
+first call: CPU float32 tensors, the ops present in this torch (the kernel built here), and a
+probe matmul that equals F.linear's. Anything else (CUDA, bf16/fp16, autograd, a weight that
+is not contiguous for the kernel) takes the next path down, `F.linear` last.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import weakref
 from typing import Literal
@@ -29,18 +36,24 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from service.parallel.native import BuildFailed, load
+
 log = logging.getLogger("gangserve.rank")
 
-CpuMatmul = Literal["onednn", "blas"]
+CpuMatmul = Literal["native", "onednn", "blas"]
 
 _PROBE_TOLERANCE = 1e-5  # relative max error of the probe against F.linear (float32 rounding: ~1e-7)
+FEW_ROWS = 2  # at most this many rows go through the C++ kernel (gemv.cpp: measured)
+SOURCE = "gemv.cpp"  # beside service.parallel.native
+BUILD_BUDGET_S = 60.0  # the kernel's build, at most (~1 s measured); past it, oneDNN serves every row count
 
 
 class _Packed:
     """The process's choice and its packed weights (one owner: this module)."""
 
     def __init__(self) -> None:
-        self.enabled: bool | None = None  # None: not decided yet (decided on the first call)
+        self.enabled: bool | None = None  # oneDNN; None: not decided yet (decided on the first call)
+        self.few_rows: ctypes._CFuncPtr | None = None  # the C++ kernel's entry point, where it serves
         self.reason = "not decided"
         # id(weight) -> (the weight, weakly; (storage pointer, version); packed), dropped with the
         # weight (a WeakKeyDictionary would compare tensors with ==, elementwise)
@@ -50,9 +63,10 @@ class _Packed:
 _STATE = _Packed()
 
 
-def configure(mode: CpuMatmul = "onednn") -> str:
-    """Decide for this process (`mode` "blas": always F.linear); returns which and why, in
-    words (the rank logs it)."""
+def configure(mode: CpuMatmul = "native") -> str:
+    """Decide for this process (`mode` "blas": always F.linear; "onednn": oneDNN for every row
+    count; "native": the few-row kernel too); returns which and why, in words (the rank logs it)."""
+    _STATE.few_rows = None
     if mode == "blas":
         _STATE.enabled, _STATE.reason = False, "tunables.gang.cpu_matmul is 'blas': torch's BLAS (F.linear)"
     else:
@@ -60,8 +74,34 @@ def configure(mode: CpuMatmul = "onednn") -> str:
         _STATE.enabled = problem is None
         _STATE.reason = (problem or "oneDNN's packed matmul (weights reordered once; a second copy of each "
                                     "weight matrix)")
+        if mode == "native":
+            kernel, why = _few_rows_kernel()
+            _STATE.few_rows = kernel
+            _STATE.reason = f"{why}; more rows: {_STATE.reason}"
     _STATE.weights.clear()
     return _STATE.reason
+
+
+def _few_rows_kernel() -> tuple[ctypes._CFuncPtr | None, str]:
+    """The C++ few-row kernel, built (or loaded) and probed against F.linear, and why it serves
+    or not."""
+    try:
+        fn = load(SOURCE, BUILD_BUDGET_S).gangserve_few_rows_linear
+    except (BuildFailed, FileNotFoundError) as exc:
+        return None, f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel is unavailable ({exc})"
+    fn.restype = ctypes.c_int
+    fn.argtypes = [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]
+    generator = torch.Generator().manual_seed(0)
+    for rows, (out_f, in_f) in ((1, (48, 33)), (2, (33, 48))):
+        w, b, x = (torch.randn(out_f, in_f, generator=generator), torch.randn(out_f, generator=generator),
+                   torch.randn(rows, in_f, generator=generator))
+        want, got = F.linear(x, w, b), torch.empty(rows, out_f)
+        failed = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), got.data_ptr(), rows, in_f, out_f, 1)
+        error = float((got - want).abs().max() / want.abs().max())
+        if failed or not error <= _PROBE_TOLERANCE:
+            return None, (f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel disagreed with F.linear on a probe "
+                          f"({rows} x {in_f} @ {in_f} x {out_f}: relative error {error:.2e}, status {failed})")
+    return fn, f"1-{FEW_ROWS} rows: the C++ kernel over the dense weights (gemv.cpp)"
 
 
 def chosen() -> str:
@@ -102,11 +142,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _STATE.enabled is None:
         configure()
         log.info("float32 matmuls on CPU: %s", _STATE.reason)
+    rows = x.reshape(-1, x.shape[-1])
+    if _STATE.few_rows is not None and rows.shape[0] <= FEW_ROWS and weight.is_contiguous() and \
+            (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
+        return _few_rows(rows.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if not _STATE.enabled:
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(rows, _packed(weight), bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [R <= FEW_ROWS, in] @ weight [out, in]^T + bias through the C++ kernel."""
+    assert _STATE.few_rows is not None
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+    if rows.shape[0] == 0:
+        return out
+    failed = _STATE.few_rows(rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                             out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads())
+    if failed:
+        raise ValueError(f"the few-row kernel refused {tuple(rows.shape)} @ {tuple(weight.shape)}^T")
+    return out
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:

@@ -25,16 +25,9 @@ of their work per row, and torch's fused SDPA over the copy is a tuned kernel (a
 compiled flex_attention rows kernel this module held before: 92 ms gathered, 185 ms in place for
 100 rows at context 1500; bench/NOTES.md).
 
-The build (`load_library`): the system's C++ compiler ($CXX, else g++, c++ or clang++ on PATH:
-`compiler_problem`) in child processes bounded by the warm-up's budget, `-O3 -march=native
--ffast-math -fopenmp` (COMPILE_FLAGS says why the link goes without it), into a per-user cache
-directory under a name that hashes the source, the flags, the compiler and the CPU's feature
-flags; written to a temporary name and renamed into place, so
-ranks building at once on one node never wait on a lock (torch's `load_inline` waits on its
-lock file without a bound: a rank killed mid-build would hang every later one) and a later
-process loads the file in milliseconds. The library links `libgomp.so.1`, the soname torch's
-own OpenMP runtime carries, so the process keeps one OpenMP runtime. `InPlaceAttention.warm`
-then checks the kernel against a reference on a scratch pool before a rank uses it.
+The build: service.parallel.native (once per machine, ~1 s, bounded by the warm-up's budget; a
+later process loads the library in milliseconds). `InPlaceAttention.warm` then checks the
+kernel against a reference on a scratch pool before a rank uses it.
 
 CUDA: not used (a CUDA rank in bf16/fp16 reads its pool through varlen_attn instead:
 service.parallel.paged_varlen); `compiler_problem` says so.
@@ -42,31 +35,16 @@ service.parallel.paged_varlen); `compiler_problem` says so.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
-# Compiled with -ffast-math (the reductions and exp vectorised; the kernel keeps its arithmetic
-# finite), linked without it: linking with it adds crtfastmath.o, whose constructor sets the CPU's
-# flush-to-zero mode for the whole process when the library loads, and every torch op after it
-# would lose denormals.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c")
-LINK_FLAGS = ("-shared", "-fopenmp")
-COMPILER_ENV = "CXX"  # the compiler to use, if set
-COMPILERS = ("g++", "c++", "clang++")  # else the first of these on PATH
-KERNEL_DIR_ENV = "GANGSERVE_KERNEL_DIR"  # where built kernels are kept (default: a per-user temp dir)
+from service.parallel.native import compiler_problem as native_compiler_problem, load
+
+SOURCE = "paged_decode.cpp"  # beside service.parallel.native
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # paged_decode.cpp's `dtype`
 # Chunks of a step's pages per thread, and a chunk's fewest pages: enough chunks that a thread
 # finishing early takes another (sessions differ in length), few enough that merging stays small.
@@ -75,10 +53,6 @@ MIN_CHUNK_PAGES = 4
 # The warm-up's check against a float64 reference on a scratch pool: the largest |difference|
 # relative to the largest |output| (bf16 keeps 8 bits of mantissa, fp16 11).
 CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-class BuildFailed(RuntimeError):
-    """The kernel could not be built or loaded on this machine (the rank keeps the gather path)."""
 
 
 @dataclass(frozen=True)
@@ -103,109 +77,23 @@ def compiler_problem(device: torch.device) -> str | None:
     if device.type != "cpu":
         return (f"the in-place decode kernel is built and tested for CPU only; {device.type} keeps the gather "
                 "path (CUDA in bf16/fp16: service.parallel.paged_varlen)")
-    try:
-        _compiler()
-    except Exception as exc:  # noqa: BLE001 - any failure to find one means: no compiler
-        return f"no C++ compiler for the in-place kernel ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
-    return None
+    return native_compiler_problem()
 
 
-def _compiler() -> str:
-    """The C++ compiler's full path: $CXX if set, else the first of COMPILERS on PATH."""
-    wanted = os.environ.get(COMPILER_ENV)
-    for name in [wanted] if wanted else COMPILERS:
-        found = shutil.which(name)
-        if found:
-            return found
-    raise FileNotFoundError(f"$CXX={wanted!r} is not on PATH" if wanted else f"none of {', '.join(COMPILERS)} on PATH")
+_entry: ctypes._CFuncPtr | None = None  # the kernel's typed entry point, once loaded
 
 
-def _kernel_dir() -> Path:
-    """The cache of built kernels: $GANGSERVE_KERNEL_DIR, else <tmp>/gangserve_kernels_<uid>; a
-    directory another user owns is not trusted (a private temporary one is used instead)."""
-    configured = os.environ.get(KERNEL_DIR_ENV)
-    path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"gangserve_kernels_{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.stat().st_uid != os.getuid():
-        return Path(tempfile.mkdtemp(prefix="gangserve_kernels_"))
-    return path
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (`-march=native` builds for them): part of the cache key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-_library: ctypes.CDLL | None = None
-
-
-def load_library(budget_s: float) -> ctypes.CDLL:
-    """The kernel's library in this process, built first if this machine has none cached, the
-    build bounded by `budget_s` (module docstring); BuildFailed says what failed."""
-    global _library
-    if _library is not None:
-        return _library
-    compiler = _compiler()
-    source = SOURCE.read_bytes()
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
-    key = hashlib.sha256(b"\0".join([source, flags, compiler.encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:20]
-    directory = _kernel_dir()
-    target = directory / f"paged_decode_{key}.so"
-    if not target.exists():
-        _build(compiler, directory, target, max(budget_s, 1.0))
-    try:
-        library = ctypes.CDLL(str(target))
-    except OSError as exc:
-        raise BuildFailed(f"could not load the built kernel {target}: {exc}") from exc
-    fn = library.gangserve_paged_decode
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int64]
-    _library = library
-    return library
-
-
-def _build(compiler: str, directory: Path, target: Path, budget_s: float) -> None:
-    """Compile SOURCE into `target` (compile, then link: see COMPILE_FLAGS), into temporary names
-    first, then renamed into place (a rank building beside this one renames the same bytes). Each
-    step runs in a process group of its own, killed whole when `budget_s` is spent: killing the
-    driver alone would leave its cc1plus holding the pipe, and reading it would wait for it."""
-    deadline = time.monotonic() + budget_s
-    fd, partial = tempfile.mkstemp(dir=directory, prefix=target.name, suffix=".partial")
-    os.close(fd)
-    objects = partial + ".o"
-    try:
-        _run_step([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", objects], deadline, budget_s)
-        _run_step([compiler, *LINK_FLAGS, objects, "-o", partial], deadline, budget_s)
-        os.replace(partial, target)
-    except OSError as exc:
-        raise BuildFailed(f"could not run {compiler} into {directory}: {exc}") from exc
-    finally:
-        Path(partial).unlink(missing_ok=True)
-        Path(objects).unlink(missing_ok=True)
-
-
-def _run_step(command: list[str], deadline: float, budget_s: float) -> None:
-    """One compiler call, bounded by `deadline` (BuildFailed naming its error line or the budget)."""
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
-        _, errors = child.communicate(timeout=max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.communicate(timeout=10)
-        raise BuildFailed(f"building {SOURCE.name} took more than {budget_s:g}s "
-                          "(tunables.gang.session_compile_budget_s)") from None
-    if child.returncode != 0:
-        first = next((line for line in errors.splitlines() if "error" in line), errors.strip())
-        raise BuildFailed(f"{command[0]} failed to build {SOURCE.name} (exit {child.returncode}): {first[:200]}")
+def load_library(budget_s: float) -> ctypes._CFuncPtr:
+    """The kernel's entry point in this process, typed (service.parallel.native: the library
+    built once per machine, bounded by `budget_s`)."""
+    global _entry
+    if _entry is None:
+        fn = load(SOURCE, budget_s).gangserve_paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_int64]
+        _entry = fn
+    return _entry
 
 
 @dataclass(frozen=True)
@@ -303,11 +191,11 @@ class InPlaceAttention:
                 not q.shape[0] == len(tables) == len(lengths):
             raise ValueError(f"q [S, {self.q_heads}, {self.head_dim}] with S tables and lengths expected, got "
                              f"{tuple(q.shape)}, {len(tables)} tables, {len(lengths)} lengths")
-        library = load_library(budget_s=600.0)
+        kernel = load_library(budget_s=600.0)
         step = self._tables(plan, tables, lengths)
         q = q.contiguous()
         out = torch.empty_like(q)
-        failed = library.gangserve_paged_decode(
+        failed = kernel(
             _DTYPE_CODES[self.dtype], q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), step.tables.data_ptr(),
             step.starts.data_ptr(), step.lengths.data_ptr(), q.shape[0], self.q_heads, self.kv_heads, self.head_dim,
             self.block_size, self.num_blocks, scale, out.data_ptr(), torch.get_num_threads(), step.chunk_pages)
