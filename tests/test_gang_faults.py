@@ -65,8 +65,8 @@ def _assert_loop_outcomes(loop: RequestLoop, recovered_at: float) -> None:
 
 def _wait_for_warm_spare(base: str, timeout_s: float = 150) -> dict:
     """/gang once the gang's warm spare answered (it starts after bring-up, in the background, and
-    answers once it has compiled the in-place attention: seconds with the inductor cache the
-    gang's own ranks just filled, longer on a loaded machine)."""
+    answers once it has loaded the in-place attention the gang's own ranks built: a process's
+    start and torch's import, longer on a loaded machine)."""
     def warm() -> dict | None:
         info = gang_info(base) or {}
         return info if info.get("state") == "ready" and info.get("spare", {}).get("state") == "warm" else None
