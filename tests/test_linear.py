@@ -1,7 +1,8 @@
 """A rank's weight matmul (service.parallel.linear) against x W^T + b computed in float64,
 every way a process may choose (the C++ few-row kernel beside oneDNN's packed weights, oneDNN
-alone, torch's BLAS), and a weight changed in place (a swap) seen at the next call. The models' own parity tests (test_models, test_llama,
-test_parallel_numerics, the served ones) run through it too."""
+alone, torch's BLAS), and a weight changed in place (a swap) seen at the next call. The models'
+own parity tests (test_models, test_llama, test_parallel_numerics, the served ones) run through
+it too."""
 from __future__ import annotations
 
 from typing import Iterator

@@ -8,10 +8,11 @@ and 2 rows cost twice 1 row (a compute-bound path). oneDNN's matmul over a weigh
 into its blocked layout ran the same matrices 1.4-1.7x faster at 1 row, 2.5-3.5x at 4 rows,
 ~2x at 32 and 1.2-1.4x at 256 (bench/NOTES.md, session 23): an S = 1 decode step in process
 went from ~50 to ~41 ms. These are the ops inductor's freezing uses for CPU linears
-(`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`). For one or two rows (a decode step of one or two appends, a
-one-row request) a plain pass over the dense weight reads it faster still: gemv.cpp, 10.1 against
-oneDNN's 15.0 ms at one row over the same 340 MB (33.6 against 22.6 GB/s; 2 rows 14.3 against
-17.5 ms, 4 rows even), built once per machine (service.parallel.native).
+(`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`). For one or two rows (a decode
+step of one or two appends, a one-row request) a plain pass over the dense weight reads it
+faster still: gemv.cpp, 10.1 against oneDNN's 15.0 ms at one row over the same 340 MB (33.6
+against 22.6 GB/s; 2 rows 14.3 against 17.5 ms, 4 rows even), built once per machine
+(service.parallel.native).
 
 Contract: `linear(x, weight, bias)` equals `F.linear(x, weight, bias)` up to float32 rounding
 (the order of a dot product's additions differs). The packed copy of `weight` is made on its
