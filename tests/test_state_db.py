@@ -30,7 +30,7 @@ def _job(i: int, **kw: Any) -> Any:
 
 def errors_of_threads(target: Callable[[int], object], count: int, timeout_s: float) -> list[BaseException]:
     """`target(i)` run in threads i = 0 .. count - 1 at once (each joined within `timeout_s`):
-    what they raised."""
+    what they raised, and a TimeoutError naming any still running."""
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
@@ -39,11 +39,14 @@ def errors_of_threads(target: Callable[[int], object], count: int, timeout_s: fl
         except BaseException as exc:  # noqa: BLE001 - the caller reports them
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=timeout_s)
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    if stuck:  # a thread that never returned is a failure too, not a silence
+        errors.append(TimeoutError(f"threads {stuck} of {count} still running after {timeout_s:g}s"))
     return errors
 
 

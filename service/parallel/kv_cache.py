@@ -41,7 +41,6 @@ over its own heads. `paged_attention` is the attention part; the models
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -52,7 +51,6 @@ import torch.nn.functional as F
 from service.parallel.paged_kernel import InPlaceAttention, KernelStatus
 from service.parallel.paged_varlen import CHECK_TOLERANCE, VarlenAttention, varlen_problem
 
-log = logging.getLogger("gangserve.rank")
 
 
 @dataclass(frozen=True)

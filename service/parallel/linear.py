@@ -88,7 +88,7 @@ def _few_rows_kernel() -> tuple[ctypes._CFuncPtr | None, str]:
     or not."""
     try:
         fn = load(SOURCE, BUILD_BUDGET_S).gangserve_few_rows_linear
-    except (BuildFailed, FileNotFoundError) as exc:
+    except BuildFailed as exc:
         return None, f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel is unavailable ({exc})"
     fn.restype = ctypes.c_int
     fn.argtypes = [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]

@@ -97,11 +97,15 @@ def load(source: str, budget_s: float) -> ctypes.CDLL:
     if source in _loaded:
         return _loaded[source]
     path = Path(__file__).with_name(source)
-    compiler = _compiler()
+    try:
+        compiler = _compiler()
+        directory = _kernel_dir()
+        source_bytes = path.read_bytes()
+    except OSError as exc:  # no compiler, an unusable kernel directory, a missing source
+        raise BuildFailed(str(exc)) from exc
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
-    key = hashlib.sha256(b"\0".join([path.read_bytes(), flags, compiler.encode(), _cpu_flags().encode(),
+    key = hashlib.sha256(b"\0".join([source_bytes, flags, compiler.encode(), _cpu_flags().encode(),
                                      platform.machine().encode()])).hexdigest()[:20]
-    directory = _kernel_dir()
     target = directory / f"{path.stem}_{key}.so"
     if not target.exists():
         _build(compiler, path, directory, target, max(budget_s, 1.0))
@@ -117,18 +121,19 @@ def _build(compiler: str, source: Path, directory: Path, target: Path, budget_s:
     """Compile `source` into `target` (compile, then link: see COMPILE_FLAGS) under temporary
     names, then rename it into place (a rank building beside this one renames the same bytes)."""
     deadline = time.monotonic() + budget_s
-    fd, partial = tempfile.mkstemp(dir=directory, prefix=target.name, suffix=".partial")
-    os.close(fd)
-    objects = partial + ".o"
+    partial = objects = ""
     try:
+        fd, partial = tempfile.mkstemp(dir=directory, prefix=target.name, suffix=".partial")  # a name of its own
+        os.close(fd)
+        objects = partial + ".o"
         _run_step([compiler, *COMPILE_FLAGS, str(source), "-o", objects], source, deadline, budget_s)
         _run_step([compiler, *LINK_FLAGS, objects, "-o", partial], source, deadline, budget_s)
         os.replace(partial, target)
     except OSError as exc:
         raise BuildFailed(f"could not run {compiler} into {directory}: {exc}") from exc
     finally:
-        Path(partial).unlink(missing_ok=True)
-        Path(objects).unlink(missing_ok=True)
+        for leftover in filter(None, (partial, objects)):
+            Path(leftover).unlink(missing_ok=True)
 
 
 def _run_step(command: list[str], source: Path, deadline: float, budget_s: float) -> None:
@@ -140,7 +145,10 @@ def _run_step(command: list[str], source: Path, deadline: float, budget_s: float
         _, errors = child.communicate(timeout=max(deadline - time.monotonic(), 0.0))
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
-        child.communicate(timeout=10)
+        try:
+            child.communicate(timeout=10)  # reap it; the whole group is gone, so the pipe closes
+        except subprocess.TimeoutExpired:
+            pass
         raise BuildFailed(f"building {source.name} took more than {budget_s:g}s") from None
     if child.returncode != 0:
         first = next((line for line in errors.splitlines() if "error" in line), errors.strip())

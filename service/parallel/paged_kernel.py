@@ -45,6 +45,9 @@ import torch
 from service.parallel.native import compiler_problem as native_compiler_problem, load
 
 SOURCE = "paged_decode.cpp"  # beside service.parallel.native
+# The build's bound when a kernel that was never warmed is called (a test's or a bench's; a rank
+# always warms first, within tunables.gang.session_compile_budget_s).
+UNWARMED_BUILD_BUDGET_S = 600.0
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # paged_decode.cpp's `dtype`
 # Chunks of a step's pages per thread, and a chunk's fewest pages: enough chunks that a thread
 # finishing early takes another (sessions differ in length), few enough that merging stays small.
@@ -191,7 +194,7 @@ class InPlaceAttention:
                 not q.shape[0] == len(tables) == len(lengths):
             raise ValueError(f"q [S, {self.q_heads}, {self.head_dim}] with S tables and lengths expected, got "
                              f"{tuple(q.shape)}, {len(tables)} tables, {len(lengths)} lengths")
-        kernel = load_library(budget_s=600.0)
+        kernel = load_library(UNWARMED_BUILD_BUDGET_S)
         step = self._tables(plan, tables, lengths)
         q = q.contiguous()
         out = torch.empty_like(q)

@@ -23,8 +23,9 @@ that one step took 3.5x the decoders' step alone in one bench run (bench/NOTES.m
 appends were the p99. With d not known either, a chunk computes `max_rows` (a probe could not
 be told apart from its decoders' share, and nothing would ever size the chunks up again).
 `step_ratio` 0 turns the rule off (every chunk `max_rows`). Each step corrects the estimate
-the next one uses, so the chunks shrink as the prefill moves on, and on a device where a chunk row is cheap against a
-decode step (a GPU's decode step reads memory, a chunk computes) they stay at `max_rows`.
+the next one uses, so the chunks shrink as the prefill moves on, and on a device where a chunk
+row is cheap against a decode step (a GPU's decode step reads memory, a chunk computes) they
+stay at `max_rows`.
 """
 from __future__ import annotations
 
