@@ -141,16 +141,30 @@ def test_a_decode_step_of_s_sessions_matches_dense_causal_attention(path: str, h
     _check_decode_step(path, heads, sessions, torch.float32)
 
 
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 4)], ids=["4-heads", "8-over-2-kv-heads", "16-over-4-kv-heads"])
+@pytest.mark.parametrize("width, block", [(64, 16), (128, 32)], ids=["d64-b16", "d128-b32"])
+@pytest.mark.parametrize("sessions", [1, 5])
+def test_the_vector_path_s_decode_step_matches_dense_causal_attention(heads: tuple[int, int], width: int, block: int,
+                                                                      sessions: int) -> None:
+    """Heads of 64 or 128 over pages of a multiple of 16 tokens take the kernel's vector path
+    (16 tokens scored at once, their lanes summed by one transposing reduction; a partial last
+    page reads stale rows into lanes nothing uses): the same float64 reference as above."""
+    _check_decode_step("in-place", heads, sessions, torch.float32, width, block)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-def test_a_decode_step_in_half_precision_matches_float64_over_the_same_values(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("width, block", [(8, 4), (64, 16)], ids=["scalar", "vector"])
+def test_a_decode_step_in_half_precision_matches_float64_over_the_same_values(dtype: torch.dtype, width: int,
+                                                                              block: int) -> None:
     """The kernel reads bfloat16 / float16 pools and accumulates in float32: within the dtype's
-    rounding of float64 attention over the same (rounded) values."""
-    _check_decode_step("in-place", (8, 2), 5, dtype)
+    rounding of float64 attention over the same (rounded) values, on both of its paths."""
+    _check_decode_step("in-place", (8, 2), 5, dtype, width, block)
 
 
-def _check_decode_step(path: str, heads: tuple[int, int], sessions: int, dtype: torch.dtype) -> None:
+def _check_decode_step(path: str, heads: tuple[int, int], sessions: int, dtype: torch.dtype, d: int = 8,
+                       bs: int = 4) -> None:
     h, kv = heads
-    d, bs, num_blocks = 8, 4, 600
+    num_blocks = 600
     scale = d ** -0.5
     gen = torch.Generator().manual_seed(sessions)
     pool = PagedKVPool(num_blocks, bs, kv, d, dtype, torch.device("cpu"))
