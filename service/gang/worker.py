@@ -45,6 +45,7 @@ from service.gang.stepclock import StepClock
 from service.gang.steps import KINDS
 from service.parallel import ParallelGroup
 from service.parallel import linear
+from service.parallel.huge_pages import advice_problem as huge_page_problem, thp_mode
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, warm_varlen
 from service.parallel.model import (
     ModelDef,
@@ -193,6 +194,8 @@ class Rank:
         torch.set_num_threads(torch_threads)
         if device.type == "cpu":
             log.info("rank %d: float32 matmuls: %s", rank, linear.configure(tunables.cpu_matmul))
+            log.info("rank %d: weights and KV pool on transparent huge pages: %s", rank,
+                     huge_page_problem() or f"asked for (the kernel's mode: {thp_mode()})")
         self.tunables = tunables  # the gang section: exit grace, leave-group bound, timings kept
         self.state_tunables = state_tunables  # the artifact store's waits (checkpoint downloads)
         self.rank = rank

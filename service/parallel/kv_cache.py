@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from service.parallel.huge_pages import zeros as zeros_on_huge_pages
 from service.parallel.paged_kernel import InPlaceAttention, KernelStatus
 from service.parallel.paged_varlen import CHECK_TOLERANCE, VarlenAttention, varlen_problem
 
@@ -121,8 +122,9 @@ class PagedKVPool:
                  device: torch.device, layers: int = 1) -> None:
         shape = (layers, num_blocks, block_size, heads_local, head_dim)
         self.layers, self.num_blocks, self.block_size = layers, num_blocks, block_size
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # On huge pages on a CPU rank: a step's sessions' pages lie anywhere in the pool
+        self.k = zeros_on_huge_pages(shape, dtype, device)
+        self.v = zeros_on_huge_pages(shape, dtype, device)
         # The in-place attention over this pool, set by the rank at warm-up: the C++ decode kernel
         # on a CPU rank (service.parallel.paged_kernel), varlen_attn on a CUDA rank in bf16/fp16
         # (service.parallel.paged_varlen); None: `paged_attention` gathers the blocks.

@@ -33,6 +33,7 @@ from torch import nn
 
 from service.models.params import AttentionHeads, ParamSpec, Shard  # noqa: F401 - the seam's names
 from service.parallel.group import ParallelGroup
+from service.parallel.huge_pages import move_parameters
 from service.parallel.kv_cache import AppendPlan, PagedKVPool
 
 DenseWeights = dict[str, torch.Tensor]
@@ -331,16 +332,22 @@ def dense_state(model: ModelDef, module: nn.Module) -> DenseWeights:
 
 def load_shard_into(module: nn.Module, shard: Mapping[str, torch.Tensor]) -> None:
     """Copy a rank's slices into `module`'s parameters of the same names (every one needed),
-    refusing a wrong shape and weights the compute dtype cannot hold."""
-    for name, param in module.named_parameters():
+    refusing a wrong shape and weights the compute dtype cannot hold (all checked before any is
+    written). A CPU module's large parameters get fresh storage on huge pages first
+    (service.parallel.huge_pages: every decode step reads them all), which these copies touch
+    first."""
+    params = dict(module.named_parameters())
+    for name, param in params.items():
         if name not in shard:
             raise KeyError(f"shard is missing {name!r}; has {sorted(shard)}")
         src = shard[name]
         if tuple(src.shape) != tuple(param.shape):
             raise ValueError(f"{name}: shard has shape {tuple(src.shape)}, this rank needs {tuple(param.shape)}")
         check_representable(name, src, param.dtype)
-        with torch.no_grad():
-            param.copy_(src.to(dtype=param.dtype, device=param.device))
+    move_parameters(module, keep_values=False)
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(shard[name].to(dtype=param.dtype, device=param.device))
 
 
 def check_representable(name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
