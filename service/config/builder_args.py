@@ -387,9 +387,10 @@ class SessionConfig(BaseModel):
     session_block_tokens: int = Field(
         16, ge=1, le=4096,
         description="Tokens per KV cache block (the paging unit: a session wastes at most one block's "
-        "worth less one token). Larger blocks make the in-place decode attention cheaper on CPU at long "
-        "contexts (64 instead of 16: 0.75x its time for one session at 2048 cached tokens, 0.5-0.7x for 32 in one step; "
-        "benchmarks.md) at the cost of that waste: a cache then holds fewer short sessions. CUDA ranks in "
+        "worth less one token). Larger blocks make the CPU decode kernel cheaper for grouped-query models "
+        "(16 query heads over 4 K/V heads of 64 at 2048 cached tokens: 64 instead of 16 takes 0.8x the attention's "
+        "time, 1 or 32 sessions a step) and change little for plain heads (benchmarks.md), at the cost of that "
+        "waste: a cache then holds fewer short sessions. CUDA ranks in "
         "bfloat16/float16 read the pool in place (varlen_attn) only with pages of a multiple of 256 "
         "(FlashAttention's paged layout); with 16 they copy each session's K/V per step.",
     )
