@@ -7,20 +7,21 @@
 // exactly what the gather path computes after copying the pages out.
 //
 // How: a session's pages are cut into chunks, and the chunks of every session of the step are
-// shared among the threads (OpenMP, torch's own libgomp: the same soname). A chunk walks its pages
-// with the next page's K and V prefetched; on each page it scores every query head against every
-// token (the K pass), keeps a running maximum and sum per head (the online softmax, rescaled once
-// per page), then adds each token's weighted V row into the head's accumulator (the V pass). The
-// chunks of a session are merged by their maxima at the end. So each byte of a session's K/V is
-// read once per step, with no copy: the memory floor's term.
+// shared among the threads (OpenMP, torch's own libgomp: the same soname). A chunk walks its
+// pages; on each it scores every query head against every token (the K pass), keeps a running
+// maximum and sum per head (the online softmax, rescaled once per page), then adds each token's
+// weighted V row into the head's accumulator (the V pass). The chunks of a session are merged by
+// their maxima at the end. So each byte of a session's K/V is read once per step, with no copy:
+// the memory floor's term.
 //
-// The vector path (pages of a multiple of 16 tokens, heads of 64 or 128): the K pass reads the page
-// token by token (its bytes in order), each token's K row once for the G query heads that share
-// it, and keeps each (head, token) product as 16 lanes; sixteen tokens' lanes are then summed at
-// once by a transposing reduction (sum_lanes_of_16), so no dot product ends in a horizontal sum
-// of its own: with grouped-query heads, 4 query heads a K/V head, the sums were most of the work.
-// The V pass holds a head's accumulator in registers across a page's tokens. Other shapes take
-// the scalar loops, which the compiler vectorizes along the head dimension.
+// The vector path (grouped-query heads of 64 or 128 over pages of a multiple of 16 tokens): the
+// next page is prefetched; the K pass reads the page token by token (its bytes in order), each
+// token's K row once for the G query heads that share it, and keeps each (head, token) product
+// as 16 lanes; sixteen tokens' lanes are then summed at once by a transposing reduction
+// (sum_lanes_of_16), so no dot product ends in a horizontal sum of its own (with 4 query heads a
+// K/V head, the sums were most of the work). The V pass holds a head's accumulator in registers
+// across a page's tokens. Other shapes take the scalar loops, which the compiler vectorizes along
+// the head dimension.
 //
 // Numbers: float32 accumulation for every element type; the running maximum starts at a large
 // finite negative (not -inf, so the arithmetic stays finite under -ffast-math).
@@ -198,7 +199,7 @@ void attend_chunk(const Chunk& c, const T* q, const T* k, const T* v, const int6
     const T* kpage = k + table[p] * page_stride;
     const T* vpage = v + table[p] * page_stride;
     const int64_t tokens = std::min(B, length - p * B);
-    if (p + 1 < c.end_page) {  // the next page on its way while this one computes (pages lie anywhere)
+    if (NC > 0 && p + 1 < c.end_page) {  // the next page on its way while this one computes (pages lie anywhere)
       const char* next_k = reinterpret_cast<const char*>(k + table[p + 1] * page_stride);
       const char* next_v = reinterpret_cast<const char*>(v + table[p + 1] * page_stride);
       for (int64_t i = 0; i < page_stride * static_cast<int64_t>(sizeof(T)); i += 64) {
@@ -249,9 +250,12 @@ void paged_decode(const T* q, const T* k, const T* v, const int64_t* tables, con
       const T* qs = q + c.session * H * D;
       const int64_t* table = tables + table_starts[c.session];
       float* part = parts.data() + j * part_size;
-      if (B % 16 == 0 && D == 64)
+      // The vector path for grouped-query heads only: with one query head a K/V head it measured
+      // no faster in process and slower served (bench/NOTES.md), so plain heads keep the scalar loops.
+      const bool vector_path = B % 16 == 0 && H > KVH;
+      if (vector_path && D == 64)
         attend_chunk<T, 4>(c, qs, k, v, table, lengths[c.session], H, KVH, D, B, scale, part);
-      else if (B % 16 == 0 && D == 128)
+      else if (vector_path && D == 128)
         attend_chunk<T, 8>(c, qs, k, v, table, lengths[c.session], H, KVH, D, B, scale, part);
       else
         attend_chunk<T, 0>(c, qs, k, v, table, lengths[c.session], H, KVH, D, B, scale, part);
