@@ -77,7 +77,7 @@ def _fresh_bytes(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros(shape, dtype, device), on huge pages where it is a CPU tensor of at least one."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if device.type != "cpu" or nbytes < HUGE_PAGE or not _ADVISABLE:
         return torch.zeros(shape, dtype=dtype, device=device)
     out = _fresh_bytes(nbytes).view(dtype).view(shape)
@@ -92,17 +92,17 @@ def move_parameters(module: nn.Module, *, keep_values: bool = True) -> int:
     with `keep_values`, else the new storage is untouched until the caller writes every one of
     them (a load, which then takes the huge pages at its first write). Moved one at a time: the
     peak is the block plus one old parameter. Returns the bytes moved."""
-    large = [p for p in module.parameters() if p.device.type == "cpu" and p.numel() * p.element_size() >= HUGE_PAGE]
+    large = [p for p in module.parameters() if p.device.type == "cpu" and p.nbytes >= HUGE_PAGE]
     if not large or not _ADVISABLE:
         return 0
     offsets, total = [], 0
     for p in large:
         offsets.append(total)
-        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        total += -(-p.nbytes // _ALIGN) * _ALIGN
     block = _fresh_bytes(total)
     with torch.no_grad():
         for p, at in zip(large, offsets):
-            home = block[at:at + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            home = block[at:at + p.nbytes].view(p.dtype).view(p.shape)
             if keep_values:
                 home.copy_(p.data)
             p.data = home

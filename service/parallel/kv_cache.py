@@ -53,7 +53,6 @@ from service.parallel.paged_kernel import InPlaceAttention, KernelStatus
 from service.parallel.paged_varlen import CHECK_TOLERANCE, VarlenAttention, varlen_problem
 
 
-
 @dataclass(frozen=True)
 class AppendPlan:
     """Where one append step's rows go (see the module docstring).
