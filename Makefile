@@ -61,8 +61,10 @@ FRONT_DOOR_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1
 serve: $(STAMP)
 	env $(FRONT_DOOR_ENV) $(VENV)/bin/serve run deployments/local.yaml
 
+# Two pytest runs side by side: the Ray tests (one cluster, one process, `-v`), and the unit
+# tests in the Ray tests' idle time, their output printed after (harness/suite.py).
 test: $(TEST_STAMP) chromium postgresql
-	$(PY) -m pytest tests -v --durations=15
+	$(PY) -m harness.suite
 
 test-unit: $(TEST_STAMP)
 	$(PY) -m pytest tests -m unit -q

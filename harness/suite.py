@@ -1,0 +1,87 @@
+"""`make test`: the whole suite as two pytest runs side by side, `python -m harness.suite`.
+
+Every test is marked `ray` (it uses the session's Ray cluster, or starts Ray itself) or `unit`
+(tests/conftest.py refuses anything else), so the two runs below hold every test once:
+
+- the Ray tests, in the foreground, with the output `make test` always had (`-v`, the slowest
+  tests and modules at the end): they share one cluster and one Serve instance, so they
+  run in one process, in conftest's order;
+- the unit tests in a second process meanwhile, their output kept in a file and printed
+  after the Ray run's.
+
+Why: the Ray tests leave about a quarter of the two cores idle (they wait on process starts,
+timeouts, restarts), and the unit tests need ~180 core-seconds: beside the Ray tests they fit
+in that idle time instead of adding ~3.5 minutes after it (bench/NOTES.md). pytest-xdist's
+`--dist loadgroup` would say the same, but with pytest 9.2 it no longer groups (it renames
+nodeids, which pytest 9.2 no longer reads), so the two runs are plain processes.
+
+The exit status is 0 when both runs passed, else the Ray run's status if it failed, else the
+unit run's. Each test is bounded by pytest-timeout (pyproject.toml); the unit run, once the
+Ray run has ended, gets UNIT_RUN_GRACE_S more before it is stopped and reported as such.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.local import ROOT
+
+# How long the unit run may go on after the Ray run ended: alone it takes ~3.5 minutes here.
+UNIT_RUN_GRACE_S = 900.0
+
+PYTEST = [sys.executable, "-m", "pytest", "tests"]
+RAY_RUN = [*PYTEST, "-m", "ray", "-v", "--durations=15"]
+# Its own temporary base (pytest's numbered one is shared by concurrent runs) and no cache
+# writes (the Ray run keeps .pytest_cache).
+UNIT_RUN = [*PYTEST, "-m", "unit", "-q", "--durations=10", "-p", "no:cacheprovider"]
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="gangserve-unit-run-") as scratch:
+        log_path = Path(scratch) / "unit.log"
+        started = time.monotonic()
+        with log_path.open("wb") as log:
+            unit = subprocess.Popen([*UNIT_RUN, "--basetemp", str(Path(scratch) / "tmp")], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT)
+            try:
+                ray_status = subprocess.run(RAY_RUN, cwd=ROOT).returncode
+                unit_status = _wait(unit, UNIT_RUN_GRACE_S)
+            finally:
+                if unit.poll() is None:  # interrupted: never leave the unit run behind
+                    unit.kill()
+                    unit.wait()
+        elapsed = time.monotonic() - started
+        print(f"\n{'=' * 30} the unit tests (run beside the Ray tests) {'=' * 30}", flush=True)
+        sys.stdout.write(log_path.read_text(errors="replace"))
+    print(_summary(ray_status, unit_status, elapsed), flush=True)
+    if ray_status != 0:
+        return ray_status
+    return 0 if unit_status == 0 else (unit_status if unit_status is not None else 1)
+
+
+def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """The process's exit status, or None after killing it at `timeout_s`."""
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
+
+
+def _summary(ray_status: int, unit_status: int | None, elapsed_s: float) -> str:
+    def said(status: int | None) -> str:
+        if status is None:
+            return f"stopped, still running {UNIT_RUN_GRACE_S:.0f} s after the Ray tests ended"
+        return "passed" if status == 0 else f"failed (pytest exit status {status})"
+
+    minutes, seconds = divmod(round(elapsed_s), 60)
+    return (f"suite: the Ray tests {said(ray_status)}; the unit tests {said(unit_status)}; "
+            f"{elapsed_s:.1f} s ({minutes} min {seconds} s) in all")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
