@@ -40,26 +40,35 @@ UNIT_RUN = [*PYTEST, "-m", "unit", "-q", "--durations=10", "-p", "no:cacheprovid
 
 
 def main() -> int:
+    return run_side_by_side(RAY_RUN, UNIT_RUN, UNIT_RUN_GRACE_S)
+
+
+def run_side_by_side(foreground: list[str], beside: list[str], grace_s: float) -> int:
+    """Run `beside` (a pytest command line; given its own `--basetemp`, its output kept in a
+    file) while `foreground` runs with this process's stdout; then print `beside`'s output
+    and a one-line summary. `beside` is stopped `grace_s` after `foreground` ended if it still
+    runs, and whenever this process is interrupted. The exit status: 0 when both passed, else
+    `foreground`'s if it failed, else `beside`'s (1 if it was stopped)."""
     with tempfile.TemporaryDirectory(prefix="gangserve-unit-run-") as scratch:
-        log_path = Path(scratch) / "unit.log"
+        log_path = Path(scratch) / "beside.log"
         started = time.monotonic()
         with log_path.open("wb") as log:
-            unit = subprocess.Popen([*UNIT_RUN, "--basetemp", str(Path(scratch) / "tmp")], cwd=ROOT, stdout=log,
+            side = subprocess.Popen([*beside, "--basetemp", str(Path(scratch) / "tmp")], cwd=ROOT, stdout=log,
                                     stderr=subprocess.STDOUT)
             try:
-                ray_status = subprocess.run(RAY_RUN, cwd=ROOT).returncode
-                unit_status = _wait(unit, UNIT_RUN_GRACE_S)
+                front_status = subprocess.run(foreground, cwd=ROOT).returncode
+                side_status = _wait(side, grace_s)
             finally:
-                if unit.poll() is None:  # interrupted: never leave the unit run behind
-                    unit.kill()
-                    unit.wait()
+                if side.poll() is None:  # interrupted: never leave the other run behind
+                    side.kill()
+                    side.wait()
         elapsed = time.monotonic() - started
         print(f"\n{'=' * 30} the unit tests (run beside the Ray tests) {'=' * 30}", flush=True)
         sys.stdout.write(log_path.read_text(errors="replace"))
-    print(_summary(ray_status, unit_status, elapsed), flush=True)
-    if ray_status != 0:
-        return ray_status
-    return 0 if unit_status == 0 else (unit_status if unit_status is not None else 1)
+    print(_summary(front_status, side_status, grace_s, elapsed), flush=True)
+    if front_status != 0:
+        return front_status
+    return 0 if side_status == 0 else (side_status if side_status is not None else 1)
 
 
 def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
@@ -72,10 +81,10 @@ def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
         return None
 
 
-def _summary(ray_status: int, unit_status: int | None, elapsed_s: float) -> str:
+def _summary(ray_status: int, unit_status: int | None, grace_s: float, elapsed_s: float) -> str:
     def said(status: int | None) -> str:
         if status is None:
-            return f"stopped, still running {UNIT_RUN_GRACE_S:.0f} s after the Ray tests ended"
+            return f"stopped, still running {grace_s:g} s after the Ray tests ended"
         return "passed" if status == 0 else f"failed (pytest exit status {status})"
 
     minutes, seconds = divmod(round(elapsed_s), 60)
