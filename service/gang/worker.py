@@ -45,7 +45,7 @@ from service.gang.stepclock import StepClock
 from service.gang.steps import KINDS
 from service.parallel import ParallelGroup
 from service.parallel import linear
-from service.parallel.huge_pages import advice_problem as huge_page_problem, thp_mode
+from service.parallel.huge_pages import advice_said as huge_pages_said
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, warm_varlen
 from service.parallel.model import (
     ModelDef,
@@ -194,8 +194,6 @@ class Rank:
         torch.set_num_threads(torch_threads)
         if device.type == "cpu":
             log.info("rank %d: float32 matmuls: %s", rank, linear.configure(tunables.cpu_matmul))
-            log.info("rank %d: weights and KV pool on transparent huge pages: %s", rank,
-                     huge_page_problem() or f"asked for (the kernel's mode: {thp_mode()})")
         self.tunables = tunables  # the gang section: exit grace, leave-group bound, timings kept
         self.state_tunables = state_tunables  # the artifact store's waits (checkpoint downloads)
         self.rank = rank
@@ -436,6 +434,9 @@ class Rank:
             if self.rank == 0 and (unused := unused_tensors(arch, local)):
                 log.info("checkpoint %s: model %s does not use %s; not loaded", local, arch.kind, ", ".join(unused))
         model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local, arch, dtype))
+        if self.device.type == "cpu":  # said once the memory was asked for: a refusal shows here
+            log.info("rank %d: weights loaded (%d bytes); transparent huge pages for those of 2 MiB or more: %s",
+                     self.rank, model.parameter_bytes(), huge_pages_said())
         recorded = checkpoint_causal(local) if local is not None else None
         model.eval()
         if self.device.type == "cuda":
@@ -547,9 +548,10 @@ class Rank:
             kernel = self._kernel
             if kernel is not None and (kernel.num_blocks, kernel.block_size) == (plan.num_blocks, plan.block_size):
                 self.kv_pool.attention = kernel
-            log.info("rank %d: KV pool of %d layers x %d blocks x %d tokens (%d bytes), attention %s", self.rank,
+            log.info("rank %d: KV pool of %d layers x %d blocks x %d tokens (%d bytes), attention %s%s", self.rank,
                      arch.kv_layers, plan.num_blocks, plan.block_size, self.kv_pool.nbytes,
-                     "in place" if self.kv_pool.attention is not None else "by gather")
+                     "in place" if self.kv_pool.attention is not None else "by gather",
+                     f"; transparent huge pages: {huge_pages_said()}" if self.device.type == "cpu" else "")
         return self.kv_pool
 
     def warm_sessions(self, num_blocks: int, block_size: int, mode: str, budget_s: float) -> KernelStatus:

@@ -56,6 +56,12 @@ def advice_problem() -> str | None:
     return _problem
 
 
+def advice_said() -> str:
+    """One phrase for a log line: why this process's tensors are not on huge pages, or that they
+    were asked for (and the kernel's mode, which decides whether it grants them)."""
+    return advice_problem() or f"asked for (the kernel's mode: {thp_mode()})"
+
+
 def _fresh_bytes(nbytes: int) -> torch.Tensor:
     """An untouched uint8 CPU tensor of `nbytes` starting on a huge-page boundary, its whole huge
     pages advised. A private anonymous mapping of its own: heap memory (what torch.empty may
