@@ -62,7 +62,7 @@ serve: $(STAMP)
 	env $(FRONT_DOOR_ENV) $(VENV)/bin/serve run deployments/local.yaml
 
 # Two pytest runs side by side: the Ray tests (one cluster, one process, `-v`), and the unit
-# tests in the Ray tests' idle time, their output printed after (harness/suite.py).
+# tests beside them, their output printed after (harness/suite.py).
 test: $(TEST_STAMP) chromium postgresql
 	$(PY) -m harness.suite
 

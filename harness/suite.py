@@ -10,8 +10,10 @@ Every test is marked `ray` (it uses the session's Ray cluster, or starts Ray its
   after the Ray run's.
 
 Why: the Ray tests leave about a quarter of the two cores idle (they wait on process starts,
-timeouts, restarts), and the unit tests need ~180 core-seconds: beside the Ray tests they fit
-in that idle time instead of adding ~3.5 minutes after it (bench/NOTES.md). pytest-xdist's
+timeouts, restarts), and the unit tests need ~180 core-seconds and 3.5-5 minutes. Beside the
+Ray tests they no longer add their minutes after them, though they slow the Ray run's first
+modules, which compute: one back-to-back pair of `make test` 1,418 -> 1,327 s (bench/NOTES.md,
+which also says why the fault tests are not run beside anything). pytest-xdist's
 `--dist loadgroup` would say the same, but with pytest 9.2 it no longer groups (it renames
 nodeids, which pytest 9.2 no longer reads), so the two runs are plain processes.
 
@@ -44,9 +46,9 @@ def main() -> int:
 
 
 def run_side_by_side(foreground: list[str], beside: list[str], grace_s: float) -> int:
-    """Run `beside` (a pytest command line; given its own `--basetemp`, its output kept in a
-    file) while `foreground` runs with this process's stdout; then print `beside`'s output
-    and a one-line summary. `beside` is stopped `grace_s` after `foreground` ended if it still
+    """Run `beside` (the unit tests' pytest command line; given its own `--basetemp`, its output
+    kept in a file) while `foreground` (the Ray tests') runs with this process's stdout; then
+    print `beside`'s output and a one-line summary. `beside` is stopped `grace_s` after `foreground` ended if it still
     runs, and whenever this process is interrupted. The exit status: 0 when both passed, else
     `foreground`'s if it failed, else `beside`'s (1 if it was stopped)."""
     with tempfile.TemporaryDirectory(prefix="gangserve-unit-run-") as scratch:
