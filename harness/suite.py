@@ -23,6 +23,8 @@ Ray run has ended, gets UNIT_RUN_GRACE_S more before it is stopped and reported 
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,24 +48,24 @@ def main() -> int:
 
 
 def run_side_by_side(foreground: list[str], beside: list[str], grace_s: float) -> int:
-    """Run `beside` (the unit tests' pytest command line; given its own `--basetemp`, its output
-    kept in a file) while `foreground` (the Ray tests') runs with this process's stdout; then
-    print `beside`'s output and a one-line summary. `beside` is stopped `grace_s` after `foreground` ended if it still
-    runs, and whenever this process is interrupted. The exit status: 0 when both passed, else
-    `foreground`'s if it failed, else `beside`'s (1 if it was stopped)."""
+    """Run `beside` (the unit tests' pytest command line; given its own `--basetemp`, its output kept
+    in a file) while `foreground` (the Ray tests') runs with this process's stdout; then print
+    `beside`'s output and a one-line summary. `beside` runs in a process group of its own,
+    stopped whole (the processes its tests started too) `grace_s` after `foreground` ended if
+    it still runs, and whenever this process is interrupted. The exit status: 0 when both
+    passed, else `foreground`'s if it failed, else `beside`'s (1 if it was stopped)."""
     with tempfile.TemporaryDirectory(prefix="gangserve-unit-run-") as scratch:
         log_path = Path(scratch) / "beside.log"
         started = time.monotonic()
         with log_path.open("wb") as log:
             side = subprocess.Popen([*beside, "--basetemp", str(Path(scratch) / "tmp")], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 front_status = subprocess.run(foreground, cwd=ROOT).returncode
                 side_status = _wait(side, grace_s)
             finally:
                 if side.poll() is None:  # interrupted: never leave the other run behind
-                    side.kill()
-                    side.wait()
+                    _stop_group(side)
         elapsed = time.monotonic() - started
         print(f"\n{'=' * 30} the unit tests (run beside the Ray tests) {'=' * 30}", flush=True)
         sys.stdout.write(log_path.read_text(errors="replace"))
@@ -74,13 +76,22 @@ def run_side_by_side(foreground: list[str], beside: list[str], grace_s: float) -
 
 
 def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
-    """The process's exit status, or None after killing it at `timeout_s`."""
+    """The process's exit status, or None after killing its group at `timeout_s`."""
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        _stop_group(process)
         return None
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group `process` leads (it was started in a session of its own) and
+    reap it: killing pytest alone would leave what its tests started (a server, a compiler)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _summary(ray_status: int, unit_status: int | None, grace_s: float, elapsed_s: float) -> str:

@@ -434,9 +434,10 @@ class Rank:
             if self.rank == 0 and (unused := unused_tensors(arch, local)):
                 log.info("checkpoint %s: model %s does not use %s; not loaded", local, arch.kind, ", ".join(unused))
         model.load_shard(load_rank_shard(model_cfg, self.rank, self.world_size, local, arch, dtype))
+        nbytes = model.parameter_bytes()
         if self.device.type == "cpu":  # said once the memory was asked for: a refusal shows here
             log.info("rank %d: weights loaded (%d bytes); transparent huge pages for those of 2 MiB or more: %s",
-                     self.rank, model.parameter_bytes(), huge_pages_said())
+                     self.rank, nbytes, huge_pages_said())
         recorded = checkpoint_causal(local) if local is not None else None
         model.eval()
         if self.device.type == "cuda":
@@ -445,7 +446,7 @@ class Rank:
         self._staged_causal = True if is_causal_only(arch) else model_cfg.causal if recorded is None else recorded
         self.dtype = dtype  # one dtype per gang (the config's): a swap keeps it
         self._staged, self._staged_def = model, arch
-        return model.parameter_bytes()
+        return nbytes
 
     def _warm_kernels(self, model: RankModel, width: int) -> None:
         """Run this rank's local kernels once per kind of step (plain, causal, masked,
