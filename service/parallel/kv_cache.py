@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -78,9 +79,12 @@ class AppendPlan:
     def positions(self) -> np.ndarray:
         """[T] int64: each new row's absolute position in its session (c_i + j), in step order
         (what rotary embeddings need: an appended row continues from its session's length)."""
-        if not self.new_rows:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.arange(c, c + n, dtype=np.int64) for n, c in zip(self.new_rows, self.cached)])
+        return self.rows_index.positions
+
+    @cached_property
+    def rows_index(self) -> "StepRows":
+        """Where the step's rows are, computed once per step (every cached layer reads it)."""
+        return StepRows.of(self)
 
     def check(self) -> None:
         """ValueError naming the first session whose table cannot hold its positions."""
@@ -144,14 +148,51 @@ class PagedKVPool:
             tuple(self.k.shape[3:]) == (heads_local, head_dim) and self.layers == layers and self.k.dtype == dtype
 
 
-def _write_slots(plan: AppendPlan) -> np.ndarray:
-    """[T] flat slot (block * B + offset) of every new row, in the step's row order."""
-    bs = plan.block_size
-    slots = []
-    for n, c, table in zip(plan.new_rows, plan.cached, plan.tables):
-        pos = np.arange(c, c + n)
-        slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-    return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+@dataclass(frozen=True, eq=False)
+class StepRows:
+    """One step's rows as every cached layer indexes them (`AppendPlan.rows_index`): built once
+    per step, not once per layer, since a layer's Python is a decode step's overhead (32
+    sessions: a per-layer loop over the sessions cost ~0.3 ms a layer).
+
+    positions[t]: row t's position in its session (c_i + j); slots[t]: its flat pool slot
+    (table_i[p // B] * B + p % B); starts[i]: session i's first row; single: the sessions of
+    one new row (decode), single_rows their rows, single_tables / single_lengths their tables
+    and lengths (c_i + 1); `slots_on(device)` the slots as a tensor there, copied once."""
+
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    starts: np.ndarray  # [S] int64
+    single: tuple[int, ...]
+    single_rows: np.ndarray  # [S1] int64
+    single_tables: tuple[tuple[int, ...], ...]
+    single_lengths: tuple[int, ...]
+    on_device: dict[torch.device, torch.Tensor]
+
+    @classmethod
+    def of(cls, plan: AppendPlan) -> "StepRows":
+        bs = plan.block_size
+        new_rows = np.asarray(plan.new_rows, dtype=np.int64)
+        starts = np.zeros(len(new_rows), dtype=np.int64)
+        if len(new_rows):
+            np.cumsum(new_rows[:-1], out=starts[1:])
+        session = np.repeat(np.arange(len(new_rows), dtype=np.int64), new_rows)  # [T] each row's session
+        positions = np.asarray(plan.cached, dtype=np.int64)[session] + np.arange(int(new_rows.sum()),
+                                                                                 dtype=np.int64) - starts[session]
+        counts = [len(t) for t in plan.tables]
+        flat = np.fromiter((b for t in plan.tables for b in t), dtype=np.int64, count=sum(counts))
+        table_starts = np.zeros(len(counts), dtype=np.int64)
+        if counts:
+            np.cumsum(counts[:-1], out=table_starts[1:])
+        slots = flat[table_starts[session] + positions // bs] * bs + positions % bs
+        single = tuple(i for i, n in enumerate(plan.new_rows) if n == 1)
+        return cls(positions, slots, starts, single, starts[list(single)],
+                   tuple(plan.tables[i] for i in single), tuple(plan.cached[i] + 1 for i in single), {})
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        held = self.on_device.get(device)
+        if held is None:
+            held = self.on_device[device] = torch.from_numpy(self.slots).to(device)
+        return held
 
 
 def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -171,7 +212,8 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
     rows, h, d = q.shape
     kv = k.shape[1]
     pool_k, pool_v = pool.k[layer], pool.v[layer]  # [num_blocks, B, kv_l, d]
-    slots = torch.from_numpy(_write_slots(plan)).to(q.device)
+    index = plan.rows_index
+    slots = index.slots_on(q.device)
     pool_k.view(-1, kv, d).index_copy_(0, slots, k)  # flat pool [num_blocks * B, kv_l, d]
     pool_v.view(-1, kv, d).index_copy_(0, slots, v)
     kernel = pool.attention
@@ -179,17 +221,14 @@ def paged_attention(pool: PagedKVPool, layer: int, q: torch.Tensor, k: torch.Ten
         return gather_attention(pool_k, pool_v, q, plan, scale)
     if isinstance(kernel, VarlenAttention):  # one call for the whole step, every row count alike
         return kernel.attend(pool_k, pool_v, q, plan, scale)
-    single = [i for i, n in enumerate(plan.new_rows) if n == 1]
-    if not single:  # appends of several rows gather (paged_kernel: "Which rows")
+    if not index.single:  # appends of several rows gather (paged_kernel: "Which rows")
         return gather_attention(pool_k, pool_v, q, plan, scale)
     # One-row appends (decode) share one call of the kernel over the pool in place; the rest,
     # if any, gather (gather_attention computes only the sessions of several rows then).
-    starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
-    at = torch.from_numpy(starts[single]).to(q.device)
-    decoded = kernel.decode(pool_k, pool_v, q[at], [plan.tables[i] for i in single],
-                            [plan.cached[i] + 1 for i in single], scale, plan)
-    if len(single) == plan.sessions:
-        return decoded
+    if len(index.single) == plan.sessions:  # every row a session's one row, in session order
+        return kernel.decode(pool_k, pool_v, q, index.single_tables, index.single_lengths, scale, plan)
+    at = torch.from_numpy(index.single_rows).to(q.device)
+    decoded = kernel.decode(pool_k, pool_v, q[at], index.single_tables, index.single_lengths, scale, plan)
     ctx = gather_attention(pool_k, pool_v, q, plan, scale, skip_single=True)
     ctx[at] = decoded
     return ctx
@@ -248,18 +287,18 @@ def gather_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor
     bs, device = plan.block_size, q.device
     gqa = kv != h  # SDPA broadcasts each K/V head over its h_l / kv_l query heads
     ctx = torch.empty(rows, h, d, dtype=q.dtype, device=device)  # [T, h_l, d]
-    starts = np.concatenate([[0], np.cumsum(plan.new_rows)[:-1]]).astype(np.int64)
-    single = [] if skip_single else [i for i, n in enumerate(plan.new_rows) if n == 1]
-    if single:
-        widest = max(len(plan.tables[i]) for i in single)
-        tables = torch.tensor([list(plan.tables[i]) + [0] * (widest - len(plan.tables[i])) for i in single],
+    index = plan.rows_index
+    starts = index.starts
+    if index.single and not skip_single:
+        widest = max(len(t) for t in index.single_tables)
+        tables = torch.tensor([list(t) + [0] * (widest - len(t)) for t in index.single_tables],
                               dtype=torch.int64, device=device)  # [S1, nb_max]
-        lengths = torch.tensor([plan.cached[i] + 1 for i in single], dtype=torch.int64, device=device)
-        s1 = len(single)
+        lengths = torch.tensor(index.single_lengths, dtype=torch.int64, device=device)
+        s1 = len(index.single)
         keys = pool_k[tables].view(s1, widest * bs, kv, d).transpose(1, 2)  # [S1, kv_l, L_max, d]
         vals = pool_v[tables].view(s1, widest * bs, kv, d).transpose(1, 2)  # [S1, kv_l, L_max, d]
         allowed = torch.arange(widest * bs, device=device)[None, :] < lengths[:, None]  # [S1, L_max]
-        at = torch.from_numpy(starts[single]).to(device)
+        at = torch.from_numpy(index.single_rows).to(device)
         qs = q[at][:, :, None, :]  # [S1, h_l, 1, d]
         out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=allowed[:, None, None, :],
                                              scale=scale, enable_gqa=gqa)  # [S1, h_l, 1, d]
