@@ -105,10 +105,13 @@ class StepRow:
     rows_per_s: float | None = None  # served: end to end
     appends_per_step: float | None = None  # served: S when every round was one step
     where: str = "served"
+    # In process: the median over the steps of each step / the floor at the B measured right
+    # before it (`in_process_steps`); compute_ms, floor_ms and B are then the medians of each.
+    paired_ratio: float | None = None
 
     @property
     def ratio(self) -> float:
-        return self.compute_ms / self.floor_ms
+        return self.paired_ratio if self.paired_ratio is not None else self.compute_ms / self.floor_ms
 
 
 # ------------------------------------------------------------------ in process (bench/gpu)
@@ -131,12 +134,13 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
                      varlen: bool = False) -> list[StepRow]:
     """The world-size-1 stack's step of S one-row appends for each S in `sessions`, each session
     at `context` cached rows (random K/V, scattered blocks of one pool sized for the largest S),
-    without the service: median of `repeats` synchronized `append` calls, against the floor with
-    B measured on `device` after them (a `copy_bytes` copy). The attention: the gather path (a
-    CUDA rank's), or with `in_place` the C++ decode kernel over the pool's blocks, warmed first as
-    a CPU rank warms it at bring-up (service.parallel.paged_kernel). `varlen`: a CUDA rank's in-place path instead
-    (service.parallel.paged_varlen, bf16/fp16, `block` a multiple of 256), checked at warm-up as a
-    rank checks it; where the check refuses, the rows say why and use the gather path."""
+    without the service: `repeats` synchronized `append` calls, each against the floor at the B
+    of a `copy_bytes` copy on `device` right before it (the row's ratio: the median of those).
+    The attention: the gather path (a CUDA rank's), or with `in_place` the C++ decode kernel over
+    the pool's blocks, warmed first as a CPU rank warms it at bring-up
+    (service.parallel.paged_kernel). `varlen`: a CUDA rank's in-place path instead
+    (service.parallel.paged_varlen, bf16/fp16, `block` a multiple of 256), checked at warm-up as
+    a rank checks it; where the check refuses, the rows say why and use the gather path."""
     from service.parallel.group import ParallelGroup
     from service.parallel.kv_cache import AppendPlan
     from service.parallel.model import kv_bytes_per_token, kv_heads_per_rank, new_kv_pool, shard_dense
@@ -177,29 +181,45 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
             pool.attention, path = kernel_v, f"varlen, pages of {block}"
         else:
             path = f"gather (varlen refused: {status.reason})"
-    timed: list[tuple[int, float]] = []
+    # B is measured before every timed step, not once after them all: this machine's bandwidth
+    # moves by 1.5x within minutes, and a floor from another minute's B read 0.9x for one run
+    # and 1.5x for the next of the same step. Each step is set against the B of the copy
+    # right before it; the row's ratio is the median of those.
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    timed: list[tuple[int, float, float, float]] = []  # S, median step ms, median B, median ratio
     for s in sessions:
         x = torch.randn(s, model_def.embed_dim, device=device, dtype=dtype)
-        times = []
+        kv = s * (context + 1) * per_token
+        steps, bandwidths, ratios = [], [], []
         with torch.inference_mode():
-            for i in range(repeats + 1):  # the first warms
-                _sync(device)
-                started = time.perf_counter()
-                model.append(x, plans[s], pool)
-                _sync(device)
-                if i:
-                    times.append(time.perf_counter() - started)
-        timed.append((s, statistics.median(times) * 1000))
-    del pool, model
-    bandwidth = copy_bandwidth(device, copy_bytes)
+            model.append(x, plans[s], pool)  # warms
+            for _ in range(repeats):
+                bandwidth = 2 * copy_bytes / _timed(device, lambda: dst.copy_(src))
+                ms = _timed(device, lambda: model.append(x, plans[s], pool)) * 1000
+                steps.append(ms)
+                bandwidths.append(bandwidth)
+                ratios.append(ms / floor_ms(weights, kv, bandwidth))
+        timed.append((s, statistics.median(steps), statistics.median(bandwidths), statistics.median(ratios)))
+    del pool, model, src, dst
     rows = []
-    for s, ms in timed:
+    for s, ms, bandwidth, ratio in timed:
         kv = s * (context + 1) * per_token
         rows.append(StepRow(stack=stack, world_size=1, sessions=s, context=context, compute_ms=ms,
                             floor_ms=floor_ms(weights, kv, bandwidth), weight_bytes_per_rank=weights,
-                            kv_bytes_per_rank=kv, bandwidth_gbs=bandwidth / 1e9,
+                            kv_bytes_per_rank=kv, bandwidth_gbs=bandwidth / 1e9, paired_ratio=ratio,
                             where=f"in process, {device.type}, {str(dtype)[6:]}, {path}"))
     return rows
+
+
+def _timed(device: torch.device, call: Callable[[], object]) -> float:
+    """Seconds of one synchronized call."""
+    _sync(device)
+    started = time.perf_counter()
+    call()
+    _sync(device)
+    return time.perf_counter() - started
 
 
 # ------------------------------------------------------------------ served
