@@ -46,6 +46,25 @@ def test_it_is_x_w_transposed_plus_b(reason: str, shape: tuple[int, ...], bias: 
     assert _relative(got, _reference(x, w, b)) < 1e-6, reason
 
 
+# torch's float64 ops as the reference: relu, and gelu's exact (erf) form, not its tanh one
+_REFERENCE_ACTIVATIONS = {"relu": torch.relu, "gelu": lambda y: 0.5 * y * (1 + torch.erf(y / 2 ** 0.5))}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 70])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_the_activation_is_applied_to_x_w_transposed_plus_b(reason: str, rows: int, activation: str) -> None:
+    """An MLP's first matmul with its activation (every path applies it: the few-row kernel's
+    epilogue, oneDNN's post-op, or torch's op after F.linear), in float64 for the reference."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(3072, 768, generator=g) / 28, requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(3072, generator=g), requires_grad=False)
+    x = torch.randn(rows, 768, generator=g)
+    with torch.inference_mode():
+        got = linear.linear(x, w, b, activation)  # type: ignore[arg-type]
+    want = _REFERENCE_ACTIVATIONS[activation](_reference(x, w, b))
+    assert _relative(got, want) < 1e-6, reason
+
+
 def test_a_weight_changed_in_place_is_packed_again(reason: str) -> None:
     """A weights swap copies into the same parameter: the next call multiplies by the new
     values (the packed copy follows the weight's version), and by the replaced storage too."""

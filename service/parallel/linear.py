@@ -1,4 +1,4 @@
-"""y = x W^T + b for a rank's weight matrices: on CPU in float32, one or two rows through this
+"""y = act(x W^T + b) for a rank's weight matrices: on CPU in float32, one or two rows through this
 package's C++ kernel (gemv.cpp) and more through oneDNN's packed matmul; else `F.linear` (torch's
 BLAS, MKL in the CPU wheels).
 
@@ -14,8 +14,12 @@ faster still: gemv.cpp, 10.1 against oneDNN's 15.0 ms at one row over the same 3
 against 22.6 GB/s; 2 rows 14.3 against 17.5 ms, 4 rows even), built once per machine
 (service.parallel.native).
 
-Contract: `linear(x, weight, bias)` equals `F.linear(x, weight, bias)` up to float32 rounding
-(the order of a dot product's additions differs). The packed copy of `weight` is made on its
+Contract: `linear(x, weight, bias, activation)` equals `act(F.linear(x, weight, bias))` up to
+float32 rounding (the order of a dot product's additions differs), act the identity, F.relu or
+F.gelu (exact, erf). The activation is applied by the kernel that computed the product where it
+can (gemv.cpp's epilogue, oneDNN's post-op), while each output is still in a register: as a
+torch op after the matmul, a decode step's gelu cost ~0.7 ms of a 17 ms step, its code and
+input cold after the pass over the weights. The packed copy of `weight` is made on its
 first use and made again whenever the weight changed in place (its version counter, bumped by
 `copy_`: a weights swap) or its storage was replaced, so it never serves stale weights. It is
 a second copy of each matrix (the dense one stays: the fused encoder path, the checks and the
@@ -32,7 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,14 @@ from service.parallel.native import BuildFailed, load
 log = logging.getLogger("gangserve.rank")
 
 CpuMatmul = Literal["native", "onednn", "blas"]
+Activation = Literal["identity", "relu", "gelu"]
+
+# Each activation: the C++ kernel's code (gemv.cpp), oneDNN's post-op (name, algorithm), torch's op.
+_KERNEL_CODES: dict[Activation, int] = {"identity": 0, "relu": 1, "gelu": 2}
+_POST_OPS: dict[Activation, tuple[str, str]] = {"identity": ("none", ""), "relu": ("relu", ""),
+                                                "gelu": ("gelu", "none")}  # "none": erf, not tanh
+_TORCH_OPS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
+    "identity": lambda y: y, "relu": F.relu, "gelu": F.gelu}
 
 _PROBE_TOLERANCE = 1e-5  # relative max error of the probe against F.linear (float32 rounding: ~1e-7)
 FEW_ROWS = 2  # at most this many rows go through the C++ kernel (gemv.cpp: measured)
@@ -91,17 +103,19 @@ def _few_rows_kernel() -> tuple[ctypes._CFuncPtr | None, str]:
     except BuildFailed as exc:
         return None, f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel is unavailable ({exc})"
     fn.restype = ctypes.c_int
-    fn.argtypes = [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int]
+    fn.argtypes = [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int]
     generator = torch.Generator().manual_seed(0)
-    for rows, (out_f, in_f) in ((1, (48, 33)), (2, (33, 48))):
+    for rows, (out_f, in_f), activation in ((1, (48, 33), "identity"), (2, (33, 48), "gelu"), (1, (40, 24), "relu")):
         w, b, x = (torch.randn(out_f, in_f, generator=generator), torch.randn(out_f, generator=generator),
                    torch.randn(rows, in_f, generator=generator))
-        want, got = F.linear(x, w, b), torch.empty(rows, out_f)
-        failed = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), got.data_ptr(), rows, in_f, out_f, 1)
+        want, got = _TORCH_OPS[activation](F.linear(x, w, b)), torch.empty(rows, out_f)
+        failed = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), got.data_ptr(), rows, in_f, out_f, 1,
+                    _KERNEL_CODES[activation])
         error = float((got - want).abs().max() / want.abs().max())
         if failed or not error <= _PROBE_TOLERANCE:
             return None, (f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel disagreed with F.linear on a probe "
-                          f"({rows} x {in_f} @ {in_f} x {out_f}: relative error {error:.2e}, status {failed})")
+                          f"({rows} x {in_f} @ {in_f} x {out_f}, {activation}: relative error {error:.2e}, "
+                          f"status {failed})")
     return fn, f"1-{FEW_ROWS} rows: the C++ kernel over the dense weights (gemv.cpp)"
 
 
@@ -120,49 +134,55 @@ def _onednn_problem() -> str | None:
         reorder, matmul = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
         generator = torch.Generator().manual_seed(0)
         with torch.inference_mode():
-            for rows, (out_f, in_f) in ((1, (48, 32)), (5, (32, 48)), (70, (40, 24))):
+            for rows, (out_f, in_f), activation in ((1, (48, 32), "identity"), (5, (32, 48), "gelu"),
+                                                    (70, (40, 24), "relu")):
                 w = torch.randn(out_f, in_f, generator=generator)
                 b = torch.randn(out_f, generator=generator)
                 x = torch.randn(rows, in_f, generator=generator)
-                want = F.linear(x, w, b)
-                got = matmul(x, reorder(w), b, "none", [], "")
+                want = _TORCH_OPS[activation](F.linear(x, w, b))
+                got = matmul(x, reorder(w), b, _POST_OPS[activation][0], [], _POST_OPS[activation][1])
                 error = float((got - want).abs().max() / want.abs().max())
                 if tuple(got.shape) != tuple(want.shape) or not error <= _PROBE_TOLERANCE:
                     return (f"oneDNN's packed matmul disagreed with F.linear on a probe ({rows} x {in_f} @ "
-                            f"{in_f} x {out_f}: relative error {error:.2e}, shape {tuple(got.shape)}): torch's BLAS")
+                            f"{in_f} x {out_f}, {activation}: relative error {error:.2e}, shape "
+                            f"{tuple(got.shape)}): torch's BLAS")
     except Exception as exc:  # noqa: BLE001 - any failure of private ops means: not here
         return f"oneDNN's packed matmul is unavailable ({type(exc).__name__}: {str(exc)[:160]}): torch's BLAS"
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T + bias [out] -> [..., out] (see the module docstring)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: Activation = "identity") -> torch.Tensor:
+    """act(x [..., in] @ weight [out, in]^T + bias [out]) -> [..., out] (see the module docstring)."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32
             or weight.requires_grad or x.requires_grad or weight.dim() != 2):
-        return F.linear(x, weight, bias)
+        return _TORCH_OPS[activation](F.linear(x, weight, bias))
     if _STATE.enabled is None:
         configure()
         log.info("float32 matmuls on CPU: %s", _STATE.reason)
     rows = x.reshape(-1, x.shape[-1])
     if _STATE.few_rows is not None and rows.shape[0] <= FEW_ROWS and weight.is_contiguous() and \
             (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
-        return _few_rows(rows.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return _few_rows(rows.contiguous(), weight, bias, activation).view(*x.shape[:-1], weight.shape[0])
     if not _STATE.enabled:
-        return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(rows, _packed(weight), bias, "none", [], "")
+        return _TORCH_OPS[activation](F.linear(x, weight, bias))
+    post_op, algorithm = _POST_OPS[activation]
+    out = torch.ops.mkldnn._linear_pointwise(rows, _packed(weight), bias, post_op, [], algorithm)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [R <= FEW_ROWS, in] @ weight [out, in]^T + bias through the C++ kernel."""
+def _few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: Activation) -> torch.Tensor:
+    """act(rows [R <= FEW_ROWS, in] @ weight [out, in]^T + bias) through the C++ kernel."""
     assert _STATE.few_rows is not None
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
     if rows.shape[0] == 0:
         return out
     failed = _STATE.few_rows(rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                             out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads())
+                             out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads(),
+                             _KERNEL_CODES[activation])
     if failed:
-        raise ValueError(f"the few-row kernel refused {tuple(rows.shape)} @ {tuple(weight.shape)}^T")
+        raise ValueError(f"the few-row kernel refused {tuple(rows.shape)} @ {tuple(weight.shape)}^T ({activation})")
     return out
 
 

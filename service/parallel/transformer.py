@@ -36,17 +36,16 @@ from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import service.parallel.model as seam
 from service.models.transformer import TransformerArch
-from service.parallel.linear import linear
+from service.parallel.linear import Activation, linear
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.layers import ColumnParallelLinear, RowParallelLinear, attention_bias_mask, head_attention
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}  # ARCH's names
+ACTIVATIONS: dict[str, Activation] = {"relu": "relu", "gelu": "gelu"}  # ARCH's names -> linear's epilogue
 
 
 class _ParallelSelfAttention(nn.Module):
@@ -83,7 +82,7 @@ class ParallelEncoderLayer(nn.Module):
         super().__init__()
         e = spec.embed_dim
         self.norm_first = spec.norm_first
-        self.act = ACTIVATIONS[spec.activation]
+        self.activation = ACTIVATIONS[spec.activation]  # applied by linear1's kernel (linear's epilogue)
         self.self_attn = _ParallelSelfAttention(e, spec.num_heads, group, dtype)
         self.linear1 = ColumnParallelLinear(e, spec.ffn_dim, group, dtype=dtype)
         self.linear2 = RowParallelLinear(spec.ffn_dim, e, group, dtype=dtype)
@@ -93,7 +92,7 @@ class ParallelEncoderLayer(nn.Module):
             p.requires_grad_(False)
 
     def _ff(self, h: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.act(self.linear1(h)))  # [..., E], all-reduced
+        return self.linear2(self.linear1(h, self.activation))  # [..., E], all-reduced
 
     def _residual(self, x: torch.Tensor, sa: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The layer around its attention `sa` (input rows -> all-reduced [.., E])."""
@@ -121,7 +120,7 @@ class ParallelEncoderLayer(nn.Module):
         attn = self.self_attn
         return torch._transformer_encoder_layer_fwd(
             x, attn.heads_local * attn.head_dim, attn.heads_local, attn.in_proj_weight, attn.in_proj_bias,
-            attn.out_proj.weight, attn.out_proj.bias, self.act is F.gelu, self.norm_first, self.norm1.eps,
+            attn.out_proj.weight, attn.out_proj.bias, self.activation == "gelu", self.norm_first, self.norm1.eps,
             self.norm1.weight, self.norm1.bias, self.norm2.weight, self.norm2.bias, self.linear1.weight,
             self.linear1.bias, self.linear2.weight, self.linear2.bias, bias,
             None if bias is None else 1)
@@ -188,7 +187,7 @@ class ParallelEncoder(nn.Module):
             return layer.fused(x, None if key_mask is None else padding_bias(key_mask, x.dtype))
         attn = layer.self_attn
         ctx = attn.context(layer.norm1(x), key_mask, causal)
-        return linear(ctx, attn.out_proj.weight) + linear(layer.act(layer.linear1(x)), layer.linear2.weight)
+        return linear(ctx, attn.out_proj.weight) + linear(layer.linear1(x, layer.activation), layer.linear2.weight)
 
     def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
