@@ -123,3 +123,33 @@ def test_without_a_compiler_the_few_rows_take_onednn() -> None:
     assert reason.startswith("1-2 rows: oneDNN too, the C++ kernel is unavailable ($CXX='no-such-c++-compiler' "
                              "is not on PATH); more rows: oneDNN's packed matmul"), reason
     assert right == "True"
+
+
+def _reference_norm(kind: str, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None) -> torch.Tensor:
+    """The row norm in float64 from its definition (not torch's layer_norm)."""
+    x = x.double()
+    if kind == "layer":
+        centered = x - x.mean(-1, keepdim=True)
+        return centered / torch.sqrt(centered.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double() + beta.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 70])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_a_row_norm_is_applied_before_the_matmul(reason: str, rows: int, kind: str) -> None:
+    """norm(x) W^T + b, the norm computed by the few-row kernel for its rows (`prenormed` hands
+    it on) or by torch before the matmul otherwise; both against the float64 definition."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.nn.Parameter(torch.randn(1024, 768, generator=g) / 28, requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(1024, generator=g), requires_grad=False)
+    x = torch.randn(rows, 768, generator=g) * 3 + 1  # rows far from normalized
+    weight, beta = torch.rand(768, generator=g) + 0.5, torch.randn(768, generator=g) if kind == "layer" else None
+    norm = linear.RowNorm(kind, weight, beta, 1e-5)  # type: ignore[arg-type]
+    with torch.inference_mode():
+        h, handed_on = linear.prenormed(x, norm, w)
+        got = linear.linear(h, w, b, norm=handed_on)
+    want = _reference_norm(kind, x, weight, beta) @ w.double().T + b.double()
+    assert _relative(got, want) < 1e-6, reason
+    assert "disagreed" not in reason, reason  # the kernel's probes (a norm, an activation) pass here
+    kernel_computes = reason.startswith("1-2 rows: the C++ kernel") and rows <= linear.FEW_ROWS
+    assert (handed_on is norm) == kernel_computes and (h is x) == kernel_computes

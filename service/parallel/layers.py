@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.parallel.linear import Activation, linear
+from service.parallel.linear import Activation, RowNorm, linear
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.model import load_shard_into
@@ -53,10 +53,12 @@ class ColumnParallelLinear(nn.Module):
             torch.empty(self.out_per_rank, dtype=dtype, device=group.device), requires_grad=False
         )
 
-    def forward(self, x: torch.Tensor, activation: Activation = "identity") -> torch.Tensor:
-        """x [..., in] -> act(Y_r) [..., out/p] (or all-gathered [..., out]): an elementwise
-        activation applies shard by shard, so it is fused into the rank's matmul (linear)."""
-        y_local = linear(x, self.weight, self.bias, activation)  # [..., out/p]
+    def forward(self, x: torch.Tensor, activation: Activation = "identity",
+                norm: RowNorm | None = None) -> torch.Tensor:
+        """x [..., in] -> act(Y_r) [..., out/p] of norm(x) (or all-gathered [..., out]): an
+        elementwise activation applies shard by shard and a row norm before the shard's matmul,
+        so both are fused into the rank's matmul (linear)."""
+        y_local = linear(x, self.weight, self.bias, activation, norm)  # [..., out/p]
         if self.gather_output:
             return self.group.all_gather_last_dim(y_local)  # [..., out]
         return y_local

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
@@ -54,6 +55,31 @@ _POST_OPS: dict[Activation, tuple[str, str]] = {"identity": ("none", ""), "relu"
                                                 "gelu": ("gelu", "none")}  # "none": erf, not tanh
 _TORCH_OPS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda y: y, "relu": F.relu, "gelu": F.gelu}
+_NORM_CODES = {"layer": 1, "rms": 2}  # gemv.cpp's Norm (0: none)
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """A normalization of each input row before a matmul, over its last dim of n:
+
+    - "layer": (x - mean) / sqrt(var + eps) * weight + bias (var biased; nn.LayerNorm's);
+    - "rms": x / sqrt(mean(x^2) + eps) * weight, the statistics in float32 and the product in
+      x's dtype (transformers' LlamaRMSNorm), no bias.
+
+    `apply` computes it with torch ops; `linear(..., norm=)` lets the few-row kernel compute it
+    for its rows instead (`prenormed` says when)."""
+
+    kind: Literal["layer", "rms"]
+    weight: torch.Tensor  # [n]
+    bias: torch.Tensor | None  # [n]; layer norm only (None: no bias)
+    eps: float
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 _PROBE_TOLERANCE = 1e-5  # relative max error of the probe against F.linear (float32 rounding: ~1e-7)
 FEW_ROWS = 2  # at most this many rows go through the C++ kernel (gemv.cpp: measured)
@@ -103,19 +129,28 @@ def _few_rows_kernel() -> tuple[ctypes._CFuncPtr | None, str]:
     except BuildFailed as exc:
         return None, f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel is unavailable ({exc})"
     fn.restype = ctypes.c_int
-    fn.argtypes = [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
     generator = torch.Generator().manual_seed(0)
-    for rows, (out_f, in_f), activation in ((1, (48, 33), "identity"), (2, (33, 48), "gelu"), (1, (40, 24), "relu")):
+    probes: tuple[tuple[int, tuple[int, int], Activation, str | None], ...] = (
+        (1, (48, 33), "identity", None), (2, (33, 48), "gelu", "layer"), (1, (40, 24), "relu", "rms"))
+    for rows, (out_f, in_f), activation, kind in probes:
         w, b, x = (torch.randn(out_f, in_f, generator=generator), torch.randn(out_f, generator=generator),
                    torch.randn(rows, in_f, generator=generator))
-        want, got = _TORCH_OPS[activation](F.linear(x, w, b)), torch.empty(rows, out_f)
+        norm = None if kind is None else RowNorm(kind, torch.randn(in_f, generator=generator),  # type: ignore[arg-type]
+                                                 torch.randn(in_f, generator=generator) if kind == "layer" else None,
+                                                 1e-5)
+        want = _TORCH_OPS[activation](F.linear(x if norm is None else norm.apply(x), w, b))
+        got = torch.empty(rows, out_f)
+        norm_args = (0, 0, 0, 0.0) if norm is None else (
+            _NORM_CODES[norm.kind], norm.weight.data_ptr(), 0 if norm.bias is None else norm.bias.data_ptr(), norm.eps)
         failed = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), got.data_ptr(), rows, in_f, out_f, 1,
-                    _KERNEL_CODES[activation])
+                    _KERNEL_CODES[activation], *norm_args)
         error = float((got - want).abs().max() / want.abs().max())
         if failed or not error <= _PROBE_TOLERANCE:
             return None, (f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel disagreed with F.linear on a probe "
-                          f"({rows} x {in_f} @ {in_f} x {out_f}, {activation}: relative error {error:.2e}, "
-                          f"status {failed})")
+                          f"({rows} x {in_f} @ {in_f} x {out_f}, {activation}, {kind or 'no'} norm: relative error "
+                          f"{error:.2e}, status {failed})")
     return fn, f"1-{FEW_ROWS} rows: the C++ kernel over the dense weights (gemv.cpp)"
 
 
@@ -151,38 +186,70 @@ def _onednn_problem() -> str | None:
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           activation: Activation = "identity") -> torch.Tensor:
-    """act(x [..., in] @ weight [out, in]^T + bias [out]) -> [..., out] (see the module docstring)."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32
-            or weight.requires_grad or x.requires_grad or weight.dim() != 2):
-        return _TORCH_OPS[activation](F.linear(x, weight, bias))
+def _cpu_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A product this module computes (else F.linear): CPU float32 without autograd."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
+            and not weight.requires_grad and not x.requires_grad and weight.dim() == 2)
+
+
+def _takes_few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the C++ few-row kernel computes this product (this process's choice, made on the
+    first CPU float32 call if `configure` was not called; at most FEW_ROWS rows; contiguous
+    weight and bias)."""
+    if not _cpu_float32(x, weight):
+        return False
     if _STATE.enabled is None:
         configure()
         log.info("float32 matmuls on CPU: %s", _STATE.reason)
-    rows = x.reshape(-1, x.shape[-1])
-    if _STATE.few_rows is not None and rows.shape[0] <= FEW_ROWS and weight.is_contiguous() and \
-            (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())):
-        return _few_rows(rows.contiguous(), weight, bias, activation).view(*x.shape[:-1], weight.shape[0])
-    if not _STATE.enabled:
+    return (_STATE.few_rows is not None and x.numel() <= FEW_ROWS * x.shape[-1] and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+
+def prenormed(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor) -> tuple[torch.Tensor, RowNorm | None]:
+    """x for the matmuls by `weight`-like matrices that read norm(x): (x, norm) where the few-row
+    kernel will normalize x's rows itself (pass the norm on to `linear`), else (norm(x), None),
+    computed once here for every matmul that reads it."""
+    if _takes_few_rows(x, weight, None) and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous() \
+            and (norm.bias is None or (norm.bias.dtype == torch.float32 and norm.bias.is_contiguous())):
+        return x, norm
+    return norm.apply(x), None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: Activation = "identity", norm: RowNorm | None = None) -> torch.Tensor:
+    """act(norm(x) [..., in] @ weight [out, in]^T + bias [out]) -> [..., out] (see the module
+    docstring; `norm` None: x as it is)."""
+    if _takes_few_rows(x, weight, bias):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return _few_rows(rows, weight, bias, activation, norm).view(*x.shape[:-1], weight.shape[0])
+    if norm is not None:
+        x = norm.apply(x)
+    if not _cpu_float32(x, weight) or not _STATE.enabled:
         return _TORCH_OPS[activation](F.linear(x, weight, bias))
     post_op, algorithm = _POST_OPS[activation]
-    out = torch.ops.mkldnn._linear_pointwise(rows, _packed(weight), bias, post_op, [], algorithm)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), _packed(weight), bias, post_op, [],
+                                             algorithm)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              activation: Activation) -> torch.Tensor:
-    """act(rows [R <= FEW_ROWS, in] @ weight [out, in]^T + bias) through the C++ kernel."""
+def _few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: Activation,
+              norm: RowNorm | None) -> torch.Tensor:
+    """act(norm(rows) [R <= FEW_ROWS, in] @ weight [out, in]^T + bias) through the C++ kernel."""
     assert _STATE.few_rows is not None
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
     if rows.shape[0] == 0:
         return out
+    if norm is not None:
+        norm_args = (_NORM_CODES[norm.kind], norm.weight.data_ptr(), 0 if norm.bias is None else norm.bias.data_ptr(),
+                     norm.eps)
+    else:
+        norm_args = (0, 0, 0, 0.0)
     failed = _STATE.few_rows(rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                              out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads(),
-                             _KERNEL_CODES[activation])
+                             _KERNEL_CODES[activation], *norm_args)
     if failed:
-        raise ValueError(f"the few-row kernel refused {tuple(rows.shape)} @ {tuple(weight.shape)}^T ({activation})")
+        raise ValueError(f"the few-row kernel refused {tuple(rows.shape)} @ {tuple(weight.shape)}^T ({activation}, "
+                         f"{'no norm' if norm is None else norm.kind + ' norm'})")
     return out
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import service.parallel.model as seam
-from service.parallel.linear import linear
+from service.parallel.linear import RowNorm, linear, prenormed
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.layers import head_attention
@@ -51,9 +51,7 @@ log = logging.getLogger(__name__)
 # -- the math both halves share (the dense module and a rank's shard) -------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps), the statistics in float32 (as LlamaRMSNorm)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return RowNorm("rms", weight, None, eps).apply(x)
 
 
 def inverse_frequencies(arch: LlamaArchitecture) -> torch.Tensor:
@@ -89,12 +87,14 @@ def apply_rotary(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotated_qkv(attn: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [..., E] -> q [..., heads, d], k, v [..., kv_heads, d] through `attn`'s q/k/v projections,
-    q and k rotated (cos, sin [..., 1, d]: the same angles for every head)."""
-    q = apply_rotary(attn.q_proj(h).unflatten(-1, (heads, head_dim)), cos, sin)
-    k = apply_rotary(attn.k_proj(h).unflatten(-1, (kv_heads, head_dim)), cos, sin)
-    return q, k, attn.v_proj(h).unflatten(-1, (kv_heads, head_dim))
+                sin: torch.Tensor, norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [..., E] -> q [..., heads, d], k, v [..., kv_heads, d] through `attn`'s q/k/v projections
+    of norm(h) (`norm` None: h as it is), q and k rotated (cos, sin [..., 1, d]: the same angles
+    for every head)."""
+    inputs = (h,) if norm is None else (h, norm)  # the dense model's nn.Linear takes h alone
+    q = apply_rotary(attn.q_proj(*inputs).unflatten(-1, (heads, head_dim)), cos, sin)
+    k = apply_rotary(attn.k_proj(*inputs).unflatten(-1, (kv_heads, head_dim)), cos, sin)
+    return q, k, attn.v_proj(*inputs).unflatten(-1, (kv_heads, head_dim))
 
 
 def row_positions(key_mask: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -178,8 +178,9 @@ class _Slice(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
+        """norm(x) W^T + b (`norm` None: x as it is; the few-row kernel applies it to its rows)."""
+        return linear(x, self.weight, self.bias, norm=norm)
 
 
 class _RankAttention(nn.Module):
@@ -231,12 +232,22 @@ class LlamaShard(nn.Module):
         self.group.all_reduce_(partial)
         return partial if bias is None else partial.add_(bias)
 
+    def _norm(self, norm: nn.Module) -> RowNorm:
+        return RowNorm("rms", norm.weight, None, self.arch.rms_norm_eps)
+
     def _mlp(self, block: _RankBlock, x: torch.Tensor) -> torch.Tensor:
         """x + the block's MLP over rmsnorm(x) (its all_reduce)."""
-        mlp, a = block.mlp, self.arch
-        h = rms_norm(x, block.post_attention_layernorm.weight, a.rms_norm_eps)
-        partial = linear(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h), mlp.down_proj.weight)
+        mlp = block.mlp
+        h, norm = prenormed(x, self._norm(block.post_attention_layernorm), mlp.gate_proj.weight)
+        partial = linear(F.silu(mlp.gate_proj(h, norm)) * mlp.up_proj(h, norm), mlp.down_proj.weight)
         return x + self._reduce(partial, mlp.down_proj.bias)
+
+    def _qkv(self, block: _RankBlock, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's q, k, v of rmsnorm(x) [..., h_l / kv_l, d], q and k rotated."""
+        attn = block.self_attn
+        h, norm = prenormed(x, self._norm(block.input_layernorm), attn.q_proj.weight)
+        return rotated_qkv(attn, h, attn.heads, attn.kv_heads, self.arch.head_dim, cos, sin, norm)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
         """x [batch, seq, E] -> [batch, seq, E], all-reduced. Always causal (the model declares
@@ -247,9 +258,7 @@ class LlamaShard(nn.Module):
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, s, 1, d]
         for block in self.layers:
             attn = block.self_attn
-            h = rms_norm(x, block.input_layernorm.weight, a.rms_norm_eps)
-            q, k, v = (t.transpose(1, 2) for t in rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim,
-                                                               cos, sin))  # [b, h_l / kv_l, s, d]
+            q, k, v = (t.transpose(1, 2) for t in self._qkv(block, x, cos, sin))  # [b, h_l / kv_l, s, d]
             ctx = head_attention(q, k, v, key_mask, True, self.scale)  # [b, s, h_l * d]
             x = x + self._reduce(linear(ctx, attn.o_proj.weight), attn.o_proj.bias)
             x = self._mlp(block, x)
@@ -278,8 +287,7 @@ class LlamaShard(nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]
         for i, block in enumerate(self.layers):
             attn = block.self_attn
-            h = rms_norm(x, block.input_layernorm.weight, a.rms_norm_eps)
-            q, k, v = rotated_qkv(attn, h, attn.heads, attn.kv_heads, a.head_dim, cos, sin)  # [T, h_l / kv_l, d]
+            q, k, v = self._qkv(block, x, cos, sin)  # [T, h_l / kv_l, d]
             ctx = paged_attention(pool, i, q, k, v, plan, self.scale)  # [T, h_l, d]
             x = x + self._reduce(linear(ctx.reshape(rows, -1), attn.o_proj.weight), attn.o_proj.bias)
             x = self._mlp(block, x)

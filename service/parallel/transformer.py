@@ -40,7 +40,7 @@ from torch import nn
 
 import service.parallel.model as seam
 from service.models.transformer import TransformerArch
-from service.parallel.linear import Activation, linear
+from service.parallel.linear import Activation, RowNorm, linear, prenormed
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.layers import ColumnParallelLinear, RowParallelLinear, attention_bias_mask, head_attention
@@ -63,15 +63,16 @@ class _ParallelSelfAttention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.empty(3 * width, dtype=dtype, device=group.device), requires_grad=False)
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, group, dtype=dtype)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., E] -> q, k, v [..., h_l, d] (one fused GEMM)."""
-        qkv = linear(x, self.in_proj_weight, self.in_proj_bias)  # [..., 3 * h_l * d]
+    def qkv(self, x: torch.Tensor, norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., E] -> q, k, v [..., h_l, d] of norm(x) (one fused GEMM; `norm` None: x as it is)."""
+        qkv = linear(x, self.in_proj_weight, self.in_proj_bias, norm=norm)  # [..., 3 * h_l * d]
         q, k, v = qkv.view(*x.shape[:-1], 3, self.heads_local, self.head_dim).unbind(-3)
         return q, k, v
 
-    def context(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """x [batch, seq, E] -> this rank's attention context [batch, seq, E/p] (no collective)."""
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))  # [batch, h_l, seq, d] each
+    def context(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool,
+                norm: RowNorm | None = None) -> torch.Tensor:
+        """x [batch, seq, E] -> this rank's attention context [batch, seq, E/p] over norm(x) (no collective)."""
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x, norm))  # [batch, h_l, seq, d] each
         return head_attention(q, k, v, key_mask, causal, self.scale)
 
 
@@ -91,24 +92,33 @@ class ParallelEncoderLayer(nn.Module):
         for p in (*self.norm1.parameters(), *self.norm2.parameters()):
             p.requires_grad_(False)
 
-    def _ff(self, h: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.linear1(h, self.activation))  # [..., E], all-reduced
+    def _ff(self, h: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
+        return self.linear2(self.linear1(h, self.activation, norm))  # [..., E], all-reduced
 
-    def _residual(self, x: torch.Tensor, sa: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The layer around its attention `sa` (input rows -> all-reduced [.., E])."""
+    @staticmethod
+    def _row_norm(norm: nn.LayerNorm) -> RowNorm:
+        return RowNorm("layer", norm.weight, norm.bias, norm.eps)
+
+    def _residual(self, x: torch.Tensor, sa: Callable[[torch.Tensor, RowNorm | None], torch.Tensor]) -> torch.Tensor:
+        """The layer around its attention `sa` (input rows and the norm still to apply to them, or
+        None -> all-reduced [.., E]). Pre-norm: where the few-row kernel computes the matmul that
+        reads a norm's output, it applies the norm too (linear.prenormed), else it is applied here."""
         if self.norm_first:
-            x = x + sa(self.norm1(x))
-            return x + self._ff(self.norm2(x))
-        x = self.norm1(x + sa(x))
+            h, norm = prenormed(x, self._row_norm(self.norm1), self.self_attn.in_proj_weight)
+            x = x + sa(h, norm)
+            h, norm = prenormed(x, self._row_norm(self.norm2), self.linear1.weight)
+            return x + self._ff(h, norm)
+        x = self.norm1(x + sa(x, None))
         return self.norm2(x + self._ff(x))
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        return self._residual(x, lambda h: self.self_attn.out_proj(self.self_attn.context(h, key_mask, causal)))
+        return self._residual(x, lambda h, norm: self.self_attn.out_proj(
+            self.self_attn.context(h, key_mask, causal, norm)))
 
     def append(self, x: torch.Tensor, plan: AppendPlan, pool: PagedKVPool, layer: int) -> torch.Tensor:
         """x [T, E], the new rows' input to this layer -> its output [T, E] (sessions)."""
-        def sa(h: torch.Tensor) -> torch.Tensor:
-            q, k, v = self.self_attn.qkv(h)  # [T, h_l, d] each
+        def sa(h: torch.Tensor, norm: RowNorm | None) -> torch.Tensor:
+            q, k, v = self.self_attn.qkv(h, norm)  # [T, h_l, d] each
             ctx = paged_attention(pool, layer, q, k, v, plan, self.self_attn.scale)  # [T, h_l, d]
             return self.self_attn.out_proj(ctx.reshape(x.shape[0], -1))  # [T, E], all-reduced
         return self._residual(x, sa)
