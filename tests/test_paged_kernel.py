@@ -141,12 +141,13 @@ def test_a_decode_step_of_s_sessions_matches_dense_causal_attention(path: str, h
     _check_decode_step(path, heads, sessions, torch.float32)
 
 
-@pytest.mark.parametrize("heads", [(2, 1), (8, 2), (16, 4)], ids=["2-over-1-kv-head", "8-over-2-kv-heads", "16-over-4-kv-heads"])
+@pytest.mark.parametrize("heads", [(2, 1), (8, 2), (16, 4), (12, 12)],
+                         ids=["2-over-1-kv-head", "8-over-2-kv-heads", "16-over-4-kv-heads", "12-plain-heads"])
 @pytest.mark.parametrize("width, block", [(64, 16), (128, 32)], ids=["d64-b16", "d128-b32"])
 @pytest.mark.parametrize("sessions", [1, 5])
 def test_the_vector_path_s_decode_step_matches_dense_causal_attention(heads: tuple[int, int], width: int, block: int,
                                                                       sessions: int) -> None:
-    """Grouped-query heads of 64 or 128 over pages of a multiple of 16 tokens take the kernel's vector path
+    """Heads of 64 or 128 (grouped or plain) over pages of a multiple of 16 tokens take the kernel's vector path
     (16 tokens scored at once, their lanes summed by one transposing reduction; a partial last
     page reads stale rows into lanes nothing uses): the same float64 reference as above."""
     _check_decode_step("in-place", heads, sessions, torch.float32, width, block)

@@ -14,7 +14,7 @@
 // their maxima at the end. So each byte of a session's K/V is read once per step, with no copy:
 // the memory floor's term.
 //
-// The vector path (grouped-query heads of 64 or 128 over pages of a multiple of 16 tokens): the
+// The vector path (heads of 64 or 128, grouped or plain, over pages of a multiple of 16 tokens): the
 // next page is prefetched; the K pass reads the page token by token (its bytes in order), each
 // token's K row once for the G query heads that share it, and keeps each (head, token) product
 // as 16 lanes; sixteen tokens' lanes are then summed at once by a transposing reduction
@@ -250,9 +250,11 @@ void paged_decode(const T* q, const T* k, const T* v, const int64_t* tables, con
       const T* qs = q + c.session * H * D;
       const int64_t* table = tables + table_starts[c.session];
       float* part = parts.data() + j * part_size;
-      // The vector path for grouped-query heads only: with one query head a K/V head it measured
-      // no faster in process and slower served (bench/NOTES.md), so plain heads keep the scalar loops.
-      const bool vector_path = B % 16 == 0 && H > KVH;
+      // The vector path for every head layout with pages of a multiple of 16 tokens: plain heads
+      // (one query head a K/V head) too, since a paired in-process A/B (the two builds alternated
+      // step by step, the 12-layer stack at 32 sessions) measured it 3-17 ms faster a ~220 ms
+      // step and even at 1 and 8 sessions (bench/NOTES.md); a served A/B could not tell.
+      const bool vector_path = B % 16 == 0;
       if (vector_path && D == 64)
         attend_chunk<T, 4>(c, qs, k, v, table, lengths[c.session], H, KVH, D, B, scale, part);
       else if (vector_path && D == 128)
