@@ -1,4 +1,4 @@
-"""y = act(x W^T + b) for a rank's weight matrices: on CPU in float32, one or two rows through this
+"""y = act(norm(x) W^T + b) for a rank's weight matrices: on CPU in float32, one or two rows through this
 package's C++ kernel (gemv.cpp) and more through oneDNN's packed matmul; else `F.linear` (torch's
 BLAS, MKL in the CPU wheels).
 
@@ -14,12 +14,15 @@ faster still: gemv.cpp, 10.1 against oneDNN's 15.0 ms at one row over the same 3
 against 22.6 GB/s; 2 rows 14.3 against 17.5 ms, 4 rows even), built once per machine
 (service.parallel.native).
 
-Contract: `linear(x, weight, bias, activation)` equals `act(F.linear(x, weight, bias))` up to
-float32 rounding (the order of a dot product's additions differs), act the identity, F.relu or
-F.gelu (exact, erf). The activation is applied by the kernel that computed the product where it
-can (gemv.cpp's epilogue, oneDNN's post-op), while each output is still in a register: as a
-torch op after the matmul, a decode step's gelu cost ~0.7 ms of a 17 ms step, its code and
-input cold after the pass over the weights. The packed copy of `weight` is made on its
+Contract: `linear(x, weight, bias, activation, norm)` equals
+`act(F.linear(norm(x), weight, bias))` up to float32 rounding (the order of a dot product's
+additions differs), act the identity, F.relu or F.gelu (exact, erf), norm a `RowNorm` (layer or
+RMS) or none. The activation is applied by the kernel that computed the product where it can
+(gemv.cpp's epilogue, oneDNN's post-op), while each output is still in a register, and the few-row
+kernel normalizes its rows itself: as torch ops around the matmul, a decode step's gelu cost
+~0.8 ms of a 17 ms step and its layer norms ~0.6, their code and input cold after the pass over
+the weights (`prenormed` hands a norm on only where the kernel will take it, so a norm read by
+several matmuls is never computed once per matmul by torch). The packed copy of `weight` is made on its
 first use and made again whenever the weight changed in place (its version counter, bumped by
 `copy_`: a weights swap) or its storage was replaced, so it never serves stale weights. It is
 a second copy of each matrix (the dense one stays: the fused encoder path, the checks and the
@@ -80,6 +83,18 @@ class RowNorm:
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def kernel_args(self) -> tuple[int, int, int, float]:
+        """gemv.cpp's norm, g, beta and eps arguments (the norm's tensors must outlive the call)."""
+        return _NORM_CODES[self.kind], self.weight.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(), self.eps
+
+    def kernel_reads(self) -> bool:
+        """Whether the few-row kernel can read this norm's parameters (contiguous float32)."""
+        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+                   for t in (self.weight, self.bias))
+
+
+_NO_NORM_ARGS = (0, 0, 0, 0.0)
 
 _PROBE_TOLERANCE = 1e-5  # relative max error of the probe against F.linear (float32 rounding: ~1e-7)
 FEW_ROWS = 2  # at most this many rows go through the C++ kernel (gemv.cpp: measured)
@@ -142,10 +157,8 @@ def _few_rows_kernel() -> tuple[ctypes._CFuncPtr | None, str]:
                                                  1e-5)
         want = _TORCH_OPS[activation](F.linear(x if norm is None else norm.apply(x), w, b))
         got = torch.empty(rows, out_f)
-        norm_args = (0, 0, 0, 0.0) if norm is None else (
-            _NORM_CODES[norm.kind], norm.weight.data_ptr(), 0 if norm.bias is None else norm.bias.data_ptr(), norm.eps)
         failed = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), got.data_ptr(), rows, in_f, out_f, 1,
-                    _KERNEL_CODES[activation], *norm_args)
+                    _KERNEL_CODES[activation], *(_NO_NORM_ARGS if norm is None else norm.kernel_args()))
         error = float((got - want).abs().max() / want.abs().max())
         if failed or not error <= _PROBE_TOLERANCE:
             return None, (f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel disagreed with F.linear on a probe "
@@ -209,8 +222,7 @@ def prenormed(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor) -> tuple[tor
     """x for the matmuls by `weight`-like matrices that read norm(x): (x, norm) where the few-row
     kernel will normalize x's rows itself (pass the norm on to `linear`), else (norm(x), None),
     computed once here for every matmul that reads it."""
-    if _takes_few_rows(x, weight, None) and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous() \
-            and (norm.bias is None or (norm.bias.dtype == torch.float32 and norm.bias.is_contiguous())):
+    if _takes_few_rows(x, weight, None) and norm.kernel_reads():
         return x, norm
     return norm.apply(x), None
 
@@ -219,7 +231,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            activation: Activation = "identity", norm: RowNorm | None = None) -> torch.Tensor:
     """act(norm(x) [..., in] @ weight [out, in]^T + bias [out]) -> [..., out] (see the module
     docstring; `norm` None: x as it is)."""
-    if _takes_few_rows(x, weight, bias):
+    if _takes_few_rows(x, weight, bias) and (norm is None or norm.kernel_reads()):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         return _few_rows(rows, weight, bias, activation, norm).view(*x.shape[:-1], weight.shape[0])
     if norm is not None:
@@ -239,14 +251,9 @@ def _few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
     if rows.shape[0] == 0:
         return out
-    if norm is not None:
-        norm_args = (_NORM_CODES[norm.kind], norm.weight.data_ptr(), 0 if norm.bias is None else norm.bias.data_ptr(),
-                     norm.eps)
-    else:
-        norm_args = (0, 0, 0, 0.0)
     failed = _STATE.few_rows(rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                              out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads(),
-                             _KERNEL_CODES[activation], *norm_args)
+                             _KERNEL_CODES[activation], *(_NO_NORM_ARGS if norm is None else norm.kernel_args()))
     if failed:
         raise ValueError(f"the few-row kernel refused {tuple(rows.shape)} @ {tuple(weight.shape)}^T ({activation}, "
                          f"{'no norm' if norm is None else norm.kind + ' norm'})")
