@@ -153,3 +153,28 @@ def test_a_row_norm_is_applied_before_the_matmul(reason: str, rows: int, kind: s
     assert "disagreed" not in reason, reason  # the kernel's probes (a norm, an activation) pass here
     kernel_computes = reason.startswith("1-2 rows: the C++ kernel") and rows <= linear.FEW_ROWS
     assert (handed_on is norm) == kernel_computes and (h is x) == kernel_computes
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_rotary_embedding_is_applied_to_each_output_head(reason: str, rows: int) -> None:
+    """rotary(x W^T + b) head by head (the kernel rotates its rows' outputs; other paths rotate
+    after the matmul), against the rotation written out in float64: for a head of width d and
+    i < d/2, out[i] = y[i] cos[i] - y[i + d/2] sin[i], out[i + d/2] = y[i + d/2] cos[i + d/2] +
+    y[i] sin[i + d/2], each row with its own angles."""
+    g = torch.Generator().manual_seed(6)
+    d, heads = 64, 4
+    w = torch.nn.Parameter(torch.randn(heads * d, 256, generator=g) / 16, requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(heads * d, generator=g), requires_grad=False)
+    x = torch.randn(rows, 256, generator=g)
+    freqs = torch.rand(rows, 1, d // 2, generator=g) * 40
+    angles = torch.cat((freqs, freqs), dim=-1)  # [rows, 1, d], as a Llama stack's positions make them
+    with torch.inference_mode():
+        got = linear.linear(x, w, b, rotary=linear.Rotary(angles.cos(), angles.sin(), d))
+    y = _reference(x, w, b).view(rows, heads, d)
+    cos, sin = angles.double().cos(), angles.double().sin()
+    half = d // 2
+    want = torch.empty_like(y)
+    want[..., :half] = y[..., :half] * cos[..., :half] - y[..., half:] * sin[..., :half]
+    want[..., half:] = y[..., half:] * cos[..., half:] + y[..., :half] * sin[..., half:]
+    assert _relative(got, want.view(rows, heads * d)) < 1e-6, reason
+    assert "disagreed" not in reason, reason

@@ -96,6 +96,39 @@ class RowNorm:
 
 _NO_NORM_ARGS = (0, 0, 0, 0.0)
 
+
+def apply_rotary(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """y cos + rotate_half(y) sin over the last dim (y [..., heads, d]; cos/sin broadcast over the
+    heads' dim), rotate_half(y) = cat(-y[d/2:], y[:d/2]) (transformers' apply_rotary_pos_emb)."""
+    half = y.shape[-1] // 2
+    rotated = torch.cat((-y[..., half:], y[..., :half]), dim=-1)
+    return y * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """The rotary position embedding of a matmul's output heads: y [..., heads * d] is rotated
+    head by head (`apply_rotary`) with cos, sin [..., 1, d] (one angle set per row, the same for
+    every head). `linear(..., rotary=)` lets the few-row kernel rotate its rows' outputs."""
+
+    cos: torch.Tensor  # [..., 1, d]
+    sin: torch.Tensor
+    head_dim: int
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(y.unflatten(-1, (-1, self.head_dim)), self.cos, self.sin).flatten(-2)
+
+    def kernel_args(self, rows: int) -> tuple[int, int, int] | None:
+        """gemv.cpp's rope_cos, rope_sin and rope_dim for `rows` rows, or None where the kernel
+        cannot read the angles (one [d] float32 set per row, contiguous)."""
+        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and
+                   t.numel() == rows * self.head_dim for t in (self.cos, self.sin)):
+            return None
+        return self.cos.data_ptr(), self.sin.data_ptr(), self.head_dim
+
+
+_NO_ROTARY_ARGS = (0, 0, 0)
+
 _PROBE_TOLERANCE = 1e-5  # relative max error of the probe against F.linear (float32 rounding: ~1e-7)
 FEW_ROWS = 2  # at most this many rows go through the C++ kernel (gemv.cpp: measured)
 SOURCE = "gemv.cpp"  # beside service.parallel.native
@@ -145,24 +178,30 @@ def _few_rows_kernel() -> tuple[ctypes._CFuncPtr | None, str]:
         return None, f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel is unavailable ({exc})"
     fn.restype = ctypes.c_int
     fn.argtypes = [*[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     generator = torch.Generator().manual_seed(0)
-    probes: tuple[tuple[int, tuple[int, int], Activation, str | None], ...] = (
-        (1, (48, 33), "identity", None), (2, (33, 48), "gelu", "layer"), (1, (40, 24), "relu", "rms"))
-    for rows, (out_f, in_f), activation, kind in probes:
+    probes: tuple[tuple[int, tuple[int, int], Activation, str | None, int], ...] = (
+        (1, (48, 33), "identity", None, 0), (2, (33, 48), "gelu", "layer", 0), (1, (40, 24), "relu", "rms", 0),
+        (2, (32, 24), "identity", "rms", 8))
+    for rows, (out_f, in_f), activation, kind, head_dim in probes:
         w, b, x = (torch.randn(out_f, in_f, generator=generator), torch.randn(out_f, generator=generator),
                    torch.randn(rows, in_f, generator=generator))
         norm = None if kind is None else RowNorm(kind, torch.randn(in_f, generator=generator),  # type: ignore[arg-type]
                                                  torch.randn(in_f, generator=generator) if kind == "layer" else None,
                                                  1e-5)
+        angles = torch.randn(rows, 1, head_dim, generator=generator)
+        rotary = Rotary(angles.cos(), angles.sin(), head_dim) if head_dim else None
         want = _TORCH_OPS[activation](F.linear(x if norm is None else norm.apply(x), w, b))
+        want = want if rotary is None else rotary.apply(want)
         got = torch.empty(rows, out_f)
         failed = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), got.data_ptr(), rows, in_f, out_f, 1,
-                    _KERNEL_CODES[activation], *(_NO_NORM_ARGS if norm is None else norm.kernel_args()))
+                    _KERNEL_CODES[activation], *(_NO_NORM_ARGS if norm is None else norm.kernel_args()),
+                    *(_NO_ROTARY_ARGS if rotary is None else rotary.kernel_args(rows) or _NO_ROTARY_ARGS))
         error = float((got - want).abs().max() / want.abs().max())
         if failed or not error <= _PROBE_TOLERANCE:
             return None, (f"1-{FEW_ROWS} rows: oneDNN too, the C++ kernel disagreed with F.linear on a probe "
-                          f"({rows} x {in_f} @ {in_f} x {out_f}, {activation}, {kind or 'no'} norm: relative error "
+                          f"({rows} x {in_f} @ {in_f} x {out_f}, {activation}, {kind or 'no'} norm, rotary heads of "
+                          f"{head_dim or '-'}: relative error "
                           f"{error:.2e}, status {failed})")
     return fn, f"1-{FEW_ROWS} rows: the C++ kernel over the dense weights (gemv.cpp)"
 
@@ -228,35 +267,40 @@ def prenormed(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor) -> tuple[tor
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           activation: Activation = "identity", norm: RowNorm | None = None) -> torch.Tensor:
-    """act(norm(x) [..., in] @ weight [out, in]^T + bias [out]) -> [..., out] (see the module
-    docstring; `norm` None: x as it is)."""
+           activation: Activation = "identity", norm: RowNorm | None = None,
+           rotary: Rotary | None = None) -> torch.Tensor:
+    """rotary(act(norm(x) [..., in] @ weight [out, in]^T + bias [out])) -> [..., out] (see the
+    module docstring; `norm`, `rotary` None: none)."""
     if _takes_few_rows(x, weight, bias) and (norm is None or norm.kernel_reads()):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        return _few_rows(rows, weight, bias, activation, norm).view(*x.shape[:-1], weight.shape[0])
+        rotary_args = _NO_ROTARY_ARGS if rotary is None else rotary.kernel_args(rows.shape[0])
+        if rotary_args is not None:
+            return _few_rows(rows, weight, bias, activation, norm, rotary_args).view(*x.shape[:-1], weight.shape[0])
     if norm is not None:
         x = norm.apply(x)
     if not _cpu_float32(x, weight) or not _STATE.enabled:
-        return _TORCH_OPS[activation](F.linear(x, weight, bias))
-    post_op, algorithm = _POST_OPS[activation]
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), _packed(weight), bias, post_op, [],
-                                             algorithm)
-    return out.view(*x.shape[:-1], out.shape[-1])
+        y = _TORCH_OPS[activation](F.linear(x, weight, bias))
+    else:
+        post_op, algorithm = _POST_OPS[activation]
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), _packed(weight), bias, post_op, [],
+                                               algorithm).view(*x.shape[:-1], weight.shape[0])
+    return y if rotary is None else rotary.apply(y)
 
 
 def _few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: Activation,
-              norm: RowNorm | None) -> torch.Tensor:
-    """act(norm(rows) [R <= FEW_ROWS, in] @ weight [out, in]^T + bias) through the C++ kernel."""
+              norm: RowNorm | None, rotary_args: tuple[int, int, int]) -> torch.Tensor:
+    """rotary(act(norm(rows) [R <= FEW_ROWS, in] @ weight [out, in]^T + bias)) through the C++ kernel."""
     assert _STATE.few_rows is not None
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
     if rows.shape[0] == 0:
         return out
     failed = _STATE.few_rows(rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                              out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads(),
-                             _KERNEL_CODES[activation], *(_NO_NORM_ARGS if norm is None else norm.kernel_args()))
+                             _KERNEL_CODES[activation], *(_NO_NORM_ARGS if norm is None else norm.kernel_args()),
+                             *rotary_args)
     if failed:
         raise ValueError(f"the few-row kernel refused {tuple(rows.shape)} @ {tuple(weight.shape)}^T ({activation}, "
-                         f"{'no norm' if norm is None else norm.kind + ' norm'})")
+                         f"{'no norm' if norm is None else norm.kind + ' norm'}, rotary heads of {rotary_args[2]})")
     return out
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import service.parallel.model as seam
-from service.parallel.linear import RowNorm, linear, prenormed
+from service.parallel.linear import Rotary, RowNorm, apply_rotary, linear, prenormed
 from service.parallel.group import ParallelGroup
 from service.parallel.kv_cache import AppendPlan, PagedKVPool, paged_attention
 from service.parallel.layers import head_attention
@@ -79,22 +79,13 @@ def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) 
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """y cos + rotate_half(y) sin over the last dim (cos/sin broadcast over the heads' dim)."""
-    half = y.shape[-1] // 2
-    rotated = torch.cat((-y[..., half:], y[..., :half]), dim=-1)
-    return y * cos + rotated * sin
-
-
 def rotated_qkv(attn: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
-                sin: torch.Tensor, norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [..., E] -> q [..., heads, d], k, v [..., kv_heads, d] through `attn`'s q/k/v projections
-    of norm(h) (`norm` None: h as it is), q and k rotated (cos, sin [..., 1, d]: the same angles
-    for every head)."""
-    inputs = (h,) if norm is None else (h, norm)  # the dense model's nn.Linear takes h alone
-    q = apply_rotary(attn.q_proj(*inputs).unflatten(-1, (heads, head_dim)), cos, sin)
-    k = apply_rotary(attn.k_proj(*inputs).unflatten(-1, (kv_heads, head_dim)), cos, sin)
-    return q, k, attn.v_proj(*inputs).unflatten(-1, (kv_heads, head_dim))
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [..., E] -> q [..., heads, d], k, v [..., kv_heads, d] through `attn`'s q/k/v projections,
+    q and k rotated (cos, sin [..., 1, d]: the same angles for every head)."""
+    q = apply_rotary(attn.q_proj(h).unflatten(-1, (heads, head_dim)), cos, sin)
+    k = apply_rotary(attn.k_proj(h).unflatten(-1, (kv_heads, head_dim)), cos, sin)
+    return q, k, attn.v_proj(h).unflatten(-1, (kv_heads, head_dim))
 
 
 def row_positions(key_mask: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -178,9 +169,9 @@ class _Slice(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows, dtype=dtype, device=device), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
-        """norm(x) W^T + b (`norm` None: x as it is; the few-row kernel applies it to its rows)."""
-        return linear(x, self.weight, self.bias, norm=norm)
+    def forward(self, x: torch.Tensor, norm: RowNorm | None = None, rotary: Rotary | None = None) -> torch.Tensor:
+        """rotary(norm(x) W^T + b) (None: none; the few-row kernel applies them to its rows)."""
+        return linear(x, self.weight, self.bias, norm=norm, rotary=rotary)
 
 
 class _RankAttention(nn.Module):
@@ -244,10 +235,14 @@ class LlamaShard(nn.Module):
 
     def _qkv(self, block: _RankBlock, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block's q, k, v of rmsnorm(x) [..., h_l / kv_l, d], q and k rotated."""
-        attn = block.self_attn
+        """The block's q, k, v of rmsnorm(x) [..., h_l / kv_l, d], q and k rotated (cos, sin
+        [..., 1, d]): rotated_qkv's math, with the norm and the rotation handed to the matmuls."""
+        attn, d = block.self_attn, self.arch.head_dim
         h, norm = prenormed(x, self._norm(block.input_layernorm), attn.q_proj.weight)
-        return rotated_qkv(attn, h, attn.heads, attn.kv_heads, self.arch.head_dim, cos, sin, norm)
+        rotary = Rotary(cos, sin, d)
+        return (attn.q_proj(h, norm, rotary).unflatten(-1, (attn.heads, d)),
+                attn.k_proj(h, norm, rotary).unflatten(-1, (attn.kv_heads, d)),
+                attn.v_proj(h, norm).unflatten(-1, (attn.kv_heads, d)))
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
         """x [batch, seq, E] -> [batch, seq, E], all-reduced. Always causal (the model declares
