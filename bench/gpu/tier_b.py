@@ -98,12 +98,14 @@ class Driver:
         return step.root(self.rank, 1)
 
 
-def _peer_main(port: int, backend: str, model: Any, timeout_s: float, env: dict[str, str], gen: int) -> None:
+def _peer_main(out: Any, port: int, backend: str, model: Any, timeout_s: float, env: dict[str, str],
+               gen: int) -> None:
     os.environ.update(env)
     os.environ["NCCL_HOSTID"] = f"gangserve-check-peer-{gen}"
     from service.gang.worker import Rank
 
     rank = Rank(1, 2, device=torch.device(DEVICE, 0), node_ip="127.0.0.1", device_how="tier B peer")
+    out.put(("peer up",))  # as a gang's rank actors are up before rank 0 waits for them
     rank.rendezvous("127.0.0.1", port, backend, timeout_s)
     rank.load_weights(model, 1)
     rank.start_loop()
@@ -123,6 +125,9 @@ def _root_main(out: Any, cmd: Any) -> None:
         model = PlainModel(embed_dim=E, num_heads=H, init=init, seed=7, compute_dtype=dtype)
         rank = Rank(0, 2, device=torch.device(DEVICE, 0), node_ip="127.0.0.1", device_how="tier B rank 0")
         out.put(("port", rank.open_store(timeout_s), model))
+        # The rendezvous begins once rank 1's process is up (its start is bounded apart: a
+        # loaded machine took > 10 s to start one, more than a group timeout).
+        assert cmd.get(timeout=START_S + 60) == "rendezvous"
         started = time.monotonic()
         try:
             rank.rendezvous("127.0.0.1", 0, backend, timeout_s)
@@ -251,11 +256,15 @@ def main() -> int:
                 out, root = zero.out, {"rank 0": zero.proc}
                 zero.cmd.put((gen, backend, init, dtype, timeout_s, env, drill))
                 _, port, model = receive(out, START_S, "rank 0's store", **root)
-                peer = ctx.Process(target=_peer_main, args=(port, backend, model, timeout_s, env, gen), daemon=True)
+                peer = ctx.Process(target=_peer_main, args=(out, port, backend, model, timeout_s, env, gen), daemon=True)
                 peer.start()
                 both = {**root, "rank 1": peer}
                 # The peer's start, then the rendezvous's own bound (3 group timeouts).
-                msg = receive(out, START_S + RENDEZVOUS_WAITS * timeout_s, "the rendezvous", **both)
+                up = receive(out, START_S, "rank 1's start", **both)
+                if up[0] != "peer up":
+                    raise RuntimeError(f"rank 1's start expected, rank 0 sent {up[0]!r} first")
+                zero.cmd.put("rendezvous")
+                msg = receive(out, RENDEZVOUS_WAITS * timeout_s + POLL_S, "the rendezvous", **both)
                 if msg[0] == "rendezvous failed":
                     row(f"{tag}: rendezvous", f"FAILED: {msg[1]}")
                     _stop(peer)
