@@ -67,13 +67,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = GIB, repeats: int = 5) ->
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - started)
+    times = [_timed(device, lambda: dst.copy_(src)) for _ in range(repeats)]
     del src, dst
     return 2 * nbytes / statistics.median(times)
 
@@ -188,7 +182,7 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    timed: list[tuple[int, float, float, float]] = []  # S, median step ms, median B, median ratio
+    timed: list[tuple[int, int, float, float, float]] = []  # S, K/V bytes, median step ms, median B, median ratio
     for s in sessions:
         x = torch.randn(s, model_def.embed_dim, device=device, dtype=dtype)
         kv = s * (context + 1) * per_token
@@ -201,11 +195,10 @@ def in_process_steps(stack: str, sessions: tuple[int, ...], context: int, device
                 steps.append(ms)
                 bandwidths.append(bandwidth)
                 ratios.append(ms / floor_ms(weights, kv, bandwidth))
-        timed.append((s, statistics.median(steps), statistics.median(bandwidths), statistics.median(ratios)))
+        timed.append((s, kv, statistics.median(steps), statistics.median(bandwidths), statistics.median(ratios)))
     del pool, model, src, dst
     rows = []
-    for s, ms, bandwidth, ratio in timed:
-        kv = s * (context + 1) * per_token
+    for s, kv, ms, bandwidth, ratio in timed:
         rows.append(StepRow(stack=stack, world_size=1, sessions=s, context=context, compute_ms=ms,
                             floor_ms=floor_ms(weights, kv, bandwidth), weight_bytes_per_rank=weights,
                             kv_bytes_per_rank=kv, bandwidth_gbs=bandwidth / 1e9, paired_ratio=ratio,

@@ -127,7 +127,9 @@ def _root_main(out: Any, cmd: Any) -> None:
         out.put(("port", rank.open_store(timeout_s), model))
         # The rendezvous begins once rank 1's process is up (its start is bounded apart: a
         # loaded machine took > 10 s to start one, more than a group timeout).
-        assert cmd.get(timeout=START_S + 60) == "rendezvous"
+        told = cmd.get(timeout=START_S + 60)  # queue.Empty past the bound: this process ends
+        if told != "rendezvous":
+            raise RuntimeError(f"rank 0 expected 'rendezvous' after sending its port, was told {told!r}")
         started = time.monotonic()
         try:
             rank.rendezvous("127.0.0.1", 0, backend, timeout_s)
