@@ -2,7 +2,7 @@
 
 Runs the command while sampling /proc every `--interval` seconds. Each process (pid and start
 time) is named by the last Ray actor title it showed (`ray::RankWorker`, Serve replicas by
-deployment, Ray Train's helpers), else by its program; its CPU time (user + system) is the
+deployment, training workers), else by its program; its CPU time (user + system) is the
 last value read, so a process that lives less than one interval is missed and one that exits
 loses at most one interval. Processes that were running before the command started are left
 out. Prints CPU-seconds, share and process count per kind, busiest first; `--json FILE` keeps

@@ -6,9 +6,9 @@ the service's job with (what a user would run instead).
 Same model, data, batch, optimizer, loss and threads as the job (service.training: JobSpec's
 defaults, `synthetic`, `build_model`, `vector_sq_error`, the runner's per-rank thread
 count), and the same loop shape as service.training.runner: a DistributedSampler with
-set_epoch every epoch (what Ray Train's prepare_data_loader installs), DDP on gloo, the
+set_epoch every epoch (as the job's workers build it), DDP on gloo, the
 epoch loss accumulated on the device and all-reduced once per epoch. What it leaves out is
-the job's per-epoch work outside the step loop (the checkpoint, ray.train.report, progress
+the job's per-epoch work outside the step loop (the checkpoint, its upload, progress
 reports to the run actor): that is the cost the bench row measures.
 
 Rank 0 writes {"epoch_end_s": [monotonic seconds after each epoch], "samples_per_epoch",

@@ -46,14 +46,7 @@ TEST_API_TOKEN = "test-token-0123456789"
 # so every serve.delete and every replaced ingress replica waited 30 s: ~25 times a suite. On
 # one machine HAProxy learns of the change within a second or two, and a late arrival is
 # retried on another replica (retry-on conn-failure); the test clusters use 5 s.
-# Ray Train's controller looks at its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s): a
-# finished, failed or restarted run is seen up to that late. The suite runs ~20 jobs and
-# restarts, each waited for; the test clusters look every 0.5 s.
-# Ray Train starts a PreemptionWatcher actor per worker group (one more Python process per
-# run and restart, polling the GCS for node drains every 5 s); no test drains a node, so the
-# test clusters go without it (bench/NOTES.md, session 10: ~33 core-s a suite).
-TEST_CLUSTER_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-                    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+TEST_CLUSTER_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
 
 
 # Every test is marked `unit` (no Ray: `pytest -m unit`) or `ray`; a unit test must not

@@ -132,7 +132,7 @@ class NetnsCluster:
             GANGSERVE_API_TOKEN=self.api_token,
             PYTHONPATH=str(ROOT),
             **FRONT_DOOR_ENV,  # the product's front door, as the KubeRay manifest sets it
-            **TEST_CLUSTER_ENV,  # a stopping ingress replica's 30 s window, Ray Train's look at its workers: shortened (tests/conftest.py)
+            **TEST_CLUSTER_ENV,  # a stopping ingress replica's 30 s window: shortened (tests/conftest.py)
             **self.extra_env,
         )
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the service must choose by itself

@@ -156,7 +156,7 @@ def test_fetch_returns_a_local_file_and_its_sha(store: ArtifactStore, tmp_path: 
 
 def test_delete_and_delete_prefix(store: ArtifactStore) -> None:
     store.write_bytes("runs/job-3/result.json", b"{}")
-    store.write_bytes("runs/job-3/checkpoint_000/model.safetensors", b"12345")
+    store.write_bytes("runs/job-3/epoch-000001/model.safetensors", b"12345")
     store.write_bytes("runs/job-33/keep.txt", b"other job")
     store.write_bytes("checkpoints/job-3.safetensors", b"abc")
     assert store.delete("checkpoints/job-3.safetensors") == 3
@@ -165,14 +165,6 @@ def test_delete_and_delete_prefix(store: ArtifactStore) -> None:
     assert not store.exists("runs/job-3/result.json")
     assert store.read_bytes("runs/job-33/keep.txt") == b"other job"  # a sibling with the same start stays
     assert store.delete_prefix("runs/never") == 0
-
-
-def test_ray_train_gets_the_same_file_system(store: ArtifactStore) -> None:
-    path, fs = store.ray_train_storage()
-    if store.local:
-        assert (path, fs) == (str(Path(store.root) / "runs"), None)
-    else:
-        assert path == f"{store.root}/runs" and fs is store.filesystem
 
 
 def test_record_paths_from_before_keys_still_resolve(tmp_path: Path) -> None:

@@ -328,7 +328,7 @@ def test_the_light_processes_load_no_torch(deployment: str) -> None:
     """The Ingress, the Controller and the JobManager never compute a tensor: their replicas
     start without torch (what that saves: bench/NOTES.md). The JobManager's
     one torch step, materializing an `init` version for init_from, imports it when it runs,
-    and its runs' own processes (run actor, Ray Train workers) import the training code."""
+    and its runs' own processes (run actor, training workers) import the training code."""
     heavy = ("torch", "safetensors.torch", "ray.train", "service.parallel", "service.gang",
              "service.sessions.registry", "service.training.runner", "service.training.models",
              "service.training.datasets")

@@ -2,9 +2,9 @@
 
 A real S3-compatible server on loopback (moto, tests/s3.py; its own server, because the
 last test stops it), an app whose deployments get the storage settings as runtime_env
-env_vars (their rank, run and Ray Train worker processes inherit them) and their own
+env_vars (their rank, run and training rank actor processes inherit them) and their own
 state dir, which then holds only the node cache and the SQLite records. Through real
-HTTP: upload a dataset, train on it with Ray Train (its run directory in the bucket),
+HTTP: upload a dataset, train on it (its run directory, the epoch checkpoints, in the bucket),
 POST /weights {"job_id"}, and /infer against a dense torch.nn.MultiheadAttention holding
 the checkpoint downloaded from the bucket independently with boto3. Then the server stops:
 every route that needs the store answers 503 `storage_unavailable`, never 500 (and a
@@ -110,7 +110,7 @@ def test_dataset_training_and_served_weights_live_in_the_bucket(
     assert f"datasets/{dataset}.safetensors" in _objects(s3, "datasets/")
     key = f"checkpoints/{job['id']}.safetensors"
     assert job["checkpoint"]["path"] == key
-    # Ray Train's own run directory (storage_path/storage_filesystem) is in the bucket too.
+    # The run's directory (its epoch checkpoints, their pointer, result.json) is in the bucket too.
     runs = _objects(s3, f"runs/{job['id']}/")
     assert f"runs/{job['id']}/result.json" in runs and any(k.endswith("model.safetensors") for k in runs), runs
 

@@ -1,4 +1,4 @@
-"""Training jobs end to end: real Ray Train runs (small sizes), real Serve, real HTTP.
+"""Training jobs end to end: real worker groups (small sizes), real Serve, real HTTP.
 
 The long-running jobs are submitted together by one module fixture so they overlap on
 this 2-core machine; each test then waits for, and checks, its own job. Expected outputs
@@ -77,14 +77,14 @@ def fine_tune(app_url: str, jobs: dict[str, str]) -> str:
 
 
 def registered_checkpoint(job_id: str) -> bool:
-    """Whether Ray Train has registered an epoch checkpoint of the job's run (its checkpoint
-    manager's snapshot in the run dir names one): what a restarted worker group resumes from.
+    """Whether the job's run has registered an epoch checkpoint (its pointer in the run dir
+    names one, service.training.epoch_checkpoints): what a new worker group resumes from.
     Epoch checkpoints upload in the background, so a reported epoch alone does not say so."""
     try:
-        doc = json.loads((state_dir() / "runs" / job_id / "checkpoint_manager_snapshot.json").read_text())
+        doc = json.loads((state_dir() / "runs" / job_id / "latest.json").read_text())
     except (OSError, ValueError):
         return False
-    return bool(doc.get("latest_checkpoint_result"))
+    return int(doc.get("epoch", 0)) >= 1
 
 
 # ---- units (no Ray) ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Debian's Chromium (/usr/bin/chromium) driven by Playwright for Python; Playwright's own
 browser download is never used. Without Chromium the session installs it with apt-get when
 it can (root, apt-get present; `make install` / `make test` do it first), else the browser
-test is skipped saying why. One small real training job (Ray Train, 2 workers) serves both
+test is skipped saying why. One small real training job (2 workers) serves both
 tests: the page must draw its loss curve, one point per epoch, and its logs must carry each
 worker's own stdout lines tagged by rank.
 
@@ -198,7 +198,7 @@ def test_job_logs_show_each_workers_output_by_rank(app_url: str, job_id: str) ->
         for epoch in range(1, EPOCHS + 1):
             tag = re.compile(rf"\[rank {rank}\] epoch {epoch}/{EPOCHS}: local loss [0-9.e+-]+ over \d+ samples")
             assert sum(1 for line in lines if tag.search(line)) == 1, (rank, epoch, lines)
-            # Once: not again as stderr (Ray Train's print patch also logs prints).
+            # Once: a print is captured on stdout only, never again as stderr.
             assert not any(f"epoch {epoch}/{EPOCHS}: local loss" in line and f"[rank {rank} " in line
                            for line in lines), lines
     # Ranks see disjoint shards: each rank's sample count is about half of the dataset.

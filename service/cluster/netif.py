@@ -119,7 +119,7 @@ def _mirror_half_set(user: dict[str, str]) -> str:
 
 def bind_ray_worker() -> InterfaceChoice:
     """Bind this Ray worker process's collectives to its own node's interface (run it in
-    each worker before the process group exists, e.g. Ray Train's DDP workers)."""
+    each worker before the process group exists, e.g. a training run's DDP rank actors)."""
     import ray
 
     return bind_collectives_to(ray.util.get_node_ip_address())

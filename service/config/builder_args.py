@@ -411,7 +411,7 @@ class SessionConfig(BaseModel):
 
 class TrainingLimits(BaseModel):
     """Training quotas (builder arguments). Active = PENDING or RUNNING: a waiting job already
-    holds its run actor and Ray Train's controller, so it counts as much as a running one."""
+    holds its run actor and its placement group request, so it counts as much as a running one."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

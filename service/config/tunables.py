@@ -350,10 +350,13 @@ class TrainingTunables:
         "a run being killed may still write a checkpoint or result.json."))
     max_resumes: int = knob(3, (
         "Times one job's run is started again after it died with the service (not worker failures: those "
-        "are Ray Train's max_failures) before the job FAILS."))
+        "are the job's max_failures) before the job FAILS."))
     checkpoint_wait_s: float = knob(600.0, (
         "Longest rank 0 waits for the previous epoch's checkpoint upload before writing the next (and "
         "for the last one at the end): slower storage fails the run, naming it."))
+    group_timeout_s: float = knob(300.0, (
+        "Bound on a worker group's start (its rank actors up, their process group formed) and on each "
+        "of its collectives: a rank that died or hangs fails the attempt within it, never a hang."))
     progress_interval_s: float = knob(0.5, "Rank 0 reports step progress (fire-and-forget) at most this often.")
     ack_timeout_s: float = knob(30.0, "Bound on the run actor's acknowledgement of a worker's start and of each finished epoch.")
     output_interval_s: float = knob(5.0, (
@@ -364,9 +367,6 @@ class TrainingTunables:
     output_line_chars: int = knob(1000, (
         "A captured output line is cut at this many characters: in the worker, and again in the run "
         "actor that receives it (one value for both)."))
-    recent_stdout_lines: int = knob(64, (
-        "Recent stdout lines a worker compares stderr lines with, to drop Ray Train's duplicate of a "
-        "printed line."))
     max_output_lines_per_call: int = knob(500, (
         "Lines the run actor takes from one worker_output call; more than a worker's ring holds, so "
         "nothing a worker sends is cut here."))

@@ -2,7 +2,7 @@
 
     Ingress      (ingress.py)      HTTP only: parses, validates, forwards; 0 CPUs, spread over nodes
     GangServer   (gang_server.py)  one gang per replica: rank 0 + the peer rank actors, supervised
-    JobManager   (job_manager.py)  training jobs (service.training.jobs): the job store, Ray Train run actors
+    JobManager   (job_manager.py)  training jobs (service.training.jobs): the job store, the run actors
     Controller   (controller.py)   the fleet view and the served-weights record: the app's shared state
 
 `service.app.compose_app` binds them together. Everything they use lives below them (the

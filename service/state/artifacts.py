@@ -10,7 +10,7 @@ copies live (`GANGSERVE_STORAGE_URL`).
                                          AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, ..., ~/.aws)
 
 Layout under the root (the same on both backends): `datasets/<id>.safetensors`,
-`runs/<job>/...` (Ray Train's storage_path and the run's result.json),
+`runs/<job>/...` (a run's epoch checkpoints and result.json),
 `checkpoints/<job>.safetensors`, `weights/<sha256>.safetensors`. Records (SQLite rows)
 store *keys*, paths relative to the root with `/` separators, so a record means the same
 thing on every node; an absolute local path (the `checkpoint=` builder argument, rows
@@ -130,7 +130,7 @@ class ArtifactStore:
     def __init__(self, fs: pafs.FileSystem, root: str, url: str, *, local: bool, cache_dir: Path,
                  secrets: tuple[str, ...] = (), tunables: StateTunables | None = None) -> None:
         self.tunables = tunables or StateTunables()
-        self.filesystem = fs  # also what Ray Train gets (ray_train_storage)
+        self.filesystem = fs
         self.root = root.rstrip("/")  # the file-system path of the root: /abs/dir or bucket/prefix
         self.url = url  # for messages: already redacted
         self.local = local
@@ -158,14 +158,6 @@ class ArtifactStore:
             raise ValueError(f"{recorded!r} is a local path; the artifact store is {self.url}")
         resolved = resolve_inside(Path(self.root), recorded)
         return resolved.relative_to(Path(self.root).resolve()).as_posix()
-
-    def ray_train_storage(self, sub: str = "runs") -> tuple[str, pafs.FileSystem | None]:
-        """(storage_path, storage_filesystem) for Ray Train's RunConfig: its run directories
-        (and epoch checkpoints) live under `<root>/<sub>/<run name>`."""
-        check_key(sub)
-        if self.local:
-            return str(Path(self.root) / sub), None
-        return f"{self.root}/{sub}", self.filesystem
 
     # ---- start-up check ---------------------------------------------------------------------
 

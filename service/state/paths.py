@@ -22,8 +22,9 @@ _checked: set[Path] = set()
 def state_dir() -> Path:
     """The absolute state directory, created (mode 0700) if missing.
 
-    Resolved to an absolute path once here because Ray Train changes the working
-    directory of its workers: a relative path would point somewhere else there.
+    Resolved to an absolute path once here because a Ray actor (a run actor, a rank actor)
+    need not run in the driver's working directory: a relative path would point somewhere
+    else there.
     """
     path = Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR).expanduser().resolve()
     try:

@@ -26,7 +26,7 @@ from service.models.safetensors_header import Shapes, read_header
 from service.training.spec import AttentionModel, LinearModel, ModelSpecT, RegisteredModel, TransformerModel
 from service.weights.targets import Architecture
 
-MODEL_FILE = "model.safetensors"  # the checkpoint file's name inside a Ray Train checkpoint
+MODEL_FILE = "model.safetensors"  # the model file's name inside an epoch checkpoint (runs/<job>/epoch-NNNNNN/)
 _LAYER = re.compile(r"^layers\.(\d+)\.self_attn\.in_proj_weight$")
 
 

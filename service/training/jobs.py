@@ -9,8 +9,8 @@ with `await open()` (heartbeat, adoption, the poll loop). The JobManager Serve d
 (service.deployments.job_manager) wires the real ones; the ingress never creates actors, it
 only calls that deployment.
 
-Life of a job: PENDING (record written, run actor created, Ray Train waiting for its
-workers; `reason` says what it waits for) -> RUNNING (rank 0 entered the train loop) ->
+Life of a job: PENDING (record written, run actor created, its worker group's placement
+group waiting for room; `reason` says what it waits for) -> RUNNING (rank 0 entered the train loop) ->
 SUCCEEDED | FAILED | CANCELLED (the allowed moves: service.training.status, which the
 store's writes obey). What the poller decides for one job, given its record and what the
 cluster says (stop polling, FAIL past a limit, resume a run that died with the service,
@@ -59,7 +59,8 @@ from service.training.clock import SYSTEM_CLOCK, Clock
 from service.training.kept_writes import KeptWrites
 from service.config.builder_args import TrainingLimits
 from service.training.limits import ActiveUsage, check_job_alone, check_job_fits
-from service.training.run import final_checkpoint_key, read_result, run_prefix
+from service.training.epoch_checkpoints import run_prefix
+from service.training.run import final_checkpoint_key, read_result
 from service.training.run_snapshot import ResumeState, RunSnapshot
 from service.training.run_actors import RunActors
 from service.training.spec import JobSpec, UploadedDataset
@@ -237,7 +238,7 @@ class Jobs:
         return {"jobs": [r.to_public() for r in records], "next": str(nxt) if nxt is not None else None}
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
-        """Stop the run (kill its actor; Ray Train's cleaner frees the workers' placement group
+        """Stop the run (kill its actor; its workers and their placement group die with it,
         within seconds) and mark it CANCELLED. 409 if it already ended."""
         record = await self._record(job_id, with_history=False)
         if not can_move(record.status, JobStatus.CANCELLED):
@@ -255,8 +256,9 @@ class Jobs:
 
     async def delete_job(self, job_id: str) -> dict[str, Any]:
         """Remove a job: cancel it if active (its workers are freed within seconds), then its
-        record, history, logs, Ray Train run dir and final checkpoint. Served weights are not
-        affected: POST /weights serves its own copy of a checkpoint."""
+        record, history, logs, run dir (runs/<job>: epoch checkpoints, result.json) and final
+        checkpoint. Served weights are not affected: POST /weights serves its own copy of a
+        checkpoint."""
         record = await self._record(job_id, with_history=False)
         if record.active:
             await self._io(
@@ -567,7 +569,7 @@ class Jobs:
         await self._kept.run(f"FAILED of job {job_id}", write)
 
     async def _kill_run(self, job_id: str) -> None:
-        """Stop polling the run and kill its actor (with it, the Ray Train controller and workers)."""
+        """Stop polling the run and kill its actor (with it, its workers and their placement group)."""
         run = self._runs.pop(job_id, None)
         self._epochs.forget(job_id)
         handle = run.handle if run else await self._actors.find(job_id)

@@ -136,8 +136,8 @@ class Reattach:
 
 @dataclass(frozen=True)
 class Resume:
-    """Start a new run of the job (Ray Train resumes it from its last epoch checkpoint);
-    `resumes`: the job's count including this one."""
+    """Start a new run of the job (its first worker group resumes from the run's newest
+    registered epoch checkpoint); `resumes`: the job's count including this one."""
 
     resumes: int
 

@@ -58,7 +58,7 @@ class JobView(_Open):
                                            "cancelled; null otherwise.")
     error: str | None = Field(description="Why it FAILED; null otherwise.")
     checkpoint: Checkpoint | None = Field(description="The final checkpoint once SUCCEEDED; null before.")
-    attempts: int = Field(description="Worker-group starts (Ray Train restarts it up to spec.max_failures).")
+    attempts: int = Field(description="Worker-group starts (a failed group is replaced up to spec.max_failures times).")
     workers: list[dict[str, Any]] = Field(description="The current attempt's workers: {rank, pid, node_id, "
                                                       "node_ip, iface, attempt}.")
     init_from: dict[str, Any] | None = Field(description="What the job started from, resolved; null: random.")

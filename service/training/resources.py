@@ -1,5 +1,5 @@
-"""Fail-fast placement checks in front of Ray Train (which retries an unplaceable worker
-group forever: "worker group startup timed out", then again).
+"""Fail-fast placement checks in front of a run's worker group (whose placement group waits
+for an unplaceable bundle forever: the job would stay PENDING until schedule_timeout_s).
 
 `infeasible_reason` answers "can this cluster EVER hold the job?" from each alive node's
 total resources with the serving gang's check (`placement.fits`: a worker's bundle must fit

@@ -1,34 +1,33 @@
-"""TrainRun: one job's run, a detached named Ray actor that calls `TorchTrainer.fit()`.
+"""TrainRun: one job's run, a detached named Ray actor that runs its worker groups.
 
-Why an actor per run: `fit()` blocks until training ends, so it runs on this actor's
-background thread and nothing in the HTTP path waits on it. Cancel = `ray.kill` of this
-actor: the Ray Train controller it created (owned by it) and the workers (owned by the
-controller) die with it, and Ray Train's detached placement-group cleaner removes the
-workers' placement group about a second later.
+Why an actor per run: training blocks until it ends, so it runs on this actor's background
+thread and nothing in the HTTP path waits on it. Each attempt is one worker group
+(service.training.worker_group): placed, trained, shut down. An attempt that fails (a rank
+raised, died, or its node was lost) is followed by a new group that resumes from the run's
+newest registered checkpoint, up to the job's `max_failures` times; then the run FAILS with
+the last attempt's error. Cancel = `ray.kill` of this actor: the workers and the placement
+group it created die with it.
 
 Why detached and named: a JobManager replica that restarts re-attaches to runs still in
 flight (`ray.get_actor(name, namespace)`) instead of losing them. The outcome is also
 written to `result.json` in the run dir, so a manager that comes back after the actor has
 gone still learns how the run ended.
 
-Where the files go: the artifact store (service.state.artifacts): Ray Train's run
-directory and epoch checkpoints under `runs/<job>` (its `storage_path`, with the store's
-pyarrow file system as `storage_filesystem` on S3), the final dense checkpoint as
-`checkpoints/<job>.safetensors` and the outcome as `runs/<job>/result.json`. No node
-needs a shared directory when the store is object storage.
+Where the files go: the artifact store (service.state.artifacts): the epoch checkpoints
+and their pointer under `runs/<job>` (service.training.epoch_checkpoints), the final dense
+checkpoint as `checkpoints/<job>.safetensors` and the outcome as `runs/<job>/result.json`.
+No node needs a shared directory when the store is object storage.
 
 The actor keeps the live state (status, progress, history, workers, log lines); the
 JobManager polls `snapshot()` and is the only writer of the SQLite records.
 
 Resuming after the service restarted: a run whose actor died (head restart, the actor's
 node lost) is started again by the JobManager as a new TrainRun of the same job, given the
-record's `resume` state (attempts so far, started_at, progress). Its TorchTrainer has the
-same name and storage path, and Ray Train (V2) restores the run's checkpoint manager from
-that directory: `ray.train.get_checkpoint()` on the new workers is the last registered epoch
-checkpoint, so training continues from there, and the epochs it reports again replace the
-recorded ones (one history entry per epoch). A snapshot
-carries only what is new since the manager's last one: log lines after `since_log_seq`,
-history entries reported after `since_history_seq`.
+record's `resume` state (attempts so far, started_at, progress). Its first worker group
+starts from the run's newest registered checkpoint, as a group replacing a failed one does,
+so training continues from there, and the epochs it reports again replace the recorded ones
+(one history entry per epoch). A snapshot carries only what is new since the manager's last
+one: log lines after `since_log_seq`, history entries reported after `since_history_seq`.
 """
 from __future__ import annotations
 
@@ -46,12 +45,13 @@ import ray
 
 from service.state import artifacts
 
-from service.training.checkpoints import MODEL_FILE
+from service.training.epoch_checkpoints import latest, run_prefix
 from service.training.run_snapshot import (
     EpochEntry, FinalCheckpoint, LogLine, Progress, ResumeState, RunSnapshot, WorkerEntry,
 )
 from service.training.spec import JobSpec
 from service.training.status import JobStatus, check_transition
+from service.training.worker_group import AttemptFailed, WorkerGroup, short_error
 from service.training.worker_reports import EpochReport, WorkerLoop
 from service.config.tunables import Tunables
 
@@ -62,11 +62,6 @@ RESULT_FILE = "result.json"
 
 def run_actor_name(job_id: str) -> str:
     return f"gangserve-train-{job_id}"
-
-
-def run_prefix(job_id: str) -> str:
-    """Ray Train's storage for this run, as an artifact key: storage_path=<root>/runs, name=<job_id>."""
-    return f"runs/{job_id}"
 
 
 def final_checkpoint_key(job_id: str) -> str:
@@ -85,17 +80,6 @@ def read_result(store: artifacts.ArtifactStore, job_id: str) -> RunSnapshot | No
     except ValueError as exc:
         log.warning("job %s: its %s is unreadable (%s); treated as absent", job_id, RESULT_FILE, exc)
         return None
-
-
-def _short_error(exc: BaseException) -> str:
-    """The most specific 'Type: message' line of a (possibly nested) Ray Train error."""
-    text = str(exc).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        head = line.split(":", 1)[0]
-        if head.endswith(("Error", "Exception", "Interrupt")) and " " not in head:
-            return line[:500]
-    return (lines[-1] if lines else type(exc).__name__)[:500]
 
 
 class TrainRun:
@@ -129,8 +113,7 @@ class TrainRun:
         self._history_seq = 0
         self._workers: dict[int, WorkerEntry] = {}
         self._attempts = 0
-        self._ranks_this_attempt: set[int] = set()
-        self._new_attempt = True  # the next worker to start opens an attempt
+        self._new_attempt = True  # the next worker to start opens an attempt (set for each group)
         self._resumed_from_epoch: int | None = None
         self._init_key = init_key
         if resume:
@@ -159,44 +142,18 @@ class TrainRun:
     # ---- the run ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
-
-        from service.training.runner import train_loop_per_worker  # the run actor's process: torch, Ray Train
-        from service.training.torch_backend import InterfaceBoundTorchConfig
-
         spec = self._spec
-        bundle = spec.worker_bundle()
+        loop = WorkerLoop(job_id=self._job_id, spec=spec, reporter=self._handle, dataset_path=self._dataset_path,
+                          init_key=self._init_key, tunables=self._tunables)
         try:
-            storage_path, storage_filesystem = self._store.ray_train_storage()
-            trainer = TorchTrainer(
-                train_loop_per_worker,
-                train_loop_config=WorkerLoop(spec=spec, reporter=self._handle, dataset_path=self._dataset_path,
-                                             init_key=self._init_key, tunables=self._tunables).as_config(),
-                scaling_config=ScalingConfig(
-                    num_workers=spec.world_size, use_gpu=spec.use_gpu,
-                    resources_per_worker={k: v for k, v in bundle.items()},
-                    placement_strategy=spec.placement_strategy,
-                ),
-                run_config=RunConfig(
-                    name=self._job_id,
-                    storage_path=storage_path,
-                    storage_filesystem=storage_filesystem,
-                    failure_config=FailureConfig(max_failures=spec.max_failures),
-                    checkpoint_config=CheckpointConfig(num_to_keep=2),
-                ),
-                # Each worker binds its DDP process group to the interface of its own node's
-                # IP before Ray Train creates the group (service.cluster.netif).
-                torch_config=InterfaceBoundTorchConfig(),
-            )
-            self._log("TorchTrainer.fit() started; waiting for the worker group")
-            result = trainer.fit()
-            if result.checkpoint is None:
-                raise RuntimeError("training finished without reporting a checkpoint")
+            self._attempts_until_done(loop)
+            done = latest(self._store, self._job_id)
+            if done is None or done.epoch != spec.epochs:
+                raise RuntimeError(f"training finished without the final checkpoint (epoch {spec.epochs}); the run's "
+                                   f"newest is {'none' if done is None else f'epoch {done.epoch}'}")
             final = final_checkpoint_key(self._job_id)
-            with result.checkpoint.as_directory() as d:
-                # Atomic (temp + rename locally, one PUT on S3): a reader never sees half of it.
-                nbytes, _ = self._store.put_file(final, Path(d) / MODEL_FILE)
+            # Atomic (temp + rename locally, one PUT on S3): a reader never sees half of it.
+            nbytes = self._store.write_bytes(final, self._store.read_bytes(done.model_key))
             checkpoint = FinalCheckpoint(
                 path=final, url=f"/train/{self._job_id}/checkpoint",
                 format=f"dense-{spec.model.kind}" if spec.model.kind != "linear" else "linear", bytes=nbytes)
@@ -209,8 +166,29 @@ class TrainRun:
                 attempts = max(self._attempts, 1)
             self._finish(
                 JobStatus.FAILED,
-                f"training failed after {attempts} attempt(s) (max_failures={spec.max_failures}): {_short_error(exc)}",
+                f"training failed after {attempts} attempt(s) (max_failures={spec.max_failures}): {short_error(exc)}",
             )
+
+    def _attempts_until_done(self, loop: WorkerLoop) -> None:
+        """Worker groups, one per attempt, until one trains to the end; the last failure
+        raised once `max_failures` groups failed before it."""
+        failures = 0
+        while True:
+            group = WorkerGroup(self._spec, self._tunables.training.group_timeout_s, self._log)
+            with self._lock:
+                self._new_attempt = True  # the group's first worker to start opens the attempt
+            self._log(f"starting a worker group of {self._spec.world_size} rank(s)")
+            try:
+                group.run(loop)
+                return
+            except AttemptFailed as exc:
+                failures += 1
+                if failures > self._spec.max_failures:
+                    raise
+                self._log(f"the worker group failed ({exc}); starting a new one from the newest checkpoint "
+                          f"(failure {failures} of at most {self._spec.max_failures})")
+            finally:
+                group.shutdown()
 
     def _finish(self, status: JobStatus, error: str | None) -> None:
         """Record the outcome: result.json first, then the live status the manager polls
@@ -245,12 +223,10 @@ class TrainRun:
     def worker_started(self, rank: int, world_size: int, pid: int, node_id: str, resumed_epoch: int | None,
                        node_ip: str | None = None, iface: str | None = None) -> None:
         with self._lock:
-            # A rank starting a second time means Ray Train restarted the worker group.
-            if rank in self._ranks_this_attempt or self._new_attempt:
+            # An attempt counts once its group's first worker started.
+            if self._new_attempt:
                 self._attempts += 1
-                self._ranks_this_attempt = set()
                 self._new_attempt = False
-            self._ranks_this_attempt.add(rank)
             if rank == 0 and resumed_epoch is not None:
                 self._resumed_from_epoch = int(resumed_epoch)
             if self._status == JobStatus.PENDING:

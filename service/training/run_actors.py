@@ -24,8 +24,8 @@ T = TypeVar("T")
 
 class RunActors:
     """The detached, named run actors of the jobs, placed on `node_id` (the manager's node:
-    the Ray Train controller runs next to its driver, and a local artifact store's state dir
-    is known to be mounted there). Each gets the app's `tunables` (default: the defaults),
+    a local artifact store's state dir is known to be mounted there, and the run actor reads
+    and writes it: the checkpoint pointer, the final checkpoint, result.json). Each gets the app's `tunables` (default: the defaults),
     which it hands to its workers."""
 
     def __init__(self, node_id: str, tunables: Tunables | None = None) -> None:
@@ -67,7 +67,7 @@ class RunActors:
 
     @staticmethod
     async def kill(handle: Any) -> None:
-        """Kill the run actor (with it, the Ray Train controller and workers); gone already is fine."""
+        """Kill the run actor (with it, its workers and their placement group); gone already is fine."""
         try:
             await asyncio.to_thread(ray.kill, handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone is fine

@@ -1,14 +1,15 @@
-"""The per-worker train loop that Ray Train's TorchTrainer runs on every DDP rank.
+"""One DDP rank of a training run: the `TrainWorker` actor and its train loop.
 
-    prepare_model      -> DistributedDataParallel (gloo on CPU, NCCL on GPUs)
-    prepare_data_loader-> DistributedSampler (set_epoch every epoch, so shuffles differ)
-    ray.train.report   -> the epochs that carry a checkpoint, on every rank (it is a barrier);
-                          rank 0 attaches the checkpoint: model.safetensors (the dense
-                          serving format for attention) + train_state.pt (epoch, step,
-                          optimizer state, and the job's history up to that epoch). See
-                          "Reports" below.
-    ray.train.get_checkpoint -> after a worker failure, Ray Train restarts the worker group
-                          and the loop resumes from the last reported checkpoint.
+A run's worker group (service.training.worker_group) places one `TrainWorker` per rank and
+calls, in order: rank 0's `open_store` (the rendezvous store, on its node, OS-chosen port),
+then every rank's `train`, which joins the process group (gloo on CPU, NCCL on GPUs; bound
+to its node's interface, service.cluster.netif; the rendezvous and every collective bounded
+by training.group_timeout_s) and runs the loop:
+
+    DistributedDataParallel over the model (world size > 1), a DistributedSampler over the
+    training samples (set_epoch every epoch, so shuffles differ), the squared error, the
+    optimizer; after each epoch the all-reduced loss, the held-out loss, rank 0's report
+    to the run actor, and rank 0's checkpoint when one is due.
 
 Loss: the squared L2 error of each target vector, averaged over vectors (for a
 Linear(10, 1) this is exactly the notes' nn.MSELoss; for attention it is E times it, which
@@ -24,14 +25,13 @@ torch or Ray print in this process too) is captured by `worker_output.OutputCapt
 sent to the run actor after every epoch, at most every training.output_interval_s within one, and
 when the loop ends: the job's logs show it tagged by rank ("[rank 1] ...").
 
-A checkpoint carries the history: every epoch's entry up to its own (this attempt's and those
-it resumed from). A resumed worker group's rank 0 hands them to the run actor
-(`history_restored`) before its first step, so the job's history holds every epoch the
-checkpoint stands on even when the run that finished one died before recording it (a killed
-run's workers can finish an epoch and register its checkpoint after their run actor is gone).
-
-Initial weights: a fresh start (no Ray Train checkpoint) loads `init_key` (the job's copy of
-its `init_from` weights, an artifact key) when given, else the seeded random init.
+Where a worker group starts: the run's newest registered epoch checkpoint
+(service.training.epoch_checkpoints: a group that replaces a failed one, or a run resumed
+after the service restarted), else the job's `init_key` (its copy of its `init_from`
+weights), else the seeded random init. A checkpoint carries the history: every epoch's entry
+up to its own. A resumed group's rank 0 hands them to the run actor (`history_restored`)
+before its first step, so the job's history holds every epoch the checkpoint stands on even
+when the run that finished one died before recording it.
 
 Validation: after each epoch's steps every rank evaluates its share (rank r: samples r, r +
 world, ...) of the held-out samples with the bare module, no gradients; the sums are
@@ -39,67 +39,53 @@ all-reduced, so `eval_loss` is the exact mean over all held-out vectors (same lo
 training). None when the job holds out nothing.
 
 Checkpoints off the step path: rank 0 writes the epoch's files to a local temp dir (a
-memory-speed write of the model and optimizer state) and reports them with
-`CheckpointUploadMode.ASYNC`: Ray Train's single upload thread copies them to storage while
-the next epoch trains, then deletes the temp dir. At most one upload is in flight: an epoch
-that ends while the previous upload still runs reports no checkpoint (the steps never wait
-for storage), nor one within REPORT_INTERVAL_S of the previous (see "Reports"), except the
-last epoch, which waits for the upload (at most training.checkpoint_wait_s) and writes the
-final one. Bound on lost work: a crash loses the epochs since the newest uploaded
-checkpoint, at most ceil(max(upload time, REPORT_INTERVAL_S) / epoch time) + 1 epochs. Each epoch's
-metrics carry rank 0's time on the step path: `checkpoint_s` writing the local files and
-`checkpoint_wait_s` waiting for the previous upload (non-zero only at the last epoch),
-both None for an epoch without a checkpoint (`no_checkpoint` says why).
-
-Reports: Ray Train's controller takes one report per worker each time it looks at its workers
-(every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default), and a run ends only once every
-report was taken. A report per epoch kept a run of short epochs alive for about epochs x
-interval after its last step (a 16-epoch job of 0.1 s epochs: 7 s at a 0.5 s interval, ~30 s
-at the default), and each report is a barrier through Ray Train's synchronization actor. So
-the ranks report to Ray Train only the epochs that carry a checkpoint, and rank 0 writes one
-at most once per interval (`REPORT_INTERVAL_S`; always the first epoch of an attempt and the
-last epoch): at most one report is queued at the end. The epochs' progress reaches the run
-actor as before (`epoch_done`, every epoch). Every rank must call report alike, so rank 0's
-decision travels in the epoch's loss all-reduce (a third element, only rank 0's non-zero).
+memory-speed write of the model and optimizer state) and one upload thread copies them to the
+store and registers them while the next epoch trains, then deletes the temp dir. At most one
+upload is in flight: an epoch that ends while the previous upload still runs writes no
+checkpoint (the steps never wait for storage), except the last epoch, which waits for the
+previous upload (at most training.checkpoint_wait_s), writes the final one and waits for it.
+Bound on lost work: a crash loses the epochs since the newest registered checkpoint, at most
+ceil(upload time / epoch time) + 1 epochs. Each epoch's metrics carry rank 0's time on the step
+path: `checkpoint_s` writing the local files and `checkpoint_wait_s` waiting for the previous
+upload (non-zero only at the last epoch), both None for an epoch without a checkpoint
+(`no_checkpoint` says why). Only rank 0 checkpoints (DDP keeps the replicas equal), so no other
+rank waits for it.
 """
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
+import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import ray
-import ray.train
-from ray.train import CheckpointUploadMode
 import torch
 import torch.distributed as dist
-from ray.train.torch import get_device, prepare_data_loader, prepare_model
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from safetensors.torch import load as st_load_torch
 
+from service.cluster.netif import bind_ray_worker
 from service.cluster.scratch import sweep_dead_owners
 from service.state import artifacts
 from service.training.checkpoints import MODEL_FILE
 from service.training.datasets import Samples, load_uploaded, split, synthetic
-from service.training.models import build_model, load_model, load_tensors, save_model
+from service.training.epoch_checkpoints import TRAIN_STATE_FILE, EpochCheckpoint, latest, register
+from service.training.models import build_model, load_tensors, save_model
 from service.training.run_snapshot import EpochEntry
 from service.training.spec import JobSpec, ModelSpecT, SyntheticDataset
 from service.training.worker_output import OutputCapture
 from service.training.worker_reports import EpochReport, WorkerLoop
-
-# How often Ray Train's controller takes a report (see "Reports" in the module docstring): its
-# own environment variable and default, which Ray Train hands to its workers.
-REPORT_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
-
-TRAIN_STATE_FILE = "train_state.pt"
 
 
 def vector_sq_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +103,57 @@ def _batch(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch
     return (batch[0], batch[1], batch[2]) if len(batch) == 3 else (batch[0], batch[1], None)
 
 
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where a rank runs: its rank, the group's size, and its torch device."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+
+class TrainWorker:
+    """One rank of a run's worker group, a Ray actor in one bundle of the group's placement
+    group (service.training.worker_group). Rank 0 first hosts the rendezvous store
+    (`open_store`); then every rank's `train` joins the group and runs the loop to its end."""
+
+    def __init__(self) -> None:
+        self._store: dist.TCPStore | None = None
+
+    def open_store(self, world: int, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 only: host the group's rendezvous store on this node's Ray address (the one
+        other nodes reach it at); returns (address, OS-chosen port)."""
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        return host, int(self._store.port)
+
+    def train(self, loop: WorkerLoop, rank: int, world: int, rendezvous: tuple[str, int]) -> None:
+        """Join the process group at `rendezvous` (rank 0's store) and train; raises what the
+        loop raised (the group then fails the attempt)."""
+        capture = OutputCapture(loop.tunables.training)
+        with capture.installed():
+            try:
+                place = self._join(loop, rank, world, rendezvous)
+                try:
+                    _train(loop, place, capture)
+                finally:
+                    dist.destroy_process_group()
+            finally:
+                send_output(loop.reporter, rank, capture, loop.tunables.training.output_ack_timeout_s, final=True)
+
+    def _join(self, loop: WorkerLoop, rank: int, world: int, rendezvous: tuple[str, int]) -> WorkerPlace:
+        # The interface of this node's Ray IP, before the group exists (service.cluster.netif).
+        bind_ray_worker()
+        cuda = loop.spec.use_gpu and torch.cuda.is_available()
+        # Ray gives an actor with a GPU its own CUDA_VISIBLE_DEVICES: the one device it sees.
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        timeout = timedelta(seconds=loop.tunables.training.group_timeout_s)
+        host, port = rendezvous
+        store = self._store or dist.TCPStore(host, port, world, False, timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        return WorkerPlace(rank, world, device)
+
+
 def send_output(reporter: Any, rank: int, capture: OutputCapture, ack_timeout_s: float, final: bool = False) -> None:
     """Send the captured lines to the run actor, acknowledged (so they arrive in order, and
     the last ones before fit() returns, each within `ack_timeout_s`); never fails the
@@ -130,19 +167,6 @@ def send_output(reporter: Any, rank: int, capture: OutputCapture, ack_timeout_s:
         print(f"could not send {len(lines)} output line(s) to the run actor: {type(exc).__name__}", file=sys.stderr)
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """One worker's training: `config` is the run actor's train_loop_config, which holds a
-    `WorkerLoop` (service.training.worker_reports)."""
-    loop = WorkerLoop.of(config)
-    rank = ray.train.get_context().get_world_rank()
-    capture = OutputCapture(loop.tunables.training)
-    with capture.installed():
-        try:
-            _train(loop, capture)
-        finally:
-            send_output(loop.reporter, rank, capture, loop.tunables.training.output_ack_timeout_s, final=True)
-
-
 @dataclass(frozen=True)
 class _Start:
     """Where a worker's training starts: epoch and step counts, and the optimizer's state."""
@@ -150,34 +174,32 @@ class _Start:
     epoch: int
     step: int
     optimizer_state: dict[str, Any] | None
-    resumed: bool  # from Ray Train's checkpoint (a restarted worker group, or a run resumed after a restart)
-    history: tuple[EpochEntry, ...] = ()  # the checkpoint's epochs 1..epoch (none in one written before it kept them)
+    resumed_from: EpochCheckpoint | None  # the run's checkpoint it starts from; None: a fresh start
+    history: tuple[EpochEntry, ...] = ()  # the checkpoint's epochs 1..epoch
 
 
-def _start(model: nn.Module, loop: WorkerLoop) -> _Start:
-    """Loads `model`'s weights where the run starts from: Ray Train's latest checkpoint (set after
-    a worker-group restart, and when a run of the same name resumes after the service
-    restarted), else the job's init_from weights, else the seeded init `model` already holds."""
+def _start(model: nn.Module, loop: WorkerLoop, store: artifacts.ArtifactStore) -> _Start:
+    """Loads `model`'s weights where the worker group starts from: the run's newest registered
+    checkpoint, else the job's init_from weights, else the seeded init `model` already holds."""
     spec = loop.spec
-    restored = ray.train.get_checkpoint()
+    restored = latest(store, loop.job_id)
     if restored is not None:
-        with restored.as_directory() as d:
-            load_model(model, spec.model, Path(d) / MODEL_FILE)
-            return read_train_state(Path(d) / TRAIN_STATE_FILE)
+        load_tensors(model, spec.model, st_load_torch(store.read_bytes(restored.model_key)))
+        return read_train_state(store.read_bytes(restored.state_key), restored)
     if loop.init_key:
         # Fine-tuning: the job's own copy of its init_from weights (shapes checked at submit).
-        store = artifacts.store(loop.tunables.state)
         load_tensors(model, spec.model, st_load_torch(store.read_bytes(loop.init_key)))
-    return _Start(0, 0, None, resumed=False)
+    return _Start(0, 0, None, resumed_from=None)
 
 
-def read_train_state(path: Path) -> _Start:
+def read_train_state(data: bytes, checkpoint: EpochCheckpoint) -> _Start:
     """Where a checkpoint's train_state.pt (CheckpointWriter.write) resumes the run."""
     # map_location: the optimizer state was saved from whichever cuda:N that worker had;
     # load it on the CPU (load_state_dict moves it to the parameters' device).
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     history = tuple(EpochEntry(**entry) for entry in state.get("history", ()))
-    return _Start(int(state["epoch"]), int(state["step"]), state["optimizer"], resumed=True, history=history)
+    return _Start(int(state["epoch"]), int(state["step"]), state["optimizer"], resumed_from=checkpoint,
+                  history=history)
 
 
 def _optimizer(model: nn.Module, spec: JobSpec, state: dict[str, Any] | None) -> torch.optim.Optimizer:
@@ -213,48 +235,54 @@ class _Progress:
         self._last_output = time.monotonic()
 
 
-def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
+def _loader(train: Samples, spec: JobSpec, place: WorkerPlace) -> tuple[DataLoader, DistributedSampler | None]:
+    """The rank's batches: with more than one rank, its share of a seeded shuffle of every
+    sample (DistributedSampler: disjoint shares, padded to equal length); alone, all of them."""
+    dataset = TensorDataset(*train.tensors())
+    if place.world == 1:
+        return DataLoader(dataset, batch_size=spec.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(spec.seed)), None
+    sampler = DistributedSampler(dataset, num_replicas=place.world, rank=place.rank, shuffle=True, seed=spec.seed)
+    return DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler), sampler
+
+
+def _train(loop: WorkerLoop, place: WorkerPlace, capture: OutputCapture) -> None:
     t, spec = loop.tunables.training, loop.spec
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank, world, device = place.rank, place.world, place.device
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
+    store = artifacts.store(loop.tunables.state)
 
     model = build_model(spec.model, spec.seed)
-    start = _start(model, loop)
+    start = _start(model, loop, store)
     ray.get(loop.reporter.worker_started.remote(
         rank=rank, world_size=world, pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
-        resumed_epoch=start.epoch if start.resumed else None,
+        resumed_epoch=start.resumed_from.epoch if start.resumed_from else None,
         node_ip=ray.util.get_node_ip_address(), iface=os.environ.get("GLOO_SOCKET_IFNAME"),
     ), timeout=t.ack_timeout_s)
     if rank == 0 and start.history:
         ray.get(loop.reporter.history_restored.remote(list(start.history), start.step), timeout=t.ack_timeout_s)
 
-    train, val = load_samples(spec, loop.dataset_path, artifacts.store(loop.tunables.state))
-    loader = prepare_data_loader(DataLoader(
-        TensorDataset(*train.tensors()), batch_size=spec.batch_size, shuffle=True,
-        generator=torch.Generator().manual_seed(spec.seed),
-    ))
-    model = prepare_model(model)  # moves to the worker's device, wraps in DDP
-    device = get_device()
+    train, val = load_samples(spec, loop.dataset_path, store)
+    loader, sampler = _loader(train, spec, place)
+    bare = model.to(device)
+    model = (nn.parallel.DistributedDataParallel(bare, device_ids=[device.index] if device.type == "cuda" else None)
+             if world > 1 else bare)
     optimizer = _optimizer(model, spec, start.optimizer_state)
-    bare: nn.Module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    sampler = getattr(loader, "sampler", None)
 
-    writer = CheckpointWriter(spec.model, t.checkpoint_wait_s)
+    writer = CheckpointWriter(store, loop.job_id, spec.model, t.checkpoint_wait_s, start.resumed_from) if rank == 0 else None
     progress = _Progress(loop, rank, capture)
     step = start.step
     history = list(start.history)  # rank 0's: what each checkpoint carries
     for epoch in range(start.epoch, spec.epochs):
-        if isinstance(sampler, DistributedSampler):
+        if sampler is not None:
             sampler.set_epoch(epoch)
         model.train()
         t0 = time.monotonic()
         epoch_steps = 0
-        # [sum of loss * vectors, vectors, rank 0's "this epoch checkpoints"], on the model's
-        # device: NCCL reduces CUDA tensors only.
-        loss_sum = torch.zeros(3, dtype=torch.float64, device=device)
+        # [sum of loss * vectors, vectors], on the model's device: NCCL reduces CUDA tensors only.
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for batch in loader:
-            xb, yb, mb = _batch(batch)
+            xb, yb, mb = (part.to(device) if part is not None else None for part in _batch(batch))
             out = model(xb) if mb is None else model(xb, mb)
             loss = vector_sq_error(out, yb, mb)
             optimizer.zero_grad(set_to_none=True)
@@ -267,13 +295,9 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
             loss_sum[1] += n
             progress.step(epoch, step, loss)
         local_sum, local_n = loss_sum[0].item(), int(loss_sum[1].item())
-        last = epoch + 1 == spec.epochs
-        if rank == 0:
-            loss_sum[2] = float(writer.due(last))
-        if world > 1 and dist.is_initialized():
-            dist.all_reduce(loss_sum)  # every rank's samples count once; rank 0's decision reaches all
+        if world > 1:
+            dist.all_reduce(loss_sum)  # every rank's samples count once
         epoch_loss = float(loss_sum[0].item() / max(loss_sum[1].item(), 1.0))
-        checkpointed = bool(loss_sum[2].item())
         epoch_s = time.monotonic() - t0
         eval_loss = evaluate(bare, val, rank, world, spec.batch_size, device)
         # This rank's own view of the epoch, on its stdout (captured for the job's logs).
@@ -283,33 +307,31 @@ def _train(loop: WorkerLoop, capture: OutputCapture) -> None:
         report = EpochReport(epoch=epoch + 1, loss=epoch_loss, step=step, epoch_s=epoch_s, eval_loss=eval_loss,
                              at=time.time())
         history.append(report.entry())
-        _end_epoch(loop, rank, report, writer, bare, optimizer, progress, history, checkpointed)
+        _end_epoch(loop, report, writer, bare, optimizer, progress, history, last=epoch + 1 == spec.epochs)
 
 
-def _end_epoch(loop: WorkerLoop, rank: int, report: EpochReport, writer: CheckpointWriter, bare: nn.Module,
+def _end_epoch(loop: WorkerLoop, report: EpochReport, writer: CheckpointWriter | None, bare: nn.Module,
                optimizer: torch.optim.Optimizer, progress: _Progress, history: list[EpochEntry],
-               checkpointed: bool) -> None:
-    """An epoch that checkpoints (rank 0's decision, the same on every rank) is reported to Ray
-    Train on every rank (it is a barrier), rank 0 attaching the checkpoint; then every rank
-    sends its output, and rank 0 has the run actor acknowledge the epoch (after its output, so
-    the job's log shows the rank's line first). `history`: rank 0's epochs so far, this one
-    included (the checkpoint carries them)."""
-    if rank != 0:
-        if checkpointed:
-            ray.train.report(report.metrics(), checkpoint=None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
+               last: bool) -> None:
+    """Every rank sends its output; rank 0 (the one with a `writer`) first writes the epoch's
+    checkpoint when one is due (the last epoch's is waited for: the run's final checkpoint),
+    then has the run actor acknowledge the epoch (after its output, so the job's log shows the
+    rank's line first). `history`: rank 0's epochs so far, this one included (the checkpoint
+    carries them)."""
+    if writer is None:
         progress.flush()
         return
-    if checkpointed:
-        checkpoint = writer.write(bare, optimizer, report.epoch, report.step, history)
+    if writer.due(last):
+        writer.write(bare, optimizer, report.epoch, report.step, history)
         report = dataclasses.replace(report, checkpoint_s=writer.write_s, checkpoint_wait_s=writer.wait_s)
-        ray.train.report(report.metrics(), checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-                         delete_local_checkpoint_after_upload=True)
+        if last:
+            writer.wait()
     else:
         report = dataclasses.replace(report, no_checkpoint=writer.skip_reason())
     progress.flush()
-    # Acknowledged (bounded), so the run has the epoch before fit() can return. Its checkpoint
-    # may still be uploading: a restart then resumes from the epoch before and reports this one
-    # again (the history keeps one entry per epoch).
+    # Acknowledged (bounded), so the run has the epoch before the group's attempt ends. Its
+    # checkpoint may still be uploading: a restart then resumes from the epoch before and
+    # reports this one again (the history keeps one entry per epoch).
     ray.get(loop.reporter.epoch_done.remote(report), timeout=loop.tunables.training.ack_timeout_s)
 
 
@@ -353,34 +375,35 @@ def evaluate(model: nn.Module, val: Samples | None, rank: int, world: int, batch
     return float(sums[0].item() / sums[1].item()) if sums[1].item() else None
 
 
-# Epoch checkpoint dirs: <temp dir>/gangserve-ckpt-<writer pid>-e<epoch>-<random>. Ray Train
-# deletes one after it uploaded it; one whose worker was killed first stays behind, and the
-# next writer on the node removes it (service.cluster.scratch).
+# Epoch checkpoint dirs: <temp dir>/gangserve-ckpt-<writer pid>-e<epoch>-<random>. The upload
+# thread deletes one after it uploaded it; one whose worker was killed first stays behind, and
+# the next writer on the node removes it (service.cluster.scratch).
 CHECKPOINT_DIR_PREFIX = "gangserve-ckpt-"
 _CHECKPOINT_DIR = re.compile(rf"^{re.escape(CHECKPOINT_DIR_PREFIX)}(\d+)-e\d+-")
 
 
 class CheckpointWriter:
-    """Rank 0's epoch checkpoints as local temp dirs for Ray Train's ASYNC upload, at most
-    one in flight (see the module docstring)."""
+    """Rank 0's epoch checkpoints: local temp dirs, uploaded to the store and registered by
+    one background thread, at most one in flight (see the module docstring)."""
 
-    def __init__(self, spec: ModelSpecT, wait_bound_s: float) -> None:
-        """`wait_bound_s`: the longest wait for the previous upload (training.checkpoint_wait_s).
-        Removes the checkpoint dirs that dead writers on this node left behind: every rank
-        builds one, so a node that now holds only other ranks is cleaned too (one listing
-        of the temp dir per worker start)."""
+    def __init__(self, store: artifacts.ArtifactStore, job_id: str, spec: ModelSpecT, wait_bound_s: float,
+                 resumed_from: EpochCheckpoint | None) -> None:
+        """`wait_bound_s`: the longest wait for an upload (training.checkpoint_wait_s).
+        `resumed_from`: the checkpoint this group started from (kept, then pruned like the
+        writer's own). Removes the checkpoint dirs that dead writers on this node left behind."""
         sweep_dead_owners(Path(tempfile.gettempdir()), _CHECKPOINT_DIR)
-        self._spec = spec
+        self._store, self._job_id, self._spec = store, job_id, spec
         self._wait_bound_s = wait_bound_s
-        self._pending: Path | None = None  # the previous epoch's dir until its upload deletes it
-        self._written_at = -float("inf")  # monotonic time of the last write
+        self._registered: list[EpochCheckpoint] = [resumed_from] if resumed_from else []
+        self._upload: threading.Thread | None = None
+        self._failed: BaseException | None = None  # the last upload's error, raised by the next wait
         self.wait_s = 0.0   # the last write's wait for the previous upload
         self.write_s = 0.0  # the last write's own time (local files)
 
     def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int,
-              history: list[EpochEntry]) -> ray.train.Checkpoint:
-        """The epoch's checkpoint dir: the model, and the train state (epoch, step, optimizer,
-        `history`: the job's epochs up to this one)."""
+              history: list[EpochEntry]) -> None:
+        """Write the epoch's checkpoint (the model, and the train state: epoch, step, optimizer,
+        `history`: the job's epochs up to this one) locally and start its upload."""
         t0 = time.monotonic()
         self.wait()
         t1 = time.monotonic()
@@ -388,37 +411,43 @@ class CheckpointWriter:
         save_model(model, self._spec, tmp / MODEL_FILE)
         torch.save({"epoch": epoch, "step": step, "optimizer": optimizer.state_dict(),
                     "history": [dataclasses.asdict(entry) for entry in history]}, tmp / TRAIN_STATE_FILE)
-        self._pending, self._written_at = tmp, time.monotonic()
         self.wait_s, self.write_s = t1 - t0, time.monotonic() - t1
-        return ray.train.Checkpoint.from_directory(str(tmp))
+        self._upload = threading.Thread(target=self._upload_and_register, args=(tmp, EpochCheckpoint(self._job_id, epoch)),
+                                        name=f"checkpoint-e{epoch}", daemon=True)
+        self._upload.start()
+
+    def _upload_and_register(self, tmp: Path, checkpoint: EpochCheckpoint) -> None:
+        try:
+            self._store.put_file(checkpoint.model_key, tmp / MODEL_FILE)
+            self._store.put_file(checkpoint.state_key, tmp / TRAIN_STATE_FILE)
+            register(self._store, checkpoint, self._registered)
+        except BaseException as exc:  # noqa: BLE001 - raised on the step path by the next wait
+            self._failed = exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def busy(self) -> bool:
         """Whether the previous checkpoint is still being uploaded."""
-        return self._pending is not None and self._pending.exists()
+        return self._upload is not None and self._upload.is_alive()
 
     def due(self, last: bool) -> bool:
         """Whether this epoch writes a checkpoint: the last epoch always (it waits for the
-        previous upload); another when no upload is in flight and the previous checkpoint is
-        at least REPORT_INTERVAL_S old (the first of this writer always)."""
-        if last:
-            return True
-        return not self.busy() and time.monotonic() - self._written_at >= REPORT_INTERVAL_S
+        previous upload), another when no upload is in flight."""
+        return last or not self.busy()
 
     def skip_reason(self) -> str:
         """Why `due` said no (for the epoch's log line)."""
-        if self.busy():
-            return "the previous one is still uploading"
-        return (f"the previous one is {time.monotonic() - self._written_at:.1f}s old; one per "
-                f"{REPORT_INTERVAL_S:g}s, Ray Train's look at its workers")
+        return "the previous one is still uploading"
 
     def wait(self) -> None:
-        """Until the previous upload finished (Ray Train deletes the dir after uploading it)."""
-        if self._pending is None:
-            return
-        deadline = time.monotonic() + self._wait_bound_s
-        while self._pending.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the checkpoint upload of {self._pending.name} did not finish within "
-                                   f"{self._wait_bound_s:.0f}s (storage too slow or unreachable)")
-            time.sleep(0.01)
-        self._pending = None
+        """Until the previous upload finished and was registered; raises its error, or one
+        naming the storage when it took longer than the bound."""
+        if self._upload is not None:
+            self._upload.join(self._wait_bound_s)
+            if self._upload.is_alive():
+                raise RuntimeError(f"the checkpoint upload ({self._upload.name}) to {self._store.url} did not finish "
+                                   f"within {self._wait_bound_s:.0f}s (storage too slow or unreachable)")
+            self._upload = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise RuntimeError(f"the checkpoint upload to {self._store.url} failed: {failed}") from failed

@@ -214,11 +214,11 @@ class JobSpec(_Closed):
     dataset: DatasetSpec = Field(default_factory=SyntheticDataset)
     init_from: InitFrom | None = Field(
         None, description="Start from these weights instead of a random model (fine-tuning); absent: fresh.")
-    world_size: int = Field(2, ge=1, le=256, description="DDP workers (Ray Train num_workers).")
+    world_size: int = Field(2, ge=1, le=256, description="DDP workers: one rank actor each, one placement group bundle each.")
     use_gpu: bool = Field(False, description="One GPU per worker (NCCL); else CPU with gloo.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "PACK",
-        description="How Ray Train places the workers: PACK (few nodes), SPREAD (many nodes, best "
+        description="How the worker group's placement group places the workers: PACK (few nodes), SPREAD (many nodes, best "
         "effort) or STRICT_SPREAD (one worker per node; refused at once if the cluster has fewer nodes "
         "that can hold a worker).",
     )
@@ -261,7 +261,7 @@ class JobSpec(_Closed):
         return self
 
     def worker_bundle(self) -> dict[str, float]:
-        """Resources of one worker, as Ray Train's resources_per_worker."""
+        """Resources of one worker: its bundle in the worker group's placement group."""
         bundle = {"CPU": float(self.cpus_per_worker)}
         if self.use_gpu:
             bundle["GPU"] = 1.0

@@ -3,7 +3,7 @@
     PENDING ──> RUNNING ──> SUCCEEDED | FAILED | CANCELLED
        └──────────────────> SUCCEEDED | FAILED | CANCELLED
 
-- PENDING: the record is written and its run actor created; Ray Train waits for workers.
+- PENDING: the record is written and its run actor created; its worker group waits for room.
 - RUNNING: a worker entered the train loop (a resumed run of a RUNNING job stays RUNNING).
 - SUCCEEDED | FAILED | CANCELLED: terminal; nothing moves a job out of them.
 

@@ -1,17 +1,12 @@
 """A training worker's own stdout/stderr, captured for the job's logs.
 
-Ray Train workers run in their own processes, possibly on other nodes; the job's logs
+Training workers run in their own processes, possibly on other nodes; the job's logs
 (`GET /train/{id}/logs`) must still show what they print. Inside the train loop,
 `OutputCapture.installed()` replaces `sys.stdout` and `sys.stderr` with tees: every write
 still reaches the original stream (so Ray's own worker logs are unchanged), and each
 complete line is also kept in a bounded ring. The loop `drain()`s the ring and sends the
 lines to the job's run actor (`TrainRun.worker_output`), which tags them with the rank.
 Nothing here reads Ray's log files.
-
-One duplicate is dropped: Ray Train patches `print` in its workers so that, when stdout is
-redirected, a printed line goes to the redirected stdout *and*, through its root logger's
-console handler, to stderr. A stderr line equal to one of the last RECENT_STDOUT stdout
-lines not yet matched is that copy, and is not kept twice.
 
 Bounded everywhere: at most `max_lines` lines wait between two drains (older ones are
 dropped and counted, the count reported as one line), a line is cut at `max_chars`, and a
@@ -44,7 +39,6 @@ class OutputCapture:
         self._lines: collections.deque[tuple[str, str]] = collections.deque(maxlen=max_lines)
         self._dropped = 0
         self._partial: dict[str, str] = {"stdout": "", "stderr": ""}
-        self._recent_stdout: collections.deque[str] = collections.deque(maxlen=t.recent_stdout_lines)
 
     def write(self, stream: str, text: str) -> None:
         with self._lock:
@@ -62,11 +56,6 @@ class OutputCapture:
         if "\r" in line:  # progress bars redraw with \r: keep the last state
             line = line.rsplit("\r", 1)[-1]
         if not line.strip():
-            return
-        if stream == "stdout":
-            self._recent_stdout.append(line)
-        elif stream == "stderr" and line in self._recent_stdout:
-            self._recent_stdout.remove(line)  # Ray Train's logged copy of a print
             return
         if len(self._lines) == self._lines.maxlen:
             self._dropped += 1

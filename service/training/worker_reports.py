@@ -1,8 +1,7 @@
-"""What crosses between a training run's actor (service.training.run) and its Ray Train
-workers (service.training.runner): torch-free, so the run actor imports it without torch."""
+"""What crosses between a training run's actor (service.training.run) and its workers
+(service.training.runner): torch-free, so the run actor imports it without torch."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,38 +9,24 @@ from service.config.tunables import Tunables
 from service.training.run_snapshot import EpochEntry
 from service.training.spec import JobSpec
 
-# Ray Train's `train_loop_config` is a dict: it holds the one typed object under this key.
-LOOP_KEY = "worker_loop"
-
 
 @dataclass(frozen=True)
 class WorkerLoop:
-    """Every worker's share of a run: the job's spec, the run actor to report to, where its
-    uploaded dataset and its init_from weights are (artifact keys), and the app's tunables."""
+    """Every worker's share of a run: the job (its id names the run's checkpoints) and its
+    spec, the run actor to report to, where its uploaded dataset and its init_from weights are
+    (artifact keys), and the app's tunables."""
 
+    job_id: str
     spec: JobSpec
     reporter: Any  # the run actor's ActorHandle (TrainRun's methods: worker_started, history_restored, step, epoch_done, ...)
     dataset_path: str | None  # an uploaded dataset's artifact key; None for a synthetic one
     init_key: str | None  # the job's copy of its init_from weights, loaded on a fresh start only
     tunables: Tunables
 
-    def as_config(self) -> dict[str, WorkerLoop]:
-        """The `train_loop_config` that hands this to every worker."""
-        return {LOOP_KEY: self}
-
-    @staticmethod
-    def of(config: dict[str, Any]) -> WorkerLoop:
-        """The WorkerLoop a worker's `train_loop_config` holds."""
-        loop = config.get(LOOP_KEY)
-        if not isinstance(loop, WorkerLoop):
-            raise TypeError(f"train_loop_config needs a WorkerLoop under {LOOP_KEY!r}; found {type(loop).__name__}")
-        return loop
-
 
 @dataclass(frozen=True)
 class EpochReport:
-    """One finished epoch, as rank 0 reports it to the run actor (and to Ray Train when it
-    carries a checkpoint)."""
+    """One finished epoch, as rank 0 reports it to the run actor."""
 
     epoch: int  # the epoch just finished, 1-based
     loss: float  # mean loss over every training vector of every rank (all-reduced)
@@ -52,10 +37,6 @@ class EpochReport:
     checkpoint_s: float | None = None  # rank 0 writing the epoch's local files; None: no checkpoint this epoch
     checkpoint_wait_s: float | None = None  # rank 0 waiting for the previous upload
     no_checkpoint: str | None = None  # why this epoch has none (CheckpointWriter.skip_reason); None: it has one
-
-    def metrics(self) -> dict[str, float | int | None]:
-        """Ray Train's `report` takes a dict of metrics."""
-        return dataclasses.asdict(self)
 
     def entry(self) -> EpochEntry:
         """The epoch as the job's history keeps it."""

@@ -1,8 +1,8 @@
 """Retention: DELETE /train/{id} and DELETE /datasets/{id} (auth). The JobManager does the work.
 
 Deleting a job cancels it first if it is still PENDING or RUNNING (its workers are freed
-within seconds), then removes its record, loss history, logs, Ray Train run dir and final
-checkpoint. Deleting a dataset is refused (409 `dataset_in_use`) while an active job trains
+within seconds), then removes its record, loss history, logs, run dir (its epoch
+checkpoints) and final checkpoint. Deleting a dataset is refused (409 `dataset_in_use`) while an active job trains
 on it.
 """
 from __future__ import annotations

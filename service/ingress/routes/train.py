@@ -46,7 +46,7 @@ async def job_id_param(job_id: str) -> str:
 @router.post(
     "/train",
     status_code=202,
-    summary="Start a DDP training job (Ray Train); 202 + Location: /train/{id}",
+    summary="Start a DDP training job (one Ray actor per rank); 202 + Location: /train/{id}",
     openapi_extra={"requestBody": {"content": {"application/json": {"schema": _spec_schema()}}}},
     responses={422: {"description": "invalid spec, infeasible job, or an init_from that does not exist "
                                     "(init_from_not_found) or has another shape (init_from_mismatch)"},
