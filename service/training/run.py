@@ -83,7 +83,7 @@ def read_result(store: artifacts.ArtifactStore, job_id: str) -> RunSnapshot | No
 
 
 class TrainRun:
-    """Live state of one run; `fit()` runs on a daemon thread started in __init__."""
+    """Live state of one run; its worker groups run on a daemon thread started in __init__."""
 
     def __init__(self, job_id: str, spec: dict[str, Any], dataset_key: str | None,
                  init_key: str | None = None, resume: ResumeState | None = None,
