@@ -413,6 +413,29 @@ def test_cancel_stops_the_run_and_frees_its_workers(app_url: str) -> None:
     assert_error(post(app_url, "/train/job-doesnotexist/cancel"), 404, "job_not_found")
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_rank_lost_past_max_failures_fails_the_job_at_once_and_stops_the_other_rank(app_url: str) -> None:
+    """With no failure allowed, a killed rank ends the job FAILED, naming the attempt and the
+    rank, well before any collective timeout (training.group_timeout_s, 300 s): the surviving
+    rank is killed, not left waiting in its all-reduce."""
+    reply = post(app_url, "/train", {**SPECS["kill"], "epochs": 1000, "max_failures": 0})
+    assert reply.status_code == 202, reply.text
+    job_id = reply.json()["id"]
+    job = wait_for(app_url, job_id, lambda j: j["status"] == "RUNNING" and len(j["workers"]) == 2
+                   and len(j["history"]) >= 1, 240, "ran an epoch")
+    survivor = next(w["pid"] for w in job["workers"] if w["rank"] == 0)
+    t0 = time.monotonic()
+    os.kill(next(w["pid"] for w in job["workers"] if w["rank"] == 1), signal.SIGKILL)
+    done = wait_done(app_url, job_id)
+    took = time.monotonic() - t0
+    assert done["status"] == "FAILED" and done["attempts"] == 1, done
+    assert "training failed after 1 attempt(s) (max_failures=0): rank 1 died: " in done["error"], done["error"]
+    assert took < 60, f"the job took {took:.1f}s to fail after its rank was killed"
+    eventually(lambda: not _alive(survivor), 15, f"the surviving rank 0 (pid {survivor}) gone")
+    print(f"job FAILED {took:.1f}s after its rank 1 was killed: {done['error']}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -166,7 +166,8 @@ class TrainRun:
                 attempts = max(self._attempts, 1)
             self._finish(
                 JobStatus.FAILED,
-                f"training failed after {attempts} attempt(s) (max_failures={spec.max_failures}): {short_error(exc)}",
+                f"training failed after {attempts} attempt(s) (max_failures={spec.max_failures}): "
+                + (str(exc) if isinstance(exc, AttemptFailed) else short_error(exc)),
             )
 
     def _attempts_until_done(self, loop: WorkerLoop) -> None:

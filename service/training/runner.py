@@ -246,6 +246,28 @@ def _loader(train: Samples, spec: JobSpec, place: WorkerPlace) -> tuple[DataLoad
     return DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler), sampler
 
 
+def _steps(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, progress: _Progress,
+           epoch: int, step: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """One epoch's optimizer steps over this rank's batches (`step`: the count before them);
+    returns ([sum of loss * vectors, vectors] on the model's device, steps taken). The sums stay
+    on the device, no sync per step; NCCL reduces CUDA tensors only."""
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+    steps = 0
+    for batch in loader:
+        xb, yb, mb = (part.to(device) if part is not None else None for part in _batch(batch))
+        out = model(xb) if mb is None else model(xb, mb)
+        loss = vector_sq_error(out, yb, mb)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        steps += 1
+        n = xb.shape[0] if mb is None else mb.sum()  # vectors the loss averaged over (token vectors)
+        loss_sum[0] += loss.detach().double() * n
+        loss_sum[1] += n
+        progress.step(epoch, step + steps, loss)
+    return loss_sum, steps
+
+
 def _train(loop: WorkerLoop, place: WorkerPlace, capture: OutputCapture) -> None:
     t, spec = loop.tunables.training, loop.spec
     rank, world, device = place.rank, place.world, place.device
@@ -278,22 +300,8 @@ def _train(loop: WorkerLoop, place: WorkerPlace, capture: OutputCapture) -> None
             sampler.set_epoch(epoch)
         model.train()
         t0 = time.monotonic()
-        epoch_steps = 0
-        # [sum of loss * vectors, vectors], on the model's device: NCCL reduces CUDA tensors only.
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
-        for batch in loader:
-            xb, yb, mb = (part.to(device) if part is not None else None for part in _batch(batch))
-            out = model(xb) if mb is None else model(xb, mb)
-            loss = vector_sq_error(out, yb, mb)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            epoch_steps += 1
-            n = xb.shape[0] if mb is None else mb.sum()  # vectors the loss averaged over (token vectors)
-            loss_sum[0] += loss.detach().double() * n  # stays on the device: no sync per step
-            loss_sum[1] += n
-            progress.step(epoch, step, loss)
+        loss_sum, epoch_steps = _steps(model, loader, optimizer, progress, epoch, step, device)
+        step += epoch_steps
         local_sum, local_n = loss_sum[0].item(), int(loss_sum[1].item())
         if world > 1:
             dist.all_reduce(loss_sum)  # every rank's samples count once

@@ -40,6 +40,8 @@ log = logging.getLogger("gangserve.training")
 
 # How often a group that waits for room says so in the run's log.
 WAITING_NOTE_S = 30.0
+# After a rank's failure, how long the others' outcomes are gathered before the attempt fails.
+FAILURE_GRACE_S = 2.0
 
 
 class AttemptFailed(RuntimeError):
@@ -77,7 +79,17 @@ class WorkerGroup:
             try:
                 ray.get(done[0])
             except (RayActorError, RayTaskError) as exc:
-                raise AttemptFailed(f"rank {calls[done[0]]} failed: {short_error(exc)}") from exc
+                failed = {calls[done[0]]: exc}
+                # A rank that dies breaks its peers' collectives too, and either may be seen
+                # first: gather what the others say within a short bound, so the error names
+                # the rank that died, not only the one whose all-reduce broke.
+                settled, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else ([], [])
+                for ref in settled:
+                    try:
+                        ray.get(ref)
+                    except (RayActorError, RayTaskError) as other:
+                        failed[calls[ref]] = other
+                raise AttemptFailed(describe_failures(failed)) from exc
 
     def _place(self) -> _Members:
         from service.training.runner import TrainWorker  # torch: only where a group runs
@@ -121,6 +133,16 @@ class WorkerGroup:
 def _ready(pg: PlacementGroup, wait_s: float) -> bool:
     """Whether `pg` is placed, waiting up to `wait_s`."""
     return bool(pg.wait(timeout_seconds=wait_s))
+
+
+def describe_failures(failed: dict[int, BaseException]) -> str:
+    """The failed ranks, those whose process died first ("rank 1 died: ..."), then those that
+    raised ("rank 0 failed: ..."), each with its most specific error line."""
+    died = sorted(r for r, e in failed.items() if isinstance(e, RayActorError))
+    raised = sorted(r for r in failed if r not in died)
+    # Ray's text for a dead actor goes on to guess causes (OOM, `ray stop`); its first part says what happened.
+    return "; ".join([f"rank {r} died: {short_error(failed[r]).split(' Worker exit detail:')[0]}" for r in died]
+                     + [f"rank {r} failed: {short_error(failed[r])}" for r in raised])
 
 
 def short_error(exc: BaseException) -> str:
