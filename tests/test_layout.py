@@ -323,19 +323,21 @@ def test_no_module_binds_a_tunable_at_import() -> None:
     assert not offenders, "tunables bound at import: " + "; ".join(offenders)
 
 
-@pytest.mark.parametrize("deployment", ["ingress", "controller", "job_manager"])
-def test_the_light_processes_load_no_torch(deployment: str) -> None:
-    """The Ingress, the Controller and the JobManager never compute a tensor: their replicas
-    start without torch (what that saves: bench/NOTES.md). The JobManager's
+@pytest.mark.parametrize("module", ["service.deployments.ingress", "service.deployments.controller",
+                                    "service.deployments.job_manager", "service.training.run",
+                                    "service.training.worker_group"])
+def test_the_light_processes_load_no_torch(module: str) -> None:
+    """The Ingress, the Controller, the JobManager and a job's run actor never compute a tensor:
+    their processes start without torch (what that saves: bench/NOTES.md). The JobManager's
     one torch step, materializing an `init` version for init_from, imports it when it runs,
-    and its runs' own processes (run actor, training workers) import the training code."""
+    and a run's training workers import the training code when they are first called."""
     heavy = ("torch", "safetensors.torch", "ray.train", "service.parallel", "service.gang",
              "service.sessions.registry", "service.training.runner", "service.training.models",
              "service.training.datasets")
-    probe = (f"import json, sys; import service.deployments.{deployment}; "
+    probe = (f"import json, sys; import {module}; "
              f"heavy = {heavy!r}; "
              "print(json.dumps(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy))))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not loaded, f"importing service.deployments.{deployment} loads {loaded[:8]}: keep those imports out of its module tree"
+    assert not loaded, f"importing {module} loads {loaded[:8]}: keep those imports out of its module tree"

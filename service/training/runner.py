@@ -1,8 +1,8 @@
-"""One DDP rank of a training run: the `TrainWorker` actor and its train loop.
+"""One DDP rank of a training run: what a `TrainWorker` actor runs, and its train loop.
 
 A run's worker group (service.training.worker_group) places one `TrainWorker` per rank and
 calls, in order: rank 0's `open_store` (the rendezvous store, on its node, OS-chosen port),
-then every rank's `train`, which joins the process group (gloo on CPU, NCCL on GPUs; bound
+then every rank's `run_rank`, which joins the process group (gloo on CPU, NCCL on GPUs; bound
 to its node's interface, service.cluster.netif; the rendezvous and every collective bounded
 by training.group_timeout_s) and runs the loop:
 
@@ -112,46 +112,42 @@ class WorkerPlace:
     device: torch.device
 
 
-class TrainWorker:
-    """One rank of a run's worker group, a Ray actor in one bundle of the group's placement
-    group (service.training.worker_group). Rank 0 first hosts the rendezvous store
-    (`open_store`); then every rank's `train` joins the group and runs the loop to its end."""
+def open_store(world: int, timeout_s: float) -> tuple[dist.TCPStore, tuple[str, int]]:
+    """Rank 0's rendezvous store for a group of `world`, hosted on this node's Ray address (the
+    one other nodes reach it at) at an OS-chosen port; the store and its (address, port)."""
+    host = ray.util.get_node_ip_address()
+    store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, (host, int(store.port))
 
-    def __init__(self) -> None:
-        self._store: dist.TCPStore | None = None
 
-    def open_store(self, world: int, timeout_s: float) -> tuple[str, int]:
-        """Rank 0 only: host the group's rendezvous store on this node's Ray address (the one
-        other nodes reach it at); returns (address, OS-chosen port)."""
-        host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-        return host, int(self._store.port)
-
-    def train(self, loop: WorkerLoop, rank: int, world: int, rendezvous: tuple[str, int]) -> None:
-        """Join the process group at `rendezvous` (rank 0's store) and train; raises what the
-        loop raised (the group then fails the attempt)."""
-        capture = OutputCapture(loop.tunables.training)
-        with capture.installed():
+def run_rank(loop: WorkerLoop, rank: int, world: int, rendezvous: tuple[str, int],
+             store: dist.TCPStore | None) -> None:
+    """Join the process group at `rendezvous` (rank 0 passes the `store` it hosts) and train;
+    raises what the loop raised. The rank's output is captured throughout and sent at the end."""
+    capture = OutputCapture(loop.tunables.training)
+    with capture.installed():
+        try:
+            place = _join(loop, rank, world, rendezvous, store)
             try:
-                place = self._join(loop, rank, world, rendezvous)
-                try:
-                    _train(loop, place, capture)
-                finally:
-                    dist.destroy_process_group()
+                _train(loop, place, capture)
             finally:
-                send_output(loop.reporter, rank, capture, loop.tunables.training.output_ack_timeout_s, final=True)
+                dist.destroy_process_group()
+        finally:
+            send_output(loop.reporter, rank, capture, loop.tunables.training.output_ack_timeout_s, final=True)
 
-    def _join(self, loop: WorkerLoop, rank: int, world: int, rendezvous: tuple[str, int]) -> WorkerPlace:
-        # The interface of this node's Ray IP, before the group exists (service.cluster.netif).
-        bind_ray_worker()
-        cuda = loop.spec.use_gpu and torch.cuda.is_available()
-        # Ray gives an actor with a GPU its own CUDA_VISIBLE_DEVICES: the one device it sees.
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        timeout = timedelta(seconds=loop.tunables.training.group_timeout_s)
-        host, port = rendezvous
-        store = self._store or dist.TCPStore(host, port, world, False, timeout)
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        return WorkerPlace(rank, world, device)
+
+def _join(loop: WorkerLoop, rank: int, world: int, rendezvous: tuple[str, int],
+          store: dist.TCPStore | None) -> WorkerPlace:
+    # The interface of this node's Ray IP, before the group exists (service.cluster.netif).
+    bind_ray_worker()
+    cuda = loop.spec.use_gpu and torch.cuda.is_available()
+    # Ray gives an actor with a GPU its own CUDA_VISIBLE_DEVICES: the one device it sees.
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    timeout = timedelta(seconds=loop.tunables.training.group_timeout_s)
+    host, port = rendezvous
+    store = store or dist.TCPStore(host, port, world, False, timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    return WorkerPlace(rank, world, device)
 
 
 def send_output(reporter: Any, rank: int, capture: OutputCapture, ack_timeout_s: float, final: bool = False) -> None:

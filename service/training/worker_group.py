@@ -92,8 +92,6 @@ class WorkerGroup:
                 raise AttemptFailed(describe_failures(failed)) from exc
 
     def _place(self) -> _Members:
-        from service.training.runner import TrainWorker  # torch: only where a group runs
-
         spec = self._spec
         bundle = spec.worker_bundle()
         pg = placement_group([dict(bundle)] * spec.world_size, strategy=spec.placement_strategy)
@@ -128,6 +126,30 @@ class WorkerGroup:
             remove_placement_group(members.placement)
         except Exception as exc:  # noqa: BLE001 - the run's own end removes it with the run actor
             log.warning("could not remove a worker group's placement group: %s", exc)
+
+
+class TrainWorker:
+    """One rank of a run's worker group, a Ray actor in one bundle of the group's placement
+    group. Rank 0 first hosts the rendezvous store (`open_store`); then every rank's `train`
+    joins the group and runs the loop to its end. The training code (torch) is imported in
+    the worker's process when it is called: the run actor that creates the workers never
+    imports torch."""
+
+    def __init__(self) -> None:
+        self._store: Any = None  # rank 0's torch TCPStore, kept alive for the group's life
+
+    def open_store(self, world: int, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 only: host the group's rendezvous store; its (address, port)."""
+        from service.training.runner import open_store
+
+        self._store, address = open_store(world, timeout_s)
+        return address
+
+    def train(self, loop: WorkerLoop, rank: int, world: int, rendezvous: tuple[str, int]) -> None:
+        """Join the process group at `rendezvous` and train (service.training.runner.run_rank)."""
+        from service.training.runner import run_rank
+
+        run_rank(loop, rank, world, rendezvous, self._store)
 
 
 def _ready(pg: PlacementGroup, wait_s: float) -> bool:
