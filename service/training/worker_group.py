@@ -14,7 +14,7 @@ failure, and shut down. The run actor (service.training.run) makes a new one per
 Why our own and not Ray Train's TorchTrainer: a run needs exactly this, and Ray Train starts
 four more processes per run around it (its controller, a placement-group cleaner, a dataset
 manager, a synchronization actor), each a Python interpreter with Ray imported: a five-epoch
-two-rank linear job took ~15 s and ~22 core-seconds there against ~6.7 s and ~10 with this group
+two-rank linear job took ~15 s and ~22 core-seconds there against ~5.2 s and ~6.8 with this group
 (bench/NOTES.md). Its checkpoint handling (storage, the newest registered checkpoint, what a
 restart resumes from) is service.training.epoch_checkpoints here, in the artifact store.
 
