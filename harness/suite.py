@@ -13,8 +13,7 @@ Why: the Ray tests leave about a quarter of the two cores idle (they wait on pro
 timeouts, restarts), and the unit tests need ~180 core-seconds and 3.5-5 minutes. Beside the
 Ray tests they no longer add their minutes after them, though they slow the Ray run's first
 modules, which compute: one back-to-back pair of `make test` 1,418 -> 1,327 s (bench/NOTES.md,
-which also says which waiting Ray module runs first, beside them, and why the other fault
-modules do not: tests/conftest.py's RUN_FIRST). pytest-xdist's
+which also says why the fault tests are not run beside anything). pytest-xdist's
 `--dist loadgroup` would say the same, but with pytest 9.2 it no longer groups (it renames
 nodeids, which pytest 9.2 no longer reads), so the two runs are plain processes.
 

@@ -72,7 +72,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             modules.setdefault(str(item.path), []).append(item)
         items[:] = [item for path in reversed(modules) for item in modules[path]]
     _run_shared_app_users_together(items)
-    _run_waiting_modules_first(items)
 
 
 def _module(item: pytest.Item) -> str:
@@ -114,20 +113,6 @@ def _run_shared_app_users_together(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: position[_module(item)])  # stable: tests keep their order in a module
     _LAST_USER.clear()
     _LAST_USER.update({fixture: users[-1].nodeid for fixture in _SESSION_APPS if (users := uses(fixture))})
-
-
-# Ray modules that mostly wait (group timeouts, heartbeats, rebuilds: ~35 % of the two cores
-# busy) run first, while `make test`'s unit run computes beside them (harness/suite.py): there
-# the unit run takes the core they leave idle instead of slowing the modules that compute
-# (test_masks, test_training: 97-99 % busy). test_step_loop's bounds were checked with the unit
-# run beside it (bench/NOTES.md); the other waiting modules (test_multinode's `< 5` s launcher
-# exits, the netns cluster's node loss) keep their place after it.
-RUN_FIRST = ("tests/test_step_loop.py",)
-
-
-def _run_waiting_modules_first(items: list[pytest.Item]) -> None:
-    first = {m: i for i, m in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: first.get(_module(item), len(first)))  # stable: the rest keep their order
 
 
 # A session app's fixture name -> the nodeid of the last test that uses it (set at collection),
