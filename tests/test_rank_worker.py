@@ -55,7 +55,7 @@ def _step(rank: Any, seq: int, x: np.ndarray, mask: np.ndarray | None, causal: b
     return step.root(rank, 1)
 
 
-def _peer_main(port: int, timeout_s: float) -> None:
+def _peer_main(port: int, timeout_s: float, up: Any) -> None:
     from service.config.tunables import GangTunables
     from service.gang.worker import PlainModel, Rank
 
@@ -63,6 +63,7 @@ def _peer_main(port: int, timeout_s: float) -> None:
     # CPU default, is the Ray tests' path): its steps and its failures must be the same.
     rank = Rank(1, 2, device=torch.device("cpu"), node_ip="127.0.0.1",
                 tunables=GangTunables(header_spin_us_cpu=200.0))
+    up.put("up")  # its interpreter and torch are loaded: rank 0 may begin its timed rendezvous
     rank.rendezvous("127.0.0.1", port, "gloo", timeout_s)
     rank.load_weights(PlainModel(embed_dim=E, num_heads=H, init="seed"), 1)
     rank.start_loop()
@@ -77,6 +78,11 @@ def _root_main(out: Any, cmd: Any) -> None:
     for gen, timeout_s in ((1, KILL_TIMEOUT_S), (2, STOP_TIMEOUT_S)):
         rank = Rank(0, 2, device=torch.device("cpu"), node_ip="127.0.0.1")
         out.put(("port", gen, rank.open_store(timeout_s)))
+        # As a gang's rank actors are up before rank 0 waits for them: the peer's process start
+        # (seconds under `make test`'s load) is not part of the group timeout it is given.
+        told = cmd.get(timeout=120)
+        if told != "rendezvous":
+            raise RuntimeError(f"rank 0 expected 'rendezvous', was told {told!r}")
         rank.rendezvous("127.0.0.1", 0, "gloo", timeout_s)
         rank.load_weights(PlainModel(embed_dim=E, num_heads=H, init="seed"), 1)
         seq = 0
@@ -132,9 +138,12 @@ def test_two_real_ranks_match_dense_and_fail_bounded_when_a_peer_dies_or_stops()
     try:
         for gen, timeout_s in ((1, KILL_TIMEOUT_S), (2, STOP_TIMEOUT_S)):
             port = _expect(out, "port")[2]
-            peer = ctx.Process(target=_peer_main, args=(port, timeout_s), daemon=True)
+            up = ctx.Queue()
+            peer = ctx.Process(target=_peer_main, args=(port, timeout_s, up), daemon=True)
             peer.start()
             peers.append(peer)
+            assert up.get(timeout=120) == "up"
+            cmd.put("rendezvous")
             for name, (masked, causal) in CASES.items():
                 got = _expect(out, "out")
                 assert got[1:3] == (gen, name)
