@@ -59,7 +59,9 @@ left() {  # left LIMIT: LIMIT, cut to what is left of TOTAL_S after this step's 
   echo $(( rest > 1 ? rest : 1 ))
 }
 
-if ! timeout -k $GRACE_S "$(left 15)" "$PY" -c 'import sys, torch; print("# python", sys.version.split()[0],
+# 60 s: torch's first import reads ~1 GB of shared objects, and with a cold page cache on a busy
+# machine (make test's dry run beside the Ray tests) it took over 15 s; a healthy one takes ~2 s.
+if ! timeout -k $GRACE_S "$(left 60)" "$PY" -c 'import sys, torch; print("# python", sys.version.split()[0],
     "torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'; then
   echo "gpu_check: $PY cannot import torch (set PYTHON=...)"; exit 2
 fi
