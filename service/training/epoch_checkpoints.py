@@ -62,9 +62,7 @@ def latest(store: ArtifactStore, job_id: str) -> EpochCheckpoint | None:
     try:
         doc = json.loads(store.read_bytes(f"{run_prefix(job_id)}/{LATEST_FILE}"))
         epoch = int(doc["epoch"])
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
     return EpochCheckpoint(job_id, epoch) if epoch >= 1 else None
 

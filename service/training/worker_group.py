@@ -97,7 +97,7 @@ class WorkerGroup:
         pg = placement_group([dict(bundle)] * spec.world_size, strategy=spec.placement_strategy)
         self._members = _Members(pg, ())
         waited = 0.0
-        while not _ready(pg, WAITING_NOTE_S):
+        while not pg.wait(timeout_seconds=WAITING_NOTE_S):
             waited += WAITING_NOTE_S
             self._note(f"waiting {waited:.0f}s so far for room for {spec.world_size} worker(s) x {bundle} "
                        f"({spec.placement_strategy}); the job stays PENDING until the cluster has it")
@@ -150,11 +150,6 @@ class TrainWorker:
         from service.training.runner import run_rank
 
         run_rank(loop, rank, world, rendezvous, self._store)
-
-
-def _ready(pg: PlacementGroup, wait_s: float) -> bool:
-    """Whether `pg` is placed, waiting up to `wait_s`."""
-    return bool(pg.wait(timeout_seconds=wait_s))
 
 
 def describe_failures(failed: dict[int, BaseException]) -> str:
