@@ -13,7 +13,10 @@ Why: the Ray tests leave about a quarter of the two cores idle (they wait on pro
 timeouts, restarts), and the unit tests need ~180 core-seconds and 3.5-5 minutes. Beside the
 Ray tests they no longer add their minutes after them, though they slow the Ray run's first
 modules, which compute: one back-to-back pair of `make test` 1,418 -> 1,327 s (bench/NOTES.md,
-which also says why the fault tests are not run beside anything). pytest-xdist's
+which also says why the fault tests are not run beside anything). The unit run is niced to
+BESIDE_NICENESS: Ray starts its workers at 15, so at 0 the unit run took the cores from the
+Ray run's computing modules and the Ray run, the longer of the two, waited on it (one
+back-to-back pair 1,135 -> 1,052 s). pytest-xdist's
 `--dist loadgroup` would say the same, but with pytest 9.2 it no longer groups (it renames
 nodeids, which pytest 9.2 no longer reads), so the two runs are plain processes.
 
@@ -35,6 +38,11 @@ from harness.local import ROOT
 
 # How long the unit run may go on after the Ray run ended: alone it takes ~3.5 minutes here.
 UNIT_RUN_GRACE_S = 900.0
+
+# The side run's niceness: Ray starts its workers (Serve replicas, ranks, training workers) at 15
+# (RAY_worker_niceness), so a side run at 0 took most of the CPU from the Ray run's computing
+# modules; at 19 it takes what they leave.
+BESIDE_NICENESS = 19
 
 PYTEST = [sys.executable, "-m", "pytest", "tests"]
 RAY_RUN = [*PYTEST, "-m", "ray", "-v", "--durations=15"]
@@ -59,7 +67,7 @@ def run_side_by_side(foreground: list[str], beside: list[str], grace_s: float) -
         started = time.monotonic()
         with log_path.open("wb") as log:
             side = subprocess.Popen([*beside, "--basetemp", str(Path(scratch) / "tmp")], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_yield_cpu)
             try:
                 front_status = subprocess.run(foreground, cwd=ROOT).returncode
                 side_status = _wait(side, grace_s)
@@ -73,6 +81,11 @@ def run_side_by_side(foreground: list[str], beside: list[str], grace_s: float) -
     if front_status != 0:
         return front_status
     return 0 if side_status == 0 else (side_status if side_status is not None else 1)
+
+
+def _yield_cpu() -> None:
+    """In the side run's process, before it execs (inherited by every process it starts)."""
+    os.nice(BESIDE_NICENESS)
 
 
 def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.suite import run_side_by_side
+from harness.suite import BESIDE_NICENESS, run_side_by_side
 
 pytestmark = pytest.mark.unit
 
@@ -30,8 +30,12 @@ def runs(tmp_path: Path) -> Path:
 def test_both_pass_and_the_side_run_is_printed_after_the_foreground(runs: Path, capfd: pytest.CaptureFixture[str]) -> None:
     front = pytest_command(runs, "test_front.py", "def test_front_marker_1():\n    pass\n")
     side = pytest_command(runs, "test_side.py", "def test_side_marker_2():\n    print('side says hi')\n    assert False\n")
-    side_ok = pytest_command(runs, "test_side_ok.py", "def test_side_marker_3():\n    pass\n")
+    niceness = runs / "side-niceness"
+    side_ok = pytest_command(runs, "test_side_ok.py", (
+        f"import os\n\ndef test_side_marker_3():\n    open({str(niceness)!r}, 'w').write(str(os.nice(0)))\n"))
     assert run_side_by_side(front, side_ok, grace_s=60) == 0
+    # The side run yields the CPU to the Ray run's workers (niceness 15 under Ray).
+    assert int(niceness.read_text()) == BESIDE_NICENESS
     out = capfd.readouterr().out
     assert out.index("1 passed") < out.index("the unit tests (run beside the Ray tests)") < out.rindex("1 passed")
     assert "suite: the Ray tests passed; the unit tests passed;" in out.splitlines()[-1]
