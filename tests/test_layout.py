@@ -20,7 +20,10 @@ The house rules, each a test:
   asks the Controller to record a version; only the gang (and the rank that implements
   them) stages, commits or discards a rank's weights;
 - the ingress's process loads no torch (nor the tensor-parallel math or the KV cache): its
-  replicas start in a fraction of the time and hold a fraction of the memory.
+  replicas start in a fraction of the time and hold a fraction of the memory;
+- only the processes that own a store (the Controller, the JobManager) load the state
+  database's code (SQLAlchemy): a gang, the ingress and training read the served weights'
+  values from service.weights.served.
 """
 from __future__ import annotations
 
@@ -323,6 +326,27 @@ def test_no_module_binds_a_tunable_at_import() -> None:
     assert not offenders, "tunables bound at import: " + "; ".join(offenders)
 
 
+def _loaded(module: str, heavy: tuple[str, ...]) -> list[str]:
+    """The modules of `heavy` (and their submodules) a fresh interpreter has loaded after
+    `import module`."""
+    probe = (f"import json, sys; import {module}; "
+             f"heavy = {heavy!r}; "
+             "print(json.dumps(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy))))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", ["service.deployments.ingress", "service.deployments.gang_server",
+                                    "service.gang.rank", "service.training.run", "service.training.runner"])
+def test_the_processes_without_a_store_load_no_database(module: str) -> None:
+    """The ingress, a gang's rank 0 and peers, a job's run actor and its training workers
+    (one process each, started ~30 to ~40 times a suite) read no table: SQLAlchemy and the
+    state database's code stay out of their module trees (~0.3 s of CPU per process start)."""
+    loaded = _loaded(module, ("sqlalchemy", "alembic", "service.state.db", "service.weights.record"))
+    assert not loaded, f"importing {module} loads {loaded[:8]}: import service.weights.served, not the record"
+
+
 @pytest.mark.parametrize("module", ["service.deployments.ingress", "service.deployments.controller",
                                     "service.deployments.job_manager", "service.training.run",
                                     "service.training.worker_group"])
@@ -334,10 +358,5 @@ def test_the_light_processes_load_no_torch(module: str) -> None:
     heavy = ("torch", "safetensors.torch", "ray.train", "service.parallel", "service.gang",
              "service.sessions.registry", "service.training.runner", "service.training.models",
              "service.training.datasets")
-    probe = (f"import json, sys; import {module}; "
-             f"heavy = {heavy!r}; "
-             "print(json.dumps(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy))))")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    loaded = _loaded(module, heavy)
     assert not loaded, f"importing {module} loads {loaded[:8]}: keep those imports out of its module tree"

@@ -184,7 +184,8 @@ def test_init_from_resolves_versions_and_jobs_and_refuses_other_shapes(tmp_path:
     from service.contract.errors import Conflict, InvalidInput
     from service.parallel.weights import random_weights, save_checkpoint
     from service.weights.declared import describe_config_weights
-    from service.weights.record import WeightsRecord, store_immutable_copy
+    from service.weights.record import WeightsRecord
+    from service.weights.served import store_immutable_copy
     from service.state import artifacts
     from service.training import init_from
     from service.training.spec import AttentionModel, InitFrom, LinearModel

@@ -12,12 +12,8 @@ from safetensors.torch import save_file
 
 from service.config.builder_args import ModelConfig
 from service.weights.declared import describe_config_weights
-from service.weights.record import (
-    WeightsRecord,
-    WeightsRecordError,
-    store_immutable_copy,
-    verify_recorded_file,
-)
+from service.weights.record import WeightsRecord
+from service.weights.served import WeightsRecordError, store_immutable_copy, verify_recorded_file
 
 pytestmark = pytest.mark.unit
 

@@ -40,7 +40,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from service.cluster import unplaced
 from service.metrics.logs import route_logs_to_serve
 from service.contract.gang_status import FleetView, GangStatus
-from service.weights.record import ConfigWeights, ServedWeights, Source, WeightsRecord
+from service.weights.record import WeightsRecord
+from service.weights.served import ConfigWeights, ServedWeights, Source
 from service.state.fleet import Fleet
 from service.state.paths import state_dir
 from service.config.tunables import Tunables

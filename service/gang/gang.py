@@ -49,7 +49,7 @@ from service.gang.swap import WeightsSwap
 from service.metrics import timeline
 from service.parallel.paged_kernel import KernelStatus
 from service.metrics.timeline import Timeline
-from service.weights.record import ServedWeights
+from service.weights.served import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
 

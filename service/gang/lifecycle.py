@@ -38,7 +38,7 @@ from service.gang.runner import Health, Members, StepRunner
 from service.gang.spare import WarmSpare
 from service.gang.steps import Forward
 from service.parallel.paged_kernel import KernelShape, KernelStatus
-from service.weights.record import ServedWeights
+from service.weights.served import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
 

@@ -1,6 +1,6 @@
 """The weights swap: every rank's shard replaced by a new recorded version, atomically.
 
-The gang serves one recorded version (`ServedWeights`, see service.weights.record) at a time.
+The gang serves one recorded version (`ServedWeights`, see service.weights.served) at a time.
 Every rank holds the version number of its weights, and every step's header carries the
 version the gang expects: a rank that disagrees poisons its contribution and refuses the
 step, so no answer is ever computed from mixed versions.
@@ -26,7 +26,7 @@ from service.gang.lifecycle import Lifecycle
 from service.gang.peers import PeerGroup, Settled
 from service.gang.rank import RankWorker
 from service.gang.runner import Health, Members, StepRunner
-from service.weights.record import ServedWeights
+from service.weights.served import ServedWeights
 
 log = logging.getLogger("gangserve.gang")
 

@@ -168,7 +168,7 @@ class FleetClient:
         return await self._call("metrics", exclude)
 
     async def weights_history(self) -> list[Any]:
-        """Every recorded weights version of the app (service.weights.record.ServedWeights),
+        """Every recorded weights version of the app (service.weights.served.ServedWeights),
         oldest first; 503 `controller_*` when it cannot answer."""
         if self._handle is None:
             raise GangUnavailable("this application was deployed without a Controller; no weights record",

@@ -22,7 +22,7 @@ from service.parallel.model import ModelDef, check_checkpoint, save_checkpoint
 from service.parallel.registry import resolve
 from service.state import artifacts
 from service.config.tunables import StateTunables
-from service.weights.record import ConfigWeights, ServedWeights
+from service.weights.served import ConfigWeights, ServedWeights
 
 
 def dense_sha256(weights: dict[str, torch.Tensor], arch: ModelDef) -> str:

@@ -38,7 +38,7 @@ from service.contract.errors import Conflict, ErrorCode, GangServeError, GangSta
 from service.contract.gang_status import FleetView, GangState
 from service.state import artifacts
 from service.config.tunables import GangTunables
-from service.weights.record import (
+from service.weights.served import (
     ConfigWeights,
     ServedWeights,
     Source,

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.config.builder_args import ModelConfig
 from service.contract.errors import Conflict, ErrorCode, InvalidInput, NotFound
 from service.models.registry import KINDS, describe, is_built_in
 from service.state import artifacts
-from service.weights.record import ServedWeights, WeightsRecord
+from service.weights.served import ServedWeights
+
+if TYPE_CHECKING:  # the database's class, for a signature: training's processes never import it
+    from service.weights.record import WeightsRecord
 
 
 # ---- architectures ------------------------------------------------------------------------------

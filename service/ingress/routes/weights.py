@@ -35,7 +35,7 @@ from service.ingress.fleet_client import FleetClient
 from service.ingress.jobs_client import JobsClient, get_jobs
 from service.ingress.schemas import AUTH_RESPONSES, ErrorBody
 from service.weights.gate import check_eval_gate, job_eval_loss
-from service.weights.record import ServedWeights
+from service.weights.served import ServedWeights
 from service.weights.rollout import wait_for_gangs
 
 router = APIRouter(tags=["training"])
