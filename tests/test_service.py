@@ -8,6 +8,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -259,14 +260,19 @@ def test_concurrent_requests_of_equal_length_are_batched_and_split_exactly(app_u
 
     before = counters()
     inputs = [rand(1 + i % 3, 8, 512, seed=200 + i) for i in range(24)]
+    bodies = [npy_bytes(x) for x in inputs]
+    # Every thread is started and its body encoded before any sends: started one by one as the
+    # pool took them, the requests reached a fast gang one after the other and none coalesced.
+    start = threading.Barrier(len(inputs))
 
-    def call(x: np.ndarray) -> np.ndarray:
-        r = httpx.post(app_url + "/infer", content=npy_bytes(x), headers={"content-type": "application/x-npy"}, timeout=120)
+    def call(body: bytes) -> np.ndarray:
+        start.wait(timeout=60)
+        r = httpx.post(app_url + "/infer", content=body, headers={"content-type": "application/x-npy"}, timeout=120)
         assert r.status_code == 200, r.text
         return np.load(io.BytesIO(r.content), allow_pickle=False)
 
-    with ThreadPoolExecutor(24) as pool:
-        outputs = list(pool.map(call, inputs))
+    with ThreadPoolExecutor(len(inputs)) as pool:  # one thread each: all wait at the barrier
+        outputs = list(pool.map(call, bodies))
     for x, out in zip(inputs, outputs):
         assert out.shape == x.shape
         assert relative_error(torch.from_numpy(out), reference(x)) < 1e-5
