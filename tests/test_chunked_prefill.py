@@ -191,9 +191,10 @@ def test_with_a_step_ratio_a_shared_chunk_shrinks_to_fit_beside_the_decoders_and
     alone = [step[p_id] for step in gang.steps if p_id in step and len(step) == 1]
     assert shared[0] == 8 and len(shared) >= 4, gang.steps
     # The rule gives 15. A busy machine delays the slept steps: a delay of the decode step the
-    # budget learnt from adds room (at 0.5 s, 90 rows), one of a chunk's step takes it away
-    # (down to the floor, 128 / 16): never the fixed 128, and about 15 on most.
-    assert all(8 <= n < 128 for n in shared[1:-1]), shared
+    # budget learnt from adds room (at 0.5 s, 90 rows; a niced unit run beside the Ray tests saw
+    # one of over a second: [8, 128, 73, 51, 40]), one of a chunk's step takes it away (down to
+    # the floor, 128 / 16): the fixed 128 at most once, and about 15 on most (the median below).
+    assert all(8 <= n <= 128 for n in shared[1:-1]) and shared[1:-1].count(128) <= 1, shared
     assert sorted(shared[1:-1])[len(shared[1:-1]) // 2] <= 40, shared
     assert all(n == 128 for n in alone[:-1]), alone  # the last chunk of either kind is what is left
 
