@@ -166,8 +166,9 @@ def test_a_ready_gang_with_rank_0_here_is_served_over_the_channel_inline_and_sha
     assert big_region is not None and big_region.startswith(shm.PREFIX) and big_bytes == 0, frames
     # The region went with the connection, and no other of this process's is left (the Ray
     # tests' processes beside this run make and drop regions of their own meanwhile).
-    ours = {name for name in _shm_files() - before if name.startswith(f"{shm.PREFIX}{os.getpid()}-")}
-    assert big_region not in _shm_files() and not ours, ours
+    left = _shm_files()
+    ours = {name for name in left - before if name.startswith(f"{shm.PREFIX}{os.getpid()}-")}
+    assert big_region not in left and not ours, ours
 
 
 def test_a_channel_that_went_down_falls_back_to_the_handle_and_is_not_retried_at_once() -> None:

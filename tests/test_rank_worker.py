@@ -110,25 +110,27 @@ def _wait_idle(pid: int, timeout_s: float = 30.0) -> None:
     in the header instead of in its collectives."""
     deadline, quiet = time.monotonic() + timeout_s, 0
     while quiet < 3:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue  # a thread that just exited
-        quiet = quiet + 1 if states and all(state == "S" for state in states) else 0
+        states = _thread_states(pid)
+        assert states, f"peer {pid} is gone"
+        quiet = quiet + 1 if all(state == "S" for state in states) else 0
         assert time.monotonic() < deadline, f"peer {pid} not idle within {timeout_s:g}s: {states}"
         time.sleep(0.02)
 
 
-def _threads_state(pid: int) -> str:
-    """The process's state and its threads' (T: stopped), for a failure's message."""
+def _thread_states(pid: int) -> list[str]:
+    """Each thread's state letter from /proc (S: sleeping, R: running, T: stopped); a thread
+    that exits while read is left out, none when the process is gone."""
+    states = []
     try:
-        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                  for task in Path(f"/proc/{pid}/task").iterdir()]
-    except OSError as exc:
-        return f"unreadable ({exc})"
-    return f"threads {''.join(states)}"
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return states
+    for task in tasks:
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue  # a thread that just exited
+    return states
 
 
 def _expect(out: Any, kind: str, timeout_s: float = 120.0) -> tuple:
@@ -180,7 +182,7 @@ def test_two_real_ranks_match_dense_and_fail_bounded_when_a_peer_dies_or_stops()
                 # Once (2026-12-07, under make test's load) the step completed here; not reproduced
                 # since (15 runs beside two busy loops): the peer's state says more if it recurs.
                 assert "timed out" in why.lower() or "timeout" in why.lower(), (
-                    f"{why} after {elapsed:.2f}s; the peer then: {_threads_state(peer.pid)}")
+                    f"{why} after {elapsed:.2f}s; the peer's threads then: {''.join(_thread_states(peer.pid)) or 'none'}")
                 assert STOP_TIMEOUT_S * 0.8 < elapsed < STOP_TIMEOUT_S * 3, f"{elapsed:.1f}s: {why}"
             closed_s = _expect(out, "closed")[2]
             assert closed_s < 5.0, f"teardown took {closed_s:.1f}s"
